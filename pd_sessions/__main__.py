@@ -1,0 +1,5 @@
+import sys
+
+from pd_sessions.cli import main
+
+sys.exit(main())

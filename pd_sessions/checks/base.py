@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+PASS, FAIL = "pass", "fail"
+
+
+@dataclass
+class CheckResult:
+    name: str                 # "smoke", "parity", "kv_transfer", ...
+    verdict: str              # "pass" | "fail"
+    message: str              # one line a person reads first
+    details: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict == PASS
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "verdict": self.verdict, "message": self.message,
+                "seconds": round(self.seconds, 3), "details": self.details}

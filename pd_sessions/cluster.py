@@ -1,0 +1,157 @@
+"""A running P/D cluster as a context manager: start a plan, always tear it down.
+
+    with running_cluster(plan, run_dir) as cluster:
+        cluster.guard(lambda: do_checks(cluster), when="while checks ran")
+
+Start: every instance at once (each in its own session, output to
+``run_dir/<name>.log``), wait until all are ready (alive, /health 200,
+/v1/models lists the model), then the router, ready only when a 1-token
+completion through it succeeds. Teardown (on success, error, SIGINT or SIGTERM
+turned into exceptions by the CLI): router first, then the instances; each
+group SIGTERM -> grace -> SIGKILL -> verified gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+from pd_sessions import http, process
+from pd_sessions.errors import PdError, ReadinessTimeout
+from pd_sessions.plan import ClusterPlan, ProcessSpec
+from pd_sessions.ports import PortAllocator
+from pd_sessions.process import Running
+from pd_sessions.readiness import Target, guarded, health_probe, models_probe, wait_ready
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DEFAULT_DEADLINE_S = 1200.0
+DEFAULT_GRACE_S = 10.0
+ROUTER_PROBE_PROMPT = "Ready"
+
+
+@dataclass
+class Cluster:
+    plan: ClusterPlan
+    run_dir: Path
+    instances: list[Running] = field(default_factory=list)
+    router: Running | None = None
+    # phase name -> seconds; filled as the cluster starts and stops
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def processes(self) -> list[Running]:
+        return self.instances + ([self.router] if self.router else [])
+
+    def instance(self, name: str) -> Running:
+        return next(r for r in self.instances if r.name == name)
+
+    @property
+    def router_url(self) -> str:
+        return self.plan.router.url
+
+    def guard(self, call: Callable[[], T], *, when: str = "while checks ran",
+              timeout: float | None = None) -> T:
+        """Run ``call``; fail at once if any process of the cluster exits meanwhile."""
+        return guarded(call, watch=self.processes, when=when, timeout=timeout)
+
+
+def _spawn(spec: ProcessSpec, run_dir: Path, base_env: Mapping[str, str]) -> Running:
+    env = {**base_env, **spec.env_dict()}
+    return process.spawn(spec.name, spec.argv, env=env, log_path=run_dir / spec.log_name,
+                         url=spec.url)
+
+
+def _router_completion_probe(cluster: Cluster, deadline: float, tick: float) -> None:
+    """Retry a 1-token completion through the router until it answers or the deadline."""
+    plan = cluster.plan
+    last = "no attempt"
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            r = cluster.router
+            assert r is not None
+            raise ReadinessTimeout("router", url=plan.router.url,
+                                   waited_s=time.monotonic() - r.started_at,
+                                   last_probe=f"1-token completion: {last}",
+                                   log_path=r.log_path, log_tail=r.log_tail())
+        try:
+            cluster.guard(lambda: http.completion(plan.router.url, plan.served_model_name,
+                                                  ROUTER_PROBE_PROMPT, max_tokens=1,
+                                                  timeout=min(remaining, 120.0)),
+                          when="while the router was starting")
+            return
+        except http.HttpError as e:
+            last = str(e)
+        time.sleep(tick)
+
+
+@contextmanager
+def running_cluster(plan: ClusterPlan, run_dir: Path, *, ports: PortAllocator | None = None,
+                    deadline_s: float = DEFAULT_DEADLINE_S, grace_s: float = DEFAULT_GRACE_S,
+                    progress: Callable[[str], None] | None = None,
+                    base_env: Mapping[str, str] | None = None, tick: float = 0.1,
+                    timings: dict[str, float] | None = None) -> Iterator[Cluster]:
+    """Start ``plan`` and yield the ready :class:`Cluster`; always tear it down.
+
+    ``ports`` (the allocator that planned the ports) is released right before
+    the processes start, so the ports stay reserved until then. ``timings``, if
+    given, is filled with phase durations even when starting fails.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ if base_env is None else base_env)
+    cluster = Cluster(plan=plan, run_dir=run_dir, timings={} if timings is None else timings)
+    t0 = time.monotonic()
+    deadline = t0 + deadline_s
+    say = progress or (lambda msg: log.info("%s", msg))
+    try:
+        if ports is not None:
+            ports.release()
+        for spec in plan.instances:
+            cluster.instances.append(_spawn(spec, run_dir, env))
+        say(f"{plan.config.name}: started {len(plan.instances)} instances; "
+            f"waiting up to {deadline_s:.0f} s for them (logs in {run_dir})")
+        targets = [Target(r, [health_probe(s.health_url),
+                              models_probe(s.url, plan.served_model_name)])
+                   for r, s in zip(cluster.instances, plan.instances)]
+        wait_ready(targets, deadline=deadline, progress=say, tick=tick)
+        for t in targets:
+            cluster.timings[f"{t.running.name}_ready"] = t.ready_at - t.running.started_at  # type: ignore[operator]
+        cluster.timings["instances_ready"] = time.monotonic() - t0
+        t1 = time.monotonic()
+        cluster.router = _spawn(plan.router, run_dir, env)
+        wait_ready([Target(cluster.router, [health_probe(plan.router.health_url)])],
+                   deadline=deadline, also_alive=cluster.instances, progress=say, tick=tick)
+        _router_completion_probe(cluster, deadline, tick=0.2)
+        cluster.timings["router_ready"] = time.monotonic() - t1
+        say(f"{plan.config.name}: cluster ready after {time.monotonic() - t0:.1f} s "
+            f"(router {plan.router.url})")
+        yield cluster
+    except PdError as e:
+        # Said before teardown, so the failure shows the moment it is detected.
+        say(f"{plan.config.name}: FAILED: {e}")
+        say(f"{plan.config.name}: tearing down {len(cluster.processes)} processes")
+        raise
+    finally:
+        t2 = time.monotonic()
+        errors: list[PdError] = []
+        # Router first, so no request reaches a half-stopped instance.
+        for group in ([cluster.router] if cluster.router else [], cluster.instances):
+            if not group:
+                continue
+            try:
+                rep = process.stop(group, grace_s=grace_s)
+                if rep.killed:
+                    log.warning("needed SIGKILL: %s", ", ".join(rep.killed))
+            except PdError as e:
+                errors.append(e)
+        cluster.timings["teardown"] = time.monotonic() - t2
+        if errors:
+            raise errors[0]

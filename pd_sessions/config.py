@@ -1,0 +1,305 @@
+"""Typed, frozen configs and their loading. Reads no environment, touches no GPU.
+
+A *sweep* file (TOML, see ``pd_sessions/configs/``) holds defaults, per-platform
+overrides and a list of cluster configs::
+
+    name = "mooncake_sweep"
+    [defaults]            # fields of ClusterConfig
+    [platform.cpu]        # overrides applied on the CPU lane
+    [[config]]            # one table per cluster config: name + fields
+
+Every value is validated when a :class:`ClusterConfig` is built; errors name the
+file, the field, the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pd_sessions.errors import ConfigError, did_you_mean
+
+CONNECTORS = ("mooncake", "nixl")
+MOONCAKE_PROTOCOLS = ("rdma", "tcp")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+PLATFORMS = ("cpu", "cuda")
+# The model value that asks for the project's own generated tiny model.
+TINY_MODEL = "tiny-llama"
+MAX_TP = 8
+MAX_INSTANCES = 8
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """One P/D cluster: prefill instances + decode instances + one router."""
+
+    # Short name used in plans, results and `--only` (e.g. "tp1x1").
+    name: str
+    # Hub id or local path of the model, or "tiny-llama" for the generated model.
+    model: str
+    # KV connector: "mooncake" (now) or "nixl".
+    connector: str = "mooncake"
+    # How many prefill and decode vLLM instances to start.
+    num_prefill: int = 1
+    num_decode: int = 1
+    # Tensor-parallel size of each prefill / decode instance.
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    # --gpu-memory-utilization for every instance (ignored on the CPU lane), in (0, 1].
+    gpu_memory_utilization: float = 0.6
+    # --block-size; None = vLLM's default on GPU, 128 on the CPU lane (must be a multiple of 32 there).
+    block_size: int | None = None
+    # --max-model-len; None = the model's own limit.
+    max_model_len: int | None = None
+    # --dtype; None = platform default (auto on GPU, float32 on CPU: bf16 SIGILLs there).
+    dtype: str | None = None
+    # Extra `vllm serve` arguments, one list element per argv element (never a string to split).
+    extra_args: tuple[str, ...] = ()
+    # Extra environment for every vLLM instance, as (name, value) pairs.
+    extra_env: tuple[tuple[str, str], ...] = ()
+    # VLLM_ATTENTION_BACKEND / --attention-backend value; None = vLLM chooses.
+    attention_backend: str | None = None
+    # Mooncake transport: "rdma" or "tcp" (the CPU lane always uses tcp).
+    mooncake_protocol: str = "rdma"
+    # Mooncake RDMA device (HCA) allow-list, e.g. "mlx5_12"; "" = let Mooncake choose.
+    mooncake_device_name: str = ""
+    # Explicit ports; None/() = allocate free ones on the host. Honoured and checked.
+    router_port: int | None = None
+    prefill_ports: tuple[int, ...] = ()
+    decode_ports: tuple[int, ...] = ()
+    # Address every process binds and advertises.
+    host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        validate_cluster(self)
+
+    @property
+    def shape(self) -> str:
+        """Human shape, e.g. 'P1xTP2 + D1xTP2'."""
+        return (f"{self.num_prefill}xP(TP{self.prefill_tp}) + "
+                f"{self.num_decode}xD(TP{self.decode_tp})")
+
+
+@dataclass(frozen=True)
+class SweepEntry:
+    """A cluster config as it sits in a sweep, with its per-platform policy."""
+
+    config: ClusterConfig
+    # Platforms where this config runs by default; elsewhere only with --include-opt-in.
+    default_on: tuple[str, ...] = PLATFORMS
+    # Why it is opt-in where it is (printed in the banner).
+    opt_in_reason: str = ""
+
+
+@dataclass(frozen=True)
+class Sweep:
+    name: str
+    description: str
+    source: str
+    # entries resolved per platform (overrides applied)
+    entries_by_platform: dict[str, tuple[SweepEntry, ...]] = field(hash=False)
+
+    def entries(self, platform: str) -> tuple[SweepEntry, ...]:
+        return self.entries_by_platform[platform]
+
+
+# ---------------------------------------------------------------- validation
+
+def _check_int(cfg_field: str, value: Any, lo: int, hi: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise ConfigError(cfg_field, f"got {value!r}; allowed: an integer from {lo} to {hi}")
+
+
+def _check_choice(cfg_field: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        hint = did_you_mean(str(value), choices)
+        raise ConfigError(cfg_field, f"got {value!r}; allowed: {', '.join(choices)}{hint}")
+
+
+def _check_port(cfg_field: str, value: Any) -> None:
+    _check_int(cfg_field, value, 1024, 65535)
+
+
+def validate_cluster(c: ClusterConfig) -> None:
+    """Raise ConfigError naming the first bad field of ``c``."""
+    if not c.name or not all(ch.isalnum() or ch in "-_." for ch in c.name):
+        raise ConfigError("name", f"got {c.name!r}; allowed: letters, digits, '-', '_', '.'")
+    if not isinstance(c.model, str) or not c.model:
+        raise ConfigError("model", f"got {c.model!r}; allowed: a hub id, a local path or {TINY_MODEL!r}")
+    _check_choice("connector", c.connector, CONNECTORS)
+    _check_int("num_prefill", c.num_prefill, 1, MAX_INSTANCES)
+    _check_int("num_decode", c.num_decode, 1, MAX_INSTANCES)
+    _check_int("prefill_tp", c.prefill_tp, 1, MAX_TP)
+    _check_int("decode_tp", c.decode_tp, 1, MAX_TP)
+    u = c.gpu_memory_utilization
+    if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
+        raise ConfigError("gpu_memory_utilization", f"got {u!r}; allowed: a number in (0, 1]")
+    if c.block_size is not None:
+        _check_int("block_size", c.block_size, 1, 4096)
+    if c.max_model_len is not None:
+        _check_int("max_model_len", c.max_model_len, 16, 10_000_000)
+    if c.dtype is not None:
+        _check_choice("dtype", c.dtype, DTYPES)
+    if not isinstance(c.extra_args, tuple) or not all(isinstance(a, str) for a in c.extra_args):
+        raise ConfigError("extra_args", f"got {c.extra_args!r}; allowed: a list of strings, "
+                          "one per argument (e.g. [\"--enforce-eager\"])")
+    if not isinstance(c.extra_env, tuple) or not all(
+            isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, str) for x in p)
+            for p in c.extra_env):
+        raise ConfigError("extra_env", f"got {c.extra_env!r}; allowed: a table of string values")
+    _check_choice("mooncake_protocol", c.mooncake_protocol, MOONCAKE_PROTOCOLS)
+    if not isinstance(c.mooncake_device_name, str):
+        raise ConfigError("mooncake_device_name", f"got {c.mooncake_device_name!r}; allowed: a string")
+    if c.router_port is not None:
+        _check_port("router_port", c.router_port)
+    for name, ports, count in (("prefill_ports", c.prefill_ports, c.num_prefill),
+                               ("decode_ports", c.decode_ports, c.num_decode)):
+        if ports:
+            if len(ports) != count:
+                raise ConfigError(name, f"got {len(ports)} ports {list(ports)}; allowed: none "
+                                  f"(allocate) or exactly {count} (one per instance)")
+            for p in ports:
+                _check_port(name, p)
+    explicit = [p for p in (c.router_port, *c.prefill_ports, *c.decode_ports) if p is not None]
+    dupes = sorted({p for p in explicit if explicit.count(p) > 1})
+    if dupes:
+        raise ConfigError("ports", f"port(s) {dupes} used more than once; every port must be unique")
+    if c.host != "127.0.0.1" and not c.host:
+        raise ConfigError("host", "must not be empty")
+
+
+# ---------------------------------------------------------------- loading
+
+_FIELDS = {f.name: f for f in dataclasses.fields(ClusterConfig)}
+_TUPLE_FIELDS = {"extra_args", "prefill_ports", "decode_ports"}
+_ENTRY_KEYS = {"default_on", "opt_in_reason"}
+
+
+def _coerce(raw: dict[str, Any], *, where: str) -> dict[str, Any]:
+    """Turn TOML values into ClusterConfig field values; unknown keys are errors."""
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in _FIELDS:
+            raise ConfigError(key, f"unknown field{did_you_mean(key, _FIELDS)}; "
+                              f"allowed: {', '.join(sorted(_FIELDS))}", source=where)
+        if key in _TUPLE_FIELDS:
+            if not isinstance(value, list):
+                raise ConfigError(key, f"got {value!r}; allowed: a list", source=where)
+            value = tuple(value)
+        elif key == "extra_env":
+            if not isinstance(value, dict):
+                raise ConfigError(key, f"got {value!r}; allowed: a table NAME = \"value\"",
+                                  source=where)
+            value = tuple((str(k), v if isinstance(v, str) else repr(v)) for k, v in value.items())
+        out[key] = value
+    return out
+
+
+def make_cluster(fields: dict[str, Any], *, where: str) -> ClusterConfig:
+    """Build a ClusterConfig, re-raising validation errors with ``where`` attached."""
+    try:
+        return ClusterConfig(**fields)
+    except ConfigError as e:
+        raise ConfigError(e.field, str(e).split(": ", 1)[1], source=where) from None
+    except TypeError as e:  # a required field is missing
+        raise ConfigError("config", f"{e}", source=where) from None
+
+
+def load_sweep(path: Path) -> Sweep:
+    """Load a sweep file; every error names the file and the field."""
+    where = str(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError("path", "sweep file not found", source=where) from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError("toml", str(e), source=where) from None
+    for key in data:
+        if key not in ("name", "description", "defaults", "platform", "config"):
+            raise ConfigError(key, "unknown top-level key"
+                              f"{did_you_mean(key, ['name', 'description', 'defaults', 'platform', 'config'])}",
+                              source=where)
+    name = data.get("name")
+    if not isinstance(name, str) or not name:
+        raise ConfigError("name", "a sweep needs a name", source=where)
+    defaults = _coerce(data.get("defaults", {}), where=f"{where} [defaults]")
+    overrides = data.get("platform", {})
+    for plat in overrides:
+        _check_choice_src("platform", plat, PLATFORMS, where)
+    raw_configs = data.get("config", [])
+    if not raw_configs:
+        raise ConfigError("config", "a sweep needs at least one [[config]] table", source=where)
+    by_platform: dict[str, tuple[SweepEntry, ...]] = {}
+    for plat in PLATFORMS:
+        plat_over = _coerce(overrides.get(plat, {}), where=f"{where} [platform.{plat}]")
+        entries = []
+        seen: set[str] = set()
+        for i, raw in enumerate(raw_configs):
+            loc = f"{where} [[config]] #{i + 1}"
+            raw = dict(raw)
+            default_on = tuple(raw.pop("default_on", PLATFORMS))
+            for p in default_on:
+                _check_choice_src("default_on", p, PLATFORMS, loc)
+            reason = raw.pop("opt_in_reason", "")
+            fields = {**defaults, **_coerce(raw, where=loc), **plat_over}
+            cfg = make_cluster(fields, where=loc)
+            if cfg.name in seen:
+                raise ConfigError("name", f"config name {cfg.name!r} appears twice", source=loc)
+            seen.add(cfg.name)
+            if plat not in default_on and not reason:
+                raise ConfigError("opt_in_reason", f"config {cfg.name!r} is opt-in on {plat}: "
+                                  "say why in opt_in_reason", source=loc)
+            entries.append(SweepEntry(cfg, default_on, reason))
+        by_platform[plat] = tuple(entries)
+    return Sweep(name=name, description=data.get("description", ""), source=where,
+                 entries_by_platform=by_platform)
+
+
+def _check_choice_src(cfg_field: str, value: Any, choices: tuple[str, ...], where: str) -> None:
+    try:
+        _check_choice(cfg_field, value, choices)
+    except ConfigError as e:
+        raise ConfigError(e.field, str(e).split(": ", 1)[1], source=where) from None
+
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+def builtin_sweep(name: str) -> Sweep:
+    """Load ``pd_sessions/configs/<name>.toml``."""
+    path = CONFIG_DIR / f"{name}.toml"
+    if not path.exists():
+        known = sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
+        raise ConfigError("sweep", f"no sweep named {name!r}{did_you_mean(name, known)}; "
+                          f"known: {', '.join(known)}")
+    return load_sweep(path)
+
+
+def select(entries: tuple[SweepEntry, ...], platform: str, *, only: tuple[str, ...] = (),
+           include_opt_in: bool = False) -> tuple[tuple[SweepEntry, ...], tuple[SweepEntry, ...]]:
+    """Choose which entries run. Returns (selected, left_out).
+
+    Decision table:
+        --only names the entry          -> runs (opt-in or not)
+        --only given, entry not named   -> left out
+        entry default on this platform  -> runs
+        entry opt-in here, flag given   -> runs
+        entry opt-in here, no flag      -> left out (reason printed by the caller)
+    """
+    names = [e.config.name for e in entries]
+    for o in only:
+        if o not in names:
+            raise ConfigError("--only", f"no config named {o!r}{did_you_mean(o, names)}; "
+                              f"known: {', '.join(names)}")
+    selected, left = [], []
+    for e in entries:
+        if only:
+            (selected if e.config.name in only else left).append(e)
+        elif platform in e.default_on or include_opt_in:
+            selected.append(e)
+        else:
+            left.append(e)
+    return tuple(selected), tuple(left)

@@ -1,0 +1,308 @@
+"""Pure planner: config + host inventory + ports -> one spec per process.
+
+Nothing here starts a process, binds a port or reads the environment: the
+inventory and a :class:`~pd_sessions.ports.PortSource` are passed in.
+
+Rules (each enforced below, each unit-tested):
+- GPUs (cuda): prefill instances take the first visible GPUs, decode instances
+  the next ones; no two instances share a GPU; too few GPUs is a PlanError
+  before anything starts ("needs 4 GPUs, 2 visible: 0,1").
+- CPU lane: --dtype float32 (bf16 dies with SIGILL on AMX-less VMs), block size
+  a multiple of 32 (default 128), one core list per TP rank in
+  VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_KVCACHE_SPACE, Mooncake over tcp.
+- Every process advertises and binds ``config.host`` (VLLM_HOST_IP too).
+- Ports: HTTP, bootstrap and internal (VLLM_PORT block) ports come from the
+  PortSource; explicit ports in a config are claimed; all are unique in the plan.
+- kv-transfer-config JSON is built from data: producer for prefill, consumer for decode.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass, field
+
+from pd_sessions.config import TINY_MODEL, ClusterConfig
+from pd_sessions.errors import PlanError
+from pd_sessions.hosts import Inventory
+from pd_sessions.ports import PortSource
+
+# Consecutive ports each vLLM instance may scan upward into from VLLM_PORT
+# (engine-core handshake, ZMQ sockets, torch.distributed for TP ranks).
+INTERNAL_PORT_BLOCK = 16
+CPU_KVCACHE_GIB = 1
+CPU_DEFAULT_BLOCK_SIZE = 128
+CPU_BLOCK_MULTIPLE = 32
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+ROUTER_MODULE = "vllm_router.launch_router"
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """Everything needed to start and probe one process."""
+
+    name: str                      # "prefill-0", "decode-1", "router"
+    role: str                      # "prefill" | "decode" | "router"
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]   # added to the inherited environment
+    host: str
+    port: int                      # HTTP port
+    log_name: str
+    gpus: tuple[str, ...] = ()
+    cpu_bind: str | None = None    # VLLM_CPU_OMP_THREADS_BIND value on the CPU lane
+    bootstrap_port: int | None = None
+    internal_ports: tuple[int, int] | None = None  # [first, last] of the VLLM_PORT block
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def health_url(self) -> str:
+        return f"{self.url}/health"
+
+    def env_dict(self) -> dict[str, str]:
+        return dict(self.env)
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    config: ClusterConfig
+    platform: str
+    model: str                     # what --model gets (path or hub id)
+    served_model_name: str         # what requests name
+    prefill: tuple[ProcessSpec, ...]
+    decode: tuple[ProcessSpec, ...]
+    router: ProcessSpec
+    warnings: tuple[str, ...] = ()
+    ports: tuple[tuple[str, int], ...] = field(default=())
+
+    @property
+    def instances(self) -> tuple[ProcessSpec, ...]:
+        return self.prefill + self.decode
+
+    @property
+    def processes(self) -> tuple[ProcessSpec, ...]:
+        return self.instances + (self.router,)
+
+    def render(self) -> str:
+        """Human-readable plan for --dry-run and logs."""
+        c = self.config
+        lines = [f"plan {c.name}: {c.shape}, connector {c.connector}, platform {self.platform}",
+                 f"  model: {self.model} (served as {self.served_model_name})"]
+        for w in self.warnings:
+            lines.append(f"  WARNING: {w}")
+        for p in self.processes:
+            place = (f"GPUs {','.join(p.gpus)}" if p.gpus else
+                     f"cores {p.cpu_bind}" if p.cpu_bind else "no device")
+            extra = f", bootstrap port {p.bootstrap_port}" if p.bootstrap_port else ""
+            if p.internal_ports:
+                extra += f", internal ports {p.internal_ports[0]}-{p.internal_ports[1]}"
+            lines.append(f"  {p.name}: {p.url} ({place}{extra})")
+            for k, v in p.env:
+                lines.append(f"      env {k}={v}")
+            lines.append(f"      argv {shlex.join(p.argv)}")
+        named = [(label, port) for label, port in self.ports if "+" not in label]
+        lines.append(f"  ports: all {len(self.ports)} distinct; "
+                     + ", ".join(f"{label}={port}" for label, port in named))
+        return "\n".join(lines)
+
+
+class _Ports:
+    """Wraps a PortSource and enforces uniqueness within one plan."""
+
+    def __init__(self, source: PortSource):
+        self.source = source
+        self.taken: list[tuple[str, int]] = []
+
+    def _record(self, label: str, port: int) -> int:
+        for other, p in self.taken:
+            if p == port:
+                raise PlanError(label, f"port {port} is already used by {other} in this plan")
+        self.taken.append((label, port))
+        return port
+
+    def get(self, label: str, explicit: int | None = None) -> int:
+        if explicit is not None:
+            return self._record(label, self.source.claim(label, explicit))
+        return self._record(label, self.source.take(label))
+
+    def block(self, label: str, size: int) -> int:
+        base = self.source.take_block(label, size)
+        for i in range(size):
+            self._record(f"{label}+{i}" if i else label, base + i)
+        return base
+
+
+def served_name(config: ClusterConfig) -> str:
+    return config.model
+
+
+def kv_transfer_config(config: ClusterConfig, role: str, platform: str) -> dict[str, object]:
+    """The --kv-transfer-config value for an instance of ``role``."""
+    kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
+    if config.connector == "mooncake":
+        protocol = "tcp" if platform == "cpu" else config.mooncake_protocol
+        return {"kv_connector": "MooncakeConnector", "kv_role": kv_role,
+                "kv_connector_extra_config": {"mooncake_protocol": protocol,
+                                              "device_name": config.mooncake_device_name}}
+    if config.connector == "nixl":
+        return {"kv_connector": "NixlConnector", "kv_role": kv_role,
+                "kv_buffer_device": "cpu" if platform == "cpu" else "cuda"}
+    raise PlanError("connector", f"no planner rule for connector {config.connector!r}")
+
+
+def place_gpus(config: ClusterConfig, inv: Inventory) -> tuple[list[tuple[str, ...]], list[tuple[str, ...]]]:
+    """Disjoint GPU sets: prefill instances first, then decode instances.
+
+    Raises PlanError when the host has too few visible GPUs.
+    """
+    need = config.num_prefill * config.prefill_tp + config.num_decode * config.decode_tp
+    if need > len(inv.gpus):
+        seen = ",".join(inv.gpus) if inv.gpus else "none"
+        raise PlanError("gpus", f"config {config.name} needs {need} GPUs "
+                        f"({config.shape}), {len(inv.gpus)} visible: {seen} "
+                        f"(from {inv.gpu_source})")
+    it = iter(inv.gpus)
+    prefill = [tuple(next(it) for _ in range(config.prefill_tp)) for _ in range(config.num_prefill)]
+    decode = [tuple(next(it) for _ in range(config.decode_tp)) for _ in range(config.num_decode)]
+    return prefill, decode
+
+
+def place_cpus(config: ClusterConfig, inv: Inventory) -> tuple[list[str], list[str], list[str]]:
+    """One VLLM_CPU_OMP_THREADS_BIND value per instance ('0|1' = rank 0 on core 0, rank 1 on 1).
+
+    Ranks get disjoint, equal core lists when there are at least as many cores as
+    ranks; otherwise ranks share cores round-robin and a warning says so.
+    Returns (prefill binds, decode binds, warnings).
+    """
+    ranks = [config.prefill_tp] * config.num_prefill + [config.decode_tp] * config.num_decode
+    total = sum(ranks)
+    cores = list(inv.cpus) or [0]
+    warnings: list[str] = []
+    if total <= len(cores):
+        per = len(cores) // total
+        lists = [cores[i * per:(i + 1) * per] for i in range(total)]
+    else:
+        lists = [[cores[i % len(cores)]] for i in range(total)]
+        warnings.append(f"{total} TP ranks share {len(cores)} CPU cores "
+                        f"({','.join(map(str, cores))}): expect slow, contended runs")
+    binds, i = [], 0
+    for n in ranks:
+        binds.append("|".join(_core_list(lists[i + r]) for r in range(n)))
+        i += n
+    return binds[:config.num_prefill], binds[config.num_prefill:], warnings
+
+
+def _core_list(cores: list[int]) -> str:
+    return ",".join(str(c) for c in cores)
+
+
+def _cpu_dtype_and_block(config: ClusterConfig) -> tuple[str, int]:
+    if config.dtype not in (None, "auto", "float32"):
+        raise PlanError("dtype", f"got {config.dtype!r} on the CPU lane; allowed: float32 "
+                        "(bfloat16 kills the worker with SIGILL in the AMX attention kernel "
+                        "on VMs without AMX tile state)")
+    block = CPU_DEFAULT_BLOCK_SIZE if config.block_size is None else config.block_size
+    if block % CPU_BLOCK_MULTIPLE:
+        raise PlanError("block_size", f"got {block} on the CPU lane; allowed: a multiple of "
+                        f"{CPU_BLOCK_MULTIPLE} (CPU attention rejects others), e.g. 128")
+    return "float32", block
+
+
+def plan_cluster(config: ClusterConfig, inv: Inventory, ports: PortSource, *, platform: str,
+                 python: str, model: str | None = None) -> ClusterPlan:
+    """Plan every process of ``config``. ``model`` overrides what --model gets
+    (e.g. the path of the generated tiny model); requests use ``config.model``."""
+    if platform not in ("cpu", "cuda"):
+        raise PlanError("platform", f"got {platform!r}; allowed: cpu, cuda")
+    if config.model == TINY_MODEL and model is None:
+        raise PlanError("model", f"{TINY_MODEL!r} needs the generated model's path")
+    model_arg = model or config.model
+    warnings: list[str] = []
+    p = _Ports(ports)
+    host = config.host
+
+    if platform == "cuda":
+        p_gpus, d_gpus = place_gpus(config, inv)
+        p_binds: list[str | None] = [None] * config.num_prefill
+        d_binds: list[str | None] = [None] * config.num_decode
+        dtype, block = config.dtype, config.block_size
+    else:
+        p_gpus = [()] * config.num_prefill
+        d_gpus = [()] * config.num_decode
+        pb, db, w = place_cpus(config, inv)
+        p_binds, d_binds = list(pb), list(db)
+        warnings += w
+        dtype, block = _cpu_dtype_and_block(config)
+        if config.connector == "mooncake" and config.mooncake_protocol != "tcp":
+            warnings.append(f"mooncake_protocol {config.mooncake_protocol!r} replaced by 'tcp' "
+                            "on the CPU lane (no RDMA device)")
+
+    def instance(role: str, i: int, tp: int, gpus: tuple[str, ...], bind: str | None,
+                 explicit_port: int | None) -> ProcessSpec:
+        name = f"{role}-{i}"
+        port = p.get(f"{name}.http", explicit_port)
+        internal = p.block(f"{name}.internal", INTERNAL_PORT_BLOCK)
+        env: dict[str, str] = {"VLLM_HOST_IP": host, "VLLM_PORT": str(internal),
+                               "PYTHONUNBUFFERED": "1"}
+        bootstrap = None
+        if config.connector == "mooncake":
+            # Only prefill instances serve bootstrap; every instance gets its own port so
+            # none falls back to the fixed default (8998).
+            bootstrap = p.get(f"{name}.mooncake_bootstrap")
+            env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(bootstrap)
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        if platform == "cpu":
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(CPU_KVCACHE_GIB)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = bind or "auto"
+        env.update(dict(config.extra_env))
+        argv = [python, "-m", API_SERVER_MODULE,
+                "--model", model_arg, "--served-model-name", served_name(config),
+                "--host", host, "--port", str(port),
+                "--tensor-parallel-size", str(tp),
+                "--kv-transfer-config", json.dumps(kv_transfer_config(config, role, platform),
+                                                   sort_keys=True, separators=(",", ":"))]
+        if platform == "cuda":
+            argv += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
+        if dtype not in (None, "auto"):
+            argv += ["--dtype", dtype]
+        if block is not None:
+            argv += ["--block-size", str(block)]
+        if config.max_model_len is not None:
+            argv += ["--max-model-len", str(config.max_model_len)]
+        if config.attention_backend:
+            argv += ["--attention-backend", config.attention_backend]
+        argv += list(config.extra_args)
+        return ProcessSpec(name=name, role=role, argv=tuple(argv), env=tuple(env.items()),
+                           host=host, port=port, log_name=f"{name}.log", gpus=gpus,
+                           cpu_bind=bind, bootstrap_port=bootstrap if role == "prefill" else None,
+                           internal_ports=(internal, internal + INTERNAL_PORT_BLOCK - 1))
+
+    prefill = tuple(instance("prefill", i, config.prefill_tp, p_gpus[i], p_binds[i],
+                             config.prefill_ports[i] if config.prefill_ports else None)
+                    for i in range(config.num_prefill))
+    decode = tuple(instance("decode", i, config.decode_tp, d_gpus[i], d_binds[i],
+                            config.decode_ports[i] if config.decode_ports else None)
+                   for i in range(config.num_decode))
+
+    router_port = p.get("router.http", config.router_port)
+    metrics_port = p.get("router.prometheus")
+    rargv = [python, "-m", ROUTER_MODULE, "--vllm-pd-disaggregation"]
+    for s in prefill:
+        rargv += ["--prefill", s.url] + ([str(s.bootstrap_port)] if s.bootstrap_port else [])
+    for s in decode:
+        rargv += ["--decode", s.url]
+    rargv += ["--kv-connector", config.connector, "--host", host, "--port", str(router_port),
+              "--policy", "round_robin", "--prometheus-host", host,
+              "--prometheus-port", str(metrics_port),
+              # instances are already ready when the router starts: check at once
+              "--worker-startup-check-interval", "1",
+              # a failed P/D hop must surface, not be retried into a pass
+              "--disable-retries"]
+    router = ProcessSpec(name="router", role="router", argv=tuple(rargv), env=(),
+                         host=host, port=router_port, log_name="router.log")
+    return ClusterPlan(config=config, platform=platform, model=model_arg,
+                       served_model_name=served_name(config), prefill=prefill, decode=decode,
+                       router=router, warnings=tuple(warnings), ports=tuple(p.taken))

@@ -1,0 +1,85 @@
+"""Results: one record per config, rendered as a table and JSON files."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pd_sessions.checks.base import CheckResult
+
+PASSED, FAILED, ERROR = "passed", "failed", "error"
+PHASES = ("plan", "start", "router", "checks", "teardown")
+
+
+@dataclass
+class ConfigResult:
+    name: str
+    shape: str
+    connector: str
+    platform: str
+    outcome: str = ERROR            # passed | failed | error
+    phases: dict[str, float] = field(default_factory=dict)   # PHASES -> seconds
+    checks: list[CheckResult] = field(default_factory=list)
+    error: str | None = None        # what stopped the config, if anything did
+    run_dir: str = ""
+    warnings: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)  # per-process readiness etc.
+
+    def decide(self, expected_checks: Sequence[str]) -> None:
+        """passed only if no error and every expected check ran and passed."""
+        ran = {c.name for c in self.checks}
+        missing = [n for n in expected_checks if n not in ran]
+        if self.error is None and missing:
+            self.error = f"checks did not run: {', '.join(missing)}"
+        if self.error is not None:
+            self.outcome = ERROR
+        elif all(c.passed for c in self.checks):
+            self.outcome = PASSED
+        else:
+            self.outcome = FAILED
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(self.phases.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": self.shape, "connector": self.connector,
+                "platform": self.platform, "outcome": self.outcome, "error": self.error,
+                "phases": {k: round(v, 3) for k, v in self.phases.items()},
+                "total_seconds": round(self.total_seconds, 3),
+                "timings": {k: round(v, 3) for k, v in self.timings.items()},
+                "checks": [c.to_dict() for c in self.checks], "warnings": self.warnings,
+                "run_dir": self.run_dir}
+
+
+def table(results: Sequence[ConfigResult]) -> str:
+    """Fixed-width summary: config, outcome, checks, seconds per phase."""
+    head = ["config", "outcome", "checks", *PHASES, "total"]
+    rows = [head]
+    for r in results:
+        checks = " ".join(f"{c.name}:{c.verdict}" for c in r.checks) or "-"
+        rows.append([r.name, r.outcome.upper(), checks,
+                     *(f"{r.phases[p]:.1f}" if p in r.phases else "-" for p in PHASES),
+                     f"{r.total_seconds:.1f}"])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def write_config_result(r: ConfigResult, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(r.to_dict(), indent=2) + "\n")
+
+
+def write_summary(results: Sequence[ConfigResult], results_dir: Path, meta: dict[str, Any]) -> Path:
+    results_dir.mkdir(parents=True, exist_ok=True)
+    path = results_dir / "summary.json"
+    doc = {**meta, "passed": all(r.outcome == PASSED for r in results) and bool(results),
+           "configs": [r.to_dict() for r in results]}
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    (results_dir / "summary.txt").write_text(table(results) + "\n")
+    return path

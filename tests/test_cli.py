@@ -1,0 +1,55 @@
+"""The CLI as a user runs it (subprocess); nothing here starts vLLM."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from pd_sessions.hosts import detect
+
+
+def cli(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "pd_sessions", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_dry_run_prints_both_plans_and_launches_nothing():
+    r = cli("sweep", "mooncake_sweep", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "plan 1x1" in out and "plan 2x2" in out
+    assert out.count("vllm.entrypoints.openai.api_server") == 4 and out.count("vllm_router.launch_router") == 2
+    assert "nothing was launched" in out and "--kv-connector mooncake" in out
+
+
+def test_dry_run_only():
+    r = cli("sweep", "mooncake_sweep", "--dry-run", "--only", "1x1")
+    assert r.returncode == 0 and "plan 1x1" in r.stdout and "plan 2x2" not in r.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("sweep", "mooncake_sweep", "--bogus"), "unrecognized arguments: --bogus"),
+    (("sweep", "mooncake_sweep", "--only", "3x3"), "--only: no config named '3x3'"),
+    (("sweep", "mooncake_swep"), 'did you mean "mooncake_sweep"'),
+    (("sweep", "mooncake_sweep", "--platform", "tpu"), "invalid choice: 'tpu'"),
+])
+def test_bad_arguments_exit_2_naming_the_field(args, needle):
+    r = cli(*args)
+    assert r.returncode == 2
+    assert needle in r.stderr
+
+
+@pytest.mark.skipif(bool(detect().gpus), reason="this host has GPUs")
+def test_cuda_without_gpus_is_refused():
+    r = cli("sweep", "mooncake_sweep", "--platform", "cuda", "--dry-run")
+    assert r.returncode == 2 and "no GPU is visible" in r.stderr
+
+
+def test_bad_config_file_exit_2(tmp_path):
+    p = tmp_path / "bad.toml"
+    p.write_text('name="bad"\n[defaults]\nmodel="m"\n[[config]]\nname="x"\nprefill_tp=0\n')
+    r = cli("sweep", str(p), "--dry-run")
+    assert r.returncode == 2 and "prefill_tp: got 0" in r.stderr and str(p) in r.stderr

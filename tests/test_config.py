@@ -1,0 +1,115 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pd_sessions.config import ClusterConfig, builtin_sweep, load_sweep, select
+from pd_sessions.errors import ConfigError
+
+
+def cfg(**kw) -> ClusterConfig:
+    return ClusterConfig(**{"name": "c", "model": "m", **kw})
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("prefill_tp", 0, "prefill_tp: got 0; allowed: an integer from 1 to 8"),
+    ("decode_tp", 9, "decode_tp: got 9; allowed: an integer from 1 to 8"),
+    ("gpu_memory_utilization", 1.5, "gpu_memory_utilization: got 1.5; allowed: a number in (0, 1]"),
+    ("gpu_memory_utilization", 0, "gpu_memory_utilization: got 0"),
+    ("connector", "mooncak", 'connector: got \'mooncak\'; allowed: mooncake, nixl (did you mean "mooncake"?)'),
+    ("mooncake_protocol", "udp", "mooncake_protocol: got 'udp'; allowed: rdma, tcp"),
+    ("num_decode", True, "num_decode: got True"),
+    ("router_port", 80, "router_port: got 80; allowed: an integer from 1024 to 65535"),
+    ("prefill_ports", (9000, 9001), "prefill_ports: got 2 ports [9000, 9001]; allowed: none (allocate) or exactly 1"),
+    ("dtype", "fp8", "dtype: got 'fp8'"),
+    ("name", "a b", "name: got 'a b'"),
+    ("extra_args", "--enforce-eager", "extra_args: got '--enforce-eager'; allowed: a list of strings"),
+])
+def test_validation_names_field_value_and_range(field, value, needle):
+    with pytest.raises(ConfigError) as e:
+        cfg(**{field: value})
+    assert needle in str(e.value)
+    assert e.value.field == field
+    assert e.value.exit_status == 2
+
+
+def test_duplicate_explicit_ports_rejected():
+    with pytest.raises(ConfigError, match=r"port\(s\) \[9000\] used more than once"):
+        cfg(router_port=9000, decode_ports=(9000,))
+
+
+def test_config_is_frozen():
+    c = cfg()
+    with pytest.raises(AttributeError):
+        c.prefill_tp = 2  # type: ignore[misc]
+
+
+def test_builtin_mooncake_sweep_is_data():
+    sweep = builtin_sweep("mooncake_sweep")
+    cuda = {e.config.name: e.config for e in sweep.entries("cuda")}
+    assert set(cuda) == {"1x1", "2x2"}
+    assert cuda["2x2"].prefill_tp == cuda["2x2"].decode_tp == 2
+    assert all(c.gpu_memory_utilization == 0.6 for c in cuda.values())
+    assert all(c.model == "Qwen/Qwen3-0.6B" and c.connector == "mooncake" for c in cuda.values())
+    cpu = {e.config.name: e for e in sweep.entries("cpu")}
+    assert all(e.config.model == "tiny-llama" for e in cpu.values())
+    assert "cpu" not in cpu["2x2"].default_on and cpu["2x2"].opt_in_reason
+
+
+def test_unknown_sweep_suggests():
+    with pytest.raises(ConfigError, match='did you mean "mooncake_sweep"'):
+        builtin_sweep("mooncake_swep")
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "s.toml"
+    p.write_text(text)
+    return p
+
+
+def test_loader_names_file_and_unknown_field(tmp_path):
+    p = write(tmp_path, 'name="s"\n[defaults]\nmodel="m"\n[[config]]\nname="a"\nprefil_tp=2\n')
+    with pytest.raises(ConfigError) as e:
+        load_sweep(p)
+    msg = str(e.value)
+    assert str(p) in msg and "[[config]] #1" in msg
+    assert "prefil_tp: unknown field" in msg and 'did you mean "prefill_tp"' in msg
+
+
+def test_loader_bad_value_names_file_and_config(tmp_path):
+    p = write(tmp_path, 'name="s"\n[defaults]\nmodel="m"\n[[config]]\nname="a"\n[[config]]\nname="b"\ndecode_tp=0\n')
+    with pytest.raises(ConfigError, match=r"s\.toml \[\[config\]\] #2: decode_tp: got 0"):
+        load_sweep(p)
+
+
+def test_loader_requires_reason_for_opt_in(tmp_path):
+    p = write(tmp_path, 'name="s"\n[defaults]\nmodel="m"\n[[config]]\nname="a"\ndefault_on=["cuda"]\n')
+    with pytest.raises(ConfigError, match="opt_in_reason"):
+        load_sweep(p)
+
+
+def test_loader_platform_override_and_lists(tmp_path):
+    p = write(tmp_path, 'name="s"\n[defaults]\nmodel="m"\nextra_args=["--enforce-eager"]\n'
+                        '[defaults.extra_env]\nA="1"\n[platform.cpu]\nmodel="tiny-llama"\n'
+                        '[[config]]\nname="a"\n')
+    s = load_sweep(p)
+    assert s.entries("cuda")[0].config.model == "m"
+    assert s.entries("cpu")[0].config.model == "tiny-llama"
+    assert s.entries("cpu")[0].config.extra_args == ("--enforce-eager",)
+    assert s.entries("cpu")[0].config.extra_env == (("A", "1"),)
+
+
+def test_select_decision_table():
+    s = builtin_sweep("mooncake_sweep")
+    names = lambda es: [e.config.name for e in es]  # noqa: E731
+    sel, left = select(s.entries("cpu"), "cpu")
+    assert names(sel) == ["1x1"] and names(left) == ["2x2"]
+    sel, left = select(s.entries("cpu"), "cpu", include_opt_in=True)
+    assert names(sel) == ["1x1", "2x2"] and not left
+    sel, left = select(s.entries("cuda"), "cuda")
+    assert names(sel) == ["1x1", "2x2"]
+    sel, left = select(s.entries("cpu"), "cpu", only=("2x2",))
+    assert names(sel) == ["2x2"] and names(left) == ["1x1"]
+    with pytest.raises(ConfigError, match="no config named '3x3'"):
+        select(s.entries("cpu"), "cpu", only=("3x3",))

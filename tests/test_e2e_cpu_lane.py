@@ -1,0 +1,139 @@
+"""End to end on the CPU lane: real vLLM (CPU build), real Mooncake over TCP, real
+vllm-router, the project's generated tiny model. Run by `nox -s tests` (and CI).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import ROOT, heavy
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _full_env():
+    heavy("vllm")
+    heavy("mooncake.engine")
+
+
+def plan_ports(run_dir: Path) -> dict[str, int]:
+    """name -> HTTP port, read from the plan the harness wrote before launching."""
+    text = (run_dir / "plan.txt").read_text()
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^  (\S+): http://127\.0\.0\.1:(\d+)", text, re.M)}
+
+
+def processes_using(ports: dict[str, int]) -> list[str]:
+    """Processes still serving or started for any of ``ports`` (by argv or a listening socket)."""
+    wanted = {str(p) for p in ports.values()}
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        argv = p.info["cmdline"] or []
+        for i, a in enumerate(argv[:-1]):
+            if a == "--port" and argv[i + 1] in wanted:
+                found.append(f"pid {p.pid}: {' '.join(argv)[:120]}")
+    for c in psutil.net_connections(kind="inet"):
+        if c.status == psutil.CONN_LISTEN and c.laddr and str(c.laddr.port) in wanted:
+            found.append(f"pid {c.pid} listens on {c.laddr.port}")
+    return found
+
+
+class Cli:
+    """The CLI in a subprocess, with each output line timestamped as it arrives."""
+
+    def __init__(self, *args: str):
+        self.lines: list[tuple[float, str]] = []
+        self.proc = subprocess.Popen([sys.executable, "-m", "pd_sessions", *args], cwd=ROOT,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+            print(line, end="", flush=True)
+
+    def wait(self, timeout: float) -> int:
+        rc = self.proc.wait(timeout=timeout)
+        self._reader.join(10)
+        return rc
+
+    @property
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+
+def test_mooncake_sweep_1x1_passes_all_checks_and_leaves_nothing(tmp_path):
+    cli = Cli("sweep", "mooncake_sweep", "--only", "1x1", "--results-dir", str(tmp_path))
+    rc = cli.wait(timeout=1100)
+    assert rc == 0, cli.text[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["passed"] is True and summary["platform"] == "cpu"
+    (cfg,) = summary["configs"]
+    checks = {c["name"]: c for c in cfg["checks"]}
+    assert [checks[n]["verdict"] for n in ("smoke", "parity", "kv_transfer")] == ["pass"] * 3
+    kv = checks["kv_transfer"]["details"]
+    assert kv["delta"] >= kv["router_prompt_tokens"] - kv["router_requests"] > 0
+    assert kv["control"]["before"] == kv["control"]["after"]
+    assert all(p["same"] for p in checks["parity"]["details"]["prompts"])
+    for phase in ("plan", "start", "router", "checks", "teardown"):
+        assert phase in cfg["phases"]
+    run_dir = tmp_path / "1x1"
+    for log in ("prefill-0.log", "decode-0.log", "router.log", "result.json", "plan.txt"):
+        assert (run_dir / log).exists()
+    assert "CPU LANE" in cli.text and "left out: 2x2 (1xP(TP2) + 1xD(TP2)): not named by --only" in cli.text
+    assert processes_using(plan_ports(run_dir)) == []
+
+
+def _find(argv_port: int, timeout: float) -> psutil.Process:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for p in psutil.process_iter(["cmdline"]):
+            argv = p.info["cmdline"] or []
+            if "--port" in argv and argv[argv.index("--port") + 1] == str(argv_port) \
+                    and "vllm.entrypoints.openai.api_server" in argv:
+                return p
+        time.sleep(0.05)
+    raise AssertionError(f"no instance with --port {argv_port} appeared")
+
+
+def test_decode_killed_while_starting_fails_within_2s(tmp_path):
+    cli = Cli("sweep", "mooncake_sweep", "--only", "1x1", "--results-dir", str(tmp_path))
+    run_dir = tmp_path / "1x1"
+    end = time.monotonic() + 120
+    while not (run_dir / "plan.txt").exists():
+        assert time.monotonic() < end and cli.proc.poll() is None, cli.text
+        time.sleep(0.05)
+    ports = plan_ports(run_dir)
+    decode = _find(ports["decode-0"], timeout=60)
+    # Kill the API server once it has started its engine core (a grandchild of the harness),
+    # well before the instance is ready: the orphaned engine core must not survive either.
+    end = time.monotonic() + 120
+    while not (children := decode.children(recursive=True)):
+        assert time.monotonic() < end, "decode-0 never started its engine core"
+        time.sleep(0.1)
+    assert not (run_dir / "summary.json").exists()
+    t_kill = time.monotonic()
+    decode.send_signal(signal.SIGKILL)
+    rc = cli.wait(timeout=120)
+    assert rc == 1, cli.text
+    failed = [(t, line) for t, line in cli.lines if "FAILED" in line and "decode-0" in line]
+    assert failed, cli.text
+    assert failed[0][0] - t_kill < 2.0, f"detected {failed[0][0] - t_kill:.2f} s after the kill"
+    assert "SIGKILL" in failed[0][1] and "while the cluster was starting" in failed[0][1]
+    assert "--- last lines of its log ---" in cli.text  # the log tail is shown
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["outcome"] == "error" and "decode-0" in result["error"]
+    assert processes_using(ports) == []
+    assert [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE] == []

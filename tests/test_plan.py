@@ -1,0 +1,185 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pd_sessions.config import ClusterConfig
+from pd_sessions.errors import PlanError
+from pd_sessions.hosts import Inventory
+from pd_sessions.plan import INTERNAL_PORT_BLOCK, plan_cluster
+
+
+class FakePorts:
+    """Deterministic PortSource: sequential ports, blocks from 20000; can be told to repeat."""
+
+    def __init__(self, repeat: int | None = None):
+        self.next = 40000
+        self.block = 20000
+        self.repeat = repeat
+        self.claimed: list[int] = []
+
+    def take(self, label):
+        if self.repeat is not None:
+            return self.repeat
+        self.next += 1
+        return self.next
+
+    def take_block(self, label, size):
+        self.block += 100
+        return self.block
+
+    def claim(self, label, port):
+        self.claimed.append(port)
+        return port
+
+
+GPUS4 = Inventory(gpus=("0", "1", "2", "3"), cpus=tuple(range(16)), gpu_source="nvidia-smi")
+
+
+def cfg(**kw):
+    return ClusterConfig(**{"name": "c", "model": "Qwen/Qwen3-0.6B", **kw})
+
+
+def plan(c, inv=GPUS4, platform="cuda", ports=None, **kw):
+    return plan_cluster(c, inv, ports or FakePorts(), platform=platform, python="/py", **kw)
+
+
+def env(spec):
+    return dict(spec.env)
+
+
+def arg(spec, flag):
+    return spec.argv[spec.argv.index(flag) + 1]
+
+
+def test_gpu_sets_are_disjoint_prefill_first():
+    p = plan(cfg(prefill_tp=2, decode_tp=2))
+    assert p.prefill[0].gpus == ("0", "1") and p.decode[0].gpus == ("2", "3")
+    assert env(p.prefill[0])["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert env(p.decode[0])["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert arg(p.prefill[0], "--tensor-parallel-size") == "2"
+
+
+def test_gpu_placement_honours_visible_devices():
+    inv = Inventory(gpus=("4", "5", "6", "7"), cpus=(0,), gpu_source="CUDA_VISIBLE_DEVICES=4,5,6,7")
+    p = plan(cfg(num_prefill=2, num_decode=2), inv)
+    assert [s.gpus for s in p.instances] == [("4",), ("5",), ("6",), ("7",)]
+    all_gpus = [g for s in p.instances for g in s.gpus]
+    assert len(all_gpus) == len(set(all_gpus))
+
+
+def test_gpu_shortage_is_an_error_before_anything():
+    inv = Inventory(gpus=("0", "1"), cpus=(0,), gpu_source="CUDA_VISIBLE_DEVICES=0,1")
+    with pytest.raises(PlanError) as e:
+        plan(cfg(prefill_tp=2, decode_tp=2), inv)
+    assert "needs 4 GPUs" in str(e.value) and "2 visible: 0,1" in str(e.value)
+
+
+def test_every_port_unique_and_named():
+    p = plan(cfg(num_prefill=2, num_decode=2))
+    ports = [port for _, port in p.ports]
+    assert len(ports) == len(set(ports))
+    http = {s.port for s in p.processes}
+    assert http <= set(ports) and len(http) == 5
+    for s in p.instances:
+        base = int(env(s)["VLLM_PORT"])
+        assert s.internal_ports == (base, base + INTERNAL_PORT_BLOCK - 1)
+        assert int(env(s)["VLLM_MOONCAKE_BOOTSTRAP_PORT"]) in ports
+    router = p.router
+    assert arg(router, "--prometheus-port") in {str(x) for x in ports}
+
+
+def test_colliding_port_source_is_caught():
+    with pytest.raises(PlanError, match="already used by prefill-0.http"):
+        plan(cfg(), ports=FakePorts(repeat=41000))
+
+
+def test_explicit_ports_are_claimed_and_used():
+    src = FakePorts()
+    p = plan(cfg(router_port=18000, prefill_ports=(18001,), decode_ports=(18002,)), ports=src)
+    assert (p.router.port, p.prefill[0].port, p.decode[0].port) == (18000, 18001, 18002)
+    assert sorted(src.claimed) == [18000, 18001, 18002]
+
+
+def test_kv_transfer_config_roles_mooncake():
+    p = plan(cfg(mooncake_protocol="rdma", mooncake_device_name="mlx5_12"))
+    pre = json.loads(arg(p.prefill[0], "--kv-transfer-config"))
+    dec = json.loads(arg(p.decode[0], "--kv-transfer-config"))
+    assert pre["kv_connector"] == dec["kv_connector"] == "MooncakeConnector"
+    assert (pre["kv_role"], dec["kv_role"]) == ("kv_producer", "kv_consumer")
+    assert pre["kv_connector_extra_config"] == {"mooncake_protocol": "rdma", "device_name": "mlx5_12"}
+
+
+def test_gpu_lane_flags():
+    p = plan(cfg(gpu_memory_utilization=0.6, extra_args=("--enforce-eager",), extra_env=(("X", "1"),)))
+    s = p.prefill[0]
+    assert arg(s, "--gpu-memory-utilization") == "0.6"
+    assert "--dtype" not in s.argv and "--block-size" not in s.argv
+    assert s.argv[-1] == "--enforce-eager"
+    assert env(s)["X"] == "1" and env(s)["VLLM_HOST_IP"] == "127.0.0.1"
+    assert arg(s, "--host") == "127.0.0.1"
+    assert s.argv[:3] == ("/py", "-m", "vllm.entrypoints.openai.api_server")
+
+
+def test_router_argv_pd_mode():
+    p = plan(cfg(num_prefill=2))
+    r = p.router.argv
+    assert "--vllm-pd-disaggregation" in r
+    i = r.index("--prefill")
+    assert r[i + 1] == p.prefill[0].url and r[i + 2] == str(p.prefill[0].bootstrap_port)
+    assert r.count("--prefill") == 2 and r.count("--decode") == 1
+    assert arg(p.router, "--kv-connector") == "mooncake"
+    assert arg(p.router, "--host") == "127.0.0.1" and arg(p.router, "--prometheus-host") == "127.0.0.1"
+
+
+CPU2 = Inventory(gpus=(), cpus=(0, 1))
+
+
+def test_cpu_lane_flags_1x1():
+    p = plan(cfg(model="tiny-llama"), CPU2, platform="cpu", model="/cache/tiny")
+    pre, dec = p.prefill[0], p.decode[0]
+    for s in (pre, dec):
+        assert arg(s, "--dtype") == "float32" and arg(s, "--block-size") == "128"
+        assert "--gpu-memory-utilization" not in s.argv
+        assert env(s)["VLLM_CPU_KVCACHE_SPACE"] == "1" and env(s)["VLLM_HOST_IP"] == "127.0.0.1"
+        assert "CUDA_VISIBLE_DEVICES" not in env(s)
+        assert arg(s, "--model") == "/cache/tiny" and arg(s, "--served-model-name") == "tiny-llama"
+        kv = json.loads(arg(s, "--kv-transfer-config"))
+        assert kv["kv_connector_extra_config"]["mooncake_protocol"] == "tcp"
+    assert (env(pre)["VLLM_CPU_OMP_THREADS_BIND"], env(dec)["VLLM_CPU_OMP_THREADS_BIND"]) == ("0", "1")
+
+
+def test_cpu_lane_tp2_binds_one_core_list_per_rank():
+    inv = Inventory(gpus=(), cpus=(0, 1, 2, 3, 4, 5, 6, 7))
+    p = plan(cfg(model="m", prefill_tp=2, decode_tp=2), inv, platform="cpu")
+    assert env(p.prefill[0])["VLLM_CPU_OMP_THREADS_BIND"] == "0,1|2,3"
+    assert env(p.decode[0])["VLLM_CPU_OMP_THREADS_BIND"] == "4,5|6,7"
+    assert not [w for w in p.warnings if "share" in w]
+
+
+def test_cpu_lane_oversubscribed_warns():
+    p = plan(cfg(model="m", prefill_tp=2, decode_tp=2), CPU2, platform="cpu")
+    assert env(p.prefill[0])["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    assert any("4 TP ranks share 2 CPU cores" in w for w in p.warnings)
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"dtype": "bfloat16"}, "dtype: got 'bfloat16' on the CPU lane; allowed: float32"),
+    ({"block_size": 16}, "block_size: got 16 on the CPU lane; allowed: a multiple of 32"),
+])
+def test_cpu_lane_rejects_known_traps(kw, needle):
+    with pytest.raises(PlanError, match=needle.replace("(", r"\(")):
+        plan(cfg(model="m", **kw), CPU2, platform="cpu")
+
+
+def test_tiny_model_needs_a_path():
+    with pytest.raises(PlanError, match="needs the generated model's path"):
+        plan(cfg(model="tiny-llama"), CPU2, platform="cpu")
+
+
+def test_render_lists_every_process():
+    text = plan(cfg(prefill_tp=2, decode_tp=2)).render()
+    for needle in ("prefill-0", "decode-0", "router", "GPUs 0,1", "GPUs 2,3", "all ", "distinct",
+                   "CUDA_VISIBLE_DEVICES=0,1"):
+        assert needle in text

@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pd_sessions.errors import PlanError
+from pd_sessions.ports import BLOCK_RANGE, PortAllocator
+
+
+def test_ports_unique_and_free_after_release():
+    a = PortAllocator()
+    ports = [a.take(f"p{i}") for i in range(20)]
+    base = a.take_block("b", 16)
+    assert len(set(ports)) == 20
+    assert BLOCK_RANGE[0] <= base < BLOCK_RANGE[1]
+    assert not set(range(base, base + 16)) & set(ports)
+    a.release()
+    for p in [*ports, *range(base, base + 16)]:
+        s = socket.socket()
+        s.bind(("127.0.0.1", p))  # free again
+        s.close()
+
+
+def test_ports_are_held_until_release():
+    with PortAllocator() as a:
+        p = a.take("x")
+        s = socket.socket()
+        with pytest.raises(OSError):
+            s.bind(("127.0.0.1", p))
+        s.close()
+
+
+def test_claim_of_taken_port_names_owner():
+    srv = subprocess.Popen([sys.executable, "-c",
+                            "import socket,time; s=socket.socket(); s.bind(('127.0.0.1',0)); s.listen();"
+                            "print(s.getsockname()[1], flush=True); time.sleep(60)"],
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(srv.stdout.readline())
+        with PortAllocator() as a, pytest.raises(PlanError) as e:
+            a.claim("router_port", port)
+        msg = str(e.value)
+        assert f"port {port}" in msg and "already in use" in msg and f"pid {srv.pid}" in msg
+        assert e.value.field == "router_port"
+    finally:
+        srv.kill()
+        srv.wait()
+
+
+def test_claim_free_port_holds_it():
+    with PortAllocator() as a:
+        p = a.take("probe")
+    with PortAllocator() as b:
+        assert b.claim("x", p) == p
+        with pytest.raises(PlanError, match="already used by this plan"):
+            b.claim("y", p)

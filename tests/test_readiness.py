@@ -1,0 +1,115 @@
+"""Readiness and guarded calls against real processes and a real HTTP server."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import sys
+import threading
+import time
+
+import pytest
+
+from pd_sessions.errors import ProcessExited, ReadinessTimeout
+from pd_sessions.process import spawn, stop
+from pd_sessions.readiness import Target, guarded, health_probe, models_probe, wait_ready
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    healthy = threading.Event()
+
+    def do_GET(self):  # noqa: N802
+        if self.path == "/health":
+            code, body = (200, b"") if self.healthy.is_set() else (503, b"starting")
+        elif self.path == "/v1/models":
+            code, body = 200, b'{"data": [{"id": "tiny"}]}'
+        else:
+            code, body = 404, b""
+        self.send_response(code)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture
+def server():
+    _Handler.healthy.clear()
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+@pytest.fixture
+def sleeper(tmp_path):
+    procs = []
+
+    def make(name="sleeper", code="import time; time.sleep(60)"):
+        r = spawn(name, [sys.executable, "-c", code], env=os.environ, log_path=tmp_path / f"{name}.log")
+        procs.append(r)
+        return r
+
+    yield make
+    stop(procs, grace_s=2)
+
+
+def test_ready_after_health_then_models(server, sleeper):
+    r = sleeper()
+    threading.Timer(0.3, _Handler.healthy.set).start()
+    t = Target(r, [health_probe(f"{server}/health"), models_probe(server, "tiny")])
+    wait_ready([t], deadline=time.monotonic() + 10, tick=0.02)
+    assert t.ready_at is not None and t.stage == 2
+
+
+def test_models_probe_requires_the_model(server):
+    _Handler.healthy.set()
+    assert "not 'other'" in models_probe(server, "other")()
+
+
+def test_dead_process_fails_fast_with_log_tail(server, sleeper):
+    r = sleeper("decode-0", "import sys, time; print('boom: bad flag', flush=True); time.sleep(0.5); sys.exit(3)")
+    t = Target(r, [health_probe(f"{server}/health")])
+    t0 = time.monotonic()
+    with pytest.raises(ProcessExited) as e:
+        wait_ready([t], deadline=time.monotonic() + 30, tick=0.05)
+    assert time.monotonic() - t0 < 2.5
+    msg = str(e.value)
+    assert "decode-0" in msg and "status 3" in msg and "boom: bad flag" in msg
+
+
+def test_deadline_is_honoured(server, sleeper):
+    r = sleeper()
+    t = Target(r, [health_probe(f"{server}/health")])
+    t0 = time.monotonic()
+    with pytest.raises(ReadinessTimeout) as e:
+        wait_ready([t], deadline=t0 + 1.0, tick=0.05)
+    took = time.monotonic() - t0
+    assert 1.0 <= took < 1.5
+    assert "HTTP 503" in str(e.value) and "sleeper" in str(e.value)
+
+
+def test_progress_lines(server, sleeper):
+    r = sleeper()
+    lines = []
+    with pytest.raises(ReadinessTimeout):
+        wait_ready([Target(r, [health_probe(f"{server}/health")])], deadline=time.monotonic() + 0.6,
+                   tick=0.05, progress_every=0.2, progress=lines.append)
+    assert lines and "sleeper (HTTP 503" in lines[0]
+
+
+def test_guarded_fails_when_watched_process_dies(sleeper):
+    victim = sleeper("router", "import time; time.sleep(0.3)")
+    t0 = time.monotonic()
+    with pytest.raises(ProcessExited, match="router .* while checks ran"):
+        guarded(lambda: time.sleep(30), watch=[victim], when="while checks ran")
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_guarded_returns_and_reraises(sleeper):
+    r = sleeper()
+    assert guarded(lambda: 42, watch=[r], when="x") == 42
+    with pytest.raises(ZeroDivisionError):
+        guarded(lambda: 1 / 0, watch=[r], when="x")
