@@ -8,13 +8,15 @@ check that every PID we tracked is gone. We never look processes up by name.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -140,8 +142,34 @@ def _pgid(p: psutil.Process) -> int | None:
         return None
 
 
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM until the block ends (a cancel must not cut teardown short).
+
+    A signal that arrives meanwhile is delivered, and acted on, right after.
+    Only the main thread can do this; elsewhere it is a no-op.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = {signal.SIGINT, signal.SIGTERM}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def stop(running: Sequence[Running], *, grace_s: float = 10.0, kill_wait_s: float = 5.0) -> StopReport:
-    """Stop ``running`` and all their descendants; raise StopError if any survive."""
+    """Stop ``running`` and all their descendants; raise StopError if any survive.
+
+    SIGINT/SIGTERM to this process are deferred until it returns.
+    """
+    with signals_deferred():
+        return _stop(running, grace_s=grace_s, kill_wait_s=kill_wait_s)
+
+
+def _stop(running: Sequence[Running], *, grace_s: float, kill_wait_s: float) -> StopReport:
     t0 = time.monotonic()
     owner: dict[int, str] = {}
     procs: list[psutil.Process] = []

@@ -6,8 +6,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import textwrap
+import threading
+import time
 
 import psutil
 import pytest
@@ -112,3 +113,22 @@ def test_log_tail_limits_lines(tmp_path):
     p.write_text("\n".join(f"line {i}" for i in range(100)))
     tail = log_tail(p, 5)
     assert tail.splitlines() == [f"line {i}" for i in range(95, 100)]
+
+
+def test_sigterm_during_teardown_is_deferred_until_it_ends(tmp_path):
+    """A cancel that lands mid-teardown is acted on after the children are gone."""
+    got = []
+    old_term = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(time.monotonic()))
+    try:
+        r = spawn("stubborn", [sys.executable, "-c", IGNORES_TERM], env=os.environ,
+                  log_path=tmp_path / "s.log")
+        _wait_for(tmp_path / "s.log", "ignoring SIGTERM")
+        timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
+        timer.start()
+        rep = stop([r], grace_s=1.0)
+        done = time.monotonic()
+        timer.join()
+        assert rep.killed == ["stubborn"]
+        assert got and got[0] >= done - 0.05, "the SIGTERM was handled before teardown finished"
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
