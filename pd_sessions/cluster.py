@@ -69,10 +69,17 @@ def _spawn(spec: ProcessSpec, run_dir: Path, base_env: Mapping[str, str]) -> Run
                          url=spec.url)
 
 
-def _router_completion_probe(cluster: Cluster, deadline: float, tick: float) -> None:
+def _router_completion_probe(cluster: Cluster, deadline: float, tick: float,
+                             say: Callable[[str], None]) -> None:
     """Retry a 1-token completion through the router until it answers or the deadline."""
     plan = cluster.plan
-    last = "no attempt"
+    last = "no answer yet"
+    t0 = time.monotonic()
+
+    def heartbeat() -> None:
+        say(f"waiting {time.monotonic() - t0:.0f} s (deadline in {deadline - time.monotonic():.0f} s) "
+            f"for a 1-token completion through the router (last: {last})")
+
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -86,7 +93,7 @@ def _router_completion_probe(cluster: Cluster, deadline: float, tick: float) -> 
             cluster.guard(lambda: http.completion(plan.router.url, plan.served_model_name,
                                                   ROUTER_PROBE_PROMPT, max_tokens=1,
                                                   timeout=min(remaining, 120.0)),
-                          when="while the router was starting")
+                          when="while the router was starting", heartbeat=heartbeat)
             return
         except http.HttpError as e:
             last = str(e)
@@ -129,7 +136,7 @@ def running_cluster(plan: ClusterPlan, run_dir: Path, *, ports: PortAllocator | 
         cluster.router = _spawn(plan.router, run_dir, env)
         wait_ready([Target(cluster.router, [health_probe(plan.router.health_url)])],
                    deadline=deadline, also_alive=cluster.instances, progress=say, tick=tick)
-        _router_completion_probe(cluster, deadline, tick=0.2)
+        _router_completion_probe(cluster, deadline, tick=0.2, say=say)
         cluster.timings["router_ready"] = time.monotonic() - t1
         say(f"{plan.config.name}: cluster ready after {time.monotonic() - t0:.1f} s "
             f"(router {plan.router.url})")

@@ -20,6 +20,7 @@ class HttpError(Exception):
     def __init__(self, url: str, message: str, status: int | None = None):
         self.url = url
         self.status = status
+        self.reason = message
         super().__init__(f"{url}: {message}")
 
 
@@ -35,6 +36,10 @@ def request(url: str, *, payload: dict[str, Any] | None = None, timeout: float =
         raise HttpError(url, f"HTTP {e.code}: {body}", e.code) from None
     except (urllib.error.URLError, OSError, TimeoutError) as e:
         reason = getattr(e, "reason", e)
+        if isinstance(reason, ConnectionRefusedError):
+            raise HttpError(url, "connection refused") from None
+        if isinstance(reason, TimeoutError):
+            raise HttpError(url, f"no answer within {timeout:g} s") from None
         raise HttpError(url, f"{type(reason).__name__}: {reason}") from None
 
 

@@ -8,11 +8,16 @@ a fake.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
+
+from packaging.requirements import Requirement
+from packaging.version import Version
 
 from pd_sessions.errors import InstallError
 
@@ -98,3 +103,108 @@ def install_lane(session: Installer, platform: str, *, environ: Mapping[str, str
         say(f"pd-sessions install: removing {', '.join(CPU_MISMATCHED)} (built for another torch)")
         session.run_install("uv", "pip", "uninstall", *CPU_MISMATCHED)
     session.install("-e", str(ROOT))
+
+
+# ------------------------------------------------------------------ connector variants
+
+MOONCAKE = {12: "mooncake-transfer-engine", 13: "mooncake-transfer-engine-cuda13",
+            None: "mooncake-transfer-engine-non-cuda"}
+NIXL_BACKENDS = {12: "nixl-cu12", 13: "nixl-cu13"}
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What the installed torch was built for."""
+
+    kind: str                  # "cuda" | "rocm" | "cpu"
+    cuda_major: int | None = None
+
+    def describe(self) -> str:
+        return f"CUDA {self.cuda_major}" if self.kind == "cuda" else self.kind.upper()
+
+
+@dataclass(frozen=True)
+class Action:
+    op: str                    # "uninstall" | "install"
+    dist: str
+    spec: str = ""             # "==0.3.14", ">=0.3.12", "" (uninstall)
+    no_deps: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.op} {self.dist}{self.spec}" + (" (--no-deps)" if self.no_deps else "")
+
+
+def _canon(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def connector_actions(platform: Platform, installed: Mapping[str, str], *, connectors: Sequence[str],
+                      mooncake_req: str = "mooncake-transfer-engine>=0.3.12",
+                      nixl_version: str | None = None,
+                      available: Mapping[str, Sequence[str]] | None = None) -> list[Action]:
+    """Ordered install actions that leave exactly the connector variants ``platform`` needs.
+
+    Decision table (Mooncake; the requirement names the default wheel, its specifier
+    is kept for whichever variant is chosen):
+        platform     wanted variant                       other variants installed
+        CUDA 12      mooncake-transfer-engine              uninstalled first
+        CUDA 13      mooncake-transfer-engine-cuda13       uninstalled first
+        CPU          mooncake-transfer-engine-non-cuda     uninstalled first
+        ROCm / other CUDA major -> InstallError "unsupported"
+    Version: the wanted variant already installed at a version the requirement allows
+    -> nothing to do; else the version of an installed variant that the requirement
+    allows (a swap keeps the version); else the requirement's specifier. With
+    ``available`` (variant -> versions on the index), a pinned version the wanted
+    variant does not have is an InstallError.
+    NIXL: ``nixl`` (meta) plus ``nixl-cuN`` for torch's CUDA major (nixl-cu12 with
+    --no-deps on CPU, whose DRAM backend works without a GPU); other backends uninstalled.
+    """
+    inst = {_canon(k): v for k, v in installed.items()}
+    if platform.kind == "rocm":
+        raise InstallError("ROCm is not supported yet by pd-sessions' connector install "
+                           "(no ROCm Mooncake/NIXL variant is known); use a CUDA or CPU host")
+    major = platform.cuda_major if platform.kind == "cuda" else None
+    if platform.kind == "cuda" and major not in (12, 13):
+        raise InstallError(f"torch is built for CUDA {major}; supported: CUDA 12, CUDA 13, CPU")
+    actions: list[Action] = []
+    if "mooncake" in connectors:
+        req = Requirement(mooncake_req)
+        want = MOONCAKE[major]
+        others = [d for d in MOONCAKE.values() if d != want and d in inst]
+        actions += [Action("uninstall", d) for d in others]
+        have = inst.get(want)
+        if have is not None and Version(have) in req.specifier and not others:
+            pass  # already right
+        else:
+            keep = next((inst[d] for d in others if Version(inst[d]) in req.specifier), None)
+            spec = f"=={keep}" if keep else str(req.specifier)
+            if keep and available is not None and keep not in available.get(want, ()):
+                raise InstallError(f"{want}=={keep} (to replace {', '.join(others)} at the same version) "
+                                   f"does not exist for {platform.describe()}; available: "
+                                   f"{', '.join(available.get(want, ())) or 'none'}")
+            actions.append(Action("install", want, spec))
+    if "nixl" in connectors:
+        backend = NIXL_BACKENDS[major] if major else NIXL_BACKENDS[12]
+        actions += [Action("uninstall", d) for d in NIXL_BACKENDS.values() if d != backend and d in inst]
+        version = nixl_version or inst.get("nixl")
+        spec = f"=={version}" if version else ""
+        if "nixl" not in inst:
+            actions.append(Action("install", "nixl", spec, no_deps=True))
+        if backend not in inst or (version and inst.get(backend) != version):
+            actions.append(Action("install", backend, spec, no_deps=True))
+    return actions
+
+
+def apply_actions(session: Installer, actions: Sequence[Action], platform: Platform, *,
+                  env: Mapping[str, str] | None = None, say: Callable[[str], None] = print) -> None:
+    """Run ``actions`` in order through the session's installer; each printed first."""
+    for a in actions:
+        say(f"pd-sessions install: {a}")
+        try:
+            if a.op == "uninstall":
+                session.run_install("uv", "pip", "uninstall", a.dist)
+            else:
+                session.install(*(["--no-deps"] if a.no_deps else []), f"{a.dist}{a.spec}",
+                                env=dict(env or {}))
+        except Exception as e:  # nox raises its own CommandFailed; name what failed
+            raise InstallError(f"could not {a.op} {a.dist}{a.spec or ''} for {platform.describe()}: {e}") from e

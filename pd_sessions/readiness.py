@@ -32,7 +32,7 @@ def health_probe(url: str, timeout: float = 2.0) -> Probe:
         try:
             status, _ = http.request(url, timeout=timeout)
         except http.HttpError as e:
-            return str(e).split(": ", 1)[-1]
+            return e.reason
         return None if status == 200 else f"HTTP {status}"
     probe.__name__ = f"GET {url}"
     return probe
@@ -112,12 +112,13 @@ def wait_ready(targets: Sequence[Target], *, deadline: float, also_alive: Sequen
 
 
 def guarded(call: Callable[[], T], *, watch: Sequence[Running], when: str,
-            tick: float = 0.05, timeout: float | None = None) -> T:
+            tick: float = 0.05, timeout: float | None = None,
+            heartbeat: Callable[[], None] | None = None, heartbeat_every: float = 15.0) -> T:
     """Run ``call`` in a thread while checking every ``tick`` that ``watch`` are alive.
 
     A death raises ProcessExited at once (the caller's teardown then kills the
     servers, which ends the thread's pending request). ``timeout`` bounds the
-    whole call.
+    whole call; ``heartbeat`` is called every ``heartbeat_every`` seconds meanwhile.
     """
     result: list[T] = []
     error: list[BaseException] = []
@@ -131,10 +132,15 @@ def guarded(call: Callable[[], T], *, watch: Sequence[Running], when: str,
     th = threading.Thread(target=target, name="pd-guarded", daemon=True)
     th.start()
     end = None if timeout is None else time.monotonic() + timeout
+    beat = time.monotonic() + heartbeat_every
     while th.is_alive():
         check_alive(watch, when)
-        if end is not None and time.monotonic() > end:
+        now = time.monotonic()
+        if end is not None and now > end:
             raise TimeoutError(f"{when}: no answer within {timeout:.0f} s")
+        if heartbeat is not None and now >= beat:
+            heartbeat()
+            beat = now + heartbeat_every
         th.join(tick)
     if error:
         raise error[0]

@@ -1,0 +1,125 @@
+"""The canary's verdicts over real ELF files built with gcc at test time (no ELF mocks)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pd_sessions import canary
+
+pytest.importorskip("elftools", reason="pyelftools is a dependency of pd-sessions")
+GCC = shutil.which("gcc") or shutil.which("cc")
+needs_gcc = pytest.mark.skipif(GCC is None, reason="no C compiler on this machine")
+
+
+def _cc(args, cwd):
+    subprocess.run([GCC, *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def elfs(tmp_path_factory) -> dict[str, Path]:
+    """stub libcudart.so.12 / .so.13, a module linked to each, and one linked to neither."""
+    if GCC is None:
+        pytest.skip("no C compiler")
+    d = tmp_path_factory.mktemp("elf")
+    (d / "stub.c").write_text("int cudaRuntimeGetVersion(int *v) { *v = 0; return 0; }\n")
+    (d / "mod.c").write_text("int cudaRuntimeGetVersion(int *v);\n"
+                             "int probe(void) { int v; return cudaRuntimeGetVersion(&v); }\n")
+    (d / "plain.c").write_text("int probe(void) { return 0; }\n")
+    out = {}
+    for major in (12, 13):
+        libdir = d / f"cuda{major}"
+        libdir.mkdir()
+        _cc(["-shared", "-fPIC", f"-Wl,-soname,libcudart.so.{major}", "-o",
+             str(libdir / f"libcudart.so.{major}"), "stub.c"], d)
+        (libdir / "libcudart.so").symlink_to(f"libcudart.so.{major}")
+        # RUNPATH=$ORIGIN/cuda{major}: resolves next to the module, as wheels do
+        _cc(["-shared", "-fPIC", "-o", str(d / f"engine_cu{major}.so"), "mod.c",
+             f"-L{libdir}", "-lcudart", f"-Wl,-rpath,$ORIGIN/cuda{major}"], d)
+        # same link, no rpath: resolves only if the loader knows the library
+        _cc(["-shared", "-fPIC", "-o", str(d / f"engine_cu{major}_norpath.so"), "mod.c",
+             f"-L{libdir}", "-lcudart"], d)
+        out[f"cu{major}"] = d / f"engine_cu{major}.so"
+        out[f"cu{major}_norpath"] = d / f"engine_cu{major}_norpath.so"
+    _cc(["-shared", "-fPIC", "-o", str(d / "engine_cpu.so"), "plain.c"], d)
+    out["cpu"] = d / "engine_cpu.so"
+    return out
+
+
+def verdicts(path: Path, torch_cuda):
+    needed, rpaths = canary.read_elf(path)
+    res = {n: canary.resolve(n, rpaths, cache={}) for n in needed if canary.CUDART.match(n)}
+    return canary.check_needed(path.name, needed, torch_cuda, res)
+
+
+@needs_gcc
+def test_read_elf_sees_needed_and_origin(elfs):
+    needed, rpaths = canary.read_elf(elfs["cu13"])
+    assert "libcudart.so.13" in needed
+    assert rpaths == [str(elfs["cu13"].parent / "cuda13")]
+
+
+@needs_gcc
+@pytest.mark.parametrize("lib,torch_cuda,ok,needle", [
+    ("cu13", 13, True, "libcudart.so.13 ->"),
+    ("cu12", 12, True, "libcudart.so.12 ->"),
+    ("cu12", 13, False, "needs libcudart.so.12 but torch is CUDA 13"),
+    ("cu13", 12, False, "needs libcudart.so.13 but torch is CUDA 12"),
+    ("cu13", None, False, "torch is CPU-only"),
+    ("cu13_norpath", 13, False, "does not resolve on this machine"),
+    ("cpu", None, True, "needs no libcudart"),
+    ("cpu", 13, True, "needs no libcudart"),
+])
+def test_elf_verdicts(elfs, lib, torch_cuda, ok, needle):
+    (f,) = verdicts(elfs[lib], torch_cuda)
+    assert f.ok is ok and needle in f.message
+
+
+@needs_gcc
+def test_ld_library_path_resolves(elfs, monkeypatch):
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(elfs["cu13"].parent / "cuda13"))
+    (f,) = verdicts(elfs["cu13_norpath"], 13)
+    assert f.ok
+
+
+@pytest.mark.parametrize("installed,cuda,ok,needles", [
+    ({"mooncake-transfer-engine-non-cuda": "0.3.13.post1"}, None, True, ["non-cuda==0.3.13.post1"]),
+    ({"mooncake-transfer-engine-cuda13": "0.3.14"}, 13, True, ["cuda13==0.3.14"]),
+    ({"mooncake-transfer-engine-non-cuda": "0.3.13.post1", "mooncake-transfer-engine": "0.3.13.post1"}, None,
+     False, ["2 Mooncake variants installed at once", "mooncake-transfer-engine==0.3.13.post1",
+             "mooncake-transfer-engine-non-cuda==0.3.13.post1", "fix: uv pip uninstall mooncake-transfer-engine "]),
+    ({"mooncake-transfer-engine": "0.3.14"}, 13, False,
+     ["built for CUDA 12, torch is CUDA 13", "uv pip install mooncake-transfer-engine-cuda13==0.3.14"]),
+    ({}, 13, False, ["no Mooncake wheel", "mooncake-transfer-engine-cuda13"]),
+])
+def test_distribution_verdicts(installed, cuda, ok, needles):
+    (f,) = canary.check_distributions(installed, cuda, ["mooncake"])
+    assert f.ok is ok
+    for n in needles:
+        assert n in f.message
+
+
+def test_nixl_backend_must_match_torch():
+    (f,) = canary.check_distributions({"nixl": "1.5.1", "nixl-cu12": "1.5.1"}, 13, ["nixl"])
+    assert not f.ok and "nixl-cu12==1.5.1 does not match torch's CUDA 13" in f.message
+    assert "nixl-cu13==1.5.1" in f.message
+    (f,) = canary.check_distributions({"nixl": "1.5.1", "nixl-cu13": "1.5.1"}, 13, ["nixl"])
+    assert f.ok
+
+
+def test_canary_cli_json_line_and_status():
+    """The real canary on this environment's Mooncake (CPU lane: non-cuda wheel must pass)."""
+    r = subprocess.run([sys.executable, "-m", "pd_sessions.canary", "mooncake", "--torch-cuda-major", "none"],
+                       capture_output=True, text=True, timeout=120)
+    last = r.stdout.strip().splitlines()[-1]
+    doc = __import__("json").loads(last)
+    assert doc["ok"] is (r.returncode == 0)
+    import os
+    if os.environ.get("PD_SESSIONS_FULL_ENV") == "1":  # the CPU lane's real wheel
+        assert r.returncode == 0, r.stdout
+        assert "mooncake-transfer-engine-non-cuda" in doc["distributions"]
+        assert any(f["check"] == "import" and f["ok"] for f in doc["findings"])
