@@ -1,12 +1,14 @@
 """nox sessions: thin wrappers; all logic lives in the pd_sessions package.
 
     nox -s mooncake_sweep [-- --platform cpu|cuda --only 1x1 --dry-run --results-dir DIR]
+    nox -s mooncake_imports / nixl_imports [-- --dry-run]   # install + import canary only
     nox -s tests        # unit + end-to-end (real vLLM on the CPU lane)
     nox -s unit         # unit tests only (no vLLM install)
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -35,30 +37,73 @@ def _platform(session: nox.Session) -> str:
         session.error(str(e))
 
 
-def _sweep(session: nox.Session, name: str) -> None:
+def _connectors(session: nox.Session, platform: str, connectors: list[str]) -> None:
+    """Install the lane, then the connector variants the venv's torch needs, then run
+    the import canary (its own process). Stops the session on any failure."""
+    try:
+        install.install_lane(session, platform, say=session.log)
+        doc = json.loads(session.run("python", "-m", "pd_sessions.install", "facts", silent=True))
+        torch_platform, actions = install.plan_connectors(doc, connectors)
+        session.log(f"torch {doc.get('torch')} is built for {torch_platform.describe()}: "
+                    f"{len(actions)} connector action(s)")
+        install.apply_actions(session, actions, torch_platform,
+                              env=install.index_env(dict(__import__("os").environ)), say=session.log)
+    except PdError as e:
+        session.error(str(e))
+    session.run("python", "-m", "pd_sessions.canary", *connectors)
+
+
+def _dry_run_install(session: nox.Session, platform: str, connectors: list[str]) -> None:
+    session.log(f"dry run: would install -r {install.lane_requirements(platform).relative_to(ROOT)} "
+                f"and this package, then the connector variants for the torch that brings:")
+    facts = {"cpu": {"cuda": None}, "cuda": None}[platform]
+    cases = [facts] if facts is not None else [{"cuda": "12.8"}, {"cuda": "13.0"}]
+    for doc in cases:
+        plat, actions = install.plan_connectors(doc, connectors)
+        session.log(f"  {plat.describe()}: " + "; ".join(map(str, actions)))
+    session.log(f"  then: python -m pd_sessions.canary {' '.join(connectors)}")
+
+
+def _sweep(session: nox.Session, name: str, connectors: list[str]) -> None:
+    platform = _platform(session)
     if "--dry-run" in session.posargs:  # plans need only the package itself
+        _dry_run_install(session, platform, connectors)
         session.install("-e", str(ROOT))
     else:
-        try:
-            install.install_lane(session, _platform(session), say=session.log)
-        except PdError as e:
-            session.error(str(e))
+        _connectors(session, platform, connectors)
     session.run("python", "-m", "pd_sessions", "sweep", name, *session.posargs)
+
+
+def _imports(session: nox.Session, connectors: list[str]) -> None:
+    platform = _platform(session)
+    if "--dry-run" in session.posargs:
+        _dry_run_install(session, platform, connectors)
+        return
+    _connectors(session, platform, connectors)
 
 
 @nox.session(python=PYTHON)
 def mooncake_sweep(session: nox.Session) -> None:
-    """Mooncake P/D sweep (TP 1x1, 2x2): real clusters, all checks, results dir."""
-    _sweep(session, "mooncake_sweep")
+    """Mooncake P/D sweep (TP 1x1, 2x2): install + canary, then real clusters, all checks."""
+    _sweep(session, "mooncake_sweep", ["mooncake"])
+
+
+@nox.session(python=PYTHON)
+def mooncake_imports(session: nox.Session) -> None:
+    """Install the Mooncake environment (wheel variant per host) and run the import canary."""
+    _imports(session, ["mooncake"])
+
+
+@nox.session(python=PYTHON)
+def nixl_imports(session: nox.Session) -> None:
+    """Install the NIXL environment (nixl + nixl-cuN per host) and run the import canary."""
+    _imports(session, ["nixl"])
 
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """All tests, including the real CPU-lane end-to-end sweeps."""
-    try:
-        install.install_lane(session, "cpu", say=session.log)
-    except PdError as e:
-        session.error(str(e))
+    _connectors(session, "cpu", ["mooncake"])
     session.install("-r", str(ROOT / "requirements" / "test.txt"))
     session.run("pytest", *session.posargs, env={"PD_SESSIONS_FULL_ENV": "1"})
 

@@ -94,7 +94,8 @@ def ensure_system_packages(packages: Sequence[str], *, is_root: bool | None = No
 
 def install_lane(session: Installer, platform: str, *, environ: Mapping[str, str] | None = None,
                  say: Callable[[str], None] = print) -> None:
-    """Install everything a sweep needs on ``platform`` into the session's venv."""
+    """Install vLLM, the router and this package for ``platform`` into the session's venv
+    (the connector wheels come after, from :func:`connector_actions`)."""
     env = dict(os.environ if environ is None else environ)
     if platform == "cpu":
         ensure_system_packages(missing_system_packages(ldconfig_libs()), say=say)
@@ -103,6 +104,55 @@ def install_lane(session: Installer, platform: str, *, environ: Mapping[str, str
         say(f"pd-sessions install: removing {', '.join(CPU_MISMATCHED)} (built for another torch)")
         session.run_install("uv", "pip", "uninstall", *CPU_MISMATCHED)
     session.install("-e", str(ROOT))
+
+
+def kv_requirements(path: Path | None = None) -> dict[str, str]:
+    """{'mooncake': 'mooncake-transfer-engine>=0.3.12', 'nixl': 'nixl==1.5.1'} from the file."""
+    out = {}
+    for line in (path or REQUIREMENTS / "kv_connectors.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            req = Requirement(line)
+            out["mooncake" if req.name.startswith("mooncake") else req.name] = str(req).replace(" ", "")
+    return out
+
+
+def facts_from_json(doc: Mapping[str, object]) -> tuple[Platform, dict[str, str]]:
+    """Parse what ``python -m pd_sessions.install facts`` printed."""
+    if doc.get("hip"):
+        platform = Platform("rocm")
+    elif doc.get("cuda"):
+        platform = Platform("cuda", int(str(doc["cuda"]).split(".")[0]))
+    else:
+        platform = Platform("cpu")
+    return platform, dict(doc.get("installed") or {})  # type: ignore[arg-type]
+
+
+def plan_connectors(doc: Mapping[str, object], connectors: Sequence[str]) -> tuple[Platform, list[Action]]:
+    platform, installed = facts_from_json(doc)
+    reqs = kv_requirements()
+    nixl = reqs.get("nixl", "")
+    return platform, connector_actions(platform, installed, connectors=connectors,
+                                       mooncake_req=reqs["mooncake"],
+                                       nixl_version=nixl.split("==")[1] if "==" in nixl else None)
+
+
+def facts() -> dict[str, object]:
+    """The venv's torch build and installed distributions (run inside the venv)."""
+    import importlib.metadata as md
+
+    doc: dict[str, object] = {"cuda": None, "hip": None}
+    try:
+        import torch
+
+        doc["cuda"] = torch.version.cuda
+        doc["hip"] = getattr(torch.version, "hip", None)
+        doc["torch"] = torch.__version__
+    except ImportError:
+        doc["torch"] = None
+    doc["installed"] = {_canon(d.metadata["Name"]): d.version for d in md.distributions()
+                        if d.metadata.get("Name")}
+    return doc
 
 
 # ------------------------------------------------------------------ connector variants
@@ -208,3 +258,12 @@ def apply_actions(session: Installer, actions: Sequence[Action], platform: Platf
                                 env=dict(env or {}))
         except Exception as e:  # nox raises its own CommandFailed; name what failed
             raise InstallError(f"could not {a.op} {a.dist}{a.spec or ''} for {platform.describe()}: {e}") from e
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    if sys.argv[1:] != ["facts"]:
+        raise SystemExit("usage: python -m pd_sessions.install facts")
+    print(json.dumps(facts()))

@@ -123,3 +123,44 @@ def test_canary_cli_json_line_and_status():
         assert r.returncode == 0, r.stdout
         assert "mooncake-transfer-engine-non-cuda" in doc["distributions"]
         assert any(f["check"] == "import" and f["ok"] for f in doc["findings"])
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_cuda12_wheel_next_to_non_cuda_fails_then_printed_fix_passes(tmp_path):
+    """Real wheels in a throwaway venv: the default (CUDA 12) Mooncake wheel installed by hand
+    next to the non-cuda one makes the canary fail naming both; its printed fix makes it pass."""
+    uv = shutil.which("uv")
+    assert uv, "uv is in requirements/test.txt"
+    venv = tmp_path / "venv"
+    py = venv / "bin" / "python"
+    subprocess.run([uv, "venv", "-q", "-p", sys.executable, str(venv)], check=True)
+
+    def pip(*args):
+        subprocess.run([uv, "pip", *args, "--python", str(py), "-q"], check=True, cwd=tmp_path)
+
+    root = Path(__file__).resolve().parent.parent
+    pip("install", "--no-deps", "-e", str(root))
+    pip("install", "pyelftools", "packaging", "psutil", "prometheus_client")
+    pip("install", "--no-deps", "mooncake-transfer-engine-non-cuda==0.3.13.post1")
+    pip("install", "--no-deps", "mooncake-transfer-engine==0.3.13.post1")
+
+    def canary():
+        r = subprocess.run([str(py), "-m", "pd_sessions.canary", "mooncake", "--torch-cuda-major", "none"],
+                           capture_output=True, text=True, timeout=120)
+        return r.returncode, r.stdout
+
+    rc, out = canary()
+    assert rc == 1, out
+    line = next(x for x in out.splitlines() if "Mooncake variants installed at once" in x)
+    assert "mooncake-transfer-engine==0.3.13.post1" in line
+    assert "mooncake-transfer-engine-non-cuda==0.3.13.post1" in line
+    fix = line.split("fix: ", 1)[1]
+    assert fix == ("uv pip uninstall mooncake-transfer-engine && "
+                   "uv pip install --reinstall mooncake-transfer-engine-non-cuda==0.3.13.post1")
+    assert "needs libcudart.so.12 but torch is CPU-only" in out
+    for step in fix.split(" && "):
+        pip(*step.split()[2:])
+    rc, out = canary()
+    assert rc == 0, out
+    assert '"ok": true' in out.splitlines()[-1]
