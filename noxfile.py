@@ -18,21 +18,28 @@ ROOT = Path(__file__).parent
 sys.path.insert(0, str(ROOT))
 
 from pd_sessions import hosts, install  # noqa: E402
+from pd_sessions.config import builtin_sweep  # noqa: E402
 from pd_sessions.errors import PdError  # noqa: E402
+from pd_sessions.preflight import preflight  # noqa: E402
 
 nox.options.default_venv_backend = "uv"
 nox.options.sessions = ["unit"]
 PYTHON = "3.11"
 
 
-def _platform(session: nox.Session) -> str:
-    """The platform the posargs ask for (or the host's), checked before any install."""
+def _platform(session: nox.Session, sweep: str | None = None) -> str:
+    """The platform the posargs ask for (or the host's), checked before any install;
+    for a sweep, also whether this host can run it at all."""
     args = list(session.posargs)
     requested = None
     if "--platform" in args and args.index("--platform") + 1 < len(args):
         requested = args[args.index("--platform") + 1]
     try:
-        return hosts.resolve_platform(requested, hosts.detect())
+        if sweep is None:
+            return hosts.resolve_platform(requested, hosts.detect())
+        platform, _, _ = preflight(builtin_sweep(sweep), requested, hosts.detect(),
+                                   dry_run="--dry-run" in args)
+        return platform
     except PdError as e:
         session.error(str(e))
 
@@ -64,14 +71,14 @@ def _dry_run_install(session: nox.Session, platform: str, connectors: list[str])
     session.log(f"  then: python -m pd_sessions.canary {' '.join(connectors)}")
 
 
-def _sweep(session: nox.Session, name: str, connectors: list[str]) -> None:
-    platform = _platform(session)
+def _sweep(session: nox.Session, name: str, connectors: list[str], extra: tuple[str, ...] = ()) -> None:
+    platform = _platform(session, name)
     if "--dry-run" in session.posargs:  # plans need only the package itself
         _dry_run_install(session, platform, connectors)
         session.install("-e", str(ROOT))
     else:
         _connectors(session, platform, connectors)
-    session.run("python", "-m", "pd_sessions", "sweep", name, *session.posargs)
+    session.run("python", "-m", "pd_sessions", "sweep", name, *extra, *session.posargs)
 
 
 def _imports(session: nox.Session, connectors: list[str]) -> None:
@@ -89,6 +96,18 @@ def mooncake_sweep(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def nixl_sweep(session: nox.Session) -> None:
+    """NIXL P/D sweep (TP 1x1, 2x2): install + canary, then real clusters, all checks."""
+    _sweep(session, "nixl_sweep", ["nixl"])
+
+
+@nox.session(python=PYTHON)
+def kimi_linear_nightly(session: nox.Session) -> None:
+    """Kimi-Linear-48B-A3B over NIXL, prefill TP2 + decode DP2/EP on 4 GPUs (runs unpinned, said so)."""
+    _sweep(session, "kimi_linear_nightly", ["nixl"], extra=("--allow-unpinned-remote-code",))
+
+
+@nox.session(python=PYTHON)
 def mooncake_imports(session: nox.Session) -> None:
     """Install the Mooncake environment (wheel variant per host) and run the import canary."""
     _imports(session, ["mooncake"])
@@ -103,7 +122,7 @@ def nixl_imports(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """All tests, including the real CPU-lane end-to-end sweeps."""
-    _connectors(session, "cpu", ["mooncake"])
+    _connectors(session, "cpu", ["mooncake", "nixl"])
     session.install("-r", str(ROOT / "requirements" / "test.txt"))
     session.run("pytest", *session.posargs, env={"PD_SESSIONS_FULL_ENV": "1"})
 

@@ -38,8 +38,11 @@ MOONCAKE_VARIANTS = {
 }
 NIXL_VARIANTS = {"nixl-cu12": 12, "nixl-cu13": 13}
 IMPORTS = {"mooncake": ("mooncake.engine",), "nixl": ("nixl._api",)}
-# Distributions whose native modules we read.
+# Distributions whose native modules we read, and the modules the imports above load
+# (file name prefixes). Other extensions in the wheels (e.g. NIXL's expert-parallel
+# nixl_ep_* built per torch/CUDA) are never loaded by these imports, so not judged.
 NATIVE_DISTS = {"mooncake": tuple(MOONCAKE_VARIANTS), "nixl": ("nixl", *NIXL_VARIANTS)}
+NATIVE_MODULES = {"mooncake": ("engine.",), "nixl": ("_bindings.", "_utils.")}
 CUDART = re.compile(r"^libcudart\.so\.(\d+)$")
 
 
@@ -251,6 +254,8 @@ def run(connectors: Sequence[str], torch_cuda: int | None) -> Report:
     for conn in connectors:
         for dist in NATIVE_DISTS[conn]:
             for so in native_modules(dist):
+                if not so.name.startswith(NATIVE_MODULES[conn]):
+                    continue
                 needed, rpaths = read_elf(so)
                 res = {n: resolve(n, rpaths, cache, extra) for n in needed if CUDART.match(n)}
                 report.findings += check_needed(f"{dist}:{so.name}", needed, torch_cuda, res)

@@ -22,6 +22,7 @@ from pd_sessions import __version__, hosts
 from pd_sessions.config import Sweep, builtin_sweep, load_sweep, select
 from pd_sessions.errors import ConfigError, PdError, UsageError
 from pd_sessions.ports import PortAllocator
+from pd_sessions.preflight import preflight
 from pd_sessions.report import table, write_summary
 from pd_sessions.sweep import SweepOptions, make_plan, run_sweep
 
@@ -74,6 +75,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="readiness deadline per config (default 1200)")
     s.add_argument("--grace", type=float, default=None, metavar="SECONDS",
                    help="SIGTERM grace before SIGKILL at teardown (default 10)")
+    s.add_argument("--allow-unpinned-remote-code", action="store_true",
+                   help="allow trust_remote_code without a pinned revision (said in the results)")
     s.add_argument("--mooncake-protocol", choices=["rdma", "tcp"], default=None)
     s.add_argument("--mooncake-device-name", default=os.environ.get("MOONCAKE_DEVICE_NAME"),
                    help="RDMA HCA allow-list (default: $MOONCAKE_DEVICE_NAME)")
@@ -105,8 +108,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
 def cmd_sweep(args: argparse.Namespace) -> int:
     only = tuple(o for item in args.only for o in item.split(",") if o)
     sweep = _load(args.sweep)
-    inv = hosts.detect()
-    platform = hosts.resolve_platform(args.platform, inv)
+    platform, inv, note = preflight(sweep, args.platform, hosts.detect(), dry_run=args.dry_run)
     entries, left_out = select(sweep.entries(platform), platform, only=only,
                                include_opt_in=args.include_opt_in)
     over = _overrides(args)
@@ -114,6 +116,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     results_dir = (args.results_dir or Path("results") / f"{sweep.name}-{stamp}").resolve()
     opts = SweepOptions(platform=platform, results_dir=results_dir,
+                        allow_unpinned=args.allow_unpinned_remote_code,
                         **({"deadline_s": args.deadline} if args.deadline else {}),
                         **({"grace_s": args.grace} if args.grace is not None else {}))
 
@@ -125,6 +128,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     else:
         lane = f"CUDA: GPUs {','.join(inv.gpus)} (from {inv.gpu_source})"
     say(f"{sweep.name}: {lane}")
+    if note:
+        say(note)
+    if args.allow_unpinned_remote_code:
+        say("remote code: --allow-unpinned-remote-code given: configs with trust_remote_code and "
+            "no revision run UNPINNED (recorded in the results)")
     say(f"configs: {', '.join(c.name for c in configs) or 'none'}")
     for e in left_out:
         why = e.opt_in_reason if not only else "not named by --only"
@@ -150,6 +158,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         results = run_sweep(configs, inv, opts, say)
     finally:
         meta = {"sweep": sweep.name, "platform": platform, "pd_sessions": __version__,
+                "allow_unpinned_remote_code": args.allow_unpinned_remote_code,
                 "gpus": list(inv.gpus), "cpus": len(inv.cpus),
                 "left_out": [{"name": e.config.name, "reason": e.opt_in_reason} for e in left_out]}
         if results:

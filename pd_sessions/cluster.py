@@ -58,9 +58,9 @@ class Cluster:
         return self.plan.router.url
 
     def guard(self, call: Callable[[], T], *, when: str = "while checks ran",
-              timeout: float | None = None) -> T:
+              timeout: float | None = None, heartbeat: Callable[[], None] | None = None) -> T:
         """Run ``call``; fail at once if any process of the cluster exits meanwhile."""
-        return guarded(call, watch=self.processes, when=when, timeout=timeout)
+        return guarded(call, watch=self.processes, when=when, timeout=timeout, heartbeat=heartbeat)
 
 
 def _spawn(spec: ProcessSpec, run_dir: Path, base_env: Mapping[str, str]) -> Running:

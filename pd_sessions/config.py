@@ -48,6 +48,16 @@ class ClusterConfig:
     # Tensor-parallel size of each prefill / decode instance.
     prefill_tp: int = 1
     decode_tp: int = 1
+    # Data-parallel size of each decode instance (DP ranks, each decode_tp GPUs).
+    decode_dp: int = 1
+    # --enable-expert-parallel on the decode instances (MoE models only).
+    expert_parallel: bool = False
+    # The model is a mixture of experts (DP/EP is only allowed then).
+    moe: bool = False
+    # --trust-remote-code: only with a pinned revision, or the CLI's --allow-unpinned-remote-code.
+    trust_remote_code: bool = False
+    # Hub commit the model and tokenizer are pinned to (--revision, --tokenizer-revision).
+    revision: str | None = None
     # --gpu-memory-utilization for every instance (ignored on the CPU lane), in (0, 1].
     gpu_memory_utilization: float = 0.6
     # --block-size; None = vLLM's default on GPU, 128 on the CPU lane (must be a multiple of 32 there).
@@ -79,8 +89,14 @@ class ClusterConfig:
     @property
     def shape(self) -> str:
         """Human shape, e.g. 'P1xTP2 + D1xTP2'."""
+        dp = f",DP{self.decode_dp}" if self.decode_dp > 1 else ""
+        ep = "+EP" if self.expert_parallel else ""
         return (f"{self.num_prefill}xP(TP{self.prefill_tp}) + "
-                f"{self.num_decode}xD(TP{self.decode_tp})")
+                f"{self.num_decode}xD(TP{self.decode_tp}{dp}{ep})")
+
+    @property
+    def decode_ranks(self) -> int:
+        return self.decode_tp * self.decode_dp
 
 
 @dataclass(frozen=True)
@@ -99,11 +115,21 @@ class Sweep:
     name: str
     description: str
     source: str
+    # Platforms this sweep can run on at all (a GPU-only nightly says ["cuda"]).
+    platforms: tuple[str, ...]
     # entries resolved per platform (overrides applied)
     entries_by_platform: dict[str, tuple[SweepEntry, ...]] = field(hash=False)
 
     def entries(self, platform: str) -> tuple[SweepEntry, ...]:
+        if platform not in self.entries_by_platform:
+            raise ConfigError("platform", f"sweep {self.name} runs on {', '.join(self.platforms)} "
+                              f"only, not {platform}")
         return self.entries_by_platform[platform]
+
+    def gpus_needed(self) -> int:
+        """The most GPUs any config of this sweep needs (for the cuda platform)."""
+        return max(e.config.num_prefill * e.config.prefill_tp + e.config.num_decode * e.config.decode_ranks
+                   for e in self.entries(self.platforms[-1]))
 
 
 # ---------------------------------------------------------------- validation
@@ -134,6 +160,16 @@ def validate_cluster(c: ClusterConfig) -> None:
     _check_int("num_decode", c.num_decode, 1, MAX_INSTANCES)
     _check_int("prefill_tp", c.prefill_tp, 1, MAX_TP)
     _check_int("decode_tp", c.decode_tp, 1, MAX_TP)
+    _check_int("decode_dp", c.decode_dp, 1, MAX_TP)
+    for flag in ("expert_parallel", "moe", "trust_remote_code"):
+        if not isinstance(getattr(c, flag), bool):
+            raise ConfigError(flag, f"got {getattr(c, flag)!r}; allowed: true, false")
+    if (c.expert_parallel or c.decode_dp > 1) and not c.moe:
+        raise ConfigError("expert_parallel" if c.expert_parallel else "decode_dp",
+                          f"decode DP/EP is only for mixture-of-experts models; {c.model!r} is not "
+                          "marked moe = true in the config")
+    if c.revision is not None and (not isinstance(c.revision, str) or not c.revision.strip()):
+        raise ConfigError("revision", f"got {c.revision!r}; allowed: a commit hash or tag")
     u = c.gpu_memory_utilization
     if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
         raise ConfigError("gpu_memory_utilization", f"got {u!r}; allowed: a number in (0, 1]")
@@ -218,10 +254,9 @@ def load_sweep(path: Path) -> Sweep:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError("toml", str(e), source=where) from None
     for key in data:
-        if key not in ("name", "description", "defaults", "platform", "config"):
-            raise ConfigError(key, "unknown top-level key"
-                              f"{did_you_mean(key, ['name', 'description', 'defaults', 'platform', 'config'])}",
-                              source=where)
+        top = ["name", "description", "platforms", "defaults", "platform", "config"]
+        if key not in top:
+            raise ConfigError(key, f"unknown top-level key{did_you_mean(key, top)}", source=where)
     name = data.get("name")
     if not isinstance(name, str) or not name:
         raise ConfigError("name", "a sweep needs a name", source=where)
@@ -232,8 +267,11 @@ def load_sweep(path: Path) -> Sweep:
     raw_configs = data.get("config", [])
     if not raw_configs:
         raise ConfigError("config", "a sweep needs at least one [[config]] table", source=where)
+    platforms = tuple(data.get("platforms", PLATFORMS))
+    for plat in platforms:
+        _check_choice_src("platforms", plat, PLATFORMS, where)
     by_platform: dict[str, tuple[SweepEntry, ...]] = {}
-    for plat in PLATFORMS:
+    for plat in platforms:
         plat_over = _coerce(overrides.get(plat, {}), where=f"{where} [platform.{plat}]")
         entries = []
         seen: set[str] = set()
@@ -255,7 +293,7 @@ def load_sweep(path: Path) -> Sweep:
             entries.append(SweepEntry(cfg, default_on, reason))
         by_platform[plat] = tuple(entries)
     return Sweep(name=name, description=data.get("description", ""), source=where,
-                 entries_by_platform=by_platform)
+                 platforms=platforms, entries_by_platform=by_platform)
 
 
 def _check_choice_src(cfg_field: str, value: Any, choices: tuple[str, ...], where: str) -> None:

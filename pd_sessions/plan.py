@@ -90,6 +90,8 @@ class ClusterPlan:
         c = self.config
         lines = [f"plan {c.name}: {c.shape}, connector {c.connector}, platform {self.platform}",
                  f"  model: {self.model} (served as {self.served_model_name})"]
+        if c.trust_remote_code:
+            lines.append(f"  remote code: trusted, revision {c.revision or 'UNPINNED'}")
         for w in self.warnings:
             lines.append(f"  WARNING: {w}")
         for p in self.processes:
@@ -157,7 +159,7 @@ def place_gpus(config: ClusterConfig, inv: Inventory) -> tuple[list[tuple[str, .
 
     Raises PlanError when the host has too few visible GPUs.
     """
-    need = config.num_prefill * config.prefill_tp + config.num_decode * config.decode_tp
+    need = config.num_prefill * config.prefill_tp + config.num_decode * config.decode_ranks
     if need > len(inv.gpus):
         seen = ",".join(inv.gpus) if inv.gpus else "none"
         raise PlanError("gpus", f"config {config.name} needs {need} GPUs "
@@ -165,7 +167,7 @@ def place_gpus(config: ClusterConfig, inv: Inventory) -> tuple[list[tuple[str, .
                         f"(from {inv.gpu_source})")
     it = iter(inv.gpus)
     prefill = [tuple(next(it) for _ in range(config.prefill_tp)) for _ in range(config.num_prefill)]
-    decode = [tuple(next(it) for _ in range(config.decode_tp)) for _ in range(config.num_decode)]
+    decode = [tuple(next(it) for _ in range(config.decode_ranks)) for _ in range(config.num_decode)]
     return prefill, decode
 
 
@@ -176,7 +178,7 @@ def place_cpus(config: ClusterConfig, inv: Inventory) -> tuple[list[str], list[s
     ranks; otherwise ranks share cores round-robin and a warning says so.
     Returns (prefill binds, decode binds, warnings).
     """
-    ranks = [config.prefill_tp] * config.num_prefill + [config.decode_tp] * config.num_decode
+    ranks = [config.prefill_tp] * config.num_prefill + [config.decode_ranks] * config.num_decode
     total = sum(ranks)
     cores = list(inv.cpus) or [0]
     warnings: list[str] = []
@@ -210,16 +212,41 @@ def _cpu_dtype_and_block(config: ClusterConfig) -> tuple[str, int]:
     return "float32", block
 
 
+def remote_code_args(config: ClusterConfig, *, allow_unpinned: bool) -> tuple[list[str], str | None]:
+    """(argv additions, warning) for the remote-code policy.
+
+        trust_remote_code  revision  allow_unpinned  -> result
+        false              any       any             -> nothing
+        true               set       any             -> --trust-remote-code --revision R --tokenizer-revision R
+        true               unset     true            -> --trust-remote-code + an "UNPINNED" warning
+        true               unset     false           -> PlanError naming both ways out
+    """
+    if not config.trust_remote_code:
+        return ([], None) if config.revision is None else (
+            ["--revision", config.revision, "--tokenizer-revision", config.revision], None)
+    if config.revision:
+        return ["--trust-remote-code", "--revision", config.revision,
+                "--tokenizer-revision", config.revision], None
+    if allow_unpinned:
+        return ["--trust-remote-code"], (f"UNPINNED remote code: {config.model} runs its hub code "
+                                         "at whatever revision the hub serves now "
+                                         "(--allow-unpinned-remote-code)")
+    raise PlanError("revision", f"{config.name}: trust_remote_code needs a pinned revision (set "
+                    "revision = \"<commit>\" in the config) or the explicit "
+                    "--allow-unpinned-remote-code flag")
+
+
 def plan_cluster(config: ClusterConfig, inv: Inventory, ports: PortSource, *, platform: str,
-                 python: str, model: str | None = None) -> ClusterPlan:
+                 python: str, model: str | None = None, allow_unpinned: bool = False) -> ClusterPlan:
     """Plan every process of ``config``. ``model`` overrides what --model gets
     (e.g. the path of the generated tiny model); requests use ``config.model``."""
     if platform not in ("cpu", "cuda"):
         raise PlanError("platform", f"got {platform!r}; allowed: cpu, cuda")
+    remote_args, remote_warning = remote_code_args(config, allow_unpinned=allow_unpinned)
     if config.model == TINY_MODEL and model is None:
         raise PlanError("model", f"{TINY_MODEL!r} needs the generated model's path")
     model_arg = model or config.model
-    warnings: list[str] = []
+    warnings: list[str] = [remote_warning] if remote_warning else []
     p = _Ports(ports)
     host = config.host
 
@@ -242,8 +269,9 @@ def plan_cluster(config: ClusterConfig, inv: Inventory, ports: PortSource, *, pl
     def instance(role: str, i: int, tp: int, gpus: tuple[str, ...], bind: str | None,
                  explicit_port: int | None) -> ProcessSpec:
         name = f"{role}-{i}"
+        dp = config.decode_dp if role == "decode" else 1
         port = p.get(f"{name}.http", explicit_port)
-        internal = p.block(f"{name}.internal", INTERNAL_PORT_BLOCK)
+        internal = p.block(f"{name}.internal", INTERNAL_PORT_BLOCK * dp)
         env: dict[str, str] = {"VLLM_HOST_IP": host, "VLLM_PORT": str(internal),
                                "PYTHONUNBUFFERED": "1"}
         bootstrap = None
@@ -252,6 +280,10 @@ def plan_cluster(config: ClusterConfig, inv: Inventory, ports: PortSource, *, pl
             # none falls back to the fixed default (8998).
             bootstrap = p.get(f"{name}.mooncake_bootstrap")
             env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(bootstrap)
+        elif config.connector == "nixl":
+            # vLLM listens on VLLM_NIXL_SIDE_CHANNEL_PORT + DP rank: one port per rank.
+            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(p.block(f"{name}.nixl_side_channel", dp))
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         if platform == "cpu":
@@ -261,7 +293,13 @@ def plan_cluster(config: ClusterConfig, inv: Inventory, ports: PortSource, *, pl
         argv = [python, "-m", API_SERVER_MODULE,
                 "--model", model_arg, "--served-model-name", served_name(config),
                 "--host", host, "--port", str(port),
-                "--tensor-parallel-size", str(tp),
+                "--tensor-parallel-size", str(tp)]
+        if dp > 1:
+            argv += ["--data-parallel-size", str(dp), "--data-parallel-address", host,
+                     "--data-parallel-rpc-port", str(p.get(f"{name}.dp_rpc"))]
+        if role == "decode" and config.expert_parallel:
+            argv += ["--enable-expert-parallel"]
+        argv += [*remote_args,
                 "--kv-transfer-config", json.dumps(kv_transfer_config(config, role, platform),
                                                    sort_keys=True, separators=(",", ":"))]
         if platform == "cuda":

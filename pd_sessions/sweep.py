@@ -37,6 +37,7 @@ class SweepOptions:
     grace_s: float = DEFAULT_GRACE_S
     python: str = sys.executable
     model_cache: Path | None = None
+    allow_unpinned: bool = False
 
 
 def model_path(config: ClusterConfig, *, create: bool, cache: Path | None = None) -> str | None:
@@ -51,7 +52,8 @@ def model_path(config: ClusterConfig, *, create: bool, cache: Path | None = None
 def make_plan(config: ClusterConfig, inv: Inventory, ports: PortAllocator, opts: SweepOptions,
               *, create_model: bool) -> ClusterPlan:
     return plan_cluster(config, inv, ports, platform=opts.platform, python=opts.python,
-                        model=model_path(config, create=create_model, cache=opts.model_cache))
+                        model=model_path(config, create=create_model, cache=opts.model_cache),
+                        allow_unpinned=opts.allow_unpinned)
 
 
 def run_config(config: ClusterConfig, inv: Inventory, opts: SweepOptions,

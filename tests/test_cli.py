@@ -53,3 +53,28 @@ def test_bad_config_file_exit_2(tmp_path):
     p.write_text('name="bad"\n[defaults]\nmodel="m"\n[[config]]\nname="x"\nprefill_tp=0\n')
     r = cli("sweep", str(p), "--dry-run")
     assert r.returncode == 2 and "prefill_tp: got 0" in r.stderr and str(p) in r.stderr
+
+
+def test_kimi_dry_run_prints_the_nightly_plan_anywhere():
+    r = cli("sweep", "kimi_linear_nightly", "--dry-run", "--allow-unpinned-remote-code")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "prefill-0: http://127.0.0.1:" in out and "(GPUs 0,1," in out
+    assert "decode-0: http://127.0.0.1:" in out and "(GPUs 2,3," in out
+    assert "1xD(TP1,DP2+EP)" in out and "--enable-expert-parallel" in out and "--data-parallel-size 2" in out
+    assert "revision UNPINNED" in out and "VLLM_SSM_CONV_STATE_LAYOUT=DS" in out
+    assert "--mamba-cache-mode align" in out and "--max-model-len 32768" in out and "--trust-remote-code" in out
+    assert "--gpu-memory-utilization 0.9" in out and "--kv-connector nixl" in out
+    assert "ports: all" in out and "distinct" in out
+
+
+def test_kimi_unpinned_needs_the_explicit_flag():
+    r = cli("sweep", "kimi_linear_nightly", "--dry-run")
+    assert r.returncode == 2 and "--allow-unpinned-remote-code" in r.stderr
+
+
+@pytest.mark.skipif(len(detect().gpus) >= 4, reason="this host has 4 GPUs")
+def test_kimi_without_4_gpus_exits_before_starting():
+    r = cli("sweep", "kimi_linear_nightly", "--allow-unpinned-remote-code")
+    assert r.returncode == 2
+    assert "kimi_linear_nightly needs 4 GPUs" in r.stderr and "nothing was started" in r.stderr

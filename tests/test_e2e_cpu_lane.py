@@ -74,8 +74,11 @@ class Cli:
         return "\n".join(line for _, line in self.lines)
 
 
-def test_mooncake_sweep_1x1_passes_all_checks_and_leaves_nothing(tmp_path):
-    cli = Cli("sweep", "mooncake_sweep", "--only", "1x1", "--results-dir", str(tmp_path))
+@pytest.mark.parametrize("sweep", ["mooncake_sweep", "nixl_sweep"])
+def test_sweep_1x1_passes_all_checks_and_leaves_nothing(tmp_path, sweep):
+    if sweep == "nixl_sweep":
+        heavy("nixl._api")
+    cli = Cli("sweep", sweep, "--only", "1x1", "--results-dir", str(tmp_path))
     rc = cli.wait(timeout=1100)
     assert rc == 0, cli.text[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())

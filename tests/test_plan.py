@@ -183,3 +183,78 @@ def test_render_lists_every_process():
     for needle in ("prefill-0", "decode-0", "router", "GPUs 0,1", "GPUs 2,3", "all ", "distinct",
                    "CUDA_VISIBLE_DEVICES=0,1"):
         assert needle in text
+
+
+# ---------------------------------------------------------------- NIXL, DP/EP, remote code
+
+def test_nixl_side_channel_ports_one_per_dp_rank():
+    p = plan(cfg(connector="nixl", prefill_tp=2, decode_dp=2, expert_parallel=True, moe=True))
+    pre, dec = p.prefill[0], p.decode[0]
+    ports = dict(p.ports)
+    assert int(env(pre)["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == ports["prefill-0.nixl_side_channel"]
+    base = int(env(dec)["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+    # decode rank r listens on base + r: both are reserved in the plan
+    assert ports["decode-0.nixl_side_channel"] == base and ports["decode-0.nixl_side_channel+1"] == base + 1
+    assert env(dec)["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+    assert "VLLM_MOONCAKE_BOOTSTRAP_PORT" not in env(pre) and pre.bootstrap_port is None
+    values = [v for _, v in p.ports]
+    assert len(values) == len(set(values))
+    kv = json.loads(arg(dec, "--kv-transfer-config"))
+    assert kv == {"kv_buffer_device": "cuda", "kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
+    assert arg(p.router, "--kv-connector") == "nixl" and p.router.argv.count("--prefill") == 1
+    i = p.router.argv.index("--prefill")
+    assert p.router.argv[i + 2].startswith("--")  # no bootstrap port for NIXL
+
+
+def test_nixl_cpu_buffer_on_cpu_lane():
+    p = plan(cfg(model="m", connector="nixl"), CPU2, platform="cpu")
+    assert json.loads(arg(p.prefill[0], "--kv-transfer-config"))["kv_buffer_device"] == "cpu"
+
+
+def test_decode_dp_ep_placement_and_args():
+    p = plan(cfg(connector="nixl", prefill_tp=2, decode_tp=1, decode_dp=2, expert_parallel=True, moe=True))
+    assert p.prefill[0].gpus == ("0", "1") and p.decode[0].gpus == ("2", "3")
+    d = p.decode[0]
+    assert arg(d, "--data-parallel-size") == "2" and arg(d, "--tensor-parallel-size") == "1"
+    assert "--enable-expert-parallel" in d.argv and "--enable-expert-parallel" not in p.prefill[0].argv
+    assert int(arg(d, "--data-parallel-rpc-port")) == dict(p.ports)["decode-0.dp_rpc"]
+    assert arg(d, "--data-parallel-address") == "127.0.0.1"
+
+
+def test_dp_ep_gpu_shortage():
+    inv = Inventory(gpus=("0", "1", "2"), cpus=(0,), gpu_source="nvidia-smi")
+    with pytest.raises(PlanError, match="needs 4 GPUs .* 3 visible: 0,1,2"):
+        plan(cfg(prefill_tp=2, decode_dp=2, expert_parallel=True, moe=True), inv)
+
+
+@pytest.mark.parametrize("kw,field", [({"decode_dp": 2}, "decode_dp"), ({"expert_parallel": True}, "expert_parallel")])
+def test_dp_ep_only_for_moe_models(kw, field):
+    from pd_sessions.errors import ConfigError
+    with pytest.raises(ConfigError) as e:
+        cfg(**kw)
+    assert e.value.field == field and "mixture-of-experts" in str(e.value)
+
+
+def test_remote_code_pinned():
+    p = plan(cfg(trust_remote_code=True, revision="abc123"))
+    a = p.prefill[0].argv
+    assert "--trust-remote-code" in a and arg(p.prefill[0], "--revision") == "abc123"
+    assert arg(p.prefill[0], "--tokenizer-revision") == "abc123" and not p.warnings
+    assert "revision abc123" in p.render()
+
+
+def test_remote_code_unpinned_refused_without_flag():
+    with pytest.raises(PlanError) as e:
+        plan(cfg(trust_remote_code=True))
+    assert e.value.field == "revision" and "--allow-unpinned-remote-code" in str(e.value)
+
+
+def test_remote_code_unpinned_allowed_and_said():
+    p = plan(cfg(trust_remote_code=True), allow_unpinned=True)
+    assert "--trust-remote-code" in p.decode[0].argv and "--revision" not in p.decode[0].argv
+    assert any(w.startswith("UNPINNED remote code") for w in p.warnings)
+    assert "revision UNPINNED" in p.render()
+
+
+def test_no_remote_code_by_default():
+    assert "--trust-remote-code" not in plan(cfg()).prefill[0].argv

@@ -1,0 +1,42 @@
+"""Before anything is installed or started: can this sweep run on this host?
+
+Imports only the standard library and pure modules, so the noxfile can call it
+before it installs anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from pd_sessions.config import Sweep
+from pd_sessions.errors import ConfigError, PlanError
+from pd_sessions.hosts import Inventory, resolve_platform
+
+
+def preflight(sweep: Sweep, requested: str | None, inv: Inventory, *,
+              dry_run: bool = False) -> tuple[str, Inventory, str | None]:
+    """(platform, inventory to plan with, note).
+
+        sweep platforms  host GPUs        dry run  -> result
+        cpu+cuda         any              any      -> resolve_platform(requested, host)
+        cuda only        --platform cpu   any      -> ConfigError
+        cuda only        >= needed        any      -> cuda, host inventory
+        cuda only        <  needed        no       -> PlanError "needs N GPUs, M visible: ..."
+        cuda only        <  needed        yes      -> cuda, GPUs 0..N-1 assumed (noted)
+    """
+    if "cpu" in sweep.platforms:
+        return resolve_platform(requested, inv), inv, None
+    if requested == "cpu":
+        raise ConfigError("--platform", f"{sweep.name} runs on {', '.join(sweep.platforms)} only")
+    need = sweep.gpus_needed()
+    if len(inv.gpus) >= need:
+        return "cuda", inv, None
+    seen = ",".join(inv.gpus) if inv.gpus else "none"
+    if dry_run:
+        assumed = replace(inv, gpus=tuple(str(i) for i in range(need)),
+                          gpu_source=f"assumed for --dry-run (this host: {seen})")
+        return "cuda", assumed, (f"dry run: {sweep.name} needs {need} GPUs and this host has "
+                                 f"{len(inv.gpus)} visible ({seen}); planning as if GPUs "
+                                 f"{','.join(assumed.gpus)} were visible")
+    raise PlanError("gpus", f"{sweep.name} needs {need} GPUs, {len(inv.gpus)} visible: {seen} "
+                    f"(from {inv.gpu_source}); nothing was started")

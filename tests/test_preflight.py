@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import pytest
+
+from pd_sessions.config import builtin_sweep
+from pd_sessions.errors import ConfigError, PlanError
+from pd_sessions.hosts import Inventory
+from pd_sessions.preflight import preflight
+
+KIMI = builtin_sweep("kimi_linear_nightly")
+NONE = Inventory(gpus=(), cpus=(0, 1))
+TWO = Inventory(gpus=("0", "1"), cpus=(0, 1), gpu_source="nvidia-smi")
+FOUR = Inventory(gpus=("0", "1", "2", "3"), cpus=(0, 1), gpu_source="nvidia-smi")
+
+
+def test_kimi_config_is_the_upstream_shape():
+    (e,) = KIMI.entries("cuda")
+    c = e.config
+    assert (c.connector, c.prefill_tp, c.decode_tp, c.decode_dp, c.expert_parallel) == ("nixl", 2, 1, 2, True)
+    assert c.gpu_memory_utilization == 0.9 and c.max_model_len == 32768 and c.trust_remote_code
+    assert c.revision is None and ("VLLM_SSM_CONV_STATE_LAYOUT", "DS") in c.extra_env
+    assert c.extra_args == ("--mamba-cache-mode", "align")
+    assert KIMI.platforms == ("cuda",) and KIMI.gpus_needed() == 4
+
+
+@pytest.mark.parametrize("inv,seen", [(NONE, "0 visible: none"), (TWO, "2 visible: 0,1")])
+def test_kimi_refuses_too_few_gpus_before_anything(inv, seen):
+    with pytest.raises(PlanError) as e:
+        preflight(KIMI, None, inv)
+    assert "kimi_linear_nightly needs 4 GPUs" in str(e.value) and seen in str(e.value)
+    assert e.value.exit_status == 2
+
+
+def test_kimi_dry_run_assumes_gpus_and_says_so():
+    platform, inv, note = preflight(KIMI, None, NONE, dry_run=True)
+    assert platform == "cuda" and inv.gpus == ("0", "1", "2", "3") and "planning as if" in note
+
+
+def test_kimi_runs_on_four():
+    assert preflight(KIMI, None, FOUR) == ("cuda", FOUR, None)
+
+
+def test_kimi_refuses_cpu():
+    with pytest.raises(ConfigError, match="runs on cuda only"):
+        preflight(KIMI, "cpu", FOUR)
+
+
+def test_sweeps_with_a_cpu_lane_follow_the_host():
+    s = builtin_sweep("nixl_sweep")
+    assert preflight(s, None, NONE)[0] == "cpu" and preflight(s, None, FOUR)[0] == "cuda"
