@@ -123,12 +123,21 @@ def nixl_imports(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """All tests, including the real CPU-lane end-to-end sweeps."""
     _connectors(session, "cpu", ["mooncake", "nixl"])
-    session.install("-r", str(ROOT / "requirements" / "test.txt"))
+    session.install("-r", str(ROOT / "requirements" / "test.txt"),
+                    "-r", str(ROOT / "requirements" / "buildkite.txt"))
     session.run("pytest", *session.posargs, env={"PD_SESSIONS_FULL_ENV": "1"})
+
+
+@nox.session(python=PYTHON)
+def buildkite(session: nox.Session) -> None:
+    """Render .buildkite/ (pipeline + vLLM test_areas) from pd_sessions/ci_jobs.py."""
+    session.install("-e", str(ROOT), "-r", str(ROOT / "requirements" / "buildkite.txt"))
+    session.run("python", "-m", "pd_sessions.ci_jobs")
 
 
 @nox.session(python=PYTHON)
 def unit(session: nox.Session) -> None:
     """Unit tests only: no vLLM, seconds."""
-    session.install("-e", str(ROOT), "-r", str(ROOT / "requirements" / "test.txt"))
+    session.install("-e", str(ROOT), "-r", str(ROOT / "requirements" / "test.txt"),
+                    "-r", str(ROOT / "requirements" / "buildkite.txt"))
     session.run("pytest", "-m", "not e2e", *session.posargs)

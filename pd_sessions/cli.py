@@ -23,8 +23,8 @@ from pd_sessions.config import Sweep, builtin_sweep, load_sweep, select
 from pd_sessions.errors import ConfigError, PdError, UsageError
 from pd_sessions.ports import PortAllocator
 from pd_sessions.preflight import preflight
-from pd_sessions.report import table, write_summary
-from pd_sessions.sweep import SweepOptions, make_plan, run_sweep
+from pd_sessions.report import annotate, table, write_junit, write_summary
+from pd_sessions.sweep import CHECKS, SweepOptions, make_plan, run_sweep
 
 log = logging.getLogger("pd_sessions")
 
@@ -77,6 +77,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="SIGTERM grace before SIGKILL at teardown (default 10)")
     s.add_argument("--allow-unpinned-remote-code", action="store_true",
                    help="allow trust_remote_code without a pinned revision (said in the results)")
+    s.add_argument("--share-gpus", action="store_true",
+                   help="let instances share GPUs when the host has fewer than the config needs "
+                        "(each gets explicit KV-cache bytes); prints a warning")
     s.add_argument("--mooncake-protocol", choices=["rdma", "tcp"], default=None)
     s.add_argument("--mooncake-device-name", default=os.environ.get("MOONCAKE_DEVICE_NAME"),
                    help="RDMA HCA allow-list (default: $MOONCAKE_DEVICE_NAME)")
@@ -108,7 +111,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
 def cmd_sweep(args: argparse.Namespace) -> int:
     only = tuple(o for item in args.only for o in item.split(",") if o)
     sweep = _load(args.sweep)
-    platform, inv, note = preflight(sweep, args.platform, hosts.detect(), dry_run=args.dry_run)
+    platform, inv, note = preflight(sweep, args.platform, hosts.detect(), dry_run=args.dry_run,
+                                    share_gpus=args.share_gpus)
     entries, left_out = select(sweep.entries(platform), platform, only=only,
                                include_opt_in=args.include_opt_in)
     over = _overrides(args)
@@ -116,7 +120,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     results_dir = (args.results_dir or Path("results") / f"{sweep.name}-{stamp}").resolve()
     opts = SweepOptions(platform=platform, results_dir=results_dir,
-                        allow_unpinned=args.allow_unpinned_remote_code,
+                        allow_unpinned=args.allow_unpinned_remote_code, share_gpus=args.share_gpus,
                         **({"deadline_s": args.deadline} if args.deadline else {}),
                         **({"grace_s": args.grace} if args.grace is not None else {}))
 
@@ -163,7 +167,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                 "left_out": [{"name": e.config.name, "reason": e.opt_in_reason} for e in left_out]}
         if results:
             write_summary(results, results_dir, meta)
+            write_junit(results, results_dir / "junit.xml", suite=sweep.name, expected_checks=CHECKS)
             print("\n" + table(results), flush=True)
+            if annotate(results, sweep=sweep.name):
+                say("summary added as a Buildkite annotation")
     failed = [r.name for r in results if r.outcome != "passed"]
     say(f"{len(results) - len(failed)}/{len(results)} configs passed"
         + (f"; failed: {', '.join(failed)}" if failed else ""))

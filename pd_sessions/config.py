@@ -82,6 +82,9 @@ class ClusterConfig:
     decode_ports: tuple[int, ...] = ()
     # Address every process binds and advertises.
     host: str = "127.0.0.1"
+    # KV cache bytes per instance when instances share a GPU (--share-gpus): vLLM then
+    # skips memory profiling, which races when two instances profile one GPU.
+    shared_kv_cache_bytes: int = 2 * 1024**3
 
     def __post_init__(self) -> None:
         validate_cluster(self)
@@ -203,6 +206,7 @@ def validate_cluster(c: ClusterConfig) -> None:
     dupes = sorted({p for p in explicit if explicit.count(p) > 1})
     if dupes:
         raise ConfigError("ports", f"port(s) {dupes} used more than once; every port must be unique")
+    _check_int("shared_kv_cache_bytes", c.shared_kv_cache_bytes, 64 * 1024**2, 1024**4)
     if c.host != "127.0.0.1" and not c.host:
         raise ConfigError("host", "must not be empty")
 

@@ -264,6 +264,13 @@ if __name__ == "__main__":
     import json
     import sys
 
-    if sys.argv[1:] != ["facts"]:
-        raise SystemExit("usage: python -m pd_sessions.install facts")
-    print(json.dumps(facts()))
+    if sys.argv[1:2] == ["facts"]:
+        print(json.dumps(facts()))
+    elif sys.argv[1:2] == ["plan"] and sys.argv[2:]:
+        # What the sessions would do to this environment (changes nothing).
+        doc = facts()
+        plat, acts = plan_connectors(doc, sys.argv[2:])
+        print(f"torch {doc.get('torch')} is built for {plat.describe()}; connector actions: "
+              + ("; ".join(map(str, acts)) or "none (the right variants are installed)"))
+    else:
+        raise SystemExit("usage: python -m pd_sessions.install facts | plan CONNECTOR...")

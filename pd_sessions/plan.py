@@ -154,21 +154,34 @@ def kv_transfer_config(config: ClusterConfig, role: str, platform: str) -> dict[
     raise PlanError("connector", f"no planner rule for connector {config.connector!r}")
 
 
-def place_gpus(config: ClusterConfig, inv: Inventory) -> tuple[list[tuple[str, ...]], list[tuple[str, ...]]]:
-    """Disjoint GPU sets: prefill instances first, then decode instances.
+def place_gpus(config: ClusterConfig, inv: Inventory, *,
+               share: bool = False) -> tuple[list[tuple[str, ...]], list[tuple[str, ...]], bool]:
+    """GPU sets: prefill instances first, then decode instances. Returns (prefill, decode, shared).
 
-    Raises PlanError when the host has too few visible GPUs.
+        enough GPUs             -> disjoint sets, shared = False
+        too few, share=False    -> PlanError "needs N GPUs, M visible: ..."
+        too few, share=True     -> sets taken round-robin over the visible GPUs (instances
+                                   share), shared = True; each instance's own ranks stay on
+                                   distinct GPUs when it has at most as many ranks as GPUs
+        no GPU at all           -> PlanError, shared or not
     """
     need = config.num_prefill * config.prefill_tp + config.num_decode * config.decode_ranks
-    if need > len(inv.gpus):
-        seen = ",".join(inv.gpus) if inv.gpus else "none"
+    seen = ",".join(inv.gpus) if inv.gpus else "none"
+    if need > len(inv.gpus) and (not share or not inv.gpus):
         raise PlanError("gpus", f"config {config.name} needs {need} GPUs "
                         f"({config.shape}), {len(inv.gpus)} visible: {seen} "
-                        f"(from {inv.gpu_source})")
+                        f"(from {inv.gpu_source})"
+                        + ("" if share or not inv.gpus else "; --share-gpus lets instances share them"))
+    if need > len(inv.gpus):
+        ring = [inv.gpus[i % len(inv.gpus)] for i in range(need)]
+        it = iter(ring)
+        prefill = [tuple(next(it) for _ in range(config.prefill_tp)) for _ in range(config.num_prefill)]
+        decode = [tuple(next(it) for _ in range(config.decode_ranks)) for _ in range(config.num_decode)]
+        return prefill, decode, True
     it = iter(inv.gpus)
     prefill = [tuple(next(it) for _ in range(config.prefill_tp)) for _ in range(config.num_prefill)]
     decode = [tuple(next(it) for _ in range(config.decode_ranks)) for _ in range(config.num_decode)]
-    return prefill, decode
+    return prefill, decode, False
 
 
 def place_cpus(config: ClusterConfig, inv: Inventory) -> tuple[list[str], list[str], list[str]]:
@@ -237,7 +250,8 @@ def remote_code_args(config: ClusterConfig, *, allow_unpinned: bool) -> tuple[li
 
 
 def plan_cluster(config: ClusterConfig, inv: Inventory, ports: PortSource, *, platform: str,
-                 python: str, model: str | None = None, allow_unpinned: bool = False) -> ClusterPlan:
+                 python: str, model: str | None = None, allow_unpinned: bool = False,
+                 share_gpus: bool = False) -> ClusterPlan:
     """Plan every process of ``config``. ``model`` overrides what --model gets
     (e.g. the path of the generated tiny model); requests use ``config.model``."""
     if platform not in ("cpu", "cuda"):
@@ -250,8 +264,13 @@ def plan_cluster(config: ClusterConfig, inv: Inventory, ports: PortSource, *, pl
     p = _Ports(ports)
     host = config.host
 
+    shared = False
     if platform == "cuda":
-        p_gpus, d_gpus = place_gpus(config, inv)
+        p_gpus, d_gpus, shared = place_gpus(config, inv, share=share_gpus)
+        if shared:
+            warnings.append(f"--share-gpus: {config.shape} shares GPUs {','.join(inv.gpus)}; each "
+                            f"instance gets --kv-cache-memory-bytes {config.shared_kv_cache_bytes} "
+                            "instead of a share of --gpu-memory-utilization (profiling races)")
         p_binds: list[str | None] = [None] * config.num_prefill
         d_binds: list[str | None] = [None] * config.num_decode
         dtype, block = config.dtype, config.block_size
@@ -302,7 +321,9 @@ def plan_cluster(config: ClusterConfig, inv: Inventory, ports: PortSource, *, pl
         argv += [*remote_args,
                 "--kv-transfer-config", json.dumps(kv_transfer_config(config, role, platform),
                                                    sort_keys=True, separators=(",", ":"))]
-        if platform == "cuda":
+        if shared:
+            argv += ["--kv-cache-memory-bytes", str(config.shared_kv_cache_bytes)]
+        elif platform == "cuda":
             argv += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
         if dtype not in (None, "auto"):
             argv += ["--dtype", dtype]

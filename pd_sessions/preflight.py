@@ -14,13 +14,14 @@ from pd_sessions.hosts import Inventory, resolve_platform
 
 
 def preflight(sweep: Sweep, requested: str | None, inv: Inventory, *,
-              dry_run: bool = False) -> tuple[str, Inventory, str | None]:
+              dry_run: bool = False, share_gpus: bool = False) -> tuple[str, Inventory, str | None]:
     """(platform, inventory to plan with, note).
 
         sweep platforms  host GPUs        dry run  -> result
         cpu+cuda         any              any      -> resolve_platform(requested, host)
         cuda only        --platform cpu   any      -> ConfigError
         cuda only        >= needed        any      -> cuda, host inventory
+        cuda only        >= 1, --share-gpus  any   -> cuda, host inventory (instances share)
         cuda only        <  needed        no       -> PlanError "needs N GPUs, M visible: ..."
         cuda only        <  needed        yes      -> cuda, GPUs 0..N-1 assumed (noted)
     """
@@ -29,7 +30,7 @@ def preflight(sweep: Sweep, requested: str | None, inv: Inventory, *,
     if requested == "cpu":
         raise ConfigError("--platform", f"{sweep.name} runs on {', '.join(sweep.platforms)} only")
     need = sweep.gpus_needed()
-    if len(inv.gpus) >= need:
+    if len(inv.gpus) >= need or (share_gpus and inv.gpus):
         return "cuda", inv, None
     seen = ",".join(inv.gpus) if inv.gpus else "none"
     if dry_run:

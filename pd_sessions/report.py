@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pd_sessions.checks.base import CheckResult
+from pd_sessions.process import log_tail
 
 PASSED, FAILED, ERROR = "passed", "failed", "error"
 PHASES = ("plan", "start", "router", "checks", "teardown")
@@ -83,3 +87,56 @@ def write_summary(results: Sequence[ConfigResult], results_dir: Path, meta: dict
     path.write_text(json.dumps(doc, indent=2) + "\n")
     (results_dir / "summary.txt").write_text(table(results) + "\n")
     return path
+
+
+def _logs_tail(run_dir: str, lines: int = 20) -> str:
+    parts = []
+    for log in sorted(Path(run_dir).glob("*.log")) if run_dir else []:
+        parts.append(f"--- {log.name} (last {lines} lines) ---\n{log_tail(log, lines)}")
+    return "\n".join(parts)
+
+
+def write_junit(results: Sequence[ConfigResult], path: Path, *, suite: str,
+                expected_checks: Sequence[str]) -> Path:
+    """One test case per config and check; a failing check is a <failure> with its message
+    and the logs' tails; a check that never ran because the config errored is an <error>."""
+    cases = []
+    for r in results:
+        by_name = {c.name: c for c in r.checks}
+        for name in expected_checks:
+            case = ET.Element("testcase", classname=f"{suite}.{r.name}", name=name)
+            c = by_name.get(name)
+            if c is not None:
+                case.set("time", f"{c.seconds:.3f}")
+                if not c.passed:
+                    f = ET.SubElement(case, "failure", message=c.message[:500], type="CheckFailed")
+                    f.text = f"{c.message}\n\n{_logs_tail(r.run_dir)}"
+            else:
+                e = ET.SubElement(case, "error", message=(r.error or "did not run").splitlines()[0][:500],
+                                  type="ConfigError" if r.outcome == ERROR else "NotRun")
+                e.text = f"{r.error or 'did not run'}\n\n{_logs_tail(r.run_dir)}"
+            cases.append(case)
+    failures = sum(1 for c in cases if c.find("failure") is not None)
+    errors = sum(1 for c in cases if c.find("error") is not None)
+    root = ET.Element("testsuites")
+    ts = ET.SubElement(root, "testsuite", name=suite, tests=str(len(cases)), failures=str(failures),
+                       errors=str(errors))
+    ts.extend(cases)
+    ET.indent(root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
+    return path
+
+
+def annotate(results: Sequence[ConfigResult], *, sweep: str) -> bool:
+    """Add a Buildkite annotation with the summary table when buildkite-agent is on PATH.
+
+    Returns whether an annotation was made; without the agent nothing happens."""
+    agent = shutil.which("buildkite-agent")
+    if agent is None:
+        return False
+    ok = all(r.outcome == PASSED for r in results) and bool(results)
+    body = f"**{sweep}**: {'passed' if ok else 'FAILED'}\n\n```\n{table(results)}\n```\n"
+    subprocess.run([agent, "annotate", "--style", "success" if ok else "error",
+                    "--context", f"pd-sessions-{sweep}"], input=body, text=True, check=False)
+    return True

@@ -38,6 +38,7 @@ class SweepOptions:
     python: str = sys.executable
     model_cache: Path | None = None
     allow_unpinned: bool = False
+    share_gpus: bool = False
 
 
 def model_path(config: ClusterConfig, *, create: bool, cache: Path | None = None) -> str | None:
@@ -53,7 +54,7 @@ def make_plan(config: ClusterConfig, inv: Inventory, ports: PortAllocator, opts:
               *, create_model: bool) -> ClusterPlan:
     return plan_cluster(config, inv, ports, platform=opts.platform, python=opts.python,
                         model=model_path(config, create=create_model, cache=opts.model_cache),
-                        allow_unpinned=opts.allow_unpinned)
+                        allow_unpinned=opts.allow_unpinned, share_gpus=opts.share_gpus)
 
 
 def run_config(config: ClusterConfig, inv: Inventory, opts: SweepOptions,

@@ -258,3 +258,33 @@ def test_remote_code_unpinned_allowed_and_said():
 
 def test_no_remote_code_by_default():
     assert "--trust-remote-code" not in plan(cfg()).prefill[0].argv
+
+
+# ---------------------------------------------------------------- shared GPUs
+
+ONE = Inventory(gpus=("0",), cpus=(0,), gpu_source="nvidia-smi")
+
+
+def test_one_gpu_without_share_is_the_shortage_error():
+    with pytest.raises(PlanError, match="needs 2 GPUs .* 1 visible: 0.*--share-gpus"):
+        plan(cfg(), ONE)
+
+
+def test_share_gpus_places_both_on_gpu0_with_explicit_kv_bytes():
+    p = plan(cfg(shared_kv_cache_bytes=2 * 1024**3), ONE, share_gpus=True)
+    assert p.prefill[0].gpus == ("0",) and p.decode[0].gpus == ("0",)
+    for s in p.instances:
+        assert arg(s, "--kv-cache-memory-bytes") == str(2 * 1024**3)
+        assert "--gpu-memory-utilization" not in s.argv
+    assert any("--share-gpus" in w for w in p.warnings)
+
+
+def test_share_gpus_keeps_disjoint_when_enough():
+    p = plan(cfg(), GPUS4, share_gpus=True)
+    assert p.prefill[0].gpus == ("0",) and p.decode[0].gpus == ("1",)
+    assert "--gpu-memory-utilization" in p.prefill[0].argv and not p.warnings
+
+
+def test_share_gpus_needs_at_least_one_gpu():
+    with pytest.raises(PlanError, match="0 visible"):
+        plan(cfg(), Inventory(gpus=(), cpus=(0,)), share_gpus=True)

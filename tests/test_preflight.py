@@ -48,3 +48,14 @@ def test_kimi_refuses_cpu():
 def test_sweeps_with_a_cpu_lane_follow_the_host():
     s = builtin_sweep("nixl_sweep")
     assert preflight(s, None, NONE)[0] == "cpu" and preflight(s, None, FOUR)[0] == "cuda"
+
+
+def test_single_gpu_verification_needs_share_flag():
+    s = builtin_sweep("gpu_single_verification")
+    one = Inventory(gpus=("0",), cpus=(0,), gpu_source="nvidia-smi")
+    with pytest.raises(PlanError, match="needs 2 GPUs, 1 visible"):
+        preflight(s, None, one)
+    assert preflight(s, None, one, share_gpus=True)[0] == "cuda"
+    names = {e.config.connector for e in s.entries("cuda")}
+    assert names == {"mooncake", "nixl"}
+    assert all(e.config.dtype == "bfloat16" and e.config.block_size == 16 for e in s.entries("cuda"))

@@ -41,3 +41,40 @@ def test_table_and_summary(tmp_path):
 
 def test_summary_of_nothing_is_not_passed(tmp_path):
     assert json.loads(write_summary([], tmp_path, {}).read_text())["passed"] is False
+
+
+def test_junit_one_case_per_config_and_check(tmp_path):
+    from junitparser import Error, Failure, JUnitXml
+
+    from pd_sessions.report import write_junit
+
+    run_dir = tmp_path / "2x2"
+    run_dir.mkdir()
+    (run_dir / "decode-0.log").write_text("line a\nKV pull failed: boom\n")
+    ok = result([("smoke", "pass"), ("parity", "pass"), ("kv_transfer", "pass")])
+    bad = result([("smoke", "pass"), ("parity", "pass"), ("kv_transfer", "fail")])
+    bad.name, bad.run_dir = "2x2", str(run_dir)
+    bad.checks[2].message = "decode received 0 prompt tokens by KV transfer"
+    dead = result([], error="decode-0 exited with status -9 (SIGKILL)\n--- last lines ---\nx")
+    dead.name = "4x4"
+    for r in (ok, bad, dead):
+        r.decide(["smoke", "parity", "kv_transfer"])
+    path = write_junit([ok, bad, dead], tmp_path / "junit.xml", suite="mooncake_sweep",
+                       expected_checks=["smoke", "parity", "kv_transfer"])
+    xml = JUnitXml.fromfile(str(path))
+    cases = [c for suite in xml for c in suite]
+    assert len(cases) == 9
+    by = {(c.classname, c.name): c for c in cases}
+    assert by[("mooncake_sweep.1x1", "smoke")].is_passed
+    failed = by[("mooncake_sweep.2x2", "kv_transfer")]
+    (f,) = [r for r in failed.result if isinstance(r, Failure)]
+    assert "0 prompt tokens by KV transfer" in f.message and "KV pull failed: boom" in f.text
+    (e,) = [r for r in by[("mooncake_sweep.4x4", "smoke")].result if isinstance(r, Error)]
+    assert "SIGKILL" in e.message
+
+
+def test_annotation_is_skipped_without_agent(monkeypatch):
+    from pd_sessions.report import annotate
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert annotate([result([])], sweep="s") is False
