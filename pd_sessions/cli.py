@@ -20,6 +20,7 @@ from types import FrameType
 
 from pd_sessions import __version__, hosts
 from pd_sessions.config import Sweep, builtin_sweep, load_sweep, select
+from pd_sessions.checks.accuracy import AccuracyOptions
 from pd_sessions.errors import ConfigError, PdError, UsageError
 from pd_sessions.ports import PortAllocator
 from pd_sessions.preflight import preflight
@@ -77,6 +78,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="SIGTERM grace before SIGKILL at teardown (default 10)")
     s.add_argument("--allow-unpinned-remote-code", action="store_true",
                    help="allow trust_remote_code without a pinned revision (said in the results)")
+    s.add_argument("--accuracy", choices=["enforce", "warn"], default="enforce",
+                   help="warn: exploratory run; an accuracy miss or missing baseline is reported, "
+                        "not failed (said in the summary)")
+    s.add_argument("--accuracy-rule", choices=["tolerance", "wilson"], default="tolerance")
+    s.add_argument("--accuracy-limit", type=int, default=None, metavar="N",
+                   help="lm_eval sample limit (refused unless it matches the baseline's)")
+    s.add_argument("--allow-sample-mismatch", action="store_true")
+    s.add_argument("--record-baseline", action="store_true",
+                   help="measure accuracy and write it as the model's baseline")
     s.add_argument("--share-gpus", action="store_true",
                    help="let instances share GPUs when the host has fewer than the config needs "
                         "(each gets explicit KV-cache bytes); prints a warning")
@@ -121,6 +131,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     results_dir = (args.results_dir or Path("results") / f"{sweep.name}-{stamp}").resolve()
     opts = SweepOptions(platform=platform, results_dir=results_dir,
                         allow_unpinned=args.allow_unpinned_remote_code, share_gpus=args.share_gpus,
+                        accuracy=AccuracyOptions(mode=args.accuracy, rule=args.accuracy_rule,
+                                                 limit=args.accuracy_limit,
+                                                 allow_sample_mismatch=args.allow_sample_mismatch,
+                                                 record_baseline=args.record_baseline),
                         **({"deadline_s": args.deadline} if args.deadline else {}),
                         **({"grace_s": args.grace} if args.grace is not None else {}))
 
@@ -134,6 +148,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     say(f"{sweep.name}: {lane}")
     if note:
         say(note)
+    if args.accuracy == "warn":
+        say("accuracy: --accuracy=warn: misses and missing baselines are reported, not failed")
     if args.allow_unpinned_remote_code:
         say("remote code: --allow-unpinned-remote-code given: configs with trust_remote_code and "
             "no revision run UNPINNED (recorded in the results)")
@@ -163,6 +179,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     finally:
         meta = {"sweep": sweep.name, "platform": platform, "pd_sessions": __version__,
                 "allow_unpinned_remote_code": args.allow_unpinned_remote_code,
+                "accuracy_mode": args.accuracy,
                 "gpus": list(inv.gpus), "cpus": len(inv.cpus),
                 "left_out": [{"name": e.config.name, "reason": e.opt_in_reason} for e in left_out]}
         if results:

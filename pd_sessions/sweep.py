@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pd_sessions import tiny_model
+from pd_sessions.checks.accuracy import AccuracyOptions
 from pd_sessions.checks.base import CheckResult
 from pd_sessions.checks.runner import run_checks
 from pd_sessions.cluster import DEFAULT_DEADLINE_S, DEFAULT_GRACE_S, running_cluster
@@ -26,7 +27,7 @@ from pd_sessions.report import ConfigResult, write_config_result
 
 log = logging.getLogger(__name__)
 
-CHECKS = ("smoke", "parity", "kv_transfer")
+CHECKS = ("smoke", "parity", "kv_transfer", "accuracy")
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class SweepOptions:
     model_cache: Path | None = None
     allow_unpinned: bool = False
     share_gpus: bool = False
+    accuracy: AccuracyOptions = AccuracyOptions()
 
 
 def model_path(config: ClusterConfig, *, create: bool, cache: Path | None = None) -> str | None:
@@ -80,7 +82,8 @@ def run_config(config: ClusterConfig, inv: Inventory, opts: SweepOptions,
                                  timings=res.timings) as cluster:
                 t = time.monotonic()
                 try:
-                    cluster.guard(lambda: run_checks(cluster, checks), when="while checks ran")
+                    cluster.guard(lambda: run_checks(cluster, checks, opts.accuracy),
+                                  when="while checks ran")
                 finally:
                     res.phases["checks"] = time.monotonic() - t
                     res.checks = list(checks)

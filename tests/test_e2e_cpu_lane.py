@@ -85,7 +85,8 @@ def test_sweep_1x1_passes_all_checks_and_leaves_nothing(tmp_path, sweep):
     assert summary["passed"] is True and summary["platform"] == "cpu"
     (cfg,) = summary["configs"]
     checks = {c["name"]: c for c in cfg["checks"]}
-    assert [checks[n]["verdict"] for n in ("smoke", "parity", "kv_transfer")] == ["pass"] * 3
+    assert [checks[n]["verdict"] for n in ("smoke", "parity", "kv_transfer", "accuracy")] == ["pass"] * 4
+    assert checks["accuracy"]["details"]["samples"] == 24
     kv = checks["kv_transfer"]["details"]
     assert kv["delta"] >= kv["router_prompt_tokens"] - kv["router_requests"] > 0
     assert kv["control"]["before"] == kv["control"]["after"]
@@ -140,3 +141,49 @@ def test_decode_killed_while_starting_fails_within_2s(tmp_path):
     assert result["outcome"] == "error" and "decode-0" in result["error"]
     assert processes_using(ports) == []
     assert [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE] == []
+
+
+def test_accuracy_identity_fails_against_a_model_with_another_seed(tmp_path):
+    """The CPU lane's accuracy rule must catch a different model: lm_eval through the P/D
+    router vs an instance serving a tiny model generated with another seed."""
+    import os as _os
+    import sys as _sys
+
+    from pd_sessions import process, tiny_model
+    from pd_sessions.checks import accuracy as acc
+    from pd_sessions.checks.offline_task import TASK, write_task
+    from pd_sessions.cluster import running_cluster
+    from pd_sessions.config import ClusterConfig
+    from pd_sessions.hosts import detect
+    from pd_sessions.plan import plan_cluster
+    from pd_sessions.ports import PortAllocator
+    from pd_sessions.readiness import Target, health_probe, models_probe, wait_ready
+
+    inv = detect()
+    other_model = tiny_model.ensure(tiny_model.TinySpec(seed=1))
+    with PortAllocator() as ports:
+        other = plan_cluster(ClusterConfig(name="other", model="tiny-llama"), inv, ports, platform="cpu",
+                             python=_sys.executable, model=str(other_model)).prefill[0]
+    foreign = process.spawn("seed1", other.argv, env={**_os.environ, **other.env_dict()},
+                            log_path=tmp_path / "seed1.log", url=other.url)
+    try:
+        ports = PortAllocator()
+        plan = plan_cluster(ClusterConfig(name="acc", model="tiny-llama"), inv, ports, platform="cpu",
+                            python=_sys.executable, model=str(tiny_model.ensure()))
+        with running_cluster(plan, tmp_path / "acc", ports=ports) as cluster:
+            wait_ready([Target(foreign, [health_probe(other.health_url), models_probe(other.url, "tiny-llama")])],
+                       deadline=time.monotonic() + 600)
+            include = write_task(tmp_path / "task")
+
+            def samples(url):
+                res = acc.run_lm_eval(model="tiny-llama", base_url=url, task=TASK, include_path=include,
+                                      tokenizer=plan.model, log_samples=True, num_concurrent=8)
+                return acc.responses(res, TASK)
+
+            via_router = cluster.guard(lambda: samples(plan.router.url))
+            via_other = cluster.guard(lambda: samples(other.url))
+        verdict = acc.compare_samples(via_router, via_other, baseline="seed-1 instance")
+        assert not verdict.passed, verdict.message
+        assert "samples differ" in verdict.message and len(via_router) == 24
+    finally:
+        process.stop([foreign], grace_s=5)

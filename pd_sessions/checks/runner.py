@@ -5,6 +5,9 @@
 3. parity: each prompt through the router, then straight to prefill-0
 4. scrape decode /metrics (after): the window held only router requests
 5. control: one request straight to decode-0 must leave the counter still
+6. accuracy (lm_eval through the router): on the CPU lane an offline task run through
+   the router and straight to prefill-0 must give identical samples; elsewhere the
+   measured value is compared with the recorded baseline
 
 Results are appended to ``results`` as they come, so a run cut short by a
 dying process still reports the checks that finished.
@@ -15,9 +18,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import datetime
+import shlex
+import sys
+
 from pd_sessions import http
+from pd_sessions.checks import accuracy as acc
 from pd_sessions.checks import kv_transfer
-from pd_sessions.checks.base import FAIL, CheckResult
+from pd_sessions.checks.base import FAIL, PASS, CheckResult
+from pd_sessions.checks.offline_task import TASK as OFFLINE_TASK
+from pd_sessions.checks.offline_task import write_task
 from pd_sessions.checks.completions import (MAX_TOKENS, PARITY_PROMPTS, SMOKE_PROMPT, Completion,
                                             evaluate_parity, evaluate_smoke)
 from pd_sessions.cluster import Cluster
@@ -39,7 +49,8 @@ def _timed(name: str, results: list[CheckResult], fn: Callable[[], CheckResult])
     results.append(r)
 
 
-def run_checks(cluster: Cluster, results: list[CheckResult]) -> None:
+def run_checks(cluster: Cluster, results: list[CheckResult],
+               accuracy: acc.AccuracyOptions | None = None) -> None:
     plan = cluster.plan
     model = plan.served_model_name
     router = plan.router.url
@@ -82,3 +93,41 @@ def run_checks(cluster: Cluster, results: list[CheckResult]) -> None:
                                     control=(d0.name, after[d0.name], control_after))
 
     _timed("kv_transfer", results, kv)
+
+    _timed("accuracy", results, lambda: accuracy_check(cluster, accuracy or acc.AccuracyOptions()))
+
+
+def accuracy_check(cluster: Cluster, opts: acc.AccuracyOptions) -> CheckResult:
+    plan = cluster.plan
+    cfg = plan.config
+    common = dict(model=plan.served_model_name, num_concurrent=opts.num_concurrent,
+                  trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
+    if plan.platform == "cpu":
+        # Absolute accuracy of a random tiny model means nothing: require greedy identity.
+        include = write_task(cluster.run_dir / "lm_eval_task")
+        runs = {}
+        for label, url in (("router", plan.router.url), (plan.prefill[0].name, plan.prefill[0].url)):
+            res = acc.run_lm_eval(base_url=url, task=OFFLINE_TASK, include_path=include,
+                                  tokenizer=plan.model, log_samples=True, **common)
+            runs[label] = acc.responses(res, OFFLINE_TASK)
+        return acc.compare_samples(runs["router"], runs[plan.prefill[0].name],
+                                   baseline=f"{plan.prefill[0].name} direct")
+    baseline = acc.find_baseline(acc.load_baselines(opts.baselines), cfg.model, opts.task)
+    if baseline is None and not opts.record_baseline:
+        msg = acc.missing_baseline_message(cfg.model, opts.task, opts.baselines)
+        return CheckResult("accuracy", PASS if opts.mode == "warn" else FAIL,
+                           ("WARNING (--accuracy=warn): " if opts.mode == "warn" else "") + msg)
+    endpoint = baseline.endpoint if baseline else "completions"
+    res = acc.run_lm_eval(base_url=plan.router.url, task=opts.task, endpoint=endpoint,
+                          limit=opts.limit, num_fewshot=baseline.num_fewshot if baseline else 5,
+                          tokenizer=None, **common)
+    key = baseline.key if baseline else "exact_match,strict-match"
+    value, n = acc.read_result(res, opts.task, key)
+    if opts.record_baseline:
+        new = acc.Baseline(model=cfg.model, task=opts.task, value=value, samples=n, endpoint=endpoint)
+        acc.record_baseline(opts.baselines, new, command=shlex.join(sys.argv),
+                            date=datetime.date.today().isoformat())
+        return CheckResult("accuracy", PASS, f"recorded baseline {cfg.model}/{opts.task} = {value:.4f} "
+                           f"on {n} samples in {opts.baselines}", {"measured": value, "samples": n})
+    return acc.compare(value, n, baseline, rule=opts.rule, mode=opts.mode,
+                       allow_sample_mismatch=opts.allow_sample_mismatch)
