@@ -25,7 +25,7 @@ from pd_sessions.errors import ConfigError, PdError, UsageError
 from pd_sessions.ports import PortAllocator
 from pd_sessions.preflight import preflight
 from pd_sessions.report import annotate, table, write_junit, write_summary
-from pd_sessions.sweep import CHECKS, SweepOptions, make_plan, run_sweep
+from pd_sessions.sweep import SweepOptions, make_plan, run_sweep
 
 log = logging.getLogger("pd_sessions")
 
@@ -87,6 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--allow-sample-mismatch", action="store_true")
     s.add_argument("--record-baseline", action="store_true",
                    help="measure accuracy and write it as the model's baseline")
+    s.add_argument("--skip-check", action="append", default=[], choices=["accuracy"],
+                   help="do not run this check (printed in the banner, recorded in the results)")
     s.add_argument("--share-gpus", action="store_true",
                    help="let instances share GPUs when the host has fewer than the config needs "
                         "(each gets explicit KV-cache bytes); prints a warning")
@@ -135,6 +137,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                                                  limit=args.accuracy_limit,
                                                  allow_sample_mismatch=args.allow_sample_mismatch,
                                                  record_baseline=args.record_baseline),
+                        skip_checks=tuple(args.skip_check),
                         **({"deadline_s": args.deadline} if args.deadline else {}),
                         **({"grace_s": args.grace} if args.grace is not None else {}))
 
@@ -148,6 +151,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     say(f"{sweep.name}: {lane}")
     if note:
         say(note)
+    if args.skip_check:
+        say(f"checks skipped by request (--skip-check): {', '.join(args.skip_check)}; "
+            "recorded in summary.json")
     if args.accuracy == "warn":
         say("accuracy: --accuracy=warn: misses and missing baselines are reported, not failed")
     if args.allow_unpinned_remote_code:
@@ -179,12 +185,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     finally:
         meta = {"sweep": sweep.name, "platform": platform, "pd_sessions": __version__,
                 "allow_unpinned_remote_code": args.allow_unpinned_remote_code,
-                "accuracy_mode": args.accuracy,
+                "accuracy_mode": args.accuracy, "skipped_checks": list(args.skip_check),
                 "gpus": list(inv.gpus), "cpus": len(inv.cpus),
                 "left_out": [{"name": e.config.name, "reason": e.opt_in_reason} for e in left_out]}
         if results:
             write_summary(results, results_dir, meta)
-            write_junit(results, results_dir / "junit.xml", suite=sweep.name, expected_checks=CHECKS)
+            write_junit(results, results_dir / "junit.xml", suite=sweep.name, expected_checks=opts.checks,
+                        skipped_checks=opts.skip_checks)
             print("\n" + table(results), flush=True)
             if annotate(results, sweep=sweep.name):
                 say("summary added as a Buildkite annotation")

@@ -97,7 +97,7 @@ def _logs_tail(run_dir: str, lines: int = 20) -> str:
 
 
 def write_junit(results: Sequence[ConfigResult], path: Path, *, suite: str,
-                expected_checks: Sequence[str]) -> Path:
+                expected_checks: Sequence[str], skipped_checks: Sequence[str] = ()) -> Path:
     """One test case per config and check; a failing check is a <failure> with its message
     and the logs' tails; a check that never ran because the config errored is an <error>."""
     cases = []
@@ -116,11 +116,16 @@ def write_junit(results: Sequence[ConfigResult], path: Path, *, suite: str,
                                   type="ConfigError" if r.outcome == ERROR else "NotRun")
                 e.text = f"{r.error or 'did not run'}\n\n{_logs_tail(r.run_dir)}"
             cases.append(case)
+        for name in skipped_checks:
+            case = ET.Element("testcase", classname=f"{suite}.{r.name}", name=name)
+            ET.SubElement(case, "skipped", message="skipped by request (--skip-check)")
+            cases.append(case)
     failures = sum(1 for c in cases if c.find("failure") is not None)
     errors = sum(1 for c in cases if c.find("error") is not None)
     root = ET.Element("testsuites")
+    skips = sum(1 for c in cases if c.find("skipped") is not None)
     ts = ET.SubElement(root, "testsuite", name=suite, tests=str(len(cases)), failures=str(failures),
-                       errors=str(errors))
+                       errors=str(errors), skipped=str(skips))
     ts.extend(cases)
     ET.indent(root)
     path.parent.mkdir(parents=True, exist_ok=True)

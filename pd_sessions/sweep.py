@@ -41,6 +41,12 @@ class SweepOptions:
     allow_unpinned: bool = False
     share_gpus: bool = False
     accuracy: AccuracyOptions = AccuracyOptions()
+    # Checks not run, by explicit request (printed in the banner, recorded in the results).
+    skip_checks: tuple[str, ...] = ()
+
+    @property
+    def checks(self) -> tuple[str, ...]:
+        return tuple(c for c in CHECKS if c not in self.skip_checks)
 
 
 def model_path(config: ClusterConfig, *, create: bool, cache: Path | None = None) -> str | None:
@@ -82,7 +88,7 @@ def run_config(config: ClusterConfig, inv: Inventory, opts: SweepOptions,
                                  timings=res.timings) as cluster:
                 t = time.monotonic()
                 try:
-                    cluster.guard(lambda: run_checks(cluster, checks, opts.accuracy),
+                    cluster.guard(lambda: run_checks(cluster, checks, opts.accuracy, opts.skip_checks),
                                   when="while checks ran")
                 finally:
                     res.phases["checks"] = time.monotonic() - t
@@ -96,7 +102,7 @@ def run_config(config: ClusterConfig, inv: Inventory, opts: SweepOptions,
         progress(f"{config.name}: ERROR: {str(e).splitlines()[0]}")
     finally:
         ports.release()
-    res.decide(CHECKS)
+    res.decide(opts.checks)
     write_config_result(res, run_dir / "result.json")
     return res
 

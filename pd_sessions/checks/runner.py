@@ -31,6 +31,7 @@ from pd_sessions.checks.offline_task import write_task
 from pd_sessions.checks.completions import (MAX_TOKENS, PARITY_PROMPTS, SMOKE_PROMPT, Completion,
                                             evaluate_parity, evaluate_smoke)
 from pd_sessions.cluster import Cluster
+from pd_sessions.config import TINY_MODEL
 
 CONTROL_PROMPT = "A request sent straight to the decode instance, not through the router:"
 
@@ -50,7 +51,8 @@ def _timed(name: str, results: list[CheckResult], fn: Callable[[], CheckResult])
 
 
 def run_checks(cluster: Cluster, results: list[CheckResult],
-               accuracy: acc.AccuracyOptions | None = None) -> None:
+               accuracy: acc.AccuracyOptions | None = None, skip: tuple[str, ...] = ()) -> None:
+    """Run every check in order, except those named in ``skip`` (the caller records why)."""
     plan = cluster.plan
     model = plan.served_model_name
     router = plan.router.url
@@ -94,7 +96,8 @@ def run_checks(cluster: Cluster, results: list[CheckResult],
 
     _timed("kv_transfer", results, kv)
 
-    _timed("accuracy", results, lambda: accuracy_check(cluster, accuracy or acc.AccuracyOptions()))
+    if "accuracy" not in skip:
+        _timed("accuracy", results, lambda: accuracy_check(cluster, accuracy or acc.AccuracyOptions()))
 
 
 def accuracy_check(cluster: Cluster, opts: acc.AccuracyOptions) -> CheckResult:
@@ -102,7 +105,12 @@ def accuracy_check(cluster: Cluster, opts: acc.AccuracyOptions) -> CheckResult:
     cfg = plan.config
     common = dict(model=plan.served_model_name, num_concurrent=opts.num_concurrent,
                   trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
-    if plan.platform == "cpu":
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError as e:
+        return CheckResult("accuracy", FAIL, f"could not run: lm_eval is not installed ({e}); "
+                           "install 'lm-eval[api]==0.4.13' or skip it with --skip-check accuracy")
+    if cfg.model == TINY_MODEL:
         # Absolute accuracy of a random tiny model means nothing: require greedy identity.
         include = write_task(cluster.run_dir / "lm_eval_task")
         runs = {}
