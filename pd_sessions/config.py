@@ -85,6 +85,9 @@ class ClusterConfig:
     # KV cache bytes per instance when instances share a GPU (--share-gpus): vLLM then
     # skips memory profiling, which races when two instances profile one GPU.
     shared_kv_cache_bytes: int = 2 * 1024**3
+    # Fault injection for the KV check's own test: false starts decode instances without
+    # --kv-transfer-config, so they silently recompute. Never set it in a real sweep.
+    decode_kv_transfer: bool = True
 
     def __post_init__(self) -> None:
         validate_cluster(self)

@@ -318,9 +318,13 @@ def plan_cluster(config: ClusterConfig, inv: Inventory, ports: PortSource, *, pl
                      "--data-parallel-rpc-port", str(p.get(f"{name}.dp_rpc"))]
         if role == "decode" and config.expert_parallel:
             argv += ["--enable-expert-parallel"]
-        argv += [*remote_args,
-                "--kv-transfer-config", json.dumps(kv_transfer_config(config, role, platform),
-                                                   sort_keys=True, separators=(",", ":"))]
+        argv += remote_args
+        if role == "prefill" or config.decode_kv_transfer:
+            argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(config, role, platform),
+                                                        sort_keys=True, separators=(",", ":"))]
+        else:
+            warnings.append(f"{name} starts WITHOUT --kv-transfer-config (decode_kv_transfer = "
+                            "false, fault injection): it will recompute every prompt")
         if shared:
             argv += ["--kv-cache-memory-bytes", str(config.shared_kv_cache_bytes)]
         elif platform == "cuda":

@@ -187,3 +187,65 @@ def test_accuracy_identity_fails_against_a_model_with_another_seed(tmp_path):
         assert "samples differ" in verdict.message and len(via_router) == 24
     finally:
         process.stop([foreign], grace_s=5)
+
+
+RECOMPUTE_SWEEP = """name = "recompute"
+[defaults]
+model = "tiny-llama"
+connector = "mooncake"
+# fault injection: the decode instance starts without --kv-transfer-config
+decode_kv_transfer = false
+[[config]]
+name = "1x1"
+"""
+
+
+def test_silent_recompute_fails_the_kv_proof_with_the_values_it_saw(tmp_path):
+    toml = tmp_path / "recompute.toml"
+    toml.write_text(RECOMPUTE_SWEEP)
+    cli = Cli("sweep", str(toml), "--platform", "cpu", "--skip-check", "accuracy", "--results-dir",
+              str(tmp_path / "r"))
+    assert cli.wait(timeout=1100) == 1, cli.text[-3000:]
+    result = json.loads((tmp_path / "r" / "1x1" / "result.json").read_text())
+    kv = next(c for c in result["checks"] if c["name"] == "kv_transfer")
+    assert kv["verdict"] == "fail"
+    assert "received 0 prompt tokens by KV transfer" in kv["message"] and "recomputed" in kv["message"]
+    assert kv["details"]["delta"] == 0 and kv["details"]["router_prompt_tokens"] > 0
+    assert kv["details"]["before"] == kv["details"]["after"]
+    assert "WITHOUT --kv-transfer-config" in (tmp_path / "r" / "1x1" / "plan.txt").read_text()
+    assert processes_using(plan_ports(tmp_path / "r" / "1x1")) == []
+
+
+def test_sigterm_to_a_running_sweep_stops_vllm_and_its_engine_cores(tmp_path):
+    cli = Cli("sweep", "mooncake_sweep", "--only", "1x1", "--results-dir", str(tmp_path))
+    run_dir = tmp_path / "1x1"
+    end = time.monotonic() + 900
+    while not any("cluster ready" in line for _, line in cli.lines):
+        assert time.monotonic() < end and cli.proc.poll() is None, cli.text
+        time.sleep(0.1)
+    ports = plan_ports(run_dir)
+    family = []
+    for name in ("prefill-0", "decode-0", "router"):
+        leader = _find_any(ports[name])
+        family += [leader, *leader.children(recursive=True)]
+    assert len(family) > 3  # API servers, their engine cores, the router
+    t0 = time.monotonic()
+    cli.proc.send_signal(signal.SIGTERM)
+    assert cli.wait(timeout=120) == 128 + signal.SIGTERM, cli.text
+    assert time.monotonic() - t0 < 10 + 2 + 5  # grace + kill wait + slack
+    assert "stopped by SIGTERM: teardown done" in cli.text
+    alive = [p.pid for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert alive == []
+    assert processes_using(ports) == []
+
+
+def _find_any(port: int) -> psutil.Process:
+    """The process listening on ``port`` (vllm-router rewrites its title, so argv won't do)."""
+    for c in psutil.net_connections(kind="inet"):
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
+            return psutil.Process(c.pid)
+    for p in psutil.process_iter(["cmdline"]):
+        argv = p.info["cmdline"] or []
+        if "--port" in argv and argv[argv.index("--port") + 1] == str(port):
+            return p
+    raise AssertionError(f"no process with --port {port}")
