@@ -56,11 +56,8 @@ class ProcessExited(PdError):
         self.log_path = log_path
         self.log_tail = log_tail
         where = f" ({url})" if url else ""
-        msg = (f"{name}{where} exited with status {describe_status(returncode)} {when}; "
-               f"pid {pid}, log {log_path}")
-        if log_tail:
-            msg += "\n--- last lines of its log ---\n" + log_tail
-        super().__init__(msg)
+        super().__init__(with_tail(f"{name}{where} exited with status {describe_status(returncode)} "
+                                   f"{when}; pid {pid}, log {log_path}", log_tail))
 
 
 class ReadinessTimeout(PdError):
@@ -73,11 +70,8 @@ class ReadinessTimeout(PdError):
         self.waited_s = waited_s
         self.log_path = log_path
         self.log_tail = log_tail
-        msg = (f"{name} ({url}) was not ready after {waited_s:.1f} s "
-               f"(last probe: {last_probe}); log {log_path}")
-        if log_tail:
-            msg += "\n--- last lines of its log ---\n" + log_tail
-        super().__init__(msg)
+        super().__init__(with_tail(f"{name} ({url}) was not ready after {waited_s:.1f} s "
+                                   f"(last probe: {last_probe}); log {log_path}", log_tail))
 
 
 class StopError(PdError):
@@ -86,6 +80,11 @@ class StopError(PdError):
 
 class CheckFailed(PdError):
     """A check ran and its verdict is 'fail'."""
+
+
+def with_tail(message: str, log_tail: str) -> str:
+    """``message`` followed by the process's log tail, when there is one."""
+    return message + ("\n--- last lines of its log ---\n" + log_tail if log_tail else "")
 
 
 def describe_status(returncode: int | None) -> str:

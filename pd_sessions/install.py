@@ -8,7 +8,6 @@ a fake.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
@@ -19,6 +18,7 @@ from typing import Protocol
 from packaging.requirements import Requirement
 from packaging.version import Version
 
+from pd_sessions.canary import canonical
 from pd_sessions.errors import InstallError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,7 +150,7 @@ def facts() -> dict[str, object]:
         doc["torch"] = torch.__version__
     except ImportError:
         doc["torch"] = None
-    doc["installed"] = {_canon(d.metadata["Name"]): d.version for d in md.distributions()
+    doc["installed"] = {canonical(d.metadata["Name"]): d.version for d in md.distributions()
                         if d.metadata.get("Name")}
     return doc
 
@@ -184,8 +184,6 @@ class Action:
         return f"{self.op} {self.dist}{self.spec}" + (" (--no-deps)" if self.no_deps else "")
 
 
-def _canon(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def connector_actions(platform: Platform, installed: Mapping[str, str], *, connectors: Sequence[str],
@@ -209,7 +207,7 @@ def connector_actions(platform: Platform, installed: Mapping[str, str], *, conne
     NIXL: ``nixl`` (meta) plus ``nixl-cuN`` for torch's CUDA major (nixl-cu12 with
     --no-deps on CPU, whose DRAM backend works without a GPU); other backends uninstalled.
     """
-    inst = {_canon(k): v for k, v in installed.items()}
+    inst = {canonical(k): v for k, v in installed.items()}
     if platform.kind == "rocm":
         raise InstallError("ROCm is not supported yet by pd-sessions' connector install "
                            "(no ROCm Mooncake/NIXL variant is known); use a CUDA or CPU host")
