@@ -27,7 +27,9 @@ MOONCAKE_PROTOCOLS = ("rdma", "tcp")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 PLATFORMS = ("cpu", "cuda")
 # The model value that asks for the project's own generated tiny model.
+# Model values that ask for one of the project's own generated tiny models.
 TINY_MODEL = "tiny-llama"
+TINY_MODELS = ("tiny-llama", "tiny-mixtral")
 MAX_TP = 8
 MAX_INSTANCES = 8
 
@@ -160,7 +162,7 @@ def validate_cluster(c: ClusterConfig) -> None:
     if not c.name or not all(ch.isalnum() or ch in "-_." for ch in c.name):
         raise ConfigError("name", f"got {c.name!r}; allowed: letters, digits, '-', '_', '.'")
     if not isinstance(c.model, str) or not c.model:
-        raise ConfigError("model", f"got {c.model!r}; allowed: a hub id, a local path or {TINY_MODEL!r}")
+        raise ConfigError("model", f"got {c.model!r}; allowed: a hub id, a local path or one of {', '.join(TINY_MODELS)}")
     _check_choice("connector", c.connector, CONNECTORS)
     _check_int("num_prefill", c.num_prefill, 1, MAX_INSTANCES)
     _check_int("num_decode", c.num_decode, 1, MAX_INSTANCES)

@@ -22,7 +22,7 @@ import json
 import shlex
 from dataclasses import dataclass, field
 
-from pd_sessions.config import TINY_MODEL, ClusterConfig
+from pd_sessions.config import TINY_MODELS, ClusterConfig
 from pd_sessions.errors import PlanError
 from pd_sessions.hosts import Inventory
 from pd_sessions.ports import PortSource
@@ -257,8 +257,8 @@ def plan_cluster(config: ClusterConfig, inv: Inventory, ports: PortSource, *, pl
     if platform not in ("cpu", "cuda"):
         raise PlanError("platform", f"got {platform!r}; allowed: cpu, cuda")
     remote_args, remote_warning = remote_code_args(config, allow_unpinned=allow_unpinned)
-    if config.model == TINY_MODEL and model is None:
-        raise PlanError("model", f"{TINY_MODEL!r} needs the generated model's path")
+    if config.model in TINY_MODELS and model is None:
+        raise PlanError("model", f"{config.model!r} needs the generated model's path")
     model_arg = model or config.model
     warnings: list[str] = [remote_warning] if remote_warning else []
     p = _Ports(ports)

@@ -142,6 +142,9 @@ def guarded(call: Callable[[], T], *, watch: Sequence[Running], when: str,
             heartbeat()
             beat = now + heartbeat_every
         th.join(tick)
+    # A call that ended quickly because a process died (connection refused...) must still
+    # report the death as the cause, not only its symptoms.
+    check_alive(watch, when)
     if error:
         raise error[0]
     return result[0]

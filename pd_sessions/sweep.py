@@ -18,7 +18,7 @@ from pd_sessions.checks.accuracy import AccuracyOptions
 from pd_sessions.checks.base import CheckResult
 from pd_sessions.checks.runner import run_checks
 from pd_sessions.cluster import DEFAULT_DEADLINE_S, DEFAULT_GRACE_S, running_cluster
-from pd_sessions.config import TINY_MODEL, ClusterConfig
+from pd_sessions.config import TINY_MODELS, ClusterConfig
 from pd_sessions.errors import PdError
 from pd_sessions.hosts import Inventory
 from pd_sessions.plan import ClusterPlan, plan_cluster
@@ -51,9 +51,9 @@ class SweepOptions:
 
 def model_path(config: ClusterConfig, *, create: bool, cache: Path | None = None) -> str | None:
     """What --model gets: the generated tiny model's directory, or None (use config.model)."""
-    if config.model != TINY_MODEL:
+    if config.model not in TINY_MODELS:
         return None
-    spec = tiny_model.TinySpec()
+    spec = tiny_model.TinySpec(architecture=config.model.removeprefix("tiny-"))
     path = tiny_model.ensure(spec, cache) if create else tiny_model.model_dir(spec, cache)
     return str(path)
 

@@ -37,6 +37,7 @@ class TinySpec:
     head_dim: int = 64
     max_position_embeddings: int = 2048
     architecture: str = "llama"
+    num_experts: int = 4           # mixtral only
 
     def key(self) -> str:
         blob = json.dumps({"v": GENERATOR_VERSION, **asdict(self)}, sort_keys=True)
@@ -84,8 +85,8 @@ def build(spec: TinySpec, out: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    if spec.architecture != "llama":
-        raise ValueError(f"unknown tiny architecture {spec.architecture!r}")
+    if spec.architecture not in ("llama", "mixtral"):
+        raise ValueError(f"unknown tiny architecture {spec.architecture!r}; allowed: llama, mixtral")
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -97,15 +98,20 @@ def build(spec: TinySpec, out: Path) -> None:
                                    eos_token="<|eos|>", pad_token="<|pad|>")
     vocab = spec.vocab_size
     torch.manual_seed(spec.seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=spec.hidden_size,
-                      intermediate_size=spec.intermediate_size,
-                      num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
-                      num_key_value_heads=spec.num_heads, head_dim=spec.head_dim,
-                      max_position_embeddings=spec.max_position_embeddings,
-                      bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
-                      pad_token_id=fast.pad_token_id, tie_word_embeddings=False,
-                      torch_dtype="float32")
-    model = LlamaForCausalLM(cfg)
+    common = dict(vocab_size=vocab, hidden_size=spec.hidden_size,
+                  intermediate_size=spec.intermediate_size,
+                  num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+                  num_key_value_heads=spec.num_heads, head_dim=spec.head_dim,
+                  max_position_embeddings=spec.max_position_embeddings,
+                  bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
+                  pad_token_id=fast.pad_token_id, tie_word_embeddings=False, torch_dtype="float32")
+    if spec.architecture == "mixtral":  # a mixture of experts, for the DP/EP decode shape
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        model = MixtralForCausalLM(MixtralConfig(num_local_experts=spec.num_experts,
+                                                 num_experts_per_tok=2, **common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common))
     with torch.no_grad():  # larger weights than HF's init give more varied greedy text
         for p in model.parameters():
             if p.dim() > 1:

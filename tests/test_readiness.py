@@ -113,3 +113,10 @@ def test_guarded_returns_and_reraises(sleeper):
     assert guarded(lambda: 42, watch=[r], when="x") == 42
     with pytest.raises(ZeroDivisionError):
         guarded(lambda: 1 / 0, watch=[r], when="x")
+
+
+def test_guarded_reports_a_death_even_when_the_call_returns_first(sleeper):
+    victim = sleeper("decode-0", "import sys; sys.exit(5)")
+    victim.popen.wait(10)
+    with pytest.raises(ProcessExited, match="decode-0 .* status 5 while checks ran"):
+        guarded(lambda: "checks finished (failing fast)", watch=[victim], when="while checks ran")

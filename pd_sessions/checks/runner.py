@@ -31,7 +31,7 @@ from pd_sessions.checks.offline_task import write_task
 from pd_sessions.checks.completions import (MAX_TOKENS, PARITY_PROMPTS, SMOKE_PROMPT, Completion,
                                             evaluate_parity, evaluate_smoke)
 from pd_sessions.cluster import Cluster
-from pd_sessions.config import TINY_MODEL
+from pd_sessions.config import TINY_MODELS
 
 CONTROL_PROMPT = "A request sent straight to the decode instance, not through the router:"
 
@@ -110,7 +110,7 @@ def accuracy_check(cluster: Cluster, opts: acc.AccuracyOptions) -> CheckResult:
     except ImportError as e:
         return CheckResult("accuracy", FAIL, f"could not run: lm_eval is not installed ({e}); "
                            "install 'lm-eval[api]==0.4.13' or skip it with --skip-check accuracy")
-    if cfg.model == TINY_MODEL:
+    if cfg.model in TINY_MODELS:
         # Absolute accuracy of a random tiny model means nothing: require greedy identity.
         include = write_task(cluster.run_dir / "lm_eval_task")
         runs = {}
