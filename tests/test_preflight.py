@@ -59,3 +59,18 @@ def test_single_gpu_verification_needs_share_flag():
     names = {e.config.connector for e in s.entries("cuda")}
     assert names == {"mooncake", "nixl"}
     assert all(e.config.dtype == "bfloat16" and e.config.block_size == 16 for e in s.entries("cuda"))
+
+
+def test_cpu_nightly_shape_plan():
+    """The scaled-down nightly shape for CPU hosts: prefill TP2 + decode DP2/EP, tiny MoE."""
+    from pd_sessions.plan import plan_cluster
+    from pd_sessions.ports import PortAllocator
+
+    (e,) = builtin_sweep("nightly_shape_cpu").entries("cpu")
+    with PortAllocator() as ports:
+        p = plan_cluster(e.config, Inventory(gpus=(), cpus=(0, 1, 2, 3)), ports, platform="cpu",
+                         python="py", model="/m")
+    d = p.decode[0].argv
+    assert "--enable-expert-parallel" in d and d[d.index("--data-parallel-size") + 1] == "2"
+    assert dict(p.decode[0].env)["VLLM_CPU_OMP_THREADS_BIND"] == "2|3"
+    assert dict(p.prefill[0].env)["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
