@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -54,7 +55,7 @@ def _connectors(session: nox.Session, platform: str, connectors: list[str]) -> N
         session.log(f"torch {doc.get('torch')} is built for {torch_platform.describe()}: "
                     f"{len(actions)} connector action(s)")
         install.apply_actions(session, actions, torch_platform,
-                              env=install.index_env(dict(__import__("os").environ)), say=session.log)
+                              env=install.index_env(dict(os.environ)), say=session.log)
     except PdError as e:
         session.error(str(e))
     session.run("python", "-m", "pd_sessions.canary", *connectors)

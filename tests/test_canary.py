@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -116,9 +118,8 @@ def test_canary_cli_json_line_and_status():
     r = subprocess.run([sys.executable, "-m", "pd_sessions.canary", "mooncake", "--torch-cuda-major", "none"],
                        capture_output=True, text=True, timeout=120)
     last = r.stdout.strip().splitlines()[-1]
-    doc = __import__("json").loads(last)
+    doc = json.loads(last)
     assert doc["ok"] is (r.returncode == 0)
-    import os
     if os.environ.get("PD_SESSIONS_FULL_ENV") == "1":  # the CPU lane's real wheel
         assert r.returncode == 0, r.stdout
         assert "mooncake-transfer-engine-non-cuda" in doc["distributions"]

@@ -100,16 +100,15 @@ def test_sweep_1x1_passes_all_checks_and_leaves_nothing(tmp_path, sweep):
     assert processes_using(plan_ports(run_dir)) == []
 
 
-def _find(argv_port: int, timeout: float) -> psutil.Process:
+def _find(port: int, timeout: float) -> psutil.Process:
+    """Wait for the process started for ``port`` (it may not be listening yet)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        for p in psutil.process_iter(["cmdline"]):
-            argv = p.info["cmdline"] or []
-            if "--port" in argv and argv[argv.index("--port") + 1] == str(argv_port) \
-                    and "vllm.entrypoints.openai.api_server" in argv:
-                return p
-        time.sleep(0.05)
-    raise AssertionError(f"no instance with --port {argv_port} appeared")
+        try:
+            return _find_any(port)
+        except AssertionError:
+            time.sleep(0.05)
+    raise AssertionError(f"no process for port {port} appeared")
 
 
 def test_decode_killed_while_starting_fails_within_2s(tmp_path):

@@ -174,8 +174,10 @@ def test_explicit_port_taken_is_refused_before_launch(tmp_path, bystander):
 def test_signal_to_the_session_tears_everything_down(tmp_path, bystander, sig, status):
     r = Run(tmp_path, env={"FAKE_DECODE_BEHAVIOR": "never_healthy"}, args=("--deadline", "60"))
     r.wait_for("started 2 instances")
-    time.sleep(0.5)
-    procs = [p for p in psutil.Process(r.proc.pid).children(recursive=True)]
+    end = time.monotonic() + 30  # until each fake instance has started its "engine core"
+    while len(procs := psutil.Process(r.proc.pid).children(recursive=True)) < 4:
+        assert time.monotonic() < end, procs
+        time.sleep(0.02)
     grandchildren = [p for p in psutil.process_iter() if p.pid not in {c.pid for c in procs}
                      and _in_sessions(p, {c.pid for c in procs})]
     assert len(procs) >= 2

@@ -186,7 +186,8 @@ def run_lm_eval(*, model: str, base_url: str, task: str, include_path: Path | No
     """lm_eval.simple_evaluate against an OpenAI-compatible endpoint (imported lazily)."""
     import os
 
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1" if include_path else os.environ.get("HF_DATASETS_OFFLINE", "0"))
+    if include_path:  # a local task needs no hub; make the datasets library not ask it
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     import lm_eval
     from lm_eval.tasks import TaskManager
 
