@@ -4,6 +4,7 @@
     nox -s mooncake_imports / nixl_imports [-- --dry-run]   # install + import canary only
     nox -s tests        # unit + end-to-end (real vLLM on the CPU lane)
     nox -s unit         # unit tests only (no vLLM install)
+    nox -s bench        # measures (not a test): overhead, readiness, teardown, router; writes bench/
 """
 
 from __future__ import annotations
@@ -125,7 +126,8 @@ def tests(session: nox.Session) -> None:
     """All tests, including the real CPU-lane end-to-end sweeps."""
     _connectors(session, "cpu", ["mooncake", "nixl"])
     session.install("-r", str(ROOT / "requirements" / "test.txt"),
-                    "-r", str(ROOT / "requirements" / "buildkite.txt"))
+                    "-r", str(ROOT / "requirements" / "buildkite.txt"),
+                    "-r", str(ROOT / "requirements" / "bench.txt"))
     session.run("pytest", *session.posargs, env={"PD_SESSIONS_FULL_ENV": "1"})
 
 
@@ -140,5 +142,19 @@ def buildkite(session: nox.Session) -> None:
 def unit(session: nox.Session) -> None:
     """Unit tests only: no vLLM, seconds."""
     session.install("-e", str(ROOT), "-r", str(ROOT / "requirements" / "test.txt"),
-                    "-r", str(ROOT / "requirements" / "buildkite.txt"))
+                    "-r", str(ROOT / "requirements" / "buildkite.txt"),
+                    "-r", str(ROOT / "requirements" / "bench.txt"))
     session.run("pytest", "-m", "not e2e", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Benchmark, not a test: harness overhead, readiness latency, parallel start, teardown,
+    vllm-router vs a Python proxy, the upstream bash flow vs pd_sessions. Writes bench/."""
+    args = list(session.posargs)
+    name = args[args.index("--sweep") + 1] if "--sweep" in args[:-1] else "mooncake_sweep"
+    platform = _platform(session, name)
+    _connectors(session, platform, sorted({e.config.connector
+                                           for e in builtin_sweep(name).entries(platform)}))
+    session.install("-r", str(ROOT / "requirements" / "bench.txt"))
+    session.run("python", "-m", "pd_sessions.bench", *args)

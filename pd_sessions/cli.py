@@ -45,7 +45,7 @@ def say(msg: str) -> None:
     print(f"[pd-sessions {time.monotonic() - _T0:7.1f}s] {msg}", flush=True)
 
 
-def _install_signal_handlers() -> None:
+def install_signal_handlers() -> None:
     def handler(signum: int, frame: FrameType | None) -> None:
         # Later signals are ignored so they cannot cut the teardown short.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -104,7 +104,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load(name: str) -> Sweep:
+def load(name: str) -> Sweep:
+    """A built-in sweep by name, or a sweep .toml file."""
     path = Path(name)
     if name.endswith(".toml") or path.exists():
         return load_sweep(path)
@@ -122,7 +123,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     only = tuple(o for item in args.only for o in item.split(",") if o)
-    sweep = _load(args.sweep)
+    sweep = load(args.sweep)
     platform, inv, note = preflight(sweep, args.platform, hosts.detect(), dry_run=args.dry_run,
                                     share_gpus=args.share_gpus)
     entries, left_out = select(sweep.entries(platform), platform, only=only,
@@ -220,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _install_signal_handlers()
+    install_signal_handlers()
     commands = {"sweep": cmd_sweep, "tiny-model": cmd_tiny_model, "inventory": cmd_inventory}
     try:
         return commands[args.command](args)

@@ -3,10 +3,11 @@
     with running_cluster(plan, run_dir) as cluster:
         cluster.guard(lambda: do_checks(cluster), when="while checks ran")
 
-Start: every instance at once (each in its own session, output to
-``run_dir/<name>.log``), wait until all are ready (alive, /health 200,
-/v1/models lists the model), then the router, ready only when a 1-token
-completion through it succeeds. Teardown (on success, error, SIGINT or SIGTERM
+Start: every instance and the router at once (each in its own session, output
+to ``run_dir/<name>.log``; the router waits for its workers itself), wait until
+every instance is ready (alive, /health 200, /v1/models lists the model), then
+until the router is: /health 200 and a 1-token completion through it succeeds.
+Every process must stay alive throughout. Teardown (on success, error, SIGINT or SIGTERM
 turned into exceptions by the CLI): router first, then the instances; each
 group SIGTERM -> grace -> SIGKILL -> verified gone.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,16 @@ T = TypeVar("T")
 DEFAULT_DEADLINE_S = 1200.0
 DEFAULT_GRACE_S = 10.0
 ROUTER_PROBE_PROMPT = "Ready"
+
+
+@dataclass(frozen=True)
+class Event:
+    """A moment in a cluster's life, for observers (the benchmark): see ``running_cluster``."""
+
+    kind: str                      # "spawned" | "ready" | "teardown_start" | "teardown_done"
+    name: str                      # the process ("prefill-0", "router"), or the config
+    at: float                      # time.monotonic()
+    health_url: str | None = None  # with "spawned"
 
 
 @dataclass
@@ -63,7 +74,8 @@ class Cluster:
         return guarded(call, watch=self.processes, when=when, timeout=timeout, heartbeat=heartbeat)
 
 
-def _spawn(spec: ProcessSpec, run_dir: Path, base_env: Mapping[str, str]) -> Running:
+def spawn_spec(spec: ProcessSpec, run_dir: Path, base_env: Mapping[str, str]) -> Running:
+    """Start one planned process, its output going to ``run_dir/<log_name>``."""
     env = {**base_env, **spec.env_dict()}
     return process.spawn(spec.name, spec.argv, env=env, log_path=run_dir / spec.log_name,
                          url=spec.url)
@@ -105,12 +117,15 @@ def running_cluster(plan: ClusterPlan, run_dir: Path, *, ports: PortAllocator | 
                     deadline_s: float = DEFAULT_DEADLINE_S, grace_s: float = DEFAULT_GRACE_S,
                     progress: Callable[[str], None] | None = None,
                     base_env: Mapping[str, str] | None = None, tick: float = 0.1,
-                    timings: dict[str, float] | None = None) -> Iterator[Cluster]:
+                    timings: dict[str, float] | None = None,
+                    on_event: Callable[[Event], None] | None = None) -> Iterator[Cluster]:
     """Start ``plan`` and yield the ready :class:`Cluster`; always tear it down.
 
     ``ports`` (the allocator that planned the ports) is released right before
     the processes start, so the ports stay reserved until then. ``timings``, if
-    given, is filled with phase durations even when starting fails.
+    given, is filled with phase durations even when starting fails. ``on_event``
+    is told when each process is spawned and noticed ready, and when teardown
+    starts and ends (it must return quickly).
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ if base_env is None else base_env)
@@ -118,26 +133,34 @@ def running_cluster(plan: ClusterPlan, run_dir: Path, *, ports: PortAllocator | 
     t0 = time.monotonic()
     deadline = t0 + deadline_s
     say = progress or (lambda msg: log.info("%s", msg))
+    tell = on_event or (lambda event: None)
     try:
         if ports is not None:
             ports.release()
         for spec in plan.instances:
-            cluster.instances.append(_spawn(spec, run_dir, env))
-        say(f"{plan.config.name}: started {len(plan.instances)} instances; "
+            cluster.instances.append(spawn_spec(spec, run_dir, env))
+            tell(Event("spawned", spec.name, cluster.instances[-1].started_at, spec.health_url))
+        # The router starts at once too: it waits for its workers itself (checking every
+        # second), so its own start-up is hidden behind the instances'.
+        cluster.router = spawn_spec(plan.router, run_dir, env)
+        tell(Event("spawned", "router", cluster.router.started_at, plan.router.health_url))
+        say(f"{plan.config.name}: started {len(plan.instances)} instances and the router; "
             f"waiting up to {deadline_s:.0f} s for them (logs in {run_dir})")
         targets = [Target(r, [health_probe(s.health_url),
                               models_probe(s.url, plan.served_model_name)])
                    for r, s in zip(cluster.instances, plan.instances)]
-        wait_ready(targets, deadline=deadline, progress=say, tick=tick)
+        wait_ready(targets, deadline=deadline, also_alive=[cluster.router], progress=say, tick=tick)
         for t in targets:
-            cluster.timings[f"{t.running.name}_ready"] = t.ready_at - t.running.started_at  # type: ignore[operator]
+            assert t.ready_at is not None
+            cluster.timings[f"{t.running.name}_ready"] = t.ready_at - t.running.started_at
+            tell(Event("ready", t.running.name, t.ready_at))
         cluster.timings["instances_ready"] = time.monotonic() - t0
         t1 = time.monotonic()
-        cluster.router = _spawn(plan.router, run_dir, env)
         wait_ready([Target(cluster.router, [health_probe(plan.router.health_url)])],
                    deadline=deadline, also_alive=cluster.instances, progress=say, tick=tick)
         _router_completion_probe(cluster, deadline, tick=0.2, say=say)
         cluster.timings["router_ready"] = time.monotonic() - t1
+        tell(Event("ready", "router", time.monotonic()))
         say(f"{plan.config.name}: cluster ready after {time.monotonic() - t0:.1f} s "
             f"(router {plan.router.url})")
         yield cluster
@@ -148,17 +171,30 @@ def running_cluster(plan: ClusterPlan, run_dir: Path, *, ports: PortAllocator | 
         raise
     finally:
         t2 = time.monotonic()
-        errors: list[PdError] = []
-        # Router first, so no request reaches a half-stopped instance.
-        for group in ([cluster.router] if cluster.router else [], cluster.instances):
-            if not group:
-                continue
-            try:
-                rep = process.stop(group, grace_s=grace_s)
-                if rep.killed:
-                    log.warning("needed SIGKILL: %s", ", ".join(rep.killed))
-            except PdError as e:
-                errors.append(e)
-        cluster.timings["teardown"] = time.monotonic() - t2
-        if errors:
-            raise errors[0]
+        tell(Event("teardown_start", plan.config.name, t2))
+        try:
+            teardown(cluster.router, cluster.instances, grace_s=grace_s)
+        finally:
+            cluster.timings["teardown"] = time.monotonic() - t2
+            tell(Event("teardown_done", plan.config.name, time.monotonic()))
+
+
+def teardown(router: Running | None, instances: Sequence[Running], *,
+             grace_s: float = DEFAULT_GRACE_S) -> None:
+    """Stop the router, then the instances (each: SIGTERM, grace, SIGKILL, verified gone).
+
+    Router first, so no request reaches a half-stopped instance. Both groups are
+    stopped even if the first fails; the first error is raised.
+    """
+    errors: list[PdError] = []
+    for group in ([router] if router else [], list(instances)):
+        if not group:
+            continue
+        try:
+            rep = process.stop(group, grace_s=grace_s)
+            if rep.killed:
+                log.warning("needed SIGKILL: %s", ", ".join(rep.killed))
+        except PdError as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]

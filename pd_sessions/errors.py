@@ -82,6 +82,10 @@ class CheckFailed(PdError):
     """A check ran and its verdict is 'fail'."""
 
 
+class BenchError(PdError):
+    """A benchmark measurement could not be made (says which and why)."""
+
+
 def with_tail(message: str, log_tail: str) -> str:
     """``message`` followed by the process's log tail, when there is one."""
     return message + ("\n--- last lines of its log ---\n" + log_tail if log_tail else "")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pd_sessions.config import TINY_MODELS, ClusterConfig
@@ -35,6 +36,8 @@ CPU_DEFAULT_BLOCK_SIZE = 128
 CPU_BLOCK_MULTIPLE = 32
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 ROUTER_MODULE = "vllm_router.launch_router"
+# The router waits this long for its workers; the harness's readiness deadline governs.
+ROUTER_STARTUP_TIMEOUT_S = 86400
 
 
 @dataclass(frozen=True)
@@ -352,20 +355,30 @@ def plan_cluster(config: ClusterConfig, inv: Inventory, ports: PortSource, *, pl
 
     router_port = p.get("router.http", config.router_port)
     metrics_port = p.get("router.prometheus")
-    rargv = [python, "-m", ROUTER_MODULE, "--vllm-pd-disaggregation"]
-    for s in prefill:
-        rargv += ["--prefill", s.url] + ([str(s.bootstrap_port)] if s.bootstrap_port else [])
-    for s in decode:
-        rargv += ["--decode", s.url]
-    rargv += ["--kv-connector", config.connector, "--host", host, "--port", str(router_port),
-              "--policy", "round_robin", "--prometheus-host", host,
-              "--prometheus-port", str(metrics_port),
-              # instances are already ready when the router starts: check at once
-              "--worker-startup-check-interval", "1",
-              # a failed P/D hop must surface, not be retried into a pass
-              "--disable-retries"]
+    rargv = router_argv(python, [(s.url, s.bootstrap_port) for s in prefill],
+                        [s.url for s in decode], connector=config.connector, host=host,
+                        port=router_port, metrics_port=metrics_port)
     router = ProcessSpec(name="router", role="router", argv=tuple(rargv), env=(),
                          host=host, port=router_port, log_name="router.log")
     return ClusterPlan(config=config, platform=platform, model=model_arg,
                        served_model_name=served_name(config), prefill=prefill, decode=decode,
                        router=router, warnings=tuple(warnings), ports=tuple(p.taken))
+
+
+def router_argv(python: str, prefill: Sequence[tuple[str, int | None]], decode: Sequence[str], *,
+                connector: str, host: str, port: int, metrics_port: int) -> list[str]:
+    """vllm-router in vLLM P/D mode: ``prefill`` is (url, Mooncake bootstrap port or None)."""
+    argv = [python, "-m", ROUTER_MODULE, "--vllm-pd-disaggregation"]
+    for url, bootstrap in prefill:
+        argv += ["--prefill", url] + ([str(bootstrap)] if bootstrap else [])
+    for url in decode:
+        argv += ["--decode", url]
+    return argv + ["--kv-connector", connector, "--host", host, "--port", str(port),
+                   "--policy", "round_robin", "--prometheus-host", host,
+                   "--prometheus-port", str(metrics_port),
+                   # it starts with the instances: see them ready within a second, and
+                   # never give up before the harness's own deadline does
+                   "--worker-startup-check-interval", "1",
+                   "--worker-startup-timeout-secs", str(ROUTER_STARTUP_TIMEOUT_S),
+                   # a failed P/D hop must surface, not be retried into a pass
+                   "--disable-retries"]

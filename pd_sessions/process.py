@@ -119,6 +119,18 @@ def _alive(p: psutil.Process) -> bool:
         return False
 
 
+def _wait_gone(procs: Sequence[psutil.Process], timeout: float, poll: float = 0.01) -> list[psutil.Process]:
+    """Wait until every process in ``procs`` has exited (a zombie counts as exited); the
+    ones still alive at ``timeout``. Polls /proc rather than waiting on each PID in turn
+    (psutil.wait_procs), because orphans that exited stay zombies until init reaps them."""
+    end = time.monotonic() + timeout
+    while True:
+        alive = [p for p in procs if _alive(p)]
+        if not alive or time.monotonic() >= end:
+            return alive
+        time.sleep(poll)
+
+
 def _signal_all(groups: set[int], procs: list[psutil.Process], sig: int) -> None:
     for pgid in groups:
         # Only while a process of ours is still in the group, so a recycled id is never hit.
@@ -146,18 +158,28 @@ def _pgid(p: psutil.Process) -> int | None:
 def signals_deferred() -> Iterator[None]:
     """Hold SIGINT/SIGTERM until the block ends (a cancel must not cut teardown short).
 
-    A signal that arrives meanwhile is delivered, and acted on, right after.
-    Only the main thread can do this; elsewhere it is a no-op.
+    A signal that arrives meanwhile is recorded and raised again right after, when the
+    previous handlers are back. Python-level handlers, not a signal mask: a mask holds
+    only for the calling thread, and with other threads about (probes, guarded calls)
+    the kernel hands the signal to one of them, whose handler then runs here anyway.
+    Only the main thread can install handlers; elsewhere this is a no-op.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    sigs = {signal.SIGINT, signal.SIGTERM}
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    pending: list[int] = []
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    old = {s: signal.getsignal(s) for s in sigs}
+    for s in sigs:
+        signal.signal(s, lambda signum, frame: pending.append(signum))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for s, handler in old.items():
+            if handler is not None:  # None: installed outside Python, cannot be restored
+                signal.signal(s, handler)
+        for s in dict.fromkeys(pending):
+            signal.raise_signal(s)
 
 
 def stop(running: Sequence[Running], *, grace_s: float = 10.0, kill_wait_s: float = 5.0) -> StopReport:
@@ -179,14 +201,13 @@ def _stop(running: Sequence[Running], *, grace_s: float, kill_wait_s: float) -> 
             procs.append(p)
     groups = {r.pid for r in running}
     _signal_all(groups, procs, signal.SIGTERM)
-    _, alive = psutil.wait_procs([p for p in procs if _alive(p)], timeout=grace_s)
-    alive = [p for p in alive if _alive(p)]
+    alive = _wait_gone(procs, grace_s)
     killed = sorted({owner[p.pid] for p in alive})
     if alive:
         log.warning("SIGKILL after %.0f s grace: %s", grace_s,
                     ", ".join(f"{owner[p.pid]} pid {p.pid}" for p in alive))
         _signal_all(groups, alive, signal.SIGKILL)
-        psutil.wait_procs(alive, timeout=kill_wait_s)
+        _wait_gone(alive, kill_wait_s)
     for r in running:  # reap our direct children
         try:
             r.popen.wait(timeout=kill_wait_s)
@@ -197,3 +218,18 @@ def _stop(running: Sequence[Running], *, grace_s: float, kill_wait_s: float) -> 
         raise StopError("processes survived SIGKILL: " + ", ".join(
             f"{owner[p.pid]} pid {p.pid}" for p in survivors))
     return StopReport(seconds=time.monotonic() - t0, killed=killed, pids=sorted(owner))
+
+
+def terminate(running: Sequence[Running]) -> None:
+    """SIGTERM to each group and tracked descendant, without waiting or verifying.
+
+    Only for the benchmark's reproduction of the bash flow (``pkill`` then fixed
+    sleeps); real teardown is :func:`stop`.
+    """
+    procs = [p for r in running for p in _tracked(r)]
+    _signal_all({r.pid for r in running}, procs, signal.SIGTERM)
+
+
+def still_running(running: Sequence[Running]) -> list[str]:
+    """'name pid N' for every tracked process of ``running`` that is still alive."""
+    return [f"{r.name} pid {p.pid}" for r in running for p in _tracked(r) if _alive(p)]

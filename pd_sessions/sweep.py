@@ -17,7 +17,7 @@ from pd_sessions import tiny_model
 from pd_sessions.checks.accuracy import AccuracyOptions
 from pd_sessions.checks.base import CheckResult
 from pd_sessions.checks.runner import run_checks
-from pd_sessions.cluster import DEFAULT_DEADLINE_S, DEFAULT_GRACE_S, running_cluster
+from pd_sessions.cluster import DEFAULT_DEADLINE_S, DEFAULT_GRACE_S, Event, running_cluster
 from pd_sessions.config import TINY_MODELS, ClusterConfig
 from pd_sessions.errors import PdError
 from pd_sessions.hosts import Inventory
@@ -66,7 +66,9 @@ def make_plan(config: ClusterConfig, inv: Inventory, ports: PortAllocator, opts:
 
 
 def run_config(config: ClusterConfig, inv: Inventory, opts: SweepOptions,
-               progress: Callable[[str], None]) -> ConfigResult:
+               progress: Callable[[str], None],
+               on_event: Callable[[Event], None] | None = None) -> ConfigResult:
+    """Plan, start, check, tear down and record one config (``on_event``: see running_cluster)."""
     res = ConfigResult(name=config.name, shape=config.shape, connector=config.connector,
                        platform=opts.platform)
     run_dir = opts.results_dir / config.name
@@ -85,7 +87,7 @@ def run_config(config: ClusterConfig, inv: Inventory, opts: SweepOptions,
         try:
             with running_cluster(plan, run_dir, ports=ports, deadline_s=opts.deadline_s,
                                  grace_s=opts.grace_s, progress=progress,
-                                 timings=res.timings) as cluster:
+                                 timings=res.timings, on_event=on_event) as cluster:
                 t = time.monotonic()
                 try:
                     cluster.guard(lambda: run_checks(cluster, checks, opts.accuracy, opts.skip_checks),

@@ -1,0 +1,16 @@
+"""``nox -s bench``: the harness's own overhead, measured next to what users run today.
+
+It measures, it does not gate: every number is written to ``bench/results.json``,
+``bench/results.md`` (table) and ``bench/phases.png`` (chart); goals are marked
+met or not met, and the exit status is non-zero only when a measurement could
+not be made (a run failed). Parts:
+
+- ``clusters``: real P/D clusters on this host's lane, driven by pd_sessions and by
+  a faithful reproduction of upstream's bash flow (fixed sleeps, 1 s curl polling),
+  plus a single instance started alone; a high-frequency /health prober gives each
+  instance's own startup time and how late the harness noticed it.
+- ``teardown``: the cluster teardown on throwaway process trees, one child of which
+  ignores SIGTERM.
+- ``router``: vllm-router versus a minimal aiohttp proxy making the same P/D hop,
+  both in front of the same small fake backends (the router is what is measured).
+"""

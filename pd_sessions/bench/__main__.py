@@ -1,0 +1,5 @@
+import sys
+
+from pd_sessions.bench.cli import main
+
+sys.exit(main())

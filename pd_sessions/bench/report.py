@@ -1,0 +1,216 @@
+"""Benchmark results (pure, but for the chart and the files): summaries, goals, table, chart.
+
+Input: the run records (``RunRecord.to_dict()``), the teardown and router parts
+as measured. Output: ``results.json`` (everything, raw samples included),
+``results.md`` (the tables) and ``phases.png`` (median phase times per config
+and driver). Goals are judged on medians; the spread (min-max) is shown.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pd_sessions.bench.stats import Goal, ratio, summary
+
+PHASES = ("prepare", "instances", "router", "checks", "teardown")
+OVERHEAD_PARTS = ("prepare", "noticing", "router", "teardown", "other")
+DRIVER_LABEL = {"pd_sessions": "pd_sessions", "upstream": "upstream-style bash flow",
+                "single": "one instance alone"}
+OVERHEAD_GOAL = 0.02
+NOTICE_GOAL_S = 0.25
+TEARDOWN_GOAL_S = 5.0
+TEARDOWN_SLACK_S = 2.0
+
+
+def _ok(runs: Sequence[dict[str, Any]], driver: str, config: str) -> list[dict[str, Any]]:
+    return [r for r in runs if r["driver"] == driver and r["config"] == config and r["ok"]]
+
+
+def summarize_clusters(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per config: each driver's wall time, phases, overhead; parallel start; upstream ratio."""
+    out: dict[str, Any] = {}
+    for config in dict.fromkeys(r["config"] for r in runs):
+        c: dict[str, Any] = {}
+        for driver in ("pd_sessions", "upstream", "single"):
+            ok = _ok(runs, driver, config)
+            d: dict[str, Any] = {
+                "runs": len([r for r in runs if r["driver"] == driver and r["config"] == config]),
+                "ok": len(ok), "wall_s": summary([r["wall_s"] for r in ok]),
+                "phases_s": {p: summary([r["phases"][p] for r in ok if p in r["phases"]])
+                             for p in PHASES},
+                "slowest_own_startup_s": summary([max(r["own_startup_s"].values()) for r in ok
+                                                  if r["own_startup_s"]]),
+                "noticed_s": summary([v for r in ok for v in r["noticed_s"].values()])}
+            if driver != "single":
+                over = [r["overhead"] for r in ok if r["overhead"]]
+                d["overhead_s"] = summary([o["overhead_s"] for o in over])
+                d["overhead_fraction"] = summary([o["overhead_fraction"] for o in over], digits=4)
+                d["overhead_parts_s"] = {k: summary([o[f"{k}_s"] for o in over if f"{k}_s" in o])
+                                         for k in OVERHEAD_PARTS}
+            c[driver] = d
+        pair = c["pd_sessions"]["phases_s"]["instances"]["median"]
+        single = c["single"]["phases_s"]["instances"]["median"]
+        c["parallel_start"] = {"pair_ready_s": pair, "single_ready_s": single,
+                               "ratio": _round(ratio(pair, single))}
+        up, pd = c["upstream"]["wall_s"]["median"], c["pd_sessions"]["wall_s"]["median"]
+        c["upstream_vs_pd_sessions"] = {"upstream_wall_s": up, "pd_sessions_wall_s": pd,
+                                        "ratio": _round(ratio(up, pd)),
+                                        "saved_s": None if up is None or pd is None else round(up - pd, 2)}
+        out[config] = c
+    return out
+
+
+def _round(v: float | None, digits: int = 3) -> float | None:
+    return None if v is None else round(v, digits)
+
+
+def goals(doc: dict[str, Any]) -> list[Goal]:
+    """The issue's goals, each judged on a median of this run's measurements."""
+    gs: list[Goal] = []
+    for name, c in doc.get("clusters", {}).items():
+        pd = c["pd_sessions"]
+        gs.append(Goal(f"{name}: harness overhead", OVERHEAD_GOAL, "fraction of wall time",
+                       pd["overhead_fraction"]["median"],
+                       "(wall - slowest instance's own startup - checks) / wall"))
+        gs.append(Goal(f"{name}: readiness noticed after /health 200", NOTICE_GOAL_S, "s",
+                       pd["noticed_s"]["median"],
+                       "harness marks an instance ready minus its /health first 200 (prober)"))
+        gs.append(Goal(f"{name}: teardown, healthy cluster", TEARDOWN_GOAL_S, "s",
+                       pd["phases_s"]["teardown"]["median"],
+                       "router + instances stopped and every PID verified gone"))
+    td = doc.get("teardown")
+    if td:
+        gs.append(Goal("teardown, a child ignores SIGTERM", td["grace_s"] + TEARDOWN_SLACK_S, "s",
+                       td["ignores_sigterm"]["median"], f"grace {td['grace_s']:g} s + "
+                       f"{TEARDOWN_SLACK_S:g} s; SIGKILL after the grace, verified gone"))
+    return gs
+
+
+def _fmt(s: dict[str, Any] | None, unit: str = "", scale: float = 1.0, digits: int = 2) -> str:
+    """'median (min-max)' of a summary."""
+    if not s or s.get("median") is None:
+        return "-"
+    f = lambda v: f"{v * scale:.{digits}f}"  # noqa: E731
+    if s["n"] == 1:
+        return f"{f(s['median'])}{unit}"
+    return f"{f(s['median'])}{unit} ({f(s['min'])}-{f(s['max'])})"
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    m = doc["machine"]
+    st = doc["settings"]
+    lines = [f"# pd-sessions benchmark ({doc['started_at']})", "",
+             f"Machine: {m['cpu_model']}, {m['cores']} cores, {m['memory_gib']} GiB, "
+             f"{m['platform']}, Python {m['python']}, lane **{st['platform']}**, "
+             f"vLLM {m.get('vllm') or '-'}, vllm-router {m.get('vllm_router') or '-'}; "
+             f"load average {m['load_before']} before, {m['load_after']} after. "
+             f"Whole run: {doc['duration_s'] / 60:.1f} min.", "",
+             f"Each value: median (min-max) of {st['repeats']} runs unless said otherwise. "
+             f"Checks run per config: {', '.join(st['checks'])}.", ""]
+    gs = doc.get("goals", [])
+    if gs:
+        lines += ["## Goals", "", "| goal | limit | measured (median) | met |", "| --- | --- | --- | --- |"]
+        for g in gs:
+            meas = "-" if g["measured"] is None else (
+                f"{g['measured'] * 100:.2f} %" if g["unit"].startswith("fraction")
+                else f"{g['measured']:.3f} s")
+            lim = f"{g['limit'] * 100:g} %" if g["unit"].startswith("fraction") else f"{g['limit']:g} s"
+            lines.append(f"| {g['name']} | <= {lim} | {meas} | "
+                         f"{'yes' if g['met'] else 'no' if g['met'] is False else '-'} |")
+        lines.append("")
+    for name, c in doc.get("clusters", {}).items():
+        lines += [f"## Config {name}: phases (s)", "",
+                  "| driver | ok | prepare | instances ready | router ready | checks | teardown "
+                  "| wall | slowest own startup | overhead | overhead % |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for driver in ("pd_sessions", "upstream", "single"):
+            d = c[driver]
+            ph = d["phases_s"]
+            lines.append(f"| {DRIVER_LABEL[driver]} | {d['ok']}/{d['runs']} | "
+                         + " | ".join(_fmt(ph[p]) for p in PHASES) + f" | {_fmt(d['wall_s'])} | "
+                         f"{_fmt(d['slowest_own_startup_s'])} | {_fmt(d.get('overhead_s'))} | "
+                         f"{_fmt(d.get('overhead_fraction'), scale=100)} |")
+        ps, uv = c["parallel_start"], c["upstream_vs_pd_sessions"]
+        lines.append("")
+        for driver in ("pd_sessions", "upstream"):
+            parts = c[driver].get("overhead_parts_s", {})
+            lines.append(f"- overhead of {DRIVER_LABEL[driver]}, by part (median s): " + ", ".join(
+                f"{k} {_fmt(parts.get(k), digits=3)}" for k in OVERHEAD_PARTS))
+        lines += [f"- readiness noticed after /health 200 (all instances, pd_sessions): "
+                      f"{_fmt(c['pd_sessions']['noticed_s'], ' s', digits=3)}; upstream's 1 s curl "
+                      f"loop: {_fmt(c['upstream']['noticed_s'], ' s', digits=3)}",
+                  f"- parallel start: pair ready {ps['pair_ready_s']} s / one instance alone "
+                  f"{ps['single_ready_s']} s = **{ps['ratio']}** (1.0: no cost for starting them "
+                  f"together; 2.0: as slow as one after the other)",
+                  f"- upstream-style flow / pd_sessions wall time: **{uv['ratio']}** "
+                  f"({uv['saved_s']} s saved per config)", ""]
+    td = doc.get("teardown")
+    if td:
+        lines += ["## Teardown on throwaway process trees (s)", "",
+                  f"{td['what']}; grace {td['grace_s']:g} s.", "",
+                  f"- healthy: {_fmt(td['healthy'], digits=3)}",
+                  f"- a child ignores SIGTERM: {_fmt(td['ignores_sigterm'], digits=3)}", ""]
+    rb = doc.get("router")
+    if rb:
+        lines += ["## vllm-router vs a minimal Python proxy", "",
+                  f"Backends: {rb['backend']}. Hop: {rb['hop']}. max_tokens {rb['max_tokens']}. "
+                  f"Latency: all single requests of {rb['rounds']} rounds; throughput: median "
+                  f"(min-max) of the rounds at concurrency {rb['concurrency']}. Client, proxies and "
+                  "backends share this host's cores.", "",
+                  "| target | p50 ms | p99 ms | added p50 ms | added p99 ms | req/s at "
+                  f"{rb['concurrency']} concurrent | errors |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for t, r in rb["targets"].items():
+            lines.append(f"| {t} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | "
+                         f"{r.get('added_p50_ms', '-')} | {r.get('added_p99_ms', '-')} | "
+                         f"{_fmt(r['throughput_rps'], digits=0)} | {r['errors']} |")
+        lines.append("")
+    failed = [r for r in doc.get("runs", []) if not r["ok"]]
+    if failed:
+        lines += ["## Runs that failed (not in the medians)", ""]
+        lines += [f"- {r['driver']} {r['config']} #{r['repeat']}: {r['error']}" for r in failed]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def chart(doc: dict[str, Any], path: Path) -> None:
+    """Horizontal stacked bars: median phase times per config and driver."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [(f"{name}\n{DRIVER_LABEL[d]}", c[d]["phases_s"], c[d]["wall_s"]["median"])
+            for name, c in doc.get("clusters", {}).items() for d in ("pd_sessions", "upstream", "single")]
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.9 * max(1, len(rows))))
+    colors = dict(zip(PHASES, ("#9e9e9e", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")))
+    for i, (label, phases, wall) in enumerate(rows):
+        left = 0.0
+        for p in PHASES:
+            v = phases[p]["median"] or 0.0
+            ax.barh(i, v, left=left, color=colors[p], label=p if i == 0 else None)
+            left += v
+        if wall:
+            ax.text(left + 0.5, i, f"wall {wall:.1f} s", va="center", fontsize=8)
+    ax.set_yticks(range(len(rows)), [r[0] for r in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds (medians)")
+    ax.set_title(f"P/D cluster phases, {doc['settings']['platform']} lane, "
+                 f"{doc['machine']['cores']} cores ({doc['started_at'][:10]})")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(doc: dict[str, Any], out_dir: Path) -> dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "results.json", "markdown": out_dir / "results.md"}
+    paths["json"].write_text(json.dumps(doc, indent=2) + "\n")
+    paths["markdown"].write_text(markdown(doc) + "\n")
+    if doc.get("clusters"):
+        paths["chart"] = out_dir / "phases.png"
+        chart(doc, paths["chart"])
+    return paths

@@ -1,0 +1,70 @@
+"""Teardown time on throwaway process trees shaped like a cluster (edge).
+
+Three "servers" (prefill, decode, router), each a leader with one child (like
+vLLM's engine core), stopped with pd_sessions' own cluster teardown. In the
+``ignores_sigterm`` case the decode's child ignores SIGTERM, so the teardown must
+wait out the grace period and SIGKILL it; goal: done within grace + 2 s.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from pd_sessions import process
+from pd_sessions.bench.stats import summary
+from pd_sessions.cluster import teardown
+from pd_sessions.errors import BenchError
+
+_CHILD = "import signal, time\n{ignore}time.sleep(3600)\n"
+_LEADER = ("import subprocess, sys, time\n"
+           "subprocess.Popen([sys.executable, '-c', {child!r}])\n"
+           "time.sleep(3600)\n")
+
+
+def _server(name: str, log_dir: Path, ignore_term: bool) -> process.Running:
+    child = _CHILD.format(ignore="signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if ignore_term else "")
+    r = process.spawn(name, [sys.executable, "-c", _LEADER.format(child=child)], env={},
+                      log_path=log_dir / f"{name}.log")
+    end = time.monotonic() + 10
+    while time.monotonic() < end:  # its child must exist (and have set its handler) first
+        try:
+            kids = psutil.Process(r.pid).children()
+            if kids and kids[0].cmdline():
+                break
+        except psutil.Error:
+            pass
+        time.sleep(0.02)
+    else:
+        process.stop([r], grace_s=1)
+        raise BenchError(f"teardown bench: {name}'s child did not start within 10 s")
+    time.sleep(0.2)  # the child's interpreter reaches its signal() call (SIG_IGN) well within this
+    return r
+
+
+def measure(kind: str, log_dir: Path, grace_s: float) -> float:
+    """Seconds the cluster teardown took for one tree (``kind``: healthy | ignores_sigterm)."""
+    prefill = _server("prefill-0", log_dir, False)
+    decode = _server("decode-0", log_dir, kind == "ignores_sigterm")
+    router = _server("router", log_dir, False)
+    t = time.monotonic()
+    teardown(router, [prefill, decode], grace_s=grace_s)
+    took = time.monotonic() - t
+    left = process.still_running([prefill, decode, router])
+    if left:
+        raise BenchError(f"teardown bench: still running after teardown: {', '.join(left)}")
+    return took
+
+
+def run(log_dir: Path, *, repeats: int, grace_s: float) -> dict[str, Any]:
+    out: dict[str, Any] = {"grace_s": grace_s, "what": (
+        "3 throwaway process trees (leader + child, like an API server and its engine core) "
+        "stopped by pd_sessions' cluster teardown; in ignores_sigterm the decode's child "
+        "ignores SIGTERM")}
+    for kind in ("healthy", "ignores_sigterm"):
+        out[kind] = summary([measure(kind, log_dir / f"{kind}-{i}", grace_s) for i in range(repeats)])
+    return out

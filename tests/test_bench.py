@@ -1,0 +1,214 @@
+"""The benchmark's own logic: arithmetic, summaries, files, the prober, the teardown
+measurement, the router bench and the cluster drivers. The cluster drivers run against
+the throwaway OpenAI-compatible stack (tests/fixtures/fake_stack): what is tested is
+the plumbing and the bookkeeping, not any speed (speed is what `nox -s bench` reports).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import psutil
+import pytest
+
+from conftest import FIXTURES, ROOT, heavy
+from pd_sessions.bench import report, teardown
+from pd_sessions.bench.clusters import RunRecord, UPSTREAM_PROXY_SLEEP_S
+from pd_sessions.bench.prober import HealthProber
+from pd_sessions.bench.stats import Goal, overhead, percentile, summary
+
+
+def test_summary_median_and_spread():
+    s = summary([3.0, 1.0, 2.0, 10.0])
+    assert (s["n"], s["median"], s["min"], s["max"]) == (4, 2.5, 1.0, 10.0)
+    assert s["values"] == [3.0, 1.0, 2.0, 10.0]
+    assert summary([])["median"] is None
+
+
+def test_percentile_interpolates():
+    vals = list(range(1, 101))  # 1..100
+    assert percentile(vals, 50) == pytest.approx(50.5)
+    assert percentile(vals, 99) == pytest.approx(99.01)
+    assert percentile([7.0], 99) == 7.0
+    with pytest.raises(ValueError):
+        percentile([], 50)
+
+
+def test_overhead_is_wall_minus_slowest_startup_minus_checks():
+    o = overhead(100.0, {"prefill-0": 80.0, "decode-0": 90.0}, checks_s=5.0)
+    assert o["slowest_startup_s"] == 90.0
+    assert o["overhead_s"] == pytest.approx(5.0)
+    assert o["overhead_fraction"] == pytest.approx(0.05)
+    with pytest.raises(ValueError):
+        overhead(1.0, {}, 0.0)
+
+
+def test_overhead_parts_add_up():
+    o = overhead(100.0, {"prefill-0": 80.0, "decode-0": 90.0}, checks_s=5.0,
+                 phases={"prepare": 0.5, "instances": 90.25, "router": 1.5, "checks": 5.0,
+                         "teardown": 2.0})
+    assert o["noticing_s"] == pytest.approx(0.25)
+    assert (o["prepare_s"], o["router_s"], o["teardown_s"]) == (0.5, 1.5, 2.0)
+    assert o["other_s"] == pytest.approx(5.0 - 0.5 - 0.25 - 1.5 - 2.0)
+
+
+def test_goal_verdicts():
+    assert Goal("g", 0.02, "fraction", 0.019, "").met is True
+    assert Goal("g", 0.02, "fraction", 0.021, "").met is False
+    assert Goal("g", 0.02, "fraction", None, "").met is None
+
+
+def _run(driver, wall, instances, own, checks=1.0, ok=True, repeat=0, teardown_s=2.0):
+    r = RunRecord(driver, "1x1", repeat, ok=ok, wall_s=wall, checks_s=checks,
+                  phases={"prepare": 0.1, "instances": instances, "router": 1.0, "checks": checks,
+                          "teardown": teardown_s},
+                  own_startup_s={"prefill-0": own - 1, "decode-0": own} if driver != "single"
+                  else {"prefill-0": own},
+                  noticed_s={"prefill-0": 0.05, "decode-0": 0.07} if driver != "single" else {})
+    return r.to_dict()
+
+
+def test_summarize_clusters_ratios_and_failed_runs_left_out():
+    runs = [_run("pd_sessions", 100.0, 90.0, 89.0, repeat=i) for i in range(3)]
+    runs += [_run("upstream", 110.0, 91.0, 89.0, repeat=i) for i in range(3)]
+    runs += [_run("single", 61.0, 60.0, 59.9, repeat=i) for i in range(3)]
+    runs.append(_run("pd_sessions", 999.0, 999.0, 1.0, ok=False, repeat=3))
+    c = report.summarize_clusters(runs)["1x1"]
+    assert c["pd_sessions"]["runs"] == 4 and c["pd_sessions"]["ok"] == 3
+    assert c["pd_sessions"]["wall_s"]["median"] == 100.0
+    assert c["pd_sessions"]["overhead_s"]["median"] == pytest.approx(10.0)  # 100 - 89 - 1
+    assert c["pd_sessions"]["overhead_fraction"]["median"] == pytest.approx(0.1)
+    assert c["parallel_start"]["ratio"] == pytest.approx(1.5)
+    assert c["upstream_vs_pd_sessions"]["ratio"] == pytest.approx(1.1)
+    assert c["upstream_vs_pd_sessions"]["saved_s"] == pytest.approx(10.0)
+    assert c["pd_sessions"]["noticed_s"]["median"] == pytest.approx(0.06)
+
+
+def _doc(runs, **parts):
+    return {"started_at": "2026-11-29T00:00:00+00:00", "duration_s": 60.0,
+            "machine": {"cpu_model": "cpu", "cores": 2, "memory_gib": 24, "platform": "linux",
+                        "python": "3.11", "load_before": "0", "load_after": "0"},
+            "settings": {"platform": "cpu", "repeats": 3, "checks": ["smoke"]},
+            "runs": runs, "clusters": report.summarize_clusters(runs) if runs else {}, **parts}
+
+
+def test_goals_markdown_and_chart(tmp_path):
+    runs = [_run(d, 100.0, 90.0, 89.0, repeat=i) for d in ("pd_sessions", "upstream", "single")
+            for i in range(3)]
+    runs.append(_run("upstream", 5.0, 1.0, 1.0, ok=False, repeat=9))
+    doc = _doc(runs, teardown={"grace_s": 5.0, "what": "trees", "healthy": summary([0.1]),
+                               "ignores_sigterm": summary([5.1, 5.2, 8.0])})
+    doc["goals"] = [g.to_dict() for g in report.goals(doc)]
+    by_name = {g["name"]: g for g in doc["goals"]}
+    assert by_name["1x1: harness overhead"]["met"] is False            # 10 %
+    assert by_name["1x1: readiness noticed after /health 200"]["met"] is True
+    assert by_name["1x1: teardown, healthy cluster"]["met"] is True     # 2 s
+    assert by_name["teardown, a child ignores SIGTERM"]["limit"] == 7.0
+    assert by_name["teardown, a child ignores SIGTERM"]["met"] is True  # median 5.2
+    paths = report.write(doc, tmp_path)
+    md = paths["markdown"].read_text()
+    assert "| 1x1: harness overhead | <= 2 % | 10.00 % | no |" in md
+    assert "upstream 1x1 #9" in md  # failed runs are listed, not hidden
+    assert json.loads(paths["json"].read_text())["goals"] == doc["goals"]
+    assert paths["chart"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_prober_records_when_health_turned_200():
+    turn_at = time.monotonic() + 0.5
+
+    class H(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200 if time.monotonic() >= turn_at else 503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        with HealthProber(interval=0.01) as prober:
+            prober.watch("x", f"http://127.0.0.1:{srv.server_address[1]}/health")
+            end = time.monotonic() + 10
+            while "x" not in prober.first_ok and time.monotonic() < end:
+                time.sleep(0.01)
+        assert "x" in prober.first_ok
+        assert prober.first_ok["x"] >= turn_at  # never before it really answered 200
+    finally:
+        srv.shutdown()
+
+
+def test_teardown_measure_waits_out_the_grace_only_for_a_stubborn_child(tmp_path):
+    stubborn = teardown.measure("ignores_sigterm", tmp_path / "a", grace_s=0.5)
+    healthy = teardown.measure("healthy", tmp_path / "b", grace_s=0.5)
+    assert stubborn >= 0.5          # SIGKILL only after the grace
+    assert healthy < 0.5            # nobody waited for a grace that was not needed
+
+
+def test_bench_refuses_unknown_part(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "pd_sessions.bench", "--parts", "clusters,speed",
+                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 2 and "--parts takes router, teardown, clusters (got speed)" in p.stderr
+
+
+def test_router_bench_against_fake_backends(tmp_path):
+    heavy("vllm_router")
+    from pd_sessions.bench import routers
+
+    out = routers.run(tmp_path, requests=30, concurrent_requests=200, concurrency=20, rounds=1)
+    t = out["targets"]
+    assert set(t) == {"direct", "vllm-router", "python-proxy"}
+    for name, r in t.items():
+        assert r["errors"] == 0 and r["samples"] == 30, name
+        assert 0 < r["p50_ms"] <= r["p99_ms"]
+        assert r["throughput_rps"]["n"] == 1
+    assert t["vllm-router"]["added_p50_ms"] == pytest.approx(t["vllm-router"]["p50_ms"] - t["direct"]["p50_ms"],
+                                                             abs=0.002)
+    assert "fake" in out["backend"]
+    assert not any(str(tmp_path) in " ".join(p.info["cmdline"] or [])
+                   for p in psutil.process_iter(["cmdline"]))
+
+
+SWEEP = """name = "fake"
+[defaults]
+model = "fake-model"
+connector = "mooncake"
+[[config]]
+name = "1x1"
+"""
+
+
+def test_cluster_drivers_on_the_fake_stack(tmp_path):
+    (tmp_path / "sweep.toml").write_text(SWEEP)
+    env = {**os.environ, "PYTHONPATH": f"{FIXTURES / 'fake_stack'}{os.pathsep}{ROOT}"}
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "-m", "pd_sessions.bench", "--sweep", str(tmp_path / "sweep.toml"),
+                        "--platform", "cpu", "--parts", "clusters", "--repeats", "1", "--grace", "2",
+                        "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = json.loads((out / "results.json").read_text())
+    runs = {r["driver"]: r for r in doc["runs"]}
+    assert set(runs) == {"single", "pd_sessions", "upstream"} and all(r["ok"] for r in runs.values())
+    pd, up = runs["pd_sessions"], runs["upstream"]
+    for r in (pd, up):
+        assert set(r["own_startup_s"]) == {"prefill-0", "decode-0"}
+        o = r["overhead"]
+        assert o["overhead_s"] == pytest.approx(r["wall_s"] - max(r["own_startup_s"].values())
+                                                - r["checks_s"], abs=0.001)
+    assert up["phases"]["router"] >= UPSTREAM_PROXY_SLEEP_S      # its fixed sleep
+    assert up["phases"]["teardown"] >= 5.0                        # sleep 2 + sleep 3
+    assert pd["spawn_spread_s"] is not None and pd["router_health_to_ready_s"] is not None
+    c = doc["clusters"]["1x1"]
+    assert c["upstream_vs_pd_sessions"]["ratio"] == pytest.approx(up["wall_s"] / pd["wall_s"], rel=1e-3)
+    assert (out / "phases.png").read_bytes()[:4] == b"\x89PNG"
+    assert "## Config 1x1: phases (s)" in (out / "results.md").read_text()
+    left = [q.info["cmdline"] for q in psutil.process_iter(["cmdline"])
+            if any(str(out) in a for a in (q.info["cmdline"] or []))]
+    assert left == []
