@@ -212,3 +212,12 @@ def test_cluster_drivers_on_the_fake_stack(tmp_path):
     left = [q.info["cmdline"] for q in psutil.process_iter(["cmdline"])
             if any(str(out) in a for a in (q.info["cmdline"] or []))]
     assert left == []
+
+
+def test_partial_results_of_an_interrupted_run_are_marked(tmp_path):
+    runs = [_run("pd_sessions", 100.0, 90.0, 89.0)]  # stopped before upstream and single ran
+    doc = _doc(runs, interrupted="Stopped: stopped by SIGTERM")
+    doc["goals"] = [g.to_dict() for g in report.goals(doc)]
+    md = report.write(doc, tmp_path)["markdown"].read_text()
+    assert "**INTERRUPTED** (Stopped: stopped by SIGTERM): partial results." in md
+    assert "= **-** (1.0" in md  # no parallel-start ratio without a single-instance run

@@ -23,7 +23,7 @@ from pd_sessions import hosts
 from pd_sessions.bench import clusters, report, routers, teardown
 from pd_sessions.checks.accuracy import AccuracyOptions
 from pd_sessions.cli import Stopped, install_signal_handlers, load, say
-from pd_sessions.config import select
+from pd_sessions.config import ClusterConfig, select
 from pd_sessions.errors import PdError
 from pd_sessions.preflight import preflight
 from pd_sessions.sweep import CHECKS, SweepOptions
@@ -107,7 +107,26 @@ def run(args: argparse.Namespace) -> int:
     say(f"bench: {plat} lane, {doc['machine']['cores']} cores; parts {', '.join(parts)}; "
         f"configs {', '.join(doc['settings']['configs'])}; {args.repeats} repeats; logs in {logs}"
         + ("" if args.with_accuracy else "; accuracy check left out (--with-accuracy adds it)"))
-    failed = False
+    state = {"failed": False}
+    try:
+        _measure(doc, args, parts, configs, inv, opts, logs, state)
+    except BaseException as e:  # a cancel or an error: write what was measured, then go on out
+        doc["interrupted"] = f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        doc["machine"]["load_after"] = _load()
+        doc["duration_s"] = round(time.monotonic() - t0, 1)
+        doc["goals"] = [g.to_dict() for g in report.goals(doc)]
+        paths = report.write(doc, out)
+        print("\n" + report.markdown(doc), flush=True)
+        say("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 1 if state["failed"] else 0
+
+
+def _measure(doc: dict[str, Any], args: argparse.Namespace, parts: list[str],
+             configs: list[ClusterConfig], inv: hosts.Inventory, opts: SweepOptions, logs: Path,
+             state: dict[str, bool]) -> None:
+    """Run the selected parts, filling ``doc`` as each finishes."""
     if "router" in parts:
         doc["router"] = routers.run(logs / "router", requests=args.router_requests,
                                     concurrent_requests=args.router_concurrent_requests,
@@ -117,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
             f"(grace {args.grace:g} s)")
         doc["teardown"] = teardown.run(logs / "teardown", repeats=args.repeats, grace_s=args.grace)
     if "clusters" in parts:
-        runs = []
+        runs: list[dict[str, Any]] = []
         total = args.repeats * len(configs) * len(ORDER)
         for rep in range(args.repeats):
             order = ORDER[rep % 3:] + ORDER[:rep % 3]  # each driver goes first once in 3 repeats
@@ -131,16 +150,9 @@ def run(args: argparse.Namespace) -> int:
                         + (f"wall {rec.wall_s:.1f} s" + (f", overhead {over['overhead_s']:.2f} s "
                                                           f"({over['overhead_fraction']:.1%})" if over else "")
                            if rec.ok else f"FAILED: {rec.error}"))
-                    failed |= not rec.ok
-        doc["runs"] = runs
-        doc["clusters"] = report.summarize_clusters(runs)
-    doc["machine"]["load_after"] = _load()
-    doc["duration_s"] = round(time.monotonic() - t0, 1)
-    doc["goals"] = [g.to_dict() for g in report.goals(doc)]
-    paths = report.write(doc, out)
-    print("\n" + report.markdown(doc), flush=True)
-    say("wrote " + ", ".join(str(p) for p in paths.values()))
-    return 1 if failed else 0
+                    state["failed"] |= not rec.ok
+                    doc["runs"] = runs
+                    doc["clusters"] = report.summarize_clusters(runs)
 
 
 def main(argv: list[str] | None = None) -> int:

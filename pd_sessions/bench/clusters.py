@@ -78,6 +78,7 @@ def run_pd_sessions(config: ClusterConfig, inv: Inventory, opts: SweepOptions, r
     rec = RunRecord("pd_sessions", config.name, repeat)
     spawned: dict[str, float] = {}
     ready: dict[str, float] = {}
+    prober = HealthProber()
 
     def on_event(ev: Event) -> None:
         if ev.kind == "spawned":
@@ -86,7 +87,7 @@ def run_pd_sessions(config: ClusterConfig, inv: Inventory, opts: SweepOptions, r
             ready[ev.name] = ev.at
         prober.on_event(ev)
 
-    with HealthProber() as prober:
+    with prober:
         t0 = time.monotonic()
         res = run_config(config, inv, opts, progress, on_event=on_event)
         rec.wall_s = time.monotonic() - t0

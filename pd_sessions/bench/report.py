@@ -99,10 +99,16 @@ def _fmt(s: dict[str, Any] | None, unit: str = "", scale: float = 1.0, digits: i
     return f"{f(s['median'])}{unit} ({f(s['min'])}-{f(s['max'])})"
 
 
+def _v(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
+
+
 def markdown(doc: dict[str, Any]) -> str:
     m = doc["machine"]
     st = doc["settings"]
     lines = [f"# pd-sessions benchmark ({doc['started_at']})", "",
+             *([f"**INTERRUPTED** ({doc['interrupted']}): partial results.", ""]
+               if doc.get("interrupted") else []),
              f"Machine: {m['cpu_model']}, {m['cores']} cores, {m['memory_gib']} GiB, "
              f"{m['platform']}, Python {m['python']}, lane **{st['platform']}**, "
              f"vLLM {m.get('vllm') or '-'}, vllm-router {m.get('vllm_router') or '-'}; "
@@ -142,11 +148,11 @@ def markdown(doc: dict[str, Any]) -> str:
         lines += [f"- readiness noticed after /health 200 (all instances, pd_sessions): "
                       f"{_fmt(c['pd_sessions']['noticed_s'], ' s', digits=3)}; upstream's 1 s curl "
                       f"loop: {_fmt(c['upstream']['noticed_s'], ' s', digits=3)}",
-                  f"- parallel start: pair ready {ps['pair_ready_s']} s / one instance alone "
-                  f"{ps['single_ready_s']} s = **{ps['ratio']}** (1.0: no cost for starting them "
-                  f"together; 2.0: as slow as one after the other)",
-                  f"- upstream-style flow / pd_sessions wall time: **{uv['ratio']}** "
-                  f"({uv['saved_s']} s saved per config)", ""]
+                  f"- parallel start: pair ready {_v(ps['pair_ready_s'])} s / one instance alone "
+                  f"{_v(ps['single_ready_s'])} s = **{_v(ps['ratio'])}** (1.0: no cost for starting "
+                  f"them together; 2.0: as slow as one after the other)",
+                  f"- upstream-style flow / pd_sessions wall time: **{_v(uv['ratio'])}** "
+                  f"({_v(uv['saved_s'])} s saved per config)", ""]
     td = doc.get("teardown")
     if td:
         lines += ["## Teardown on throwaway process trees (s)", "",

@@ -8,6 +8,7 @@ wait out the grace period and SIGKILL it; goal: done within grace + 2 s.
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from pathlib import Path
@@ -51,9 +52,15 @@ def measure(kind: str, log_dir: Path, grace_s: float) -> float:
     prefill = _server("prefill-0", log_dir, False)
     decode = _server("decode-0", log_dir, kind == "ignores_sigterm")
     router = _server("router", log_dir, False)
-    t = time.monotonic()
-    teardown(router, [prefill, decode], grace_s=grace_s)
-    took = time.monotonic() - t
+    quiet = logging.getLogger("pd_sessions")  # the SIGKILL warnings are expected here
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        t = time.monotonic()
+        teardown(router, [prefill, decode], grace_s=grace_s)
+        took = time.monotonic() - t
+    finally:
+        quiet.setLevel(level)
     left = process.still_running([prefill, decode, router])
     if left:
         raise BenchError(f"teardown bench: still running after teardown: {', '.join(left)}")
