@@ -42,8 +42,8 @@ ROUTER_PROBE_PROMPT = "Ready"
 class Event:
     """A moment in a cluster's life, for observers (the benchmark): see ``running_cluster``."""
 
-    kind: str                      # "spawned" | "ready" | "teardown_start" | "teardown_done"
-    name: str                      # the process ("prefill-0", "router"), or the config
+    kind: str                      # "spawned" | "ready"
+    name: str                      # the process: "prefill-0", "router"...
     at: float                      # time.monotonic()
     health_url: str | None = None  # with "spawned"
 
@@ -124,8 +124,8 @@ def running_cluster(plan: ClusterPlan, run_dir: Path, *, ports: PortAllocator | 
     ``ports`` (the allocator that planned the ports) is released right before
     the processes start, so the ports stay reserved until then. ``timings``, if
     given, is filled with phase durations even when starting fails. ``on_event``
-    is told when each process is spawned and noticed ready, and when teardown
-    starts and ends (it must return quickly).
+    is told when each process is spawned and when it is noticed ready (it must
+    return quickly).
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ if base_env is None else base_env)
@@ -171,12 +171,10 @@ def running_cluster(plan: ClusterPlan, run_dir: Path, *, ports: PortAllocator | 
         raise
     finally:
         t2 = time.monotonic()
-        tell(Event("teardown_start", plan.config.name, t2))
         try:
             teardown(cluster.router, cluster.instances, grace_s=grace_s)
         finally:
             cluster.timings["teardown"] = time.monotonic() - t2
-            tell(Event("teardown_done", plan.config.name, time.monotonic()))
 
 
 def teardown(router: Running | None, instances: Sequence[Running], *,

@@ -9,7 +9,9 @@ Rules (each enforced below, each unit-tested):
   before anything starts ("needs 4 GPUs, 2 visible: 0,1").
 - CPU lane: --dtype float32 (bf16 dies with SIGILL on AMX-less VMs), block size
   a multiple of 32 (default 128), one core list per TP rank in
-  VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_KVCACHE_SPACE, Mooncake over tcp.
+  VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_KVCACHE_SPACE, Mooncake over tcp, and
+  --enforce-eager (no torch.compile: the CPU build spends 10-27 s per instance
+  start in inductor, and upstream's own P/D tests run eager too).
 - Every process advertises and binds ``config.host`` (VLLM_HOST_IP too).
 - Ports: HTTP, bootstrap and internal (VLLM_PORT block) ports come from the
   PortSource; explicit ports in a config are claimed; all are unique in the plan.
@@ -351,6 +353,8 @@ def plan_cluster(config: ClusterConfig, inv: Inventory, ports: PortSource, *, pl
             argv += ["--max-model-len", str(config.max_model_len)]
         if config.attention_backend:
             argv += ["--attention-backend", config.attention_backend]
+        if platform == "cpu" and "--enforce-eager" not in config.extra_args:
+            argv += ["--enforce-eager"]
         argv += list(config.extra_args)
         return ProcessSpec(name=name, role=role, argv=tuple(argv), env=tuple(env.items()),
                            host=host, port=port, log_name=f"{name}.log", gpus=gpus,

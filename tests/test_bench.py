@@ -86,6 +86,7 @@ def test_summarize_clusters_ratios_and_failed_runs_left_out():
     assert c["pd_sessions"]["overhead_fraction"]["median"] == pytest.approx(0.1)
     assert c["parallel_start"]["ratio"] == pytest.approx(1.5)
     assert c["upstream_vs_pd_sessions"]["ratio"] == pytest.approx(1.1)
+    assert c["upstream_vs_pd_sessions"]["overhead_ratio"] == pytest.approx(2.0)  # (110-89-1)/10
     assert c["upstream_vs_pd_sessions"]["saved_s"] == pytest.approx(10.0)
     assert c["pd_sessions"]["noticed_s"]["median"] == pytest.approx(0.06)
 

@@ -306,3 +306,13 @@ def test_connector_ports_are_stable_per_instance_slot():
     n = plan(cfg(connector="nixl", decode_dp=2, decode_tp=1, expert_parallel=True, moe=True))
     assert [env(s)["VLLM_NIXL_SIDE_CHANNEL_PORT"] for s in n.instances] == [
         str(STABLE_RANGE[0]), str(STABLE_RANGE[0] + 8)]
+
+
+def test_cpu_lane_runs_eager_once():
+    cpu = Inventory(gpus=(), cpus=(0, 1), gpu_source="none")
+    for extra in ((), ("--enforce-eager",)):
+        p = plan(cfg(model="tiny-llama", extra_args=extra), inv=cpu, platform="cpu", model="/m")
+        for s in p.instances:
+            assert s.argv.count("--enforce-eager") == 1
+    g = plan(cfg())
+    assert all("--enforce-eager" not in s.argv for s in g.instances)

@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         "settings": {"platform": plat, "sweep": sweep.name, "configs": [c.name for c in configs],
                      "repeats": args.repeats, "parts": parts, "grace_s": args.grace,
                      "checks": [c for c in CHECKS if c not in skip],
-                     "skipped_checks": list(skip), "logs": str(logs)}}
+                     "skipped_checks": list(skip), "logs": str(logs.relative_to(out))}}
     say(f"bench: {plat} lane, {doc['machine']['cores']} cores; parts {', '.join(parts)}; "
         f"configs {', '.join(doc['settings']['configs'])}; {args.repeats} repeats; logs in {logs}"
         + ("" if args.with_accuracy else "; accuracy check left out (--with-accuracy adds it)"))

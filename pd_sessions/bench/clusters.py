@@ -199,7 +199,8 @@ def run_upstream(config: ClusterConfig, inv: Inventory, opts: SweepOptions, repe
         t5 = time.monotonic()
         rec.phases["teardown"] = t5 - t4
         rec.wall_s = t5 - t0
-        rec.extra["still_running_after_cleanup"] = process.still_running(cluster.processes)
+        # (the bash's proxy lives on until its EXIT trap; only the instances are counted)
+        rec.extra["still_running_after_cleanup"] = process.still_running(cluster.instances)
         rec.ok, rec.error = not failed, "; ".join(failed) or None
     except Exception as e:  # recorded in the results; the other runs go on
         rec.ok, rec.error = False, f"{type(e).__name__}: {e}"
