@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -223,13 +223,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_signal_handlers()
     commands = {"sweep": cmd_sweep, "tiny-model": cmd_tiny_model, "inventory": cmd_inventory}
+    return run_command(lambda: commands[args.command](args), prog="pd-sessions")
+
+
+def run_command(command: Callable[[], int], *, prog: str) -> int:
+    """Run an entry point's command: our errors and signals become exit statuses
+    (2 config/usage, 1 other errors, 128+N on signal N after teardown)."""
     try:
-        return commands[args.command](args)
+        return command()
     except ConfigError as e:
-        print(f"pd-sessions: config error: {e}", file=sys.stderr)
+        print(f"{prog}: config error: {e}", file=sys.stderr)
         return e.exit_status
     except PdError as e:
-        print(f"pd-sessions: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return e.exit_status
     except Stopped as e:
         say(f"{e}: teardown done")

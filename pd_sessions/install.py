@@ -44,11 +44,20 @@ class Installer(Protocol):
 
 
 def index_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """uv does not read pip's config: hand it pip's find-links folder(s) if set."""
+    """Environment for uv installs.
+
+    - uv does not read pip's config: hand it pip's find-links folder(s) if set.
+    - uv does not compile bytecode (pip does): without .pyc files, and with
+      PYTHONDONTWRITEBYTECODE set as on CI machines, every vLLM process (API server,
+      engine core, each worker) compiles torch's and vLLM's sources again at import:
+      tens of seconds per process. So compile once at install (a user's
+      UV_COMPILE_BYTECODE wins).
+    """
+    out = {"UV_COMPILE_BYTECODE": "1"} if "UV_COMPILE_BYTECODE" not in environ else {}
     links = environ.get("PIP_FIND_LINKS", "").split()
     if links and "UV_FIND_LINKS" not in environ:
-        return {"UV_FIND_LINKS": ",".join(links)}
-    return {}
+        out["UV_FIND_LINKS"] = ",".join(links)
+    return out
 
 
 def lane_requirements(platform: str) -> Path:

@@ -5,7 +5,6 @@ vllm-router, the project's generated tiny model. Run by `nox -s tests` (and CI).
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess

@@ -120,5 +120,6 @@ def test_apply_failure_names_package_version_platform():
 def test_system_packages_and_index_env():
     assert missing_system_packages({"libnuma.so.1", "libcurl.so.4"}) == ["libibverbs1"]
     assert missing_system_packages({"libibverbs.so.1", "libnuma.so.1", "libcurl.so.4"}) == []
-    assert index_env({"PIP_FIND_LINKS": "/a /b"}) == {"UV_FIND_LINKS": "/a,/b"}
-    assert index_env({"PIP_FIND_LINKS": "/a", "UV_FIND_LINKS": "/c"}) == {}
+    assert index_env({"PIP_FIND_LINKS": "/a /b"}) == {"UV_FIND_LINKS": "/a,/b", "UV_COMPILE_BYTECODE": "1"}
+    assert index_env({"PIP_FIND_LINKS": "/a", "UV_FIND_LINKS": "/c"}) == {"UV_COMPILE_BYTECODE": "1"}
+    assert index_env({"UV_COMPILE_BYTECODE": "0"}) == {}

@@ -1,10 +1,8 @@
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 

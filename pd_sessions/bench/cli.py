@@ -22,9 +22,8 @@ import psutil
 from pd_sessions import hosts
 from pd_sessions.bench import clusters, report, routers, teardown
 from pd_sessions.checks.accuracy import AccuracyOptions
-from pd_sessions.cli import Stopped, install_signal_handlers, load, say
+from pd_sessions.cli import install_signal_handlers, load, run_command, say
 from pd_sessions.config import ClusterConfig, select
-from pd_sessions.errors import PdError
 from pd_sessions.preflight import preflight
 from pd_sessions.sweep import CHECKS, SweepOptions
 
@@ -159,14 +158,4 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_signal_handlers()
-    try:
-        return run(args)
-    except PdError as e:
-        print(f"pd-sessions-bench: error: {e}", file=sys.stderr)
-        return e.exit_status
-    except Stopped as e:
-        say(f"{e}: teardown done")
-        return 128 + e.signum
-    except KeyboardInterrupt:
-        say("interrupted (SIGINT): teardown done")
-        return 130
+    return run_command(lambda: run(args), prog="pd-sessions-bench")

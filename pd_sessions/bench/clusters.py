@@ -25,6 +25,7 @@ from pd_sessions.cluster import Cluster, Event, spawn_spec, teardown
 from pd_sessions.config import ClusterConfig
 from pd_sessions.errors import BenchError
 from pd_sessions.hosts import Inventory
+from pd_sessions.plan import ClusterPlan
 from pd_sessions.ports import PortAllocator
 from pd_sessions.readiness import Target, check_alive, health_probe, models_probe, wait_ready
 from pd_sessions.sweep import SweepOptions, make_plan, run_config
@@ -119,6 +120,12 @@ def _fill_probe_times(rec: RunRecord, config: ClusterConfig, spawned: dict[str, 
         rec.ok, rec.error = False, "the prober did not see every instance's /health turn 200"
 
 
+def _plan(config: ClusterConfig, inv: Inventory, opts: SweepOptions) -> ClusterPlan:
+    """The sweep's own plan; its ports are released at once (these drivers start right away)."""
+    with PortAllocator(config.host) as ports:
+        return make_plan(config, inv, ports, opts, create_model=True)
+
+
 def _upstream_wait_for_server(port: int, watch: list[process.Running]) -> None:
     """``until curl -s localhost:PORT/v1/completions > /dev/null; do sleep 1; done`` (any
     HTTP answer counts, as with curl -s), on 127.0.0.1. Unlike the bash it also stops
@@ -164,11 +171,7 @@ def run_upstream(config: ClusterConfig, inv: Inventory, opts: SweepOptions, repe
     ready: dict[str, float] = {}
     t0 = time.monotonic()
     try:
-        ports = PortAllocator(config.host)
-        try:
-            plan = make_plan(config, inv, ports, opts, create_model=True)
-        finally:
-            ports.release()
+        plan = _plan(config, inv, opts)
         cluster = Cluster(plan=plan, run_dir=run_dir)
         t1 = time.monotonic()
         rec.phases["prepare"] = t1 - t0
@@ -222,11 +225,7 @@ def run_single(config: ClusterConfig, inv: Inventory, opts: SweepOptions, repeat
     t0 = time.monotonic()
     with HealthProber() as prober:
         try:
-            ports = PortAllocator(config.host)
-            try:
-                plan = make_plan(config, inv, ports, opts, create_model=True)
-            finally:
-                ports.release()
+            plan = _plan(config, inv, opts)
             spec = plan.prefill[0]
             running.append(spawn_spec(spec, run_dir, dict(os.environ)))
             prober.watch(spec.name, spec.health_url)
