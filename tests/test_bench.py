@@ -89,6 +89,8 @@ def test_summarize_clusters_ratios_and_failed_runs_left_out():
     assert c["upstream_vs_pd_sessions"]["overhead_ratio"] == pytest.approx(2.0)  # (110-89-1)/10
     assert c["upstream_vs_pd_sessions"]["saved_s"] == pytest.approx(10.0)
     assert c["pd_sessions"]["noticed_s"]["median"] == pytest.approx(0.06)
+    # own code = prepare 0.1 + noticing (90 - 89) + other (10 - 0.1 - 1 - 1 router - 2 teardown)
+    assert c["pd_sessions"]["own_code_s"]["median"] == pytest.approx(7.0)
 
 
 def _doc(runs, **parts):
@@ -222,3 +224,14 @@ def test_partial_results_of_an_interrupted_run_are_marked(tmp_path):
     md = report.write(doc, tmp_path)["markdown"].read_text()
     assert "**INTERRUPTED** (Stopped: stopped by SIGTERM): partial results." in md
     assert "= **-** (1.0" in md  # no parallel-start ratio without a single-instance run
+
+
+def test_rerender_from_raw_samples(tmp_path):
+    runs = [_run(d, 100.0, 90.0, 89.0, repeat=i) for d in ("pd_sessions", "upstream", "single")
+            for i in range(3)]
+    doc = _doc(runs)
+    doc["clusters"] = {}  # stale summaries are recomputed from the runs
+    (tmp_path / "results.json").write_text(json.dumps(doc))
+    paths = report.rerender(tmp_path / "results.json")
+    assert json.loads(paths["json"].read_text())["clusters"]["1x1"]["pd_sessions"]["ok"] == 3
+    assert "## Config 1x1: phases (s)" in paths["markdown"].read_text()

@@ -50,6 +50,9 @@ def summarize_clusters(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 d["overhead_fraction"] = summary([o["overhead_fraction"] for o in over], digits=4)
                 d["overhead_parts_s"] = {k: summary([o[f"{k}_s"] for o in over if f"{k}_s" in o])
                                          for k in OVERHEAD_PARTS}
+                own = [o["prepare_s"] + o["noticing_s"] + o["other_s"] for o in over if "other_s" in o]
+                d["own_code_s"] = summary(own)
+                d["own_code_fraction"] = summary([v / o["wall_s"] for v, o in zip(own, over)], digits=4)
             c[driver] = d
         pair = c["pd_sessions"]["phases_s"]["instances"]["median"]
         single = c["single"]["phases_s"]["instances"]["median"]
@@ -149,6 +152,11 @@ def markdown(doc: dict[str, Any]) -> str:
             parts = c[driver].get("overhead_parts_s", {})
             lines.append(f"- overhead of {DRIVER_LABEL[driver]}, by part (median s): " + ", ".join(
                 f"{k} {_fmt(parts.get(k), digits=3)}" for k in OVERHEAD_PARTS))
+        own = c["pd_sessions"].get("own_code_s", {})
+        lines.append(f"- of which pd_sessions' own code (prepare + noticing + other; the router part is "
+                     f"vllm-router's 1 s worker poll and the first P/D request, teardown is the "
+                     f"processes' own exit after SIGTERM): {_fmt(own, ' s', digits=3)}, "
+                     f"{_fmt(c['pd_sessions'].get('own_code_fraction'), ' %', scale=100)} of wall")
         lines += [f"- readiness noticed after /health 200 (all instances, pd_sessions): "
                       f"{_fmt(c['pd_sessions']['noticed_s'], ' s', digits=3)}; upstream's 1 s curl "
                       f"loop: {_fmt(c['upstream']['noticed_s'], ' s', digits=3)}",
@@ -211,7 +219,8 @@ def chart(doc: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("seconds (medians)")
     ax.set_title(f"P/D cluster phases, {doc['settings']['platform']} lane, "
                  f"{doc['machine']['cores']} cores ({doc['started_at'][:10]})")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.set_xlim(0, ax.get_xlim()[1] * 1.12)  # room for the wall-time labels
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=len(PHASES), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -226,3 +235,19 @@ def write(doc: dict[str, Any], out_dir: Path) -> dict[str, Path]:
         paths["chart"] = out_dir / "phases.png"
         chart(doc, paths["chart"])
     return paths
+
+
+def rerender(results_json: Path) -> dict[str, Path]:
+    """Summaries, goals, table and chart again from a results.json's raw samples."""
+    doc = json.loads(results_json.read_text())
+    if doc.get("runs"):
+        doc["clusters"] = summarize_clusters(doc["runs"])
+    doc["goals"] = [g.to_dict() for g in goals(doc)]
+    return write(doc, results_json.parent)
+
+
+if __name__ == "__main__":  # python -m pd_sessions.bench.report bench/results.json
+    import sys
+
+    for path in rerender(Path(sys.argv[1])).values():
+        print(path)
