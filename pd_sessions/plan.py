@@ -28,13 +28,11 @@ from dataclasses import dataclass, field
 from pd_sessions.config import TINY_MODELS, ClusterConfig
 from pd_sessions.errors import PlanError
 from pd_sessions.hosts import Inventory
-from pd_sessions.ports import STABLE_RANGE, PortSource
+from pd_sessions.ports import PortSource
 
 # Consecutive ports each vLLM instance may scan upward into from VLLM_PORT
 # (engine-core handshake, ZMQ sockets, torch.distributed for TP ranks).
 INTERNAL_PORT_BLOCK = 16
-# Stable connector ports: one block of this many per instance slot (DP ranks <= this).
-STABLE_SLOT = 8
 CPU_KVCACHE_GIB = 1
 CPU_DEFAULT_BLOCK_SIZE = 128
 CPU_BLOCK_MULTIPLE = 32
@@ -136,9 +134,8 @@ class _Ports:
             return self._record(label, self.source.claim(label, explicit))
         return self._record(label, self.source.take(label))
 
-    def block(self, label: str, size: int, prefer: int | None = None) -> int:
-        base = (self.source.take_block(label, size) if prefer is None
-                else self.source.prefer(label, prefer, size))
+    def block(self, label: str, size: int) -> int:
+        base = self.source.take_block(label, size)
         for i in range(size):
             self._record(f"{label}+{i}" if i else label, base + i)
         return base
@@ -296,29 +293,24 @@ def plan_cluster(config: ClusterConfig, inv: Inventory, ports: PortSource, *, pl
     def instance(role: str, i: int, tp: int, gpus: tuple[str, ...], bind: str | None,
                  explicit_port: int | None) -> ProcessSpec:
         name = f"{role}-{i}"
-        slot = i if role == "prefill" else config.num_prefill + i
         dp = config.decode_dp if role == "decode" else 1
         port = p.get(f"{name}.http", explicit_port)
         internal = p.block(f"{name}.internal", INTERNAL_PORT_BLOCK * dp)
         env: dict[str, str] = {"VLLM_HOST_IP": host, "VLLM_PORT": str(internal),
                                "PYTHONUNBUFFERED": "1"}
         bootstrap = None
-        # vLLM hashes VLLM_MOONCAKE_BOOTSTRAP_PORT and VLLM_NIXL_SIDE_CHANNEL_PORT into its
-        # torch.compile cache key: a new port every run means compiling again every run.
-        # So these ports are stable per instance slot while free (else any free one).
-        stable: int | None = STABLE_RANGE[0] + STABLE_SLOT * slot
-        if stable + STABLE_SLOT > STABLE_RANGE[1] or dp > STABLE_SLOT:
-            stable = None
+        # Fresh ports every run. (vLLM hashes these two ports into its torch.compile cache
+        # key, so on GPU hosts each run compiles again; fixed ports would collide between
+        # clusters on one host, because vLLM binds them long after the plan was made.)
         if config.connector == "mooncake":
             # Only prefill instances serve bootstrap; every instance gets its own port so
             # none falls back to the fixed default (8998).
-            bootstrap = p.block(f"{name}.mooncake_bootstrap", 1, prefer=stable)
+            bootstrap = p.get(f"{name}.mooncake_bootstrap")
             env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(bootstrap)
         elif config.connector == "nixl":
             # vLLM listens on VLLM_NIXL_SIDE_CHANNEL_PORT + DP rank: one port per rank.
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host
-            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(p.block(f"{name}.nixl_side_channel", dp,
-                                                             prefer=stable))
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(p.block(f"{name}.nixl_side_channel", dp))
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         if platform == "cpu":

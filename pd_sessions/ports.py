@@ -21,8 +21,6 @@ from pd_sessions.errors import PlanError
 # outgoing connections and port-0 binds do not land inside them, and above the
 # ranges connector libraries pick their own ports from (Mooncake: 12001, 15000+).
 BLOCK_RANGE = (20000, 32000)
-# Stable ports (see PortSource.prefer) come from just above, still below the ephemeral range.
-STABLE_RANGE = (32000, 32768)
 
 
 class PortSource(Protocol):
@@ -34,9 +32,6 @@ class PortSource(Protocol):
 
     def claim(self, label: str, port: int) -> int:
         """An explicit port from a config: check it is free and hold it."""
-
-    def prefer(self, label: str, port: int, size: int = 1) -> int:
-        """``port`` .. ``port + size - 1`` if all are free, else any free block of ``size``."""
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -115,22 +110,6 @@ class PortAllocator:
         self._held.append(s)
         self._ports.add(port)
         return port
-
-    def prefer(self, label: str, port: int, size: int = 1) -> int:
-        wanted = range(port, port + size)
-        if not any(p in self._ports for p in wanted):
-            got: list[socket.socket] = []
-            try:
-                for p in wanted:
-                    got.append(_bind(self.host, p))
-            except OSError:
-                for s in got:
-                    s.close()
-            else:
-                self._held.extend(got)
-                self._ports.update(wanted)
-                return port
-        return self.take_block(label, size) if size > 1 else self.take(label)
 
     def release(self) -> None:
         for s in self._held:

@@ -33,9 +33,6 @@ class FakePorts:
         self.claimed.append(port)
         return port
 
-    def prefer(self, label, port, size=1):
-        return port
-
 
 GPUS4 = Inventory(gpus=("0", "1", "2", "3"), cpus=tuple(range(16)), gpu_source="nvidia-smi")
 
@@ -291,21 +288,6 @@ def test_share_gpus_keeps_disjoint_when_enough():
 def test_share_gpus_needs_at_least_one_gpu():
     with pytest.raises(PlanError, match="0 visible"):
         plan(cfg(), Inventory(gpus=(), cpus=(0,)), share_gpus=True)
-
-
-def test_connector_ports_are_stable_per_instance_slot():
-    """vLLM hashes the Mooncake bootstrap / NIXL side-channel port into its compile cache key:
-    the same config must get the same ports run after run (while they are free)."""
-    from pd_sessions.ports import STABLE_RANGE
-
-    c = cfg(connector="mooncake", num_prefill=2, num_decode=1)
-    a, b = plan(c), plan(c)
-    got = [env(s)["VLLM_MOONCAKE_BOOTSTRAP_PORT"] for s in a.instances]
-    assert got == [env(s)["VLLM_MOONCAKE_BOOTSTRAP_PORT"] for s in b.instances]
-    assert got == [str(STABLE_RANGE[0] + 8 * k) for k in range(3)]
-    n = plan(cfg(connector="nixl", decode_dp=2, decode_tp=1, expert_parallel=True, moe=True))
-    assert [env(s)["VLLM_NIXL_SIDE_CHANNEL_PORT"] for s in n.instances] == [
-        str(STABLE_RANGE[0]), str(STABLE_RANGE[0] + 8)]
 
 
 def test_cpu_lane_runs_eager_once():
