@@ -159,6 +159,9 @@ def test_bench_refuses_unknown_part(tmp_path):
     p = subprocess.run([sys.executable, "-m", "pd_sessions.bench", "--parts", "clusters,speed",
                         "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 2 and "--parts takes router, teardown, clusters (got speed)" in p.stderr
+    p = subprocess.run([sys.executable, "-m", "pd_sessions.bench", "--repeats", "0",
+                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 2 and "--repeats must be at least 1 (got 0)" in p.stderr
 
 
 def test_router_bench_against_fake_backends(tmp_path):

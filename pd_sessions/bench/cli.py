@@ -81,9 +81,12 @@ def _load() -> str:
 def run(args: argparse.Namespace) -> int:
     parts = [p for p in args.parts.split(",") if p]
     bad = [p for p in parts if p not in PARTS]
-    if bad or args.repeats < 1:
-        print(f"pd-sessions-bench: --parts takes {', '.join(PARTS)} (got {', '.join(bad)}); "
-              "--repeats >= 1", file=sys.stderr)
+    if bad:
+        print(f"pd-sessions-bench: --parts takes {', '.join(PARTS)} (got {', '.join(bad)})",
+              file=sys.stderr)
+        return 2
+    if args.repeats < 1:
+        print(f"pd-sessions-bench: --repeats must be at least 1 (got {args.repeats})", file=sys.stderr)
         return 2
     out = args.out.resolve()
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -106,26 +109,28 @@ def run(args: argparse.Namespace) -> int:
     say(f"bench: {plat} lane, {doc['machine']['cores']} cores; parts {', '.join(parts)}; "
         f"configs {', '.join(doc['settings']['configs'])}; {args.repeats} repeats; logs in {logs}"
         + ("" if args.with_accuracy else "; accuracy check left out (--with-accuracy adds it)"))
-    state = {"failed": False}
     try:
-        _measure(doc, args, parts, configs, inv, opts, logs, state)
+        failed = _measure(doc, args, parts, configs, inv, opts, logs)
     except BaseException as e:  # a cancel or an error: write what was measured, then go on out
         doc["interrupted"] = f"{type(e).__name__}: {e}"
         raise
     finally:
+        if doc.get("runs"):
+            doc["clusters"] = report.summarize_clusters(doc["runs"])
         doc["machine"]["load_after"] = _load()
         doc["duration_s"] = round(time.monotonic() - t0, 1)
         doc["goals"] = [g.to_dict() for g in report.goals(doc)]
         paths = report.write(doc, out)
         print("\n" + report.markdown(doc), flush=True)
         say("wrote " + ", ".join(str(p) for p in paths.values()))
-    return 1 if state["failed"] else 0
+    return 1 if failed else 0
 
 
 def _measure(doc: dict[str, Any], args: argparse.Namespace, parts: list[str],
-             configs: list[ClusterConfig], inv: hosts.Inventory, opts: SweepOptions, logs: Path,
-             state: dict[str, bool]) -> None:
-    """Run the selected parts, filling ``doc`` as each finishes."""
+             configs: list[ClusterConfig], inv: hosts.Inventory, opts: SweepOptions,
+             logs: Path) -> bool:
+    """Run the selected parts, filling ``doc`` as each finishes; True if a run failed."""
+    failed = False
     if "router" in parts:
         doc["router"] = routers.run(logs / "router", requests=args.router_requests,
                                     concurrent_requests=args.router_concurrent_requests,
@@ -135,7 +140,7 @@ def _measure(doc: dict[str, Any], args: argparse.Namespace, parts: list[str],
             f"(grace {args.grace:g} s)")
         doc["teardown"] = teardown.run(logs / "teardown", repeats=args.repeats, grace_s=args.grace)
     if "clusters" in parts:
-        runs: list[dict[str, Any]] = []
+        runs: list[dict[str, Any]] = doc.setdefault("runs", [])
         total = args.repeats * len(configs) * len(ORDER)
         for rep in range(args.repeats):
             order = ORDER[rep % 3:] + ORDER[:rep % 3]  # each driver goes first once in 3 repeats
@@ -149,9 +154,8 @@ def _measure(doc: dict[str, Any], args: argparse.Namespace, parts: list[str],
                         + (f"wall {rec.wall_s:.1f} s" + (f", overhead {over['overhead_s']:.2f} s "
                                                           f"({over['overhead_fraction']:.1%})" if over else "")
                            if rec.ok else f"FAILED: {rec.error}"))
-                    state["failed"] |= not rec.ok
-                    doc["runs"] = runs
-                    doc["clusters"] = report.summarize_clusters(runs)
+                    failed |= not rec.ok
+    return failed
 
 
 def main(argv: list[str] | None = None) -> int:
