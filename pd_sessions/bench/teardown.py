@@ -14,36 +14,31 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from pd_sessions import process
 from pd_sessions.bench.stats import summary
 from pd_sessions.cluster import teardown
 from pd_sessions.errors import BenchError
 
-_CHILD = "import signal, time\n{ignore}time.sleep(3600)\n"
+READY = "child ready"
+# printed as a sum, so the marker is not already in the log's first line (the argv)
+_CHILD = "import signal, time\n{ignore}print('child' + ' ready', flush=True)\ntime.sleep(3600)\n"
 _LEADER = ("import subprocess, sys, time\n"
            "subprocess.Popen([sys.executable, '-c', {child!r}])\n"
            "time.sleep(3600)\n")
 
 
 def _server(name: str, log_dir: Path, ignore_term: bool) -> process.Running:
+    """A leader and its child; returns once the child says it is ready (handler set)."""
     child = _CHILD.format(ignore="signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if ignore_term else "")
-    r = process.spawn(name, [sys.executable, "-c", _LEADER.format(child=child)], env={},
-                      log_path=log_dir / f"{name}.log")
+    log = log_dir / f"{name}.log"
+    r = process.spawn(name, [sys.executable, "-c", _LEADER.format(child=child)], env={}, log_path=log)
     end = time.monotonic() + 10
-    while time.monotonic() < end:  # its child must exist (and have set its handler) first
-        try:
-            kids = psutil.Process(r.pid).children()
-            if kids and kids[0].cmdline():
-                break
-        except psutil.Error:
-            pass
-        time.sleep(0.02)
-    else:
-        process.stop([r], grace_s=1)
-        raise BenchError(f"teardown bench: {name}'s child did not start within 10 s")
-    time.sleep(0.2)  # the child's interpreter reaches its signal() call (SIG_IGN) well within this
+    while READY not in log.read_text():  # the child inherits the leader's output
+        if time.monotonic() > end or r.poll() is not None:
+            process.stop([r], grace_s=1)
+            raise BenchError(f"teardown bench: {name}'s child did not start within 10 s "
+                             f"(log: {log})")
+        time.sleep(0.01)
     return r
 
 
