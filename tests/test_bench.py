@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -65,7 +66,7 @@ def test_goal_verdicts():
 
 
 def _run(driver, wall, instances, own, checks=1.0, ok=True, repeat=0, teardown_s=2.0):
-    r = RunRecord(driver, "1x1", repeat, ok=ok, wall_s=wall, checks_s=checks,
+    r = RunRecord(driver, "1x1", repeat, ok=ok, wall_s=wall,
                   phases={"prepare": 0.1, "instances": instances, "router": 1.0, "checks": checks,
                           "teardown": teardown_s},
                   own_startup_s={"prefill-0": own - 1, "decode-0": own} if driver != "single"
@@ -178,8 +179,8 @@ def test_router_bench_against_fake_backends(tmp_path):
     assert t["vllm-router"]["added_p50_ms"] == pytest.approx(t["vllm-router"]["p50_ms"] - t["direct"]["p50_ms"],
                                                              abs=0.002)
     assert "fake" in out["backend"]
-    assert not any(str(tmp_path) in " ".join(p.info["cmdline"] or [])
-                   for p in psutil.process_iter(["cmdline"]))
+    # the four servers were our children; stopped and reaped, none is left
+    assert psutil.Process().children(recursive=True) == []
 
 
 SWEEP = """name = "fake"
@@ -218,8 +219,16 @@ def test_cluster_drivers_on_the_fake_stack(tmp_path):
         c["upstream"]["wall_s"]["median"] / c["pd_sessions"]["wall_s"]["median"], abs=0.001)
     assert (out / "phases.png").read_bytes()[:4] == b"\x89PNG"
     assert "## Config 1x1: phases (s)" in (out / "results.md").read_text()
+    # every process the drivers started logged its argv first: none of their ports is in use
+    started = [line for log in (out / "logs").rglob("*.log") for line in log.read_text().splitlines()
+               if line.startswith("# pd_sessions: starting ")]
+    ports = {int(m) for line in started for m in re.findall(r"'--port', '(\d+)'", line)}
+    assert len(started) >= 7 and len(ports) >= 7  # single 1 + pd_sessions 3 + upstream 3
+    listening = [c.laddr.port for c in psutil.net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in ports]
+    assert listening == []
     left = [q.info["cmdline"] for q in psutil.process_iter(["cmdline"])
-            if any(str(out) in a for a in (q.info["cmdline"] or []))]
+            if any(f"'--port', '{port}'" in str(q.info["cmdline"]) for port in ports)]
     assert left == []
 
 

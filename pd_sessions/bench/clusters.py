@@ -50,8 +50,11 @@ class RunRecord:
     phases: dict[str, float] = field(default_factory=dict)      # in the order they happened
     own_startup_s: dict[str, float] = field(default_factory=dict)  # spawn -> first /health 200
     noticed_s: dict[str, float] = field(default_factory=dict)   # first 200 -> driver noticed
-    checks_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def checks_s(self) -> float:
+        return self.phases.get("checks", 0.0)
 
     def overhead(self) -> dict[str, float] | None:
         if not self.ok or not self.own_startup_s or self.driver == "single":
@@ -66,11 +69,6 @@ class RunRecord:
                 "own_startup_s": r(self.own_startup_s), "noticed_s": r(self.noticed_s),
                 "checks_s": round(self.checks_s, 4), "overhead": None if over is None else r(over),
                 **self.extra}
-
-
-def _instances(config: ClusterConfig) -> list[str]:
-    return [f"prefill-{i}" for i in range(config.num_prefill)] + [
-        f"decode-{i}" for i in range(config.num_decode)]
 
 
 def run_pd_sessions(config: ClusterConfig, inv: Inventory, opts: SweepOptions, repeat: int,
@@ -99,24 +97,25 @@ def run_pd_sessions(config: ClusterConfig, inv: Inventory, opts: SweepOptions, r
     rec.phases = {"prepare": res.phases.get("plan", 0.0), "instances": t.get("instances_ready", 0.0),
                   "router": t.get("router_ready", 0.0), "checks": res.phases.get("checks", 0.0),
                   "teardown": t.get("teardown", 0.0)}
-    rec.checks_s = rec.phases["checks"]
-    _fill_probe_times(rec, config, spawned, ready, prober.first_ok)
+    _fill_probe_times(rec, spawned, ready, prober.first_ok)
     if "router" in prober.first_ok and "router" in ready:
         rec.extra["router_health_to_ready_s"] = round(ready["router"] - prober.first_ok["router"], 4)
-    rec.extra["spawn_spread_s"] = round(max(spawned[n] for n in _instances(config))
-                                        - min(spawned[n] for n in _instances(config)), 4) \
-        if all(n in spawned for n in _instances(config)) else None
+    starts = [at for name, at in spawned.items() if name != "router"]
+    rec.extra["spawn_spread_s"] = round(max(starts) - min(starts), 4) if starts else None
     return rec
 
 
-def _fill_probe_times(rec: RunRecord, config: ClusterConfig, spawned: dict[str, float],
-                      ready: dict[str, float], first_ok: dict[str, float]) -> None:
-    for name in _instances(config):
-        if name in first_ok and name in spawned:
+def _fill_probe_times(rec: RunRecord, spawned: dict[str, float], ready: dict[str, float],
+                      first_ok: dict[str, float]) -> None:
+    """Each spawned instance's own startup and how late the driver noticed it (the router,
+    if spawned, is not an instance)."""
+    instances = [name for name in spawned if name != "router"]
+    for name in instances:
+        if name in first_ok:
             rec.own_startup_s[name] = first_ok[name] - spawned[name]
             if name in ready:
                 rec.noticed_s[name] = ready[name] - first_ok[name]
-    if rec.ok and len(rec.own_startup_s) < len(_instances(config)):
+    if rec.ok and len(rec.own_startup_s) < len(instances):
         rec.ok, rec.error = False, "the prober did not see every instance's /health turn 200"
 
 
@@ -194,7 +193,7 @@ def run_upstream(config: ClusterConfig, inv: Inventory, opts: SweepOptions, repe
         checks: list[CheckResult] = []
         run_checks(cluster, checks, opts.accuracy, opts.skip_checks)
         t4 = time.monotonic()
-        rec.phases["checks"] = rec.checks_s = t4 - t3
+        rec.phases["checks"] = t4 - t3
         failed = [f"{c.name}: {c.message}" for c in checks if not c.passed]
         process.terminate(cluster.instances)   # pkill -f "vllm serve" || true
         for s in UPSTREAM_CLEANUP_SLEEPS_S:
@@ -212,7 +211,7 @@ def run_upstream(config: ClusterConfig, inv: Inventory, opts: SweepOptions, repe
         prober.close()
         if cluster is not None:
             teardown(cluster.router, cluster.instances, grace_s=opts.grace_s)
-    _fill_probe_times(rec, config, spawned, ready, prober.first_ok)
+    _fill_probe_times(rec, spawned, ready, prober.first_ok)
     return rec
 
 
@@ -222,18 +221,22 @@ def run_single(config: ClusterConfig, inv: Inventory, opts: SweepOptions, repeat
     rec = RunRecord("single", config.name, repeat)
     run_dir = opts.results_dir / f"{config.name}-single-{repeat}"
     running: list[process.Running] = []
+    spawned: dict[str, float] = {}
+    ready: dict[str, float] = {}
     t0 = time.monotonic()
     with HealthProber() as prober:
         try:
             plan = _plan(config, inv, opts)
             spec = plan.prefill[0]
             running.append(spawn_spec(spec, run_dir, dict(os.environ)))
+            spawned[spec.name] = running[0].started_at
             prober.watch(spec.name, spec.health_url)
             target = Target(running[0], [health_probe(spec.health_url),
                                          models_probe(spec.url, plan.served_model_name)])
             progress(f"{config.name} (single): {spec.name} alone")
             wait_ready([target], deadline=time.monotonic() + opts.deadline_s, tick=0.1)
             assert target.ready_at is not None
+            ready[spec.name] = target.ready_at
             rec.phases["instances"] = target.ready_at - running[0].started_at
             rec.ok = True
         except Exception as e:  # recorded; the other runs go on
@@ -244,11 +247,7 @@ def run_single(config: ClusterConfig, inv: Inventory, opts: SweepOptions, repeat
                 process.stop(running, grace_s=opts.grace_s)
                 rec.phases["teardown"] = time.monotonic() - t
             rec.wall_s = time.monotonic() - t0
-    if running and "prefill-0" in prober.first_ok:
-        rec.own_startup_s["prefill-0"] = prober.first_ok["prefill-0"] - running[0].started_at
-        if rec.ok:
-            rec.noticed_s["prefill-0"] = (running[0].started_at + rec.phases["instances"]
-                                          - prober.first_ok["prefill-0"])
+    _fill_probe_times(rec, spawned, ready, prober.first_ok)
     return rec
 
 
