@@ -1,17 +1,25 @@
 """nox sessions: thin wrappers; all logic lives in the pd_sessions package.
 
-    nox -s mooncake_sweep [-- --platform cpu|cuda --only 1x1 --dry-run --results-dir DIR]
+    nox -s mooncake_sweep [-- --platform cpu|cuda --only 1x1 --dry-run --results-dir DIR ...]
     nox -s mooncake_imports / nixl_imports [-- --dry-run]   # install + import canary only
     nox -s tests        # unit + end-to-end (real vLLM on the CPU lane)
     nox -s unit         # unit tests only (no vLLM install)
     nox -s bench        # measures (not a test): overhead, readiness, teardown, router; writes bench/
+
+Installed-environment mode: `nox --no-venv -s mooncake_sweep` (or the posarg `--installed`)
+runs on the current interpreter: vLLM, torch and the router are taken as found, only the
+connector variant torch needs is swapped in place, a missing piece is an exit-2 error naming
+the command that installs it. `--no-install` changes nothing at all. `--find-links DIR` (or
+$PD_SESSIONS_FIND_LINKS) installs from that folder only, never from an index.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import nox
@@ -19,54 +27,167 @@ import nox
 ROOT = Path(__file__).parent
 sys.path.insert(0, str(ROOT))
 
-from pd_sessions import hosts, install  # noqa: E402
-from pd_sessions.config import builtin_sweep  # noqa: E402
+from pd_sessions import hosts, install, installed  # noqa: E402
+from pd_sessions.cliargs import split_session_args, sweep_parser  # noqa: E402
+from pd_sessions.config import load, make_overrides, select  # noqa: E402
 from pd_sessions.errors import PdError  # noqa: E402
 from pd_sessions.preflight import preflight  # noqa: E402
 
 nox.options.default_venv_backend = "uv"
 nox.options.sessions = ["unit"]
 PYTHON = "3.11"
+FIND_LINKS_ENV = "PD_SESSIONS_FIND_LINKS"
 
 
-def _platform(session: nox.Session, sweep: str | None = None) -> str:
-    """The platform the posargs ask for (or the host's), checked before any install;
-    for a sweep, also whether this host can run it at all."""
-    args = list(session.posargs)
-    requested = None
-    if "--platform" in args and args.index("--platform") + 1 < len(args):
-        requested = args[args.index("--platform") + 1]
+def _fail(session: nox.Session, message: str, status: int = 2) -> None:
+    """Stop the session (and nox) with ``status``: 2 = bad input or a missing piece, nothing ran."""
+    session.log(f"pd-sessions: error: {message}")
+    raise SystemExit(status)
+
+
+class Target:
+    """Where a session runs the harness: its own venv, or the current interpreter as found."""
+
+    def __init__(self, session: nox.Session):
+        self.session = session
+        self.opts, self.rest = split_session_args(session.posargs)
+        self.installed = session.venv_backend == "none" or self.opts.installed
+        self.no_install = self.opts.no_install or _nox_no_install(session)
+        self.find_links = self.opts.find_links or os.environ.get(FIND_LINKS_ENV) or None
+        if self.find_links and not Path(self.find_links).is_dir():
+            _fail(session, f"--find-links {self.find_links}: no such folder")
+        self.python = sys.executable if self.installed else "python"
+
+    def run(self, *args: str, **kw) -> None:
+        """Run ``python ARGS`` on the target interpreter."""
+        self.session.run(self.python, *args, external=self.installed, **kw)
+
+    def facts(self) -> dict:
+        """What the target interpreter has (written to a file: stderr noise cannot corrupt it)."""
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "facts.json"
+            self.run("-m", "pd_sessions.envfacts", "--out", str(out), env=self.env, silent=True)
+            return json.loads(out.read_text())
+
+    @property
+    def env(self) -> dict[str, str] | None:
+        """On the installed interpreter, this checkout's pd_sessions comes first on the path
+        (also when another copy is installed there); a venv has it installed editable."""
+        if not self.installed:
+            return None
+        return {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+    def venv_install(self, *args: str, env: dict | None = None) -> None:
+        offline = installed.offline_args(self.find_links)
+        self.session.install(*offline, *args, env=env)
+
+
+def _nox_no_install(session: nox.Session) -> bool:
+    """nox's own --no-install (-R) flag; nox keeps it on its runner's global config."""
+    runner = getattr(session, "_runner", None)
+    return bool(getattr(getattr(runner, "global_config", None), "no_install", False))
+
+
+def _checked(session: nox.Session, target: Target, sweep_name: str | None):
+    """Parse and check the posargs exactly as the CLI will, before anything is installed.
+    Returns (platform, the CLI's args)."""
+    parser = sweep_parser(prog=f"nox -s {session.name} --", positional=False)
+    args = parser.parse_args(target.rest)  # exits 2 (and prints usage) on a bad argument
     try:
-        if sweep is None:
-            return hosts.resolve_platform(requested, hosts.detect())
-        platform, _, _ = preflight(builtin_sweep(sweep), requested, hosts.detect(),
-                                   dry_run="--dry-run" in args)
-        return platform
+        over = make_overrides(sets=args.set_fields, model=args.model, revision=args.revision,
+                              extra_args=args.extra_arg,
+                              named={"mooncake_protocol": args.mooncake_protocol})
+        if sweep_name is None:
+            return hosts.resolve_platform(args.platform, hosts.detect()), args
+        sweep = load(sweep_name)
+        platform, _, _ = preflight(sweep, args.platform, hosts.detect(), dry_run=args.dry_run,
+                                   share_gpus=args.share_gpus)
+        only = tuple(o for item in args.only for o in item.split(",") if o)
+        entries, _ = select(sweep.entries(platform), platform, only=only)
+        for e in entries:
+            over.apply(e.config)
     except PdError as e:
-        session.error(str(e))
+        _fail(session, str(e), e.exit_status)
+    return platform, args
 
 
-def _connectors(session: nox.Session, platform: str, connectors: list[str]) -> None:
-    """Install the lane, then the connector variants the venv's torch needs, then run
-    the import canary (its own process). Stops the session on any failure."""
+def _connectors(session: nox.Session, target: Target, platform: str, connectors: list[str], *,
+                accuracy: bool = True) -> None:
+    """Make the target fit (venv: install the lane; installed: only connector swaps), then run
+    the import canary in its own process. Stops the session on any failure."""
     try:
-        install.install_lane(session, platform, say=session.log)
-        doc = json.loads(session.run("python", "-m", "pd_sessions.install", "facts", silent=True))
-        torch_platform, actions = install.plan_connectors(doc, connectors)
-        session.log(f"torch {doc.get('torch')} is built for {torch_platform.describe()}: "
-                    f"{len(actions)} connector action(s)")
-        install.apply_actions(session, actions, torch_platform,
-                              env=install.index_env(dict(os.environ)), say=session.log)
+        if target.installed:
+            _installed_env(session, target, platform, connectors, accuracy=accuracy)
+        else:
+            env = install.index_env(dict(os.environ))
+            install.install_lane(_VenvInstaller(target), platform, say=session.log, environ=os.environ)
+            doc = target.facts()
+            torch_platform, actions = install.plan_connectors(doc, connectors)
+            session.log(f"torch {(doc.get('torch') or {}).get('version')} is built for "
+                        f"{torch_platform.describe()}: {len(actions)} connector action(s)")
+            install.apply_actions(_VenvInstaller(target), actions, torch_platform, env=env, say=session.log)
     except PdError as e:
-        session.error(str(e))
-    session.run("python", "-m", "pd_sessions.canary", *connectors)
+        _fail(session, str(e), e.exit_status)
+    target.run("-m", "pd_sessions.canary", *connectors)
 
 
-def _dry_run_install(session: nox.Session, platform: str, connectors: list[str]) -> None:
+class _VenvInstaller:
+    """install.Installer over a session venv, honouring --find-links."""
+
+    def __init__(self, target: Target):
+        self.target = target
+
+    def install(self, *args: str, env=None) -> None:
+        self.target.venv_install(*args, env=env)
+
+    def run_install(self, *args: str) -> object:
+        return self.target.session.run_install(*args)
+
+
+def _installed_env(session: nox.Session, target: Target, platform: str, connectors: list[str], *,
+                   accuracy: bool) -> None:
+    from pd_sessions.envfacts import summary_lines
+
+    doc = target.facts()
+    for line in summary_lines(doc):
+        session.log(line)
+    plan = installed.plan_installed(doc, connectors, lane=platform, need_lm_eval=accuracy,
+                                    no_install=target.no_install)
+    if plan.missing:
+        _fail(session, f"the environment at {plan.python} lacks what this session needs "
+              "(installed-environment mode never installs vLLM, torch, the router or a connector "
+              "by itself):\n  " + "\n  ".join(map(str, plan.missing)))
+    steps = plan.describe()
+    if target.no_install:
+        session.log("--no-install: changing nothing" + (f"; this run would: {'; '.join(steps)}" if steps
+                                                         else "; nothing to change"))
+        return
+    session.log(f"installed environment: {len(steps)} change(s) for torch built for "
+                f"{plan.platform.describe()}" + (f": {'; '.join(steps)}" if steps else ""))
+    if not steps:
+        return
+    prefix = installed.installer(doc, shutil.which("uv"))
+    if not prefix:
+        _fail(session, f"{plan.python} has no pip and uv is not on PATH: cannot make "
+              f"{'; '.join(steps)}", 1)
+    for a in plan.actions:
+        session.log(f"pd-sessions install: {a}")
+        session.run(*installed.action_argv(prefix, a, python=plan.python, find_links=target.find_links),
+                    external=True)
+    if plan.install_harness:
+        session.log(f"pd-sessions install: pd-sessions (editable, from {ROOT})")
+        session.run(*installed.harness_argv(prefix, python=plan.python, find_links=target.find_links),
+                    external=True)
+
+
+def _dry_run_install(session: nox.Session, target: Target, platform: str, connectors: list[str]) -> None:
+    if target.installed:
+        session.log("dry run on the installed environment: nothing is installed")
+        return
     session.log(f"dry run: would install -r {install.lane_requirements(platform).relative_to(ROOT)} "
                 f"and this package, then the connector variants for the torch that brings:")
-    facts = {"cpu": {"cuda": None}, "cuda": None}[platform]
-    cases = [facts] if facts is not None else [{"cuda": "12.8"}, {"cuda": "13.0"}]
+    facts = {"cpu": {"torch": {"cuda": None}}, "cuda": None}[platform]
+    cases = [facts] if facts is not None else [{"torch": {"cuda": "12.8"}}, {"torch": {"cuda": "13.0"}}]
     for doc in cases:
         plat, actions = install.plan_connectors(doc, connectors)
         session.log(f"  {plat.describe()}: " + "; ".join(map(str, actions)))
@@ -74,21 +195,27 @@ def _dry_run_install(session: nox.Session, platform: str, connectors: list[str])
 
 
 def _sweep(session: nox.Session, name: str, connectors: list[str], extra: tuple[str, ...] = ()) -> None:
-    platform = _platform(session, name)
-    if "--dry-run" in session.posargs:  # plans need only the package itself
-        _dry_run_install(session, platform, connectors)
-        session.install("-e", str(ROOT))
+    target = Target(session)
+    if "-h" in target.rest or "--help" in target.rest:
+        sweep_parser(prog=f"nox -s {session.name} --", positional=False).print_help()
+        return
+    platform, args = _checked(session, target, name)
+    if args.dry_run:  # plans need only the package itself
+        _dry_run_install(session, target, platform, connectors)
+        if not target.installed:
+            target.venv_install("-e", str(ROOT))
     else:
-        _connectors(session, platform, connectors)
-    session.run("python", "-m", "pd_sessions", "sweep", name, *extra, *session.posargs)
+        _connectors(session, target, platform, connectors, accuracy="accuracy" not in args.skip_check)
+    target.run("-m", "pd_sessions", "sweep", name, *extra, *target.rest, env=target.env)
 
 
 def _imports(session: nox.Session, connectors: list[str]) -> None:
-    platform = _platform(session)
-    if "--dry-run" in session.posargs:
-        _dry_run_install(session, platform, connectors)
+    target = Target(session)
+    platform, args = _checked(session, target, None)
+    if args.dry_run:
+        _dry_run_install(session, target, platform, connectors)
         return
-    _connectors(session, platform, connectors)
+    _connectors(session, target, platform, connectors, accuracy=False)
 
 
 @nox.session(python=PYTHON)
@@ -124,11 +251,13 @@ def nixl_imports(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """All tests, including the real CPU-lane end-to-end sweeps."""
-    _connectors(session, "cpu", ["mooncake", "nixl"])
-    session.install("-r", str(ROOT / "requirements" / "test.txt"),
-                    "-r", str(ROOT / "requirements" / "buildkite.txt"),
-                    "-r", str(ROOT / "requirements" / "bench.txt"))
-    session.run("pytest", *session.posargs, env={"PD_SESSIONS_FULL_ENV": "1"})
+    target = Target(session)
+    _connectors(session, target, "cpu", ["mooncake", "nixl"])
+    if not target.installed:
+        target.venv_install("-r", str(ROOT / "requirements" / "test.txt"),
+                            "-r", str(ROOT / "requirements" / "buildkite.txt"),
+                            "-r", str(ROOT / "requirements" / "bench.txt"))
+    target.run("-m", "pytest", *target.rest, env={**(target.env or {}), "PD_SESSIONS_FULL_ENV": "1"})
 
 
 @nox.session(python=PYTHON)
@@ -151,10 +280,21 @@ def unit(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmark, not a test: harness overhead, readiness latency, parallel start, teardown,
     vllm-router vs a Python proxy, the upstream bash flow vs pd_sessions. Writes bench/."""
-    args = list(session.posargs)
+    target = Target(session)
+    args = list(target.rest)
     name = args[args.index("--sweep") + 1] if "--sweep" in args[:-1] else "mooncake_sweep"
-    platform = _platform(session, name)
-    _connectors(session, platform, sorted({e.config.connector
-                                           for e in builtin_sweep(name).entries(platform)}))
-    session.install("-r", str(ROOT / "requirements" / "bench.txt"))
-    session.run("python", "-m", "pd_sessions.bench", *args)
+    try:
+        sweep = load(name)
+        platform, _, _ = preflight(sweep, None, hosts.detect())
+    except PdError as e:
+        _fail(session, str(e), e.exit_status)
+    _connectors(session, target, platform, sorted({e.config.connector for e in sweep.entries(platform)}),
+                accuracy="--with-accuracy" in args)
+    if target.installed:
+        lacking = [m for m in ("matplotlib", "aiohttp") if m not in target.facts()["installed"]]
+        if lacking:
+            _fail(session, f"the bench needs {', '.join(lacking)}: install them with "
+                  f"`{sys.executable} -m pip install -r {ROOT / 'requirements' / 'bench.txt'}`")
+    else:
+        target.venv_install("-r", str(ROOT / "requirements" / "bench.txt"))
+    target.run("-m", "pd_sessions.bench", *args)

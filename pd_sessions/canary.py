@@ -31,6 +31,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pd_sessions.envfacts import canonical
+
 MOONCAKE_VARIANTS = {
     "mooncake-transfer-engine": 12,           # CUDA 12 (default wheel)
     "mooncake-transfer-engine-cuda13": 13,
@@ -71,10 +73,6 @@ class Report:
 
 
 # ------------------------------------------------------------------ pure checks
-
-def canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
 
 def check_distributions(installed: Mapping[str, str], torch_cuda: int | None,
                         connectors: Sequence[str]) -> list[Finding]:

@@ -10,7 +10,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import signal
 import sys
 import time
@@ -19,11 +18,13 @@ from pathlib import Path
 from types import FrameType
 
 from pd_sessions import __version__, hosts
-from pd_sessions.config import Sweep, builtin_sweep, load_sweep, select
 from pd_sessions.checks.accuracy import AccuracyOptions
-from pd_sessions.errors import ConfigError, PdError, UsageError
+from pd_sessions.cliargs import add_sweep_options
+from pd_sessions.config import Overrides, load, make_overrides, select
+from pd_sessions.envfacts import facts, summary_lines
+from pd_sessions.errors import ConfigError, PdError, PlanError, UsageError
 from pd_sessions.ports import PortAllocator
-from pd_sessions.preflight import preflight
+from pd_sessions.preflight import preflight, rdma_problem
 from pd_sessions.report import annotate, table, write_junit, write_summary
 from pd_sessions.sweep import SweepOptions, make_plan, run_sweep
 
@@ -63,39 +64,7 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("sweep", help="run (or --dry-run) a sweep of P/D clusters")
     s.add_argument("sweep", help="a built-in sweep name (e.g. mooncake_sweep) or a .toml path")
-    s.add_argument("--platform", choices=["cpu", "cuda"], default=None,
-                   help="force a platform; default: cuda when a GPU is visible, else cpu")
-    s.add_argument("--only", action="append", default=[], metavar="NAME",
-                   help="run only this config (repeatable, or comma-separated)")
-    s.add_argument("--include-opt-in", action="store_true",
-                   help="also run configs that are opt-in on this platform (e.g. 2x2 on CPU)")
-    s.add_argument("--dry-run", action="store_true", help="print every plan; launch nothing")
-    s.add_argument("--results-dir", type=Path, default=None,
-                   help="where results and logs go (default: results/<sweep>-<time>)")
-    s.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
-                   help="readiness deadline per config (default 1200)")
-    s.add_argument("--grace", type=float, default=None, metavar="SECONDS",
-                   help="SIGTERM grace before SIGKILL at teardown (default 10)")
-    s.add_argument("--allow-unpinned-remote-code", action="store_true",
-                   help="allow trust_remote_code without a pinned revision (said in the results)")
-    s.add_argument("--accuracy", choices=["enforce", "warn"], default="enforce",
-                   help="warn: exploratory run; an accuracy miss or missing baseline is reported, "
-                        "not failed (said in the summary)")
-    s.add_argument("--accuracy-rule", choices=["tolerance", "wilson"], default="tolerance")
-    s.add_argument("--accuracy-limit", type=int, default=None, metavar="N",
-                   help="lm_eval sample limit (refused unless it matches the baseline's)")
-    s.add_argument("--allow-sample-mismatch", action="store_true")
-    s.add_argument("--record-baseline", action="store_true",
-                   help="measure accuracy and write it as the model's baseline")
-    s.add_argument("--skip-check", action="append", default=[], choices=["accuracy"],
-                   help="do not run this check (printed in the banner, recorded in the results)")
-    s.add_argument("--share-gpus", action="store_true",
-                   help="let instances share GPUs when the host has fewer than the config needs "
-                        "(each gets explicit KV-cache bytes); prints a warning")
-    s.add_argument("--mooncake-protocol", choices=["rdma", "tcp"], default=None)
-    s.add_argument("--mooncake-device-name", default=os.environ.get("MOONCAKE_DEVICE_NAME"),
-                   help="RDMA HCA allow-list (default: $MOONCAKE_DEVICE_NAME)")
-    s.add_argument("-v", "--verbose", action="store_true")
+    add_sweep_options(s)
 
     t = sub.add_parser("tiny-model", help="generate (once) the tiny model and print its path")
     t.add_argument("--cache-dir", type=Path, default=None)
@@ -104,32 +73,25 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def load(name: str) -> Sweep:
-    """A built-in sweep by name, or a sweep .toml file."""
-    path = Path(name)
-    if name.endswith(".toml") or path.exists():
-        return load_sweep(path)
-    return builtin_sweep(name)
-
-
-def _overrides(args: argparse.Namespace) -> dict[str, object]:
-    out: dict[str, object] = {}
-    if args.mooncake_protocol:
-        out["mooncake_protocol"] = args.mooncake_protocol
-    if args.mooncake_device_name:
-        out["mooncake_device_name"] = args.mooncake_device_name
-    return out
+def overrides(args: argparse.Namespace) -> Overrides:
+    """The command line's per-run overrides (checked; applied per config later)."""
+    return make_overrides(sets=args.set_fields, model=args.model, revision=args.revision,
+                          extra_args=args.extra_arg,
+                          named={"mooncake_protocol": args.mooncake_protocol,
+                                 "mooncake_device_name": args.mooncake_device_name or None})
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     only = tuple(o for item in args.only for o in item.split(",") if o)
+    over = overrides(args)
     sweep = load(args.sweep)
+    env = facts(import_torch=False, full=False)
     platform, inv, note = preflight(sweep, args.platform, hosts.detect(), dry_run=args.dry_run,
                                     share_gpus=args.share_gpus)
     entries, left_out = select(sweep.entries(platform), platform, only=only,
                                include_opt_in=args.include_opt_in)
-    over = _overrides(args)
-    configs = [dataclasses.replace(e.config, **over) if over else e.config for e in entries]
+    configs = [over.apply(e.config) for e in entries]
+    left_out = tuple(dataclasses.replace(e, config=over.apply(e.config)) for e in left_out)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     results_dir = (args.results_dir or Path("results") / f"{sweep.name}-{stamp}").resolve()
     opts = SweepOptions(platform=platform, results_dir=results_dir,
@@ -138,7 +100,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                                                  limit=args.accuracy_limit,
                                                  allow_sample_mismatch=args.allow_sample_mismatch,
                                                  record_baseline=args.record_baseline),
-                        skip_checks=tuple(args.skip_check),
+                        skip_checks=tuple(args.skip_check), overrides=tuple(over.describe()),
                         **({"deadline_s": args.deadline} if args.deadline else {}),
                         **({"grace_s": args.grace} if args.grace is not None else {}))
 
@@ -150,8 +112,17 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     else:
         lane = f"CUDA: GPUs {','.join(inv.gpus)} (from {inv.gpu_source})"
     say(f"{sweep.name}: {lane}")
+    for line in summary_lines(env):
+        say(line)
     if note:
         say(note)
+    for line in over.describe():
+        say(f"override (command line): {line}")
+    rdma = rdma_problem(configs, platform, inv)
+    if rdma and not args.dry_run:
+        raise PlanError("mooncake_protocol", rdma)
+    if rdma:
+        say(f"WARNING: {rdma}")
     if args.skip_check:
         say(f"checks skipped by request (--skip-check): {', '.join(args.skip_check)}; "
             "recorded in summary.json")
@@ -188,6 +159,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                 "allow_unpinned_remote_code": args.allow_unpinned_remote_code,
                 "accuracy_mode": args.accuracy, "skipped_checks": list(args.skip_check),
                 "gpus": list(inv.gpus), "cpus": len(inv.cpus),
+                "overrides": over.describe(),
+                "environment": env,
                 "left_out": [{"name": e.config.name, "reason": e.opt_in_reason} for e in left_out]}
         if results:
             write_summary(results, results_dir, meta)

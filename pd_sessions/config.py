@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import tomllib
 from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +27,7 @@ CONNECTORS = ("mooncake", "nixl")
 MOONCAKE_PROTOCOLS = ("rdma", "tcp")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 PLATFORMS = ("cpu", "cuda")
-# The model value that asks for the project's own generated tiny model.
 # Model values that ask for one of the project's own generated tiny models.
-TINY_MODEL = "tiny-llama"
 TINY_MODELS = ("tiny-llama", "tiny-mixtral")
 MAX_TP = 8
 MAX_INSTANCES = 8
@@ -315,6 +314,14 @@ def _check_choice_src(cfg_field: str, value: Any, choices: tuple[str, ...], wher
 CONFIG_DIR = Path(__file__).parent / "configs"
 
 
+def load(name: str) -> Sweep:
+    """A built-in sweep by name, or a sweep .toml file."""
+    path = Path(name)
+    if name.endswith(".toml") or path.exists():
+        return load_sweep(path)
+    return builtin_sweep(name)
+
+
 def builtin_sweep(name: str) -> Sweep:
     """Load ``pd_sessions/configs/<name>.toml``."""
     path = CONFIG_DIR / f"{name}.toml"
@@ -350,3 +357,88 @@ def select(entries: tuple[SweepEntry, ...], platform: str, *, only: tuple[str, .
         else:
             left.append(e)
     return tuple(selected), tuple(left)
+
+
+# ---------------------------------------------------------------- per-run overrides
+
+# Fields a command line may not change (``--only`` selects configs by name).
+NOT_OVERRIDABLE = ("name",)
+OVERRIDE_SOURCE = "command line"
+
+
+def parse_value(raw: str) -> Any:
+    """A ``--set`` value, read as a TOML value; a bare word is a string.
+
+        "16" -> 16   "0.8" -> 0.8   "true" -> True   '["--a", "b"]' -> ["--a", "b"]
+        "{A = \"1\"}" -> {"A": "1"}   "FLASHINFER" -> "FLASHINFER"   '"16"' -> "16"
+    """
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """What the command line changes in every selected config, in the order given."""
+
+    # (field, value) pairs, values already parsed (TOML types).
+    fields: tuple[tuple[str, Any], ...] = ()
+    # Appended to each config's extra_args (not replacing them).
+    extra_args: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.fields or self.extra_args)
+
+    def describe(self) -> list[str]:
+        """One line per override, as recorded in plan.txt, result.json and the summary."""
+        out = [f"{k} = {v!r}" for k, v in self.fields]
+        out += [f"extra_args += {a!r}" for a in self.extra_args]
+        return out
+
+    def apply(self, config: ClusterConfig) -> ClusterConfig:
+        """``config`` with the overrides, validated exactly like a TOML config."""
+        if not self:
+            return config
+        current = {f: getattr(config, f) for f in _FIELDS}
+        raw = dict(self.fields)
+        if self.extra_args:
+            raw["extra_args"] = [*config.extra_args, *self.extra_args]
+        updated = _coerce(raw, where=OVERRIDE_SOURCE)
+        return make_cluster({**current, **updated}, where=OVERRIDE_SOURCE)
+
+
+def make_overrides(*, sets: Sequence[str] = (), model: str | None = None, revision: str | None = None,
+                   extra_args: Sequence[str] = (), named: Mapping[str, Any] | None = None) -> Overrides:
+    """Build and check the command line's overrides (nothing is applied yet).
+
+    ``sets`` are ``FIELD=VALUE`` items; ``named`` are fields set by their own flags
+    (--mooncake-protocol ...). An unknown field, a field that cannot be overridden or a
+    malformed item is a ConfigError naming it; values are checked when applied.
+    """
+    fields: list[tuple[str, Any]] = []
+    if model is not None:
+        fields.append(("model", model))
+    if revision is not None:
+        fields.append(("revision", revision))
+    fields += [(k, v) for k, v in (named or {}).items() if v is not None]
+    for item in sets:
+        key, eq, raw = item.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise ConfigError("--set", f"got {item!r}; expected FIELD=VALUE, e.g. block_size=16",
+                              source=OVERRIDE_SOURCE)
+        fields.append((key, parse_value(raw.strip())))
+    for key, _ in fields:
+        if key in NOT_OVERRIDABLE:
+            raise ConfigError(key, "cannot be overridden; select configs with --only",
+                              source=OVERRIDE_SOURCE)
+        if key not in _FIELDS:
+            raise ConfigError(key, f"unknown field{did_you_mean(key, _FIELDS)}; "
+                              f"allowed: {', '.join(sorted(set(_FIELDS) - set(NOT_OVERRIDABLE)))}",
+                              source=OVERRIDE_SOURCE)
+    for a in extra_args:
+        if not isinstance(a, str) or not a:
+            raise ConfigError("--extra-arg", f"got {a!r}; allowed: one non-empty argv element",
+                              source=OVERRIDE_SOURCE)
+    return Overrides(fields=tuple(fields), extra_args=tuple(extra_args))

@@ -22,6 +22,8 @@ class Inventory:
     cpus: tuple[int, ...]
     # Where the GPU list came from, for messages ("CUDA_VISIBLE_DEVICES=0,1", "nvidia-smi").
     gpu_source: str = "none"
+    # RDMA devices (HCAs) the kernel knows, from /sys/class/infiniband; None = not looked at.
+    rdma_devices: tuple[str, ...] | None = None
 
 
 def parse_visible_devices(value: str | None, physical: tuple[str, ...]) -> tuple[str, ...]:
@@ -46,6 +48,17 @@ def parse_visible_devices(value: str | None, physical: tuple[str, ...]) -> tuple
     return ids
 
 
+RDMA_SYSFS = "/sys/class/infiniband"
+
+
+def rdma_devices(sysfs: str = RDMA_SYSFS) -> tuple[str, ...]:
+    """Names of the RDMA devices (e.g. mlx5_0); () when there are none."""
+    try:
+        return tuple(sorted(os.listdir(sysfs)))
+    except OSError:
+        return ()
+
+
 def detect(environ: dict[str, str] | None = None) -> Inventory:
     """Look at this host. Never raises for a host without GPUs."""
     env = os.environ if environ is None else environ
@@ -64,7 +77,7 @@ def detect(environ: dict[str, str] | None = None) -> Inventory:
     source = (f"CUDA_VISIBLE_DEVICES={visible}" if visible is not None else
               "nvidia-smi" if physical else "none")
     cpus = tuple(sorted(os.sched_getaffinity(0)))
-    return Inventory(gpus=gpus, cpus=cpus, gpu_source=source)
+    return Inventory(gpus=gpus, cpus=cpus, gpu_source=source, rdma_devices=rdma_devices())
 
 
 def resolve_platform(requested: str | None, inv: Inventory) -> str:

@@ -18,7 +18,7 @@ from typing import Protocol
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from pd_sessions.canary import canonical
+from pd_sessions.envfacts import canonical
 from pd_sessions.errors import InstallError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,14 +127,17 @@ def kv_requirements(path: Path | None = None) -> dict[str, str]:
 
 
 def facts_from_json(doc: Mapping[str, object]) -> tuple[Platform, dict[str, str]]:
-    """Parse what ``python -m pd_sessions.install facts`` printed."""
-    if doc.get("hip"):
+    """(what torch is built for, installed distributions) from ``python -m pd_sessions.envfacts``'s
+    document. No torch counts as CPU."""
+    torch = doc.get("torch") or {}
+    assert isinstance(torch, Mapping)
+    if torch.get("hip"):
         platform = Platform("rocm")
-    elif doc.get("cuda"):
-        platform = Platform("cuda", int(str(doc["cuda"]).split(".")[0]))
+    elif torch.get("cuda"):
+        platform = Platform("cuda", int(str(torch["cuda"]).split(".")[0]))
     else:
         platform = Platform("cpu")
-    return platform, dict(doc.get("installed") or {})  # type: ignore[arg-type]
+    return platform, dict(doc.get("installed") or {})  # type: ignore[call-overload]
 
 
 def plan_connectors(doc: Mapping[str, object], connectors: Sequence[str]) -> tuple[Platform, list[Action]]:
@@ -144,24 +147,6 @@ def plan_connectors(doc: Mapping[str, object], connectors: Sequence[str]) -> tup
     return platform, connector_actions(platform, installed, connectors=connectors,
                                        mooncake_req=reqs["mooncake"],
                                        nixl_version=nixl.split("==")[1] if "==" in nixl else None)
-
-
-def facts() -> dict[str, object]:
-    """The venv's torch build and installed distributions (run inside the venv)."""
-    import importlib.metadata as md
-
-    doc: dict[str, object] = {"cuda": None, "hip": None}
-    try:
-        import torch
-
-        doc["cuda"] = torch.version.cuda
-        doc["hip"] = getattr(torch.version, "hip", None)
-        doc["torch"] = torch.__version__
-    except ImportError:
-        doc["torch"] = None
-    doc["installed"] = {canonical(d.metadata["Name"]): d.version for d in md.distributions()
-                        if d.metadata.get("Name")}
-    return doc
 
 
 # ------------------------------------------------------------------ connector variants
@@ -265,19 +250,3 @@ def apply_actions(session: Installer, actions: Sequence[Action], platform: Platf
                                 env=dict(env or {}))
         except Exception as e:  # nox raises its own CommandFailed; name what failed
             raise InstallError(f"could not {a.op} {a.dist}{a.spec or ''} for {platform.describe()}: {e}") from e
-
-
-if __name__ == "__main__":
-    import json
-    import sys
-
-    if sys.argv[1:2] == ["facts"]:
-        print(json.dumps(facts()))
-    elif sys.argv[1:2] == ["plan"] and sys.argv[2:]:
-        # What the sessions would do to this environment (changes nothing).
-        doc = facts()
-        plat, acts = plan_connectors(doc, sys.argv[2:])
-        print(f"torch {doc.get('torch')} is built for {plat.describe()}; connector actions: "
-              + ("; ".join(map(str, acts)) or "none (the right variants are installed)"))
-    else:
-        raise SystemExit("usage: python -m pd_sessions.install facts | plan CONNECTOR...")

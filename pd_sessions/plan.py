@@ -81,6 +81,8 @@ class ClusterPlan:
     router: ProcessSpec
     warnings: tuple[str, ...] = ()
     ports: tuple[tuple[str, int], ...] = field(default=())
+    # The command line's overrides, described; the config above already has them.
+    overrides: tuple[str, ...] = ()
 
     @property
     def instances(self) -> tuple[ProcessSpec, ...]:
@@ -95,6 +97,8 @@ class ClusterPlan:
         c = self.config
         lines = [f"plan {c.name}: {c.shape}, connector {c.connector}, platform {self.platform}",
                  f"  model: {self.model} (served as {self.served_model_name})"]
+        for o in self.overrides:
+            lines.append(f"  override (command line): {o}")
         if c.trust_remote_code:
             lines.append(f"  remote code: trusted, revision {c.revision or 'UNPINNED'}")
         for w in self.warnings:
@@ -256,7 +260,7 @@ def remote_code_args(config: ClusterConfig, *, allow_unpinned: bool) -> tuple[li
 
 def plan_cluster(config: ClusterConfig, inv: Inventory, ports: PortSource, *, platform: str,
                  python: str, model: str | None = None, allow_unpinned: bool = False,
-                 share_gpus: bool = False) -> ClusterPlan:
+                 share_gpus: bool = False, overrides: Sequence[str] = ()) -> ClusterPlan:
     """Plan every process of ``config``. ``model`` overrides what --model gets
     (e.g. the path of the generated tiny model); requests use ``config.model``."""
     if platform not in ("cpu", "cuda"):
@@ -369,7 +373,8 @@ def plan_cluster(config: ClusterConfig, inv: Inventory, ports: PortSource, *, pl
                          host=host, port=router_port, log_name="router.log")
     return ClusterPlan(config=config, platform=platform, model=model_arg,
                        served_model_name=served_name(config), prefill=prefill, decode=decode,
-                       router=router, warnings=tuple(warnings), ports=tuple(p.taken))
+                       router=router, warnings=tuple(warnings), ports=tuple(p.taken),
+                       overrides=tuple(overrides))
 
 
 def router_argv(python: str, prefill: Sequence[tuple[str, int | None]], decode: Sequence[str], *,

@@ -31,6 +31,7 @@ class ConfigResult:
     run_dir: str = ""
     warnings: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)  # per-process readiness etc.
+    overrides: list[str] = field(default_factory=list)       # the command line's, described
 
     def decide(self, expected_checks: Sequence[str]) -> None:
         """passed only if no error and every expected check ran and passed."""
@@ -56,6 +57,7 @@ class ConfigResult:
                 "total_seconds": round(self.total_seconds, 3),
                 "timings": {k: round(v, 3) for k, v in self.timings.items()},
                 "checks": [c.to_dict() for c in self.checks], "warnings": self.warnings,
+                "overrides": self.overrides,
                 "run_dir": self.run_dir}
 
 

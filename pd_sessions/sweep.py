@@ -43,6 +43,8 @@ class SweepOptions:
     accuracy: AccuracyOptions = AccuracyOptions()
     # Checks not run, by explicit request (printed in the banner, recorded in the results).
     skip_checks: tuple[str, ...] = ()
+    # The command line's overrides, described (already applied to the configs; recorded).
+    overrides: tuple[str, ...] = ()
 
     @property
     def checks(self) -> tuple[str, ...]:
@@ -62,7 +64,8 @@ def make_plan(config: ClusterConfig, inv: Inventory, ports: PortAllocator, opts:
               *, create_model: bool) -> ClusterPlan:
     return plan_cluster(config, inv, ports, platform=opts.platform, python=opts.python,
                         model=model_path(config, create=create_model, cache=opts.model_cache),
-                        allow_unpinned=opts.allow_unpinned, share_gpus=opts.share_gpus)
+                        allow_unpinned=opts.allow_unpinned, share_gpus=opts.share_gpus,
+                        overrides=opts.overrides)
 
 
 def run_config(config: ClusterConfig, inv: Inventory, opts: SweepOptions,
@@ -70,7 +73,7 @@ def run_config(config: ClusterConfig, inv: Inventory, opts: SweepOptions,
                on_event: Callable[[Event], None] | None = None) -> ConfigResult:
     """Plan, start, check, tear down and record one config (``on_event``: see running_cluster)."""
     res = ConfigResult(name=config.name, shape=config.shape, connector=config.connector,
-                       platform=opts.platform)
+                       platform=opts.platform, overrides=list(opts.overrides))
     run_dir = opts.results_dir / config.name
     res.run_dir = str(run_dir)
     t = time.monotonic()

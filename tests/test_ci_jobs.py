@@ -62,7 +62,9 @@ def _nox_lists(session: str) -> bool:
 def test_every_command_is_one_nox_session_call_that_exists():
     names = set()
     for cmd in _commands():
-        m = re.fullmatch(r"nox -s (\w+)( -- .*)?", cmd)
+        if cmd == ci_jobs.IMAGE_NOX_INSTALL:  # test_areas: nox into vLLM's image, nothing else
+            continue
+        m = re.fullmatch(r"(?:nox|python3 -m nox --no-venv) -s (\w+)( -- .*)?", cmd)
         assert m, f"not a plain nox call: {cmd!r}"
         names.add(m.group(1))
     assert names == {"tests", "mooncake_sweep", "nixl_sweep", "kimi_linear_nightly"}
@@ -97,3 +99,27 @@ def test_test_areas_match_vllm_format():
     kimi = next(s for s in dis["steps"] if "kimi" in s["key"])
     assert kimi["device"] == "h200" and kimi["num_devices"] == 4 and kimi["optional"] is True
     assert kimi["timeout_in_minutes"] == 60
+
+
+def test_test_areas_run_the_images_vllm_and_the_pipeline_installs_its_own():
+    """vLLM's CI tests the pull request's image: its steps must not build a venv from the index."""
+    for name in ("disaggregated", "disaggregated_mooncake"):
+        for step in ci_jobs.test_area(name)["steps"]:
+            install, run = step["commands"]
+            assert install == ci_jobs.IMAGE_NOX_INSTALL
+            assert run.startswith("python3 -m nox --no-venv -s ") and "--platform cuda" in run
+    for step in ci_jobs.pipeline()["steps"]:
+        assert step["command"].startswith("nox -s ") and "--no-venv" not in step["command"]
+
+
+def test_test_areas_validate_against_the_buildkite_step_schema():
+    """Each test_areas step, rendered as the Buildkite command step vLLM's CI turns it into
+    (commands, label, key, timeout), is schema-valid, and so is the group."""
+    schema = json.loads(SCHEMA.read_text())
+    for name in ("disaggregated", "disaggregated_mooncake"):
+        area = yaml.safe_load((ROOT / f".buildkite/test_areas/{name}.yaml").read_text())
+        steps = [{"label": s["label"], "key": s["key"], "commands": s["commands"],
+                  "timeout_in_minutes": s["timeout_in_minutes"], **({"env": s["env"]} if "env" in s else {})}
+                 for s in area["steps"]]
+        jsonschema.validate({"steps": [{"group": area["group"], "depends_on": area["depends_on"],
+                                        "steps": steps}]}, schema)

@@ -78,3 +78,47 @@ def test_kimi_without_4_gpus_exits_before_starting():
     r = cli("sweep", "kimi_linear_nightly", "--allow-unpinned-remote-code")
     assert r.returncode == 2
     assert "kimi_linear_nightly needs 4 GPUs" in r.stderr and "nothing was started" in r.stderr
+
+
+def test_overrides_are_visible_in_the_dry_run():
+    r = cli("sweep", "mooncake_sweep", "--dry-run", "--only", "1x1", "--model", "tiny-mixtral",
+            "--set", "block_size=64", "--set", "attention_backend=CPU_ATTN", "--extra-arg=--max-num-seqs=4")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    for line in ("override (command line): model = 'tiny-mixtral'", "override (command line): block_size = 64",
+                 "override (command line): extra_args += '--max-num-seqs=4'"):
+        assert out.count(line) == 2, line  # banner + plan
+    assert "--served-model-name tiny-mixtral" in out and "--block-size 64" in out
+    assert "--attention-backend CPU_ATTN" in out
+    argv = next(line for line in out.splitlines() if "argv" in line and "api_server" in line)
+    assert argv.endswith("--enforce-eager --max-num-seqs=4")  # one argv element, after the config's
+
+
+def test_bad_override_exits_2_before_anything_starts():
+    r = cli("sweep", "mooncake_sweep", "--only", "1x1", "--set", "gpu_memory_utilisation=0.8")
+    assert r.returncode == 2
+    assert 'gpu_memory_utilisation: unknown field (did you mean "gpu_memory_utilization"?)' in r.stderr
+    assert "configs:" not in r.stdout
+
+
+def test_banner_names_where_vllm_and_the_router_come_from():
+    r = cli("sweep", "mooncake_sweep", "--dry-run", "--only", "1x1")
+    assert r.returncode == 0, r.stderr
+    assert "environment: Python " in r.stdout and "  vllm" in r.stdout and "  vllm_router" in r.stdout
+
+
+def _nox(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "nox", "-f", str(ROOT / "noxfile.py"), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_nox_posargs_are_parsed_by_the_package_parser_before_any_install():
+    # a bad override or flag stops the session with exit 2 and installs nothing
+    r = _nox("--no-venv", "-s", "mooncake_sweep", "--", "--set", "blok_size=16")
+    assert r.returncode == 2 and 'did you mean "block_size"' in r.stderr and "install" not in r.stderr.lower()
+    r = _nox("--no-venv", "-s", "mooncake_sweep", "--", "--platform=tpu")
+    assert r.returncode == 2 and "invalid choice: 'tpu'" in r.stderr
+    # --help prints the sweep's options and installs nothing (also without --no-venv: no venv work)
+    r = _nox("--no-venv", "-s", "mooncake_sweep", "--", "--help")
+    assert r.returncode == 0 and "--set FIELD=VALUE" in r.stdout and "--extra-arg ARG" in r.stdout
+    assert "envfacts" not in r.stderr and "pip" not in r.stderr

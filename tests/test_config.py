@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from pd_sessions.config import ClusterConfig, builtin_sweep, load_sweep, select
+from pd_sessions.config import ClusterConfig, builtin_sweep, load_sweep, make_overrides, parse_value, select
 from pd_sessions.errors import ConfigError
 
 
@@ -113,3 +113,56 @@ def test_select_decision_table():
     assert names(sel) == ["2x2"] and names(left) == ["1x1"]
     with pytest.raises(ConfigError, match="no config named '3x3'"):
         select(s.entries("cpu"), "cpu", only=("3x3",))
+
+
+# ------------------------------------------------------------ per-run overrides
+
+
+@pytest.mark.parametrize("raw,value", [
+    ("16", 16), ("0.8", 0.8), ("true", True), ('["--a", "b"]', ["--a", "b"]), ("FLASHINFER", "FLASHINFER"),
+    ('"16"', "16"), ('{A = "1"}', {"A": "1"}), ("Qwen/Qwen3-0.6B", "Qwen/Qwen3-0.6B"),
+])
+def test_set_values_are_read_like_toml(raw, value):
+    assert parse_value(raw) == value
+
+
+def test_overrides_apply_in_order_and_are_checked_like_the_toml():
+    base = ClusterConfig(name="1x1", model="m", extra_args=("--x",))
+    over = make_overrides(sets=["gpu_memory_utilization=0.8", "block_size=16", "attention_backend=FLASHINFER",
+                                "extra_env={A = \"1\"}"],
+                          model="/models/tiny", revision="abc", extra_args=["--enforce-eager", "--max-num-seqs=4"])
+    c = over.apply(base)
+    assert (c.model, c.revision, c.gpu_memory_utilization, c.block_size, c.attention_backend) == (
+        "/models/tiny", "abc", 0.8, 16, "FLASHINFER")
+    assert c.extra_args == ("--x", "--enforce-eager", "--max-num-seqs=4") and c.extra_env == (("A", "1"),)
+    assert c.name == "1x1"
+    assert over.describe() == ["model = '/models/tiny'", "revision = 'abc'", "gpu_memory_utilization = 0.8",
+                               "block_size = 16", "attention_backend = 'FLASHINFER'", "extra_env = {'A': '1'}",
+                               "extra_args += '--enforce-eager'", "extra_args += '--max-num-seqs=4'"]
+    assert not make_overrides() and make_overrides().apply(base) is base
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"sets": ["block_siz=16"]}, 'block_siz: unknown field (did you mean "block_size"?)'),
+    ({"sets": ["name=x"]}, "name: cannot be overridden; select configs with --only"),
+    ({"sets": ["block_size"]}, "--set: got 'block_size'; expected FIELD=VALUE"),
+    ({"sets": ["=3"]}, "expected FIELD=VALUE"),
+    ({"extra_args": [""]}, "--extra-arg: got ''"),
+])
+def test_bad_overrides_name_the_field(kw, needle):
+    with pytest.raises(ConfigError) as e:
+        make_overrides(**kw)
+    assert needle in str(e.value) and str(e.value).startswith("command line: ")
+
+
+@pytest.mark.parametrize("sets,needle", [
+    (["block_size=abc"], "block_size: got 'abc'; allowed: an integer"),
+    (["gpu_memory_utilization=1.5"], "gpu_memory_utilization: got 1.5; allowed: a number in (0, 1]"),
+    (["dtype=bf16"], 'did you mean "bfloat16"'),
+    (["connector=mooncak"], 'did you mean "mooncake"'),
+    (["extra_args=\"--a\""], "extra_args: got '--a'; allowed: a list"),
+])
+def test_bad_override_values_fail_when_applied_like_the_toml(sets, needle):
+    with pytest.raises(ConfigError) as e:
+        make_overrides(sets=sets).apply(ClusterConfig(name="1x1", model="m"))
+    assert needle in str(e.value) and "command line" in str(e.value)

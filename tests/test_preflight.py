@@ -2,10 +2,10 @@ from __future__ import annotations
 
 import pytest
 
-from pd_sessions.config import builtin_sweep
+from pd_sessions.config import ClusterConfig, builtin_sweep
 from pd_sessions.errors import ConfigError, PlanError
 from pd_sessions.hosts import Inventory
-from pd_sessions.preflight import preflight
+from pd_sessions.preflight import preflight, rdma_problem
 
 KIMI = builtin_sweep("kimi_linear_nightly")
 NONE = Inventory(gpus=(), cpus=(0, 1))
@@ -74,3 +74,24 @@ def test_cpu_nightly_shape_plan():
     assert "--enable-expert-parallel" in d and d[d.index("--data-parallel-size") + 1] == "2"
     assert dict(p.decode[0].env)["VLLM_CPU_OMP_THREADS_BIND"] == "2|3"
     assert dict(p.prefill[0].env)["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+
+
+# ------------------------------------------------------------ Mooncake over RDMA on this host
+
+RDMA_CFG = ClusterConfig(name="1x1", model="m", connector="mooncake", mooncake_protocol="rdma")
+
+
+@pytest.mark.parametrize("platform,devices,config,needle", [
+    ("cuda", (), RDMA_CFG, "has none (/sys/class/infiniband is empty); use --mooncake-protocol tcp"),
+    ("cuda", ("mlx5_0",), RDMA_CFG, None),
+    ("cuda", None, RDMA_CFG, None),                        # not looked at
+    ("cpu", (), RDMA_CFG, None),                           # the CPU lane uses tcp
+    ("cuda", (), ClusterConfig(name="t", model="m", connector="mooncake", mooncake_protocol="tcp"), None),
+    ("cuda", (), ClusterConfig(name="n", model="m", connector="nixl"), None),
+    ("cuda", ("mlx5_0", "mlx5_1"), ClusterConfig(name="d", model="m", mooncake_device_name="mlx5_12"),
+     "names mlx5_12, not an RDMA device of this host (mlx5_0, mlx5_1)"),
+])
+def test_rdma_without_a_device_is_said_before_launch(platform, devices, config, needle):
+    inv = Inventory(gpus=("0",), cpus=(0,), rdma_devices=devices)
+    got = rdma_problem([config], platform, inv)
+    assert (got is None) if needle is None else (needle in got and config.name in got)
