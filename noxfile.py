@@ -218,39 +218,45 @@ def _imports(session: nox.Session, connectors: list[str]) -> None:
     _connectors(session, target, platform, connectors, accuracy=False)
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=PYTHON, reuse_venv=True, tags=["cpu", "gpu", "ci"])
 def mooncake_sweep(session: nox.Session) -> None:
-    """Mooncake P/D sweep (TP 1x1, 2x2): install + canary, then real clusters, all checks."""
+    """Mooncake P/D sweep (TP 1x1, 2x2): install + canary, then real clusters, all checks.
+    [-- --platform cpu|cuda --only NAME --dry-run --model ID --set F=V --extra-arg ARG
+    --installed --no-install --find-links DIR; --help lists all]"""
     _sweep(session, "mooncake_sweep", ["mooncake"])
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=PYTHON, reuse_venv=True, tags=["cpu", "gpu", "ci"])
 def nixl_sweep(session: nox.Session) -> None:
-    """NIXL P/D sweep (TP 1x1, 2x2): install + canary, then real clusters, all checks."""
+    """NIXL P/D sweep (TP 1x1, 2x2): install + canary, then real clusters, all checks.
+    [-- same options as mooncake_sweep; --help lists all]"""
     _sweep(session, "nixl_sweep", ["nixl"])
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=PYTHON, reuse_venv=True, tags=["gpu", "nightly"])
 def kimi_linear_nightly(session: nox.Session) -> None:
-    """Kimi-Linear-48B-A3B over NIXL, prefill TP2 + decode DP2/EP on 4 GPUs (runs unpinned, said so)."""
+    """Kimi-Linear-48B-A3B over NIXL, prefill TP2 + decode DP2/EP on 4 GPUs (runs unpinned, said so).
+    [-- same options as mooncake_sweep; --dry-run plans anywhere]"""
     _sweep(session, "kimi_linear_nightly", ["nixl"], extra=("--allow-unpinned-remote-code",))
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=PYTHON, reuse_venv=True, tags=["cpu", "gpu"])
 def mooncake_imports(session: nox.Session) -> None:
-    """Install the Mooncake environment (wheel variant per host) and run the import canary."""
+    """Install the Mooncake environment (wheel variant per host) and run the import canary.
+    [-- --dry-run --platform cpu|cuda --installed --no-install --find-links DIR]"""
     _imports(session, ["mooncake"])
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=PYTHON, reuse_venv=True, tags=["cpu", "gpu"])
 def nixl_imports(session: nox.Session) -> None:
-    """Install the NIXL environment (nixl + nixl-cuN per host) and run the import canary."""
+    """Install the NIXL environment (nixl + nixl-cuN per host) and run the import canary.
+    [-- --dry-run --platform cpu|cuda --installed --no-install --find-links DIR]"""
     _imports(session, ["nixl"])
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=PYTHON, reuse_venv=True, tags=["cpu", "ci"])
 def tests(session: nox.Session) -> None:
-    """All tests, including the real CPU-lane end-to-end sweeps."""
+    """All tests, including the real CPU-lane end-to-end sweeps. [-- pytest arguments]"""
     target = Target(session)
     _connectors(session, target, "cpu", ["mooncake", "nixl"])
     if not target.installed:
@@ -260,26 +266,27 @@ def tests(session: nox.Session) -> None:
     target.run("-m", "pytest", *target.rest, env={**(target.env or {}), "PD_SESSIONS_FULL_ENV": "1"})
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=PYTHON, reuse_venv=True, tags=["ci"])
 def buildkite(session: nox.Session) -> None:
     """Render .buildkite/ (pipeline + vLLM test_areas) from pd_sessions/ci_jobs.py."""
     session.install("-e", str(ROOT), "-r", str(ROOT / "requirements" / "buildkite.txt"))
     session.run("python", "-m", "pd_sessions.ci_jobs")
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=PYTHON, reuse_venv=True, tags=["cpu"])
 def unit(session: nox.Session) -> None:
-    """Unit tests only: no vLLM, seconds."""
+    """Unit tests only: no vLLM, seconds. [-- pytest arguments]"""
     session.install("-e", str(ROOT), "-r", str(ROOT / "requirements" / "test.txt"),
                     "-r", str(ROOT / "requirements" / "buildkite.txt"),
                     "-r", str(ROOT / "requirements" / "bench.txt"))
     session.run("pytest", "-m", "not e2e", *session.posargs)
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=PYTHON, reuse_venv=True, tags=["cpu", "gpu"])
 def bench(session: nox.Session) -> None:
     """Benchmark, not a test: harness overhead, readiness latency, parallel start, teardown,
-    vllm-router vs a Python proxy, the upstream bash flow vs pd_sessions. Writes bench/."""
+    vllm-router vs a Python proxy, the upstream bash flow vs pd_sessions. Writes bench/.
+    [-- --repeats N --parts router,teardown,clusters --sweep NAME_OR_TOML --only CONFIG --out DIR]"""
     target = Target(session)
     args = list(target.rest)
     name = args[args.index("--sweep") + 1] if "--sweep" in args[:-1] else "mooncake_sweep"

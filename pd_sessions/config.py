@@ -324,12 +324,16 @@ def load(name: str) -> Sweep:
 
 def builtin_sweep(name: str) -> Sweep:
     """Load ``pd_sessions/configs/<name>.toml``."""
-    path = CONFIG_DIR / f"{name}.toml"
-    if not path.exists():
-        known = sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
+    known = builtin_sweep_names()
+    if name not in known:
         raise ConfigError("sweep", f"no sweep named {name!r}{did_you_mean(name, known)}; "
                           f"known: {', '.join(known)}")
-    return load_sweep(path)
+    return load_sweep(CONFIG_DIR / f"{name}.toml")
+
+
+def builtin_sweep_names() -> list[str]:
+    """The built-in sweeps: files in configs/ with [[config]] tables (baselines.toml is data)."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.toml") if "config" in tomllib.loads(p.read_text()))
 
 
 def select(entries: tuple[SweepEntry, ...], platform: str, *, only: tuple[str, ...] = (),

@@ -178,7 +178,9 @@ def action_argv(prefix: Sequence[str], action: Action, *, python: str,
 
 
 def harness_argv(prefix: Sequence[str], *, python: str, find_links: str | None = None) -> list[str]:
-    """Install pd-sessions itself (editable; the installer adds only missing dependencies)."""
+    """Install pd-sessions itself (editable; the installer adds only missing dependencies).
+    Offline (``find_links``), it builds with the interpreter's own setuptools instead of
+    fetching a build environment."""
     uv = len(prefix) == 2 and prefix[1] == "pip" and prefix[0] != python
-    return [*prefix, "install", *(["--python", python] if uv else []), *offline_args(find_links),
-            "-e", str(ROOT)]
+    offline = [*offline_args(find_links), "--no-build-isolation"] if find_links else []
+    return [*prefix, "install", *(["--python", python] if uv else []), *offline, "-e", str(ROOT)]

@@ -87,3 +87,16 @@ def test_sample_identity():
     r = acc.compare_samples({0: [["a"]], 1: [["b"]]}, {0: [["a"]], 1: [["c"]]}, baseline="prefill-0")
     assert not r.passed and "1/2 samples differ" in r.message and r.details["differing_doc_ids"] == [1]
     assert not acc.compare_samples({}, {}, baseline="x").passed
+
+
+def test_record_baseline_round_trips_any_value_through_a_toml_writer(tmp_path):
+    path = tmp_path / "baselines.toml"
+    path.write_text("# kept comment\n[[baseline]]\nmodel = \"a\"\ntask = \"gsm8k\"\nvalue = 0.5\n")
+    odd = acc.Baseline(model='org/we"ird\\name', task="gsm8k", value=0.123456, samples=None, rtol=0.1)
+    acc.record_baseline(path, odd, command="nox -s x -- --set 'a=\"b\"'", date="2026-11-29")
+    got = acc.find_baseline(acc.load_baselines(path), odd.model, "gsm8k")
+    assert got is not None and got.value == 0.1235 and got.samples is None and got.rtol == 0.1
+    assert got.source == "recorded 2026-11-29 by: nox -s x -- --set 'a=\"b\"'"
+    assert path.read_text().startswith("# kept comment") and len(acc.load_baselines(path)) == 2
+    with pytest.raises(ConfigError, match="already has a baseline"):
+        acc.record_baseline(path, odd, command="c", date="d")

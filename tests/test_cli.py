@@ -122,3 +122,10 @@ def test_nox_posargs_are_parsed_by_the_package_parser_before_any_install():
     r = _nox("--no-venv", "-s", "mooncake_sweep", "--", "--help")
     assert r.returncode == 0 and "--set FIELD=VALUE" in r.stdout and "--extra-arg ARG" in r.stdout
     assert "envfacts" not in r.stderr and "pip" not in r.stderr
+
+
+def test_known_sweep_names_are_sweeps_only():
+    r = cli("sweep", "baselines", "--dry-run")
+    assert r.returncode == 2 and "no sweep named 'baselines'" in r.stderr
+    known = r.stderr.split("known: ")[1]
+    assert "mooncake_sweep" in known and "baselines" not in known

@@ -104,7 +104,9 @@ def test_installer_and_argv():
     assert action_argv(["uv", "pip"], Action("uninstall", "nixl-cu12"), python=PY) == [
         "uv", "pip", "uninstall", "--python", PY, "nixl-cu12"]
     assert action_argv([PY, "-m", "pip"], Action("uninstall", "nixl-cu12"), python=PY)[-2:] == ["-y", "nixl-cu12"]
-    assert harness_argv(["uv", "pip"], python=PY)[-2:] == ["-e", str(ROOT)]
+    assert harness_argv(["uv", "pip"], python=PY) == ["uv", "pip", "install", "--python", PY, "-e", str(ROOT)]
+    assert harness_argv([PY, "-m", "pip"], python=PY, find_links="/wh") == [
+        PY, "-m", "pip", "install", "--no-index", "--find-links", "/wh", "--no-build-isolation", "-e", str(ROOT)]
     assert offline_args(None) == []
 
 

@@ -209,15 +209,11 @@ def record_baseline(path: Path, b: Baseline, *, command: str, date: str) -> None
     if find_baseline(load_baselines(path), b.model, b.task) is not None:
         raise ConfigError("--record-baseline", f"{path} already has a baseline for {b.model} on "
                           f"{b.task}; remove it first to re-record")
-    lines = ["", "[[baseline]]", f"model = {b.model!r}".replace("'", '"'), f'task = "{b.task}"',
-             f"value = {round(b.value, 4)}", f'metric = "{b.metric}"', f'filter = "{b.filter}"',
-             f"samples = {b.samples}", f"num_fewshot = {b.num_fewshot}", f'endpoint = "{b.endpoint}"',
-             f"rtol = {b.rtol}", f"source = {json_str(f'recorded {date} by: {command}')}"]
+    import tomli_w  # only here: a TOML writer, never string formatting
+
+    entry = {"model": b.model, "task": b.task, "value": round(b.value, 4), "metric": b.metric,
+             "filter": b.filter, "samples": b.samples, "num_fewshot": b.num_fewshot,
+             "endpoint": b.endpoint, "rtol": b.rtol, "source": f"recorded {date} by: {command}"}
+    entry = {k: v for k, v in entry.items() if v is not None}  # TOML has no null: absent = default
     with open(path, "a") as f:
-        f.write("\n".join(lines) + "\n")
-
-
-def json_str(text: str) -> str:
-    import json
-
-    return json.dumps(text)
+        f.write("\n" + tomli_w.dumps({"baseline": [entry]}))
