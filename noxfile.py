@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT))
 from pd_sessions import hosts, install, installed  # noqa: E402
 from pd_sessions.cliargs import split_session_args, sweep_parser  # noqa: E402
 from pd_sessions.config import load, make_overrides, select  # noqa: E402
-from pd_sessions.errors import PdError  # noqa: E402
-from pd_sessions.preflight import preflight  # noqa: E402
+from pd_sessions.errors import PdError, PlanError  # noqa: E402
+from pd_sessions.preflight import preflight, rdma_problem  # noqa: E402
 
 nox.options.default_venv_backend = "uv"
 nox.options.sessions = ["unit"]
@@ -48,9 +48,9 @@ def _fail(session: nox.Session, message: str, status: int = 2) -> None:
 class Target:
     """Where a session runs the harness: its own venv, or the current interpreter as found."""
 
-    def __init__(self, session: nox.Session):
+    def __init__(self, session: nox.Session, posargs: list[str] | None = None):
         self.session = session
-        self.opts, self.rest = split_session_args(session.posargs)
+        self.opts, self.rest = split_session_args(session.posargs if posargs is None else posargs)
         self.installed = session.venv_backend == "none" or self.opts.installed
         self.no_install = self.opts.no_install or _nox_no_install(session)
         self.find_links = self.opts.find_links or os.environ.get(FIND_LINKS_ENV) or None
@@ -100,12 +100,15 @@ def _checked(session: nox.Session, target: Target, sweep_name: str | None):
         if sweep_name is None:
             return hosts.resolve_platform(args.platform, hosts.detect()), args
         sweep = load(sweep_name)
-        platform, _, _ = preflight(sweep, args.platform, hosts.detect(), dry_run=args.dry_run,
+        inv = hosts.detect()
+        platform, _, _ = preflight(sweep, args.platform, inv, dry_run=args.dry_run,
                                    share_gpus=args.share_gpus)
         only = tuple(o for item in args.only for o in item.split(",") if o)
-        entries, _ = select(sweep.entries(platform), platform, only=only)
-        for e in entries:
-            over.apply(e.config)
+        entries, _ = select(sweep.entries(platform), platform, only=only,
+                            include_opt_in=args.include_opt_in)
+        rdma = rdma_problem([over.apply(e.config) for e in entries], platform, inv)
+        if rdma and not args.dry_run:
+            raise PlanError("mooncake_protocol", rdma)
     except PdError as e:
         _fail(session, str(e), e.exit_status)
     return platform, args
@@ -194,8 +197,9 @@ def _dry_run_install(session: nox.Session, target: Target, platform: str, connec
     session.log(f"  then: python -m pd_sessions.canary {' '.join(connectors)}")
 
 
-def _sweep(session: nox.Session, name: str, connectors: list[str], extra: tuple[str, ...] = ()) -> None:
-    target = Target(session)
+def _sweep(session: nox.Session, name: str, connectors: list[str], extra: tuple[str, ...] = (),
+           posargs: list[str] | None = None) -> None:
+    target = Target(session, posargs)
     if "-h" in target.rest or "--help" in target.rest:
         sweep_parser(prog=f"nox -s {session.name} --", positional=False).print_help()
         return
@@ -231,6 +235,21 @@ def nixl_sweep(session: nox.Session) -> None:
     """NIXL P/D sweep (TP 1x1, 2x2): install + canary, then real clusters, all checks.
     [-- same options as mooncake_sweep; --help lists all]"""
     _sweep(session, "nixl_sweep", ["nixl"])
+
+
+@nox.session(python=PYTHON, reuse_venv=True, tags=["cpu", "gpu"])
+def sweep(session: nox.Session) -> None:
+    """Any sweep: a built-in name or your own TOML file, with the connectors its configs use.
+    [-- NAME_OR_TOML, then the options of mooncake_sweep]"""
+    if not session.posargs or session.posargs[0].startswith("-"):
+        _fail(session, "name the sweep first: nox -s sweep -- NAME_OR_TOML [options]")
+    name = session.posargs[0]
+    try:
+        connectors = sorted({e.config.connector for plat in load(name).platforms
+                             for e in load(name).entries(plat)})
+    except PdError as e:
+        _fail(session, str(e), e.exit_status)
+    _sweep(session, name, connectors, posargs=session.posargs[1:])
 
 
 @nox.session(python=PYTHON, reuse_venv=True, tags=["gpu", "nightly"])

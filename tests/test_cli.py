@@ -129,3 +129,13 @@ def test_known_sweep_names_are_sweeps_only():
     assert r.returncode == 2 and "no sweep named 'baselines'" in r.stderr
     known = r.stderr.split("known: ")[1]
     assert "mooncake_sweep" in known and "baselines" not in known
+
+
+def test_the_generic_sweep_session_takes_a_name_or_a_toml(tmp_path):
+    r = _nox("--no-venv", "-s", "sweep", "--", "mooncake_swep")
+    assert r.returncode == 2 and 'did you mean "mooncake_sweep"' in r.stderr
+    r = _nox("--no-venv", "-s", "sweep")
+    assert r.returncode == 2 and "name the sweep first" in r.stderr
+    r = _nox("--no-venv", "-s", "sweep", "--", "pd_sessions/configs/nixl_sweep.toml", "--dry-run", "--only", "1x1")
+    assert r.returncode == 0, r.stderr
+    assert "plan 1x1" in r.stdout and "--kv-connector nixl" in r.stdout
