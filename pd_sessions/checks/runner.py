@@ -70,8 +70,12 @@ def run_checks(cluster: Cluster, results: list[CheckResult],
                 for s in plan.decode}
 
     before_err: list[str] = []
+    window: kv_transfer.Window | None = None
     try:
         before = scrape()
+        window = kv_transfer.Window(plan.config.connector, {s.name: s.url + "/metrics" for s in plan.decode},
+                                    {s.name: cluster.run_dir / s.log_name for s in plan.instances},
+                                    http.get_text)
     except (http.HttpError, kv_transfer.MetricMissing) as e:
         before, before_err = {}, [str(e)]
 
@@ -86,13 +90,14 @@ def run_checks(cluster: Cluster, results: list[CheckResult],
     def kv() -> CheckResult:
         if before_err:
             return CheckResult("kv_transfer", FAIL, f"could not read decode metrics: {before_err[0]}")
+        evidence = window.close(router_requests=ledger["requests"]) if window else None
         after = scrape()
         d0 = plan.decode[0]
         _complete(d0.url, model, CONTROL_PROMPT)
         control_after = scrape()[d0.name]
         return kv_transfer.evaluate(before, after, router_prompt_tokens=ledger["tokens"],
                                     router_requests=ledger["requests"],
-                                    control=(d0.name, after[d0.name], control_after))
+                                    control=(d0.name, after[d0.name], control_after), evidence=evidence)
 
     _timed("kv_transfer", results, kv)
 
