@@ -6,7 +6,8 @@ import pytest
 
 from conftest import FIXTURES
 from pd_sessions.checks import kv_transfer
-from pd_sessions.checks.completions import Completion, evaluate_parity, evaluate_smoke
+from pd_sessions.checks.completions import Completion, evaluate_smoke
+from pd_sessions.checks.parity import evaluate_exact as evaluate_parity
 
 
 def comp(ids=(1, 2, 3), text="abc", prompt_tokens=7):
