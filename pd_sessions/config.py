@@ -30,7 +30,7 @@ PARITY_MODES = ("auto", "exact", "margin")
 # The model value that asks for the project's own generated tiny model.
 # Model values that ask for one of the project's own generated tiny models.
 TINY_MODEL = "tiny-llama"
-TINY_MODELS = ("tiny-llama", "tiny-mixtral")
+TINY_MODELS = ("tiny-llama", "tiny-mixtral", "tiny-kimi-linear", "tiny-llama-remote")
 MAX_TP = 8
 MAX_INSTANCES = 8
 
@@ -57,6 +57,10 @@ class ClusterConfig:
     expert_parallel: bool = False
     # The model is a mixture of experts (DP/EP is only allowed then).
     moe: bool = False
+    # The model is hybrid (linear-attention/Mamba layers beside attention, e.g. Kimi-Linear):
+    # vLLM derives its KV block size from the per-GPU state, so P and D may disagree.
+    # The generated tiny-kimi-linear is hybrid whatever this says.
+    hybrid: bool = False
     # --trust-remote-code: only with a pinned revision, or the CLI's --allow-unpinned-remote-code.
     trust_remote_code: bool = False
     # Hub commit the model and tokenizer are pinned to (--revision, --tokenizer-revision).
@@ -180,7 +184,7 @@ def validate_cluster(c: ClusterConfig) -> None:
     _check_int("prefill_tp", c.prefill_tp, 1, MAX_TP)
     _check_int("decode_tp", c.decode_tp, 1, MAX_TP)
     _check_int("decode_dp", c.decode_dp, 1, MAX_TP)
-    for flag in ("expert_parallel", "moe", "trust_remote_code"):
+    for flag in ("expert_parallel", "moe", "hybrid", "trust_remote_code"):
         if not isinstance(getattr(c, flag), bool):
             raise ConfigError(flag, f"got {getattr(c, flag)!r}; allowed: true, false")
     if (c.expert_parallel or c.decode_dp > 1) and not c.moe:
