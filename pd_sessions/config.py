@@ -58,8 +58,8 @@ class ClusterConfig:
     # The model is a mixture of experts (DP/EP is only allowed then).
     moe: bool = False
     # The model is hybrid (linear-attention/Mamba layers beside attention, e.g. Kimi-Linear):
-    # vLLM derives its KV block size from the per-GPU state, so P and D may disagree.
-    # The generated tiny-kimi-linear is hybrid whatever this says.
+    # vLLM derives its KV block size from the per-GPU state, so P and D may disagree; over
+    # NIXL the planner then requires an explicit block_size. Set it for tiny-kimi-linear too.
     hybrid: bool = False
     # --trust-remote-code: only with a pinned revision, or the CLI's --allow-unpinned-remote-code.
     trust_remote_code: bool = False

@@ -98,7 +98,9 @@ class ClusterPlan:
         lines = [f"plan {c.name}: {c.shape}, connector {c.connector}, platform {self.platform}",
                  f"  model: {self.model} (served as {self.served_model_name})"]
         if c.trust_remote_code:
-            lines.append(f"  remote code: trusted, revision {c.revision or 'UNPINNED'}")
+            pin = ("generated locally (pd_sessions.tiny_model), no hub revision"
+                   if c.model in TINY_MODELS and not c.revision else f"revision {c.revision or 'UNPINNED'}")
+            lines.append(f"  remote code: trusted, {pin}")
         for w in self.warnings:
             lines.append(f"  WARNING: {w}")
         for n in self.notes:
@@ -239,6 +241,7 @@ def remote_code_args(config: ClusterConfig, *, allow_unpinned: bool) -> tuple[li
 
         trust_remote_code  revision  allow_unpinned  -> result
         false              any       any             -> nothing
+        true, generated tiny model (local, no hub)   -> --trust-remote-code (its code is ours)
         true               set       any             -> --trust-remote-code --revision R --tokenizer-revision R
         true               unset     true            -> --trust-remote-code + an "UNPINNED" warning
         true               unset     false           -> PlanError naming both ways out
@@ -246,6 +249,8 @@ def remote_code_args(config: ClusterConfig, *, allow_unpinned: bool) -> tuple[li
     if not config.trust_remote_code:
         return ([], None) if config.revision is None else (
             ["--revision", config.revision, "--tokenizer-revision", config.revision], None)
+    if config.model in TINY_MODELS and config.revision is None:
+        return ["--trust-remote-code"], None
     if config.revision:
         return ["--trust-remote-code", "--revision", config.revision,
                 "--tokenizer-revision", config.revision], None
@@ -266,7 +271,8 @@ HYBRID_TINY_MODELS = ("tiny-kimi-linear",)
 
 
 def is_hybrid(config: ClusterConfig) -> bool:
-    return config.hybrid or config.model in HYBRID_TINY_MODELS
+    """The config's word (``hybrid``); :func:`flag_warnings` flags a known hybrid model without it."""
+    return config.hybrid
 
 
 def _flag_value(args: Sequence[str], flag: str) -> str | None:
@@ -282,11 +288,16 @@ def _flag_value(args: Sequence[str], flag: str) -> str | None:
 def flag_warnings(config: ClusterConfig) -> list[str]:
     """Flags of the config that cannot take effect, said before anything starts.
 
+        a known hybrid generated model with hybrid = false
+            -> warning: block sizes are left to vLLM (unequal under different TP)
         --mamba-cache-mode M (M != none), no --enable-prefix-caching
             -> warning: vLLM sets it to 'none' when prefix caching is off, and hybrid
                models have prefix caching off by default
     """
     out = []
+    if config.model in HYBRID_TINY_MODELS and not config.hybrid:
+        out.append(f"{config.model} is hybrid but the config says hybrid = false: block sizes are left to "
+                   "vLLM, which derives unequal ones under different TP (NIXL handshakes then fail)")
     mode = _flag_value(config.extra_args, "--mamba-cache-mode")
     if mode not in (None, "none") and "--enable-prefix-caching" not in config.extra_args:
         out.append(f"--mamba-cache-mode {mode} cannot take effect: vLLM sets the Mamba cache mode to "
