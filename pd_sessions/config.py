@@ -27,8 +27,9 @@ CONNECTORS = ("mooncake", "nixl")
 MOONCAKE_PROTOCOLS = ("rdma", "tcp")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 PLATFORMS = ("cpu", "cuda")
+PARITY_MODES = ("auto", "exact", "margin")
 # Model values that ask for one of the project's own generated tiny models.
-TINY_MODELS = ("tiny-llama", "tiny-mixtral")
+TINY_MODELS = ("tiny-llama", "tiny-mixtral", "tiny-kimi-linear", "tiny-llama-remote")
 MAX_TP = 8
 MAX_INSTANCES = 8
 
@@ -55,6 +56,10 @@ class ClusterConfig:
     expert_parallel: bool = False
     # The model is a mixture of experts (DP/EP is only allowed then).
     moe: bool = False
+    # The model is hybrid (linear-attention/Mamba layers beside attention, e.g. Kimi-Linear):
+    # vLLM derives its KV block size from the per-GPU state, so P and D may disagree; over
+    # NIXL the planner then requires an explicit block_size. Set it for tiny-kimi-linear too.
+    hybrid: bool = False
     # --trust-remote-code: only with a pinned revision, or the CLI's --allow-unpinned-remote-code.
     trust_remote_code: bool = False
     # Hub commit the model and tokenizer are pinned to (--revision, --tokenizer-revision).
@@ -89,6 +94,16 @@ class ClusterConfig:
     # Fault injection for the KV check's own test: false starts decode instances without
     # --kv-transfer-config, so they silently recompute. Never set it in a real sweep.
     decode_kv_transfer: bool = True
+    # Parity mode: "auto" (exact when prefill-0 and decode share one numeric layout, else
+    # margin), "exact" (token for token) or "margin" (teacher-forced logprobs within
+    # parity_margin nats of the reference's top-1). See pd_sessions/checks/parity.py.
+    parity_mode: str = "auto"
+    # Margin mode's allowed logprob gap (nats) between the reference's top-1 and a P/D token.
+    parity_margin: float = 0.25
+    # Fault injection for parity's own test: decode instances load the tiny model generated
+    # with this weight seed (same tokenizer and shapes, other weights). Tiny models only;
+    # never set it in a real sweep.
+    decode_weights_seed: int | None = None
 
     def __post_init__(self) -> None:
         validate_cluster(self)
@@ -168,7 +183,7 @@ def validate_cluster(c: ClusterConfig) -> None:
     _check_int("prefill_tp", c.prefill_tp, 1, MAX_TP)
     _check_int("decode_tp", c.decode_tp, 1, MAX_TP)
     _check_int("decode_dp", c.decode_dp, 1, MAX_TP)
-    for flag in ("expert_parallel", "moe", "trust_remote_code"):
+    for flag in ("expert_parallel", "moe", "hybrid", "trust_remote_code"):
         if not isinstance(getattr(c, flag), bool):
             raise ConfigError(flag, f"got {getattr(c, flag)!r}; allowed: true, false")
     if (c.expert_parallel or c.decode_dp > 1) and not c.moe:
@@ -211,6 +226,15 @@ def validate_cluster(c: ClusterConfig) -> None:
     if dupes:
         raise ConfigError("ports", f"port(s) {dupes} used more than once; every port must be unique")
     _check_int("shared_kv_cache_bytes", c.shared_kv_cache_bytes, 64 * 1024**2, 1024**4)
+    _check_choice("parity_mode", c.parity_mode, PARITY_MODES)
+    m = c.parity_margin
+    if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m <= 10.0:
+        raise ConfigError("parity_margin", f"got {m!r}; allowed: a number of nats from 0 to 10 (e.g. 0.25)")
+    if c.decode_weights_seed is not None:
+        _check_int("decode_weights_seed", c.decode_weights_seed, 0, 2**31 - 1)
+        if c.model not in TINY_MODELS:
+            raise ConfigError("decode_weights_seed", f"only for the generated tiny models "
+                              f"({', '.join(TINY_MODELS)}), not {c.model!r}")
     if c.host != "127.0.0.1" and not c.host:
         raise ConfigError("host", "must not be empty")
 

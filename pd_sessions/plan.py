@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pd_sessions.config import TINY_MODELS, ClusterConfig
@@ -83,6 +83,8 @@ class ClusterPlan:
     ports: tuple[tuple[str, int], ...] = field(default=())
     # The command line's overrides, described; the config above already has them.
     overrides: tuple[str, ...] = ()
+    # Facts worth reading in the plan that are not warnings (where passed-through env came from...).
+    notes: tuple[str, ...] = ()
 
     @property
     def instances(self) -> tuple[ProcessSpec, ...]:
@@ -100,9 +102,13 @@ class ClusterPlan:
         for o in self.overrides:
             lines.append(f"  override (command line): {o}")
         if c.trust_remote_code:
-            lines.append(f"  remote code: trusted, revision {c.revision or 'UNPINNED'}")
+            pin = ("generated locally (pd_sessions.tiny_model), no hub revision"
+                   if c.model in TINY_MODELS and not c.revision else f"revision {c.revision or 'UNPINNED'}")
+            lines.append(f"  remote code: trusted, {pin}")
         for w in self.warnings:
             lines.append(f"  WARNING: {w}")
+        for n in self.notes:
+            lines.append(f"  note: {n}")
         for p in self.processes:
             place = (f"GPUs {','.join(p.gpus)}" if p.gpus else
                      f"cores {p.cpu_bind}" if p.cpu_bind else "no device")
@@ -239,6 +245,7 @@ def remote_code_args(config: ClusterConfig, *, allow_unpinned: bool) -> tuple[li
 
         trust_remote_code  revision  allow_unpinned  -> result
         false              any       any             -> nothing
+        true, generated tiny model (local, no hub)   -> --trust-remote-code (its code is ours)
         true               set       any             -> --trust-remote-code --revision R --tokenizer-revision R
         true               unset     true            -> --trust-remote-code + an "UNPINNED" warning
         true               unset     false           -> PlanError naming both ways out
@@ -246,6 +253,8 @@ def remote_code_args(config: ClusterConfig, *, allow_unpinned: bool) -> tuple[li
     if not config.trust_remote_code:
         return ([], None) if config.revision is None else (
             ["--revision", config.revision, "--tokenizer-revision", config.revision], None)
+    if config.model in TINY_MODELS and config.revision is None:
+        return ["--trust-remote-code"], None
     if config.revision:
         return ["--trust-remote-code", "--revision", config.revision,
                 "--tokenizer-revision", config.revision], None
@@ -258,11 +267,98 @@ def remote_code_args(config: ClusterConfig, *, allow_unpinned: bool) -> tuple[li
                     "--allow-unpinned-remote-code flag")
 
 
+# Environment a multi-GPU host may require of every GPU process (the lent H200 x2 host
+# does: NVLink multicast off). Taken from the harness's own environment when set there.
+GPU_PASSTHROUGH_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+# Generated models that are hybrid whatever the config says.
+HYBRID_TINY_MODELS = ("tiny-kimi-linear",)
+
+
+def is_hybrid(config: ClusterConfig) -> bool:
+    """The config's word (``hybrid``); :func:`flag_warnings` flags a known hybrid model without it."""
+    return config.hybrid
+
+
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of ``flag`` in an argv list (``--f v`` or ``--f=v``), or None when absent."""
+    for i, a in enumerate(args):
+        if a == flag:
+            return args[i + 1] if i + 1 < len(args) else ""
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def flag_warnings(config: ClusterConfig) -> list[str]:
+    """Flags of the config that cannot take effect, said before anything starts.
+
+        a known hybrid generated model with hybrid = false
+            -> warning: block sizes are left to vLLM (unequal under different TP)
+        --mamba-cache-mode M (M != none), no --enable-prefix-caching
+            -> warning: vLLM sets it to 'none' when prefix caching is off, and hybrid
+               models have prefix caching off by default
+    """
+    out = []
+    if config.model in HYBRID_TINY_MODELS and not config.hybrid:
+        out.append(f"{config.model} is hybrid but the config says hybrid = false: block sizes are left to "
+                   "vLLM, which derives unequal ones under different TP (NIXL handshakes then fail)")
+    mode = _flag_value(config.extra_args, "--mamba-cache-mode")
+    if mode not in (None, "none") and "--enable-prefix-caching" not in config.extra_args:
+        out.append(f"--mamba-cache-mode {mode} cannot take effect: vLLM sets the Mamba cache mode to "
+                   "'none' when prefix caching is disabled, and it is off by default for hybrid models "
+                   "(\"Mamba cache mode is set to 'none' when prefix caching is disabled\"); add "
+                   "--enable-prefix-caching to extra_args to make it count")
+    return out
+
+
+def hybrid_block_size(config: ClusterConfig) -> str | None:
+    """A hybrid model over NIXL needs one explicit block size on both sides.
+
+        not hybrid, or connector mooncake      -> None (nothing to say)
+        hybrid + nixl + block_size set         -> a note: both sides get --block-size N
+        hybrid + nixl + no block_size          -> PlanError naming the fix
+    vLLM derives a hybrid model's block size from the per-GPU linear-attention state, which
+    halves under TP2: on an H200, prefill TP2 chose 128 and decode DP2 240, and every NIXL
+    handshake failed ("Local block size 240 is not divisible by remote block size 128").
+    """
+    if not is_hybrid(config) or config.connector != "nixl":
+        return None
+    if config.block_size is None:
+        raise PlanError("block_size", f"{config.name}: {config.model} is hybrid and the connector is NIXL: "
+                        "set block_size (e.g. 256) so prefill and decode register equal KV blocks; vLLM "
+                        "otherwise derives it from the per-GPU linear-attention state, which differs with "
+                        "TP (TP2 prefill 128 vs DP decode 240 on an H200: every NIXL handshake failed)")
+    return (f"hybrid model over NIXL: --block-size {config.block_size} on both sides (vLLM would derive "
+            "unequal sizes from the per-GPU state; it raises the size only when the state needs more, so "
+            "check that both logs report the same block size)")
+
+
+def gpu_env(passthrough: Mapping[str, str], extra_env: Sequence[tuple[str, str]]) -> tuple[dict[str, str], list[str]]:
+    """(env for every GPU process, one note per variable saying where its value came from).
+
+        set in the config's extra_env       -> the config's value ("from the config's extra_env")
+        set in the harness's environment    -> that value ("from the harness's environment")
+        neither                             -> not set, no note
+    """
+    env, notes = {}, []
+    extra = dict(extra_env)
+    for name in GPU_PASSTHROUGH_ENV:
+        if name in extra:
+            notes.append(f"{name}={extra[name]} (from the config's extra_env)")
+        elif name in passthrough:
+            env[name] = passthrough[name]
+            notes.append(f"{name}={passthrough[name]} (from the harness's environment, passed to every GPU process)")
+    return env, notes
+
+
 def plan_cluster(config: ClusterConfig, inv: Inventory, ports: PortSource, *, platform: str,
                  python: str, model: str | None = None, allow_unpinned: bool = False,
-                 share_gpus: bool = False, overrides: Sequence[str] = ()) -> ClusterPlan:
+                 share_gpus: bool = False, overrides: Sequence[str] = (), decode_model: str | None = None,
+                 passthrough_env: Mapping[str, str] | None = None) -> ClusterPlan:
     """Plan every process of ``config``. ``model`` overrides what --model gets
-    (e.g. the path of the generated tiny model); requests use ``config.model``."""
+    (e.g. the path of the generated tiny model); requests use ``config.model``.
+    ``decode_model`` overrides it for decode instances only (parity's fault injection).
+    ``passthrough_env``: the harness's values of GPU_PASSTHROUGH_ENV (cuda only)."""
     if platform not in ("cpu", "cuda"):
         raise PlanError("platform", f"got {platform!r}; allowed: cpu, cuda")
     remote_args, remote_warning = remote_code_args(config, allow_unpinned=allow_unpinned)
@@ -270,6 +366,18 @@ def plan_cluster(config: ClusterConfig, inv: Inventory, ports: PortSource, *, pl
         raise PlanError("model", f"{config.model!r} needs the generated model's path")
     model_arg = model or config.model
     warnings: list[str] = [remote_warning] if remote_warning else []
+    warnings += flag_warnings(config)
+    notes: list[str] = []
+    block_note = hybrid_block_size(config)
+    if block_note:
+        notes.append(block_note)
+    extra_gpu_env: dict[str, str] = {}
+    if platform == "cuda":
+        extra_gpu_env, env_notes = gpu_env(passthrough_env or {}, config.extra_env)
+        notes += env_notes
+    if decode_model is not None:
+        warnings.append(f"decode instances load {decode_model}, not {model_arg} (decode_weights_seed = "
+                        f"{config.decode_weights_seed}, fault injection): parity must fail")
     p = _Ports(ports)
     host = config.host
 
@@ -317,12 +425,14 @@ def plan_cluster(config: ClusterConfig, inv: Inventory, ports: PortSource, *, pl
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(p.block(f"{name}.nixl_side_channel", dp))
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+            env.update(extra_gpu_env)
         if platform == "cpu":
             env["VLLM_CPU_KVCACHE_SPACE"] = str(CPU_KVCACHE_GIB)
             env["VLLM_CPU_OMP_THREADS_BIND"] = bind or "auto"
         env.update(dict(config.extra_env))
         argv = [python, "-m", API_SERVER_MODULE,
-                "--model", model_arg, "--served-model-name", served_name(config),
+                "--model", decode_model if role == "decode" and decode_model else model_arg,
+                "--served-model-name", served_name(config),
                 "--host", host, "--port", str(port),
                 "--tensor-parallel-size", str(tp)]
         if dp > 1:
@@ -373,7 +483,7 @@ def plan_cluster(config: ClusterConfig, inv: Inventory, ports: PortSource, *, pl
                          host=host, port=router_port, log_name="router.log")
     return ClusterPlan(config=config, platform=platform, model=model_arg,
                        served_model_name=served_name(config), prefill=prefill, decode=decode,
-                       router=router, warnings=tuple(warnings), ports=tuple(p.taken),
+                       router=router, warnings=tuple(warnings), ports=tuple(p.taken), notes=tuple(notes),
                        overrides=tuple(overrides))
 
 

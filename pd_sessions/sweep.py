@@ -7,6 +7,7 @@ reports progress through a callback; only the CLI prints.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -21,7 +22,7 @@ from pd_sessions.cluster import DEFAULT_DEADLINE_S, DEFAULT_GRACE_S, Event, runn
 from pd_sessions.config import TINY_MODELS, ClusterConfig
 from pd_sessions.errors import PdError
 from pd_sessions.hosts import Inventory
-from pd_sessions.plan import ClusterPlan, plan_cluster
+from pd_sessions.plan import GPU_PASSTHROUGH_ENV, ClusterPlan, plan_cluster
 from pd_sessions.ports import PortAllocator
 from pd_sessions.report import ConfigResult, write_config_result
 
@@ -51,11 +52,12 @@ class SweepOptions:
         return tuple(c for c in CHECKS if c not in self.skip_checks)
 
 
-def model_path(config: ClusterConfig, *, create: bool, cache: Path | None = None) -> str | None:
+def model_path(config: ClusterConfig, *, create: bool, cache: Path | None = None,
+               weights_seed: int | None = None) -> str | None:
     """What --model gets: the generated tiny model's directory, or None (use config.model)."""
     if config.model not in TINY_MODELS:
         return None
-    spec = tiny_model.TinySpec(architecture=config.model.removeprefix("tiny-"))
+    spec = tiny_model.spec_for(config.model, weights_seed=weights_seed)
     path = tiny_model.ensure(spec, cache) if create else tiny_model.model_dir(spec, cache)
     return str(path)
 
@@ -64,8 +66,12 @@ def make_plan(config: ClusterConfig, inv: Inventory, ports: PortAllocator, opts:
               *, create_model: bool) -> ClusterPlan:
     return plan_cluster(config, inv, ports, platform=opts.platform, python=opts.python,
                         model=model_path(config, create=create_model, cache=opts.model_cache),
+                        decode_model=(model_path(config, create=create_model, cache=opts.model_cache,
+                                                 weights_seed=config.decode_weights_seed)
+                                      if config.decode_weights_seed is not None else None),
                         allow_unpinned=opts.allow_unpinned, share_gpus=opts.share_gpus,
-                        overrides=opts.overrides)
+                        overrides=opts.overrides,
+                        passthrough_env={k: os.environ[k] for k in GPU_PASSTHROUGH_ENV if k in os.environ})
 
 
 def run_config(config: ClusterConfig, inv: Inventory, opts: SweepOptions,

@@ -6,7 +6,8 @@ import pytest
 
 from conftest import FIXTURES
 from pd_sessions.checks import kv_transfer
-from pd_sessions.checks.completions import Completion, evaluate_parity, evaluate_smoke
+from pd_sessions.checks.completions import Completion, evaluate_smoke
+from pd_sessions.checks.parity import evaluate_exact as evaluate_parity
 
 
 def comp(ids=(1, 2, 3), text="abc", prompt_tokens=7):
@@ -72,9 +73,13 @@ def test_external_tokens_sums_engines():
     assert kv_transfer.external_tokens(text) == 12.0
 
 
+# success evidence for the tests of the counter rules: a Mooncake stats line of 5 transfers
+OK = kv_transfer.Evidence("mooncake", log_stats={"prefill-0": {"Num successful transfers": 5}})
+
+
 def test_kv_pass_and_control():
     r = kv_transfer.evaluate({"decode-0": 10}, {"decode-0": 110}, router_prompt_tokens=100,
-                             router_requests=5, control=("decode-0", 110, 110))
+                             router_requests=5, control=("decode-0", 110, 110), evidence=OK)
     assert r.passed and "left it unchanged" in r.message
 
 
@@ -92,18 +97,19 @@ def test_kv_one_missed_request_fails():
 
 
 def test_kv_slack_of_one_token_per_request():
-    assert kv_transfer.evaluate({"d": 0}, {"d": 95}, router_prompt_tokens=100, router_requests=5).passed
+    assert kv_transfer.evaluate({"d": 0}, {"d": 95}, router_prompt_tokens=100, router_requests=5,
+                                evidence=OK).passed
 
 
 def test_kv_sums_decode_instances():
     r = kv_transfer.evaluate({"d0": 0, "d1": 0}, {"d0": 60, "d1": 40}, router_prompt_tokens=100,
-                             router_requests=4)
+                             router_requests=4, evidence=OK)
     assert r.passed and r.details["delta"] == 100
 
 
 def test_kv_control_moving_fails():
     r = kv_transfer.evaluate({"d": 0}, {"d": 100}, router_prompt_tokens=100, router_requests=4,
-                             control=("d", 100, 130))
+                             control=("d", 100, 130), evidence=OK)
     assert not r.passed and "does not tell transfers apart" in r.message
 
 

@@ -2,7 +2,8 @@
 
 1. scrape decode /metrics (before)
 2. smoke: one completion through the router
-3. parity: each prompt through the router, then straight to prefill-0
+3. parity: each prompt through the router, then straight to prefill-0 (exact mode), or the
+   router's tokens teacher-forced through prefill-0 (margin mode; see checks/parity.py)
 4. scrape decode /metrics (after): the window held only router requests
 5. control: one request straight to decode-0 must leave the counter still
 6. accuracy (lm_eval through the router): on the CPU lane an offline task run through
@@ -28,8 +29,8 @@ from pd_sessions.checks import kv_transfer
 from pd_sessions.checks.base import FAIL, PASS, CheckResult
 from pd_sessions.checks.offline_task import TASK as OFFLINE_TASK
 from pd_sessions.checks.offline_task import write_task
-from pd_sessions.checks.completions import (MAX_TOKENS, PARITY_PROMPTS, SMOKE_PROMPT, Completion,
-                                            evaluate_parity, evaluate_smoke)
+from pd_sessions.checks import parity
+from pd_sessions.checks.completions import MAX_TOKENS, PARITY_PROMPTS, SMOKE_PROMPT, Completion, evaluate_smoke
 from pd_sessions.cluster import Cluster
 from pd_sessions.config import TINY_MODELS
 
@@ -70,29 +71,52 @@ def run_checks(cluster: Cluster, results: list[CheckResult],
                 for s in plan.decode}
 
     before_err: list[str] = []
+    window: kv_transfer.Window | None = None
     try:
         before = scrape()
+        window = kv_transfer.Window(plan.config.connector, {s.name: s.url + "/metrics" for s in plan.decode},
+                                    {s.name: cluster.run_dir / s.log_name for s in plan.instances},
+                                    http.get_text)
     except (http.HttpError, kv_transfer.MetricMissing) as e:
         before, before_err = {}, [str(e)]
 
     _timed("smoke", results, lambda: evaluate_smoke(via_router(SMOKE_PROMPT)))
 
-    def parity() -> CheckResult:
-        pairs = [(p, via_router(p), _complete(baseline.url, model, p)) for p in PARITY_PROMPTS]
-        return evaluate_parity(pairs, baseline=f"{baseline.name} direct (no disaggregation)")
+    def parity_check() -> CheckResult:
+        mode, why = parity.choose_mode(plan.config)
+        label = f"{baseline.name} direct (no disaggregation)"
+        if mode == "exact":
+            pairs = [(p, via_router(p), _complete(baseline.url, model, p)) for p in PARITY_PROMPTS]
+            return parity.evaluate_exact(pairs, baseline=label, why=why)
+        rows = []
+        for p in PARITY_PROMPTS:
+            pd = via_router(p)
+            ids = pd.token_ids or ()
+            if pd.prompt_token_ids is None:
+                return CheckResult("parity", FAIL, "could not run: the router's answer carries no "
+                                   "prompt_token_ids (return_token_ids unsupported?)")
+            resp = http.post_json(f"{baseline.url}/v1/completions",
+                                  parity.teacher_force_payload(model, pd.prompt_token_ids, ids), timeout=120)
+            try:
+                rows.append((p, parity.forced_tokens(resp, len(pd.prompt_token_ids), ids)))
+            except ValueError as e:
+                return CheckResult("parity", FAIL, f"could not run: {e}")
+        return parity.evaluate_margin(rows, margin=plan.config.parity_margin, baseline=label, why=why,
+                                      margin_evidence=parity.DEFAULT_MARGIN_EVIDENCE)
 
-    _timed("parity", results, parity)
+    _timed("parity", results, parity_check)
 
     def kv() -> CheckResult:
         if before_err:
             return CheckResult("kv_transfer", FAIL, f"could not read decode metrics: {before_err[0]}")
+        evidence = window.close(router_requests=ledger["requests"]) if window else None
         after = scrape()
         d0 = plan.decode[0]
         _complete(d0.url, model, CONTROL_PROMPT)
         control_after = scrape()[d0.name]
         return kv_transfer.evaluate(before, after, router_prompt_tokens=ledger["tokens"],
                                     router_requests=ledger["requests"],
-                                    control=(d0.name, after[d0.name], control_after))
+                                    control=(d0.name, after[d0.name], control_after), evidence=evidence)
 
     _timed("kv_transfer", results, kv)
 

