@@ -36,8 +36,9 @@ DEFAULT_MARGIN_EVIDENCE = (
     "moved the logprob of the chosen or top-1 token by up to 0.33 nats on the tiny Mixtral (median "
     "0.015; MoE routing flips) and 0.017 on the tiny Llama; a flipped token's gap is at most the sum "
     "of two such moves (0.65), and the one flip seen was 0.016. 1.0 nat covers that with room; tokens "
-    "a model does not choose sit nats below its top-1 (3.7 nats for a real off-model token on the CPU "
-    "lane). Tighten when GPU runs' recorded max_gap allow")
+    "a model does not choose sit nats below its top-1: a CPU-lane decode with other weights (vLLM 0.32, "
+    "tiny Llama) diverged at position 0 of every prompt by 2.5 to 4.1 nats. Tighten when GPU runs' "
+    "recorded max_gap allow")
 
 
 @dataclass(frozen=True)
