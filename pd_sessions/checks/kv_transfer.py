@@ -248,7 +248,7 @@ def evaluate(before: Mapping[str, float], after: Mapping[str, float], *, router_
                            f"{total:g} of {router_prompt_tokens} prompt tokens)", details)
     if evidence.connector == "nixl":
         d = ev_details["nixl_delta"]
-        msg += (f"; NIXL completed {d[NIXL_SUCCESS_COUNT]:g} transfers of {d[NIXL_SUCCESS_BYTES]:g} "
+        msg += (f"; NIXL completed {d[NIXL_SUCCESS_COUNT]:g} transfers of {d[NIXL_SUCCESS_BYTES]:.0f} "
                 "bytes, no failures")
     else:
         msg += (f"; Mooncake logged {ev_details['mooncake_successful_transfers']:g} successful "
