@@ -99,7 +99,7 @@ class ClusterConfig:
     # parity_margin nats of the reference's top-1). See pd_sessions/checks/parity.py.
     parity_mode: str = "auto"
     # Margin mode's allowed logprob gap (nats) between the reference's top-1 and a P/D token.
-    parity_margin: float = 0.25
+    parity_margin: float = 1.0
     # Fault injection for parity's own test: decode instances load the tiny model generated
     # with this weight seed (same tokenizer and shapes, other weights). Tiny models only;
     # never set it in a real sweep.
@@ -229,7 +229,7 @@ def validate_cluster(c: ClusterConfig) -> None:
     _check_choice("parity_mode", c.parity_mode, PARITY_MODES)
     m = c.parity_margin
     if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m <= 10.0:
-        raise ConfigError("parity_margin", f"got {m!r}; allowed: a number of nats from 0 to 10 (e.g. 0.25)")
+        raise ConfigError("parity_margin", f"got {m!r}; allowed: a number of nats from 0 to 10 (e.g. 1.0)")
     if c.decode_weights_seed is not None:
         _check_int("decode_weights_seed", c.decode_weights_seed, 0, 2**31 - 1)
         if c.model not in TINY_MODELS:

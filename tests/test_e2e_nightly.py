@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import heavy
 from test_e2e_cpu_lane import Cli, plan_ports, processes_using
 

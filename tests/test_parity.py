@@ -6,8 +6,8 @@ import dataclasses
 import json
 
 import pytest
-
 from conftest import FIXTURES
+
 from pd_sessions.checks import parity
 from pd_sessions.checks.completions import Completion
 from pd_sessions.config import ClusterConfig
@@ -60,11 +60,15 @@ def test_real_response_tokens_far_below_top1_fail_with_names_and_logprobs():
     toks = parity.forced_tokens(REAL, 1, [6, 7, 8, 9])
     assert [t.rank for t in toks] == [709, 456, 429, 595]
     assert toks[0].top_token == 740 and toks[0].top_text == " 951"
-    r = parity.evaluate_margin([("Row prompt", toks)], margin=0.25, baseline="prefill-0 direct")
+    r = parity.evaluate_margin([("Row prompt", toks)], margin=parity.DEFAULT_MARGIN, baseline="prefill-0 direct")
     assert not r.passed
     assert ("prompt 'Row prompt' position 0: P/D token 6 '$' (logprob -7.7697, rank 709) vs reference "
-            "top-1 740 ' 951' (logprob -4.1133): gap 3.6564 > margin 0.25 (+3 more beyond the margin)") in r.message
-    assert r.details["mode"] == "margin" and r.details["margin"] == 0.25
+            "top-1 740 ' 951' (logprob -4.1133): gap 3.6564 > margin 1 (+3 more beyond the margin)") in r.message
+    assert r.details["mode"] == "margin" and r.details["margin"] == 1.0
+
+
+def test_config_default_margin_is_the_evidenced_one():
+    assert cfg().parity_margin == parity.DEFAULT_MARGIN
 
 
 def entry(tok, lp, top=None, top_lp=None, rank=1):

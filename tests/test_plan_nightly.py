@@ -3,13 +3,15 @@ the GPU host's environment, parity's other-weights decode."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from test_plan import FakePorts
 
 from pd_sessions.config import ClusterConfig
 from pd_sessions.errors import PlanError
 from pd_sessions.hosts import Inventory
 from pd_sessions.plan import GPU_PASSTHROUGH_ENV, flag_warnings, gpu_env, hybrid_block_size, plan_cluster
-from test_plan import FakePorts
 
 GPUS2 = Inventory(gpus=("0", "1"), cpus=tuple(range(8)), gpu_source="nvidia-smi")
 HOST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -94,3 +96,15 @@ def test_decode_with_other_weights_is_planned_and_warned():
     assert p.prefill[0].argv[p.prefill[0].argv.index("--model") + 1] == "/m"
     assert p.decode[0].argv[p.decode[0].argv.index("--model") + 1] == "/other"
     assert any("fault injection" in w and "parity must fail" in w for w in p.warnings)
+
+
+def test_other_weights_over_nixl_let_the_handshake_through():
+    c = ClusterConfig(name="l", model="tiny-llama", connector="nixl", decode_weights_seed=7)
+    p = plan_cluster(c, Inventory(gpus=(), cpus=(0, 1)), FakePorts(), platform="cpu", python="/py", model="/m",
+                     decode_model="/other")
+    for s in p.instances:
+        kv = json.loads(s.argv[s.argv.index("--kv-transfer-config") + 1])
+        assert kv["kv_connector_extra_config"] == {"enforce_handshake_compat": False}
+    plain = plan_cluster(ClusterConfig(name="l", model="tiny-llama", connector="nixl"), Inventory(gpus=(), cpus=(0, 1)),
+                         FakePorts(), platform="cpu", python="/py", model="/m")
+    assert "kv_connector_extra_config" not in plain.prefill[0].argv[plain.prefill[0].argv.index("--kv-transfer-config") + 1]

@@ -10,13 +10,13 @@ import sys
 
 os.environ.setdefault("VLLM_KIMI_K3_GEMM_AR", "0")
 os.environ.setdefault("VLLM_ENABLE_GEMM_RS", "0")
-import torch  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
+import torch
+from safetensors.torch import load_file
 
 path, port = sys.argv[1], sys.argv[2]
-from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config  # noqa: E402
-from vllm.distributed import init_distributed_environment, initialize_model_parallel  # noqa: E402
-from vllm.model_executor.models.registry import ModelRegistry  # noqa: E402
+from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm.model_executor.models.registry import ModelRegistry
 
 mc = ModelConfig(model=path, tokenizer=path, trust_remote_code=True, dtype="float32", max_model_len=1024,
                  enforce_eager=True)

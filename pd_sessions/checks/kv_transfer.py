@@ -21,8 +21,8 @@ every prompt token. So the proof also requires success evidence:
   "KV Transfer metrics: Num successful transfers=N, ... Num failed transfers=M ..." on
   each stats interval. Over the window at least one transfer must have succeeded and
   none failed (several small requests may share one logged transfer batch).
-- Every connector: no line of any instance's log in the window may match the
-  connectors' failure messages (:data:`FAILURE_PATTERNS`); the first ones are named in
+- Every connector: no line of any instance's log (from its start: the router's readiness
+  probe is a P/D request too) may match the connectors' failure messages (:data:`FAILURE_PATTERNS`); the first ones are named in
   the verdict (e.g. NIXL's "handshake_setup_failed ... Local block size 240 is not
   divisible by remote block size 128").
 """
@@ -136,7 +136,7 @@ class Evidence:
     # decode name -> {sample name: value} before/after (NIXL_METRICS; empty for mooncake)
     metrics_before: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     metrics_after: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
-    # instance name -> failure lines its log gained in the window
+    # instance name -> failure lines in its log (from the start: the readiness probe counts too)
     log_failures: Mapping[str, Sequence[str]] = field(default_factory=dict)
     # prefill name -> summed "KV Transfer metrics" fields its log gained (mooncake)
     log_stats: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
@@ -171,7 +171,7 @@ def success_verdict(ev: Evidence, *, router_requests: int) -> tuple[str | None, 
     if bad_logs:
         shown = [f"{n}: {line}" for n, lines in bad_logs.items() for line in lines][:MAX_LOG_LINES_SHOWN]
         total = sum(len(v) for v in bad_logs.values())
-        return (f"{total} connector failure line(s) in the instance logs during the window: "
+        return (f"{total} connector failure line(s) in the instance logs: "
                 + " | ".join(s[:300] for s in shown)), details
     if ev.connector == "nixl":
         d = _deltas(ev)
@@ -248,7 +248,7 @@ def evaluate(before: Mapping[str, float], after: Mapping[str, float], *, router_
                            f"{total:g} of {router_prompt_tokens} prompt tokens)", details)
     if evidence.connector == "nixl":
         d = ev_details["nixl_delta"]
-        msg += (f"; NIXL completed {d[NIXL_SUCCESS_COUNT]:g} transfers of {d[NIXL_SUCCESS_BYTES]:g} "
+        msg += (f"; NIXL completed {d[NIXL_SUCCESS_COUNT]:g} transfers of {d[NIXL_SUCCESS_BYTES]:.0f} "
                 "bytes, no failures")
     else:
         msg += (f"; Mooncake logged {ev_details['mooncake_successful_transfers']:g} successful "
@@ -274,7 +274,7 @@ EVIDENCE_POLL_S = 0.5
 
 class Window:
     """The success evidence of one check window: log offsets and connector metrics at its
-    start; :meth:`close` reads what was added. ``scrape(url) -> metrics text`` and the log
+    start; :meth:`close` reads the stats added since and the failure lines of whole logs. ``scrape(url) -> metrics text`` and the log
     paths are passed in, so tests can drive it with recorded data."""
 
     def __init__(self, connector: str, decode_urls: Mapping[str, str], logs: Mapping[str, Any],
@@ -291,12 +291,12 @@ class Window:
             return {}
         return {n: sample_sums(self.scrape(u), NIXL_METRICS) for n, u in self.decode_urls.items()}
 
-    def _new_log_text(self) -> dict[str, str]:
+    def _log_text(self, *, since_window: bool) -> dict[str, str]:
         out = {}
         for n, p in self.logs.items():
             try:
                 with open(p, "rb") as f:
-                    f.seek(self.offsets[n])
+                    f.seek(self.offsets[n] if since_window else 0)
                     out[n] = f.read().decode("utf-8", errors="replace")
             except FileNotFoundError:
                 out[n] = ""
@@ -312,11 +312,13 @@ class Window:
         sleep = sleep or time.sleep
         end = clock() + wait_s
         while True:
-            texts = self._new_log_text()
+            # Failure lines count from each log's start: the router's readiness probe before
+            # the window was a P/D request too (a failed handshake may be logged only then).
+            whole, window = self._log_text(since_window=False), self._log_text(since_window=True)
             ev = Evidence(connector=self.connector, metrics_before=self.before,
                           metrics_after=self._metrics(),
-                          log_failures={n: failure_lines(t) for n, t in texts.items()},
-                          log_stats={n: s for n, t in texts.items() if (s := transfer_stats(t))})
+                          log_failures={n: failure_lines(t) for n, t in whole.items()},
+                          log_stats={n: s for n, t in window.items() if (s := transfer_stats(t))})
             reason, _ = success_verdict(ev, router_requests=router_requests)
             if reason is None or any(ev.log_failures.values()) or clock() >= end:
                 return ev

@@ -96,7 +96,7 @@ def run_checks(cluster: Cluster, results: list[CheckResult],
                 return CheckResult("parity", FAIL, "could not run: the router's answer carries no "
                                    "prompt_token_ids (return_token_ids unsupported?)")
             resp = http.post_json(f"{baseline.url}/v1/completions",
-                                  parity.teacher_force_payload(model, pd.prompt_token_ids, ids), timeout=120)
+                                  parity.teacher_force_payload(model, pd.prompt_token_ids, ids), timeout=600)
             try:
                 rows.append((p, parity.forced_tokens(resp, len(pd.prompt_token_ids), ids)))
             except ValueError as e:
