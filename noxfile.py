@@ -158,3 +158,11 @@ def bench(session: nox.Session) -> None:
                                            for e in builtin_sweep(name).entries(platform)}))
     session.install("-r", str(ROOT / "requirements" / "bench.txt"))
     session.run("python", "-m", "pd_sessions.bench", *args)
+
+
+@nox.session(python=PYTHON)
+def wheelhouse(session: nox.Session) -> None:
+    """Wheels for an offline host (no index there): `nox -s wheelhouse -- --python 3.12 --cuda 13 --out DIR
+    [--exclude-installed FREEZE_FILE]`; sessions then install with PD_SESSIONS_FIND_LINKS=DIR."""
+    session.install("pip", "uv", "packaging")
+    session.run("python", "-m", "pd_sessions.wheelhouse", *session.posargs, env={"PYTHONPATH": str(ROOT)})
