@@ -50,7 +50,7 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
 from pd_sessions.errors import InstallError, UsageError
-from pd_sessions.install import MOONCAKE, NIXL_BACKENDS, REQUIREMENTS, ROOT, index_env, kv_requirements
+from pd_sessions.install import MOONCAKE, NIXL_BACKENDS, ROOT, index_env, kv_requirements
 
 FIND_LINKS_ENV = "PD_SESSIONS_FIND_LINKS"
 
