@@ -36,7 +36,6 @@ from pd_sessions.preflight import preflight, rdma_problem  # noqa: E402
 nox.options.default_venv_backend = "uv"
 nox.options.sessions = ["unit"]
 PYTHON = "3.11"
-FIND_LINKS_ENV = "PD_SESSIONS_FIND_LINKS"
 
 
 def _fail(session: nox.Session, message: str, status: int = 2) -> None:
@@ -53,9 +52,10 @@ class Target:
         self.opts, self.rest = split_session_args(session.posargs if posargs is None else posargs)
         self.installed = session.venv_backend == "none" or self.opts.installed
         self.no_install = self.opts.no_install or _nox_no_install(session)
-        self.find_links = self.opts.find_links or os.environ.get(FIND_LINKS_ENV) or None
-        if self.find_links and not Path(self.find_links).is_dir():
-            _fail(session, f"--find-links {self.find_links}: no such folder")
+        try:
+            self.find_links = installed.find_links_folder(self.opts.find_links, os.environ)
+        except PdError as e:
+            _fail(session, str(e), e.exit_status)
         self.python = sys.executable if self.installed else "python"
 
     def run(self, *args: str, **kw) -> None:
@@ -324,3 +324,11 @@ def bench(session: nox.Session) -> None:
     else:
         target.venv_install("-r", str(ROOT / "requirements" / "bench.txt"))
     target.run("-m", "pd_sessions.bench", *args)
+
+
+@nox.session(python=PYTHON, reuse_venv=True, tags=["gpu"])
+def wheelhouse(session: nox.Session) -> None:
+    """Wheels for an offline host (no index there): `nox -s wheelhouse -- --python 3.12 --cuda 13 --out DIR
+    [--exclude-installed FREEZE_FILE]`; sessions then install with PD_SESSIONS_FIND_LINKS=DIR."""
+    session.install("pip", "uv", "packaging")
+    session.run("python", "-m", "pd_sessions.wheelhouse", *session.posargs, env={"PYTHONPATH": str(ROOT)})

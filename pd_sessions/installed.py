@@ -23,6 +23,7 @@ from typing import Any
 from packaging.requirements import Requirement
 
 from pd_sessions.envfacts import canonical
+from pd_sessions.errors import UsageError
 from pd_sessions.install import (MOONCAKE, NIXL_BACKENDS, REQUIREMENTS, ROOT, Action, Platform,
                                  connector_actions, facts_from_json)
 
@@ -159,6 +160,30 @@ def installer(doc: Mapping[str, Any], uv: str | None) -> list[str]:
     if uv:
         return [uv, "pip"]
     return []
+
+
+FIND_LINKS_ENV = "PD_SESSIONS_FIND_LINKS"
+
+
+def find_links_folder(option: str | None, environ: Mapping[str, str]) -> str | None:
+    """The wheelhouse the sessions install from: ``--find-links`` wins over $PD_SESSIONS_FIND_LINKS.
+
+        neither set (or empty)        -> None (install from the index as usual)
+        a folder holding .whl files   -> that folder
+        anything else                 -> UsageError naming where it came from
+    """
+    value = (option or "").strip()
+    source = "--find-links"
+    if not value:
+        value, source = environ.get(FIND_LINKS_ENV, "").strip(), FIND_LINKS_ENV
+    if not value:
+        return None
+    folder = Path(value)
+    if not folder.is_dir() or not any(folder.glob("*.whl")):
+        raise UsageError(f"{source} {value}: not a folder of wheels; build one with "
+                         "`nox -s wheelhouse -- --python 3.12 --cuda 13 --out DIR`"
+                         + (" or unset it" if source == FIND_LINKS_ENV else ""))
+    return str(folder)
 
 
 def offline_args(find_links: str | None) -> list[str]:

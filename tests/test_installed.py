@@ -13,7 +13,8 @@ import pytest
 
 from conftest import ROOT
 from pd_sessions.install import Action
-from pd_sessions.installed import (action_argv, harness_argv, installer, lane_pin, offline_args,
+from pd_sessions.errors import UsageError
+from pd_sessions.installed import (FIND_LINKS_ENV, action_argv, find_links_folder, harness_argv, installer, lane_pin, offline_args,
                                    plan_installed)
 
 PY = "/opt/img/bin/python3"
@@ -167,3 +168,14 @@ def test_removing_vllm_router_from_a_prepared_environment_is_an_exit_2_naming_it
     assert "pd_sessions sweep" not in out  # nothing was started
     after = subprocess.run(freeze, capture_output=True, text=True, check=True).stdout
     assert after == before  # nothing installed, not even pd-sessions itself
+
+
+def test_find_links_option_wins_and_must_hold_wheels(tmp_path):
+    assert find_links_folder(None, {}) is None and find_links_folder("", {FIND_LINKS_ENV: " "}) is None
+    with pytest.raises(UsageError, match=f"{FIND_LINKS_ENV} {tmp_path}: not a folder of wheels"):
+        find_links_folder(None, {FIND_LINKS_ENV: str(tmp_path)})
+    with pytest.raises(UsageError, match="--find-links /nope: not a folder of wheels"):
+        find_links_folder("/nope", {FIND_LINKS_ENV: str(tmp_path)})
+    (tmp_path / "a-1-py3-none-any.whl").write_bytes(b"")
+    assert find_links_folder(None, {FIND_LINKS_ENV: str(tmp_path)}) == str(tmp_path)
+    assert find_links_folder(str(tmp_path), {FIND_LINKS_ENV: "/elsewhere"}) == str(tmp_path)
