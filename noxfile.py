@@ -19,7 +19,7 @@ import nox
 ROOT = Path(__file__).parent
 sys.path.insert(0, str(ROOT))
 
-from pd_sessions import hosts, install  # noqa: E402
+from pd_sessions import hosts, install, lifeline  # noqa: E402
 from pd_sessions.config import builtin_sweep  # noqa: E402
 from pd_sessions.errors import PdError  # noqa: E402
 from pd_sessions.preflight import preflight  # noqa: E402
@@ -80,7 +80,9 @@ def _sweep(session: nox.Session, name: str, connectors: list[str], extra: tuple[
         session.install("-e", str(ROOT))
     else:
         _connectors(session, platform, connectors)
-    session.run("python", "-m", "pd_sessions", "sweep", name, *extra, *session.posargs)
+    # lifeline.nox_run_options: on Ctrl-C, nox waits for the teardown instead of SIGKILLing it.
+    session.run("python", "-m", "pd_sessions", "sweep", name, *extra, *session.posargs,
+                **lifeline.nox_run_options(session.posargs))
 
 
 def _imports(session: nox.Session, connectors: list[str]) -> None:
