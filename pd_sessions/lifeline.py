@@ -3,15 +3,18 @@ reaper outlives the harness just long enough to stop what the harness started.
 
 Each way a run can be stopped, and what catches it:
 
-| how it is stopped | what the harness sees | what stops the servers |
+| how it is stopped | the harness sees | the servers are stopped by |
 | --- | --- | --- |
-| Ctrl-C (SIGINT to the foreground group) | KeyboardInterrupt | its own teardown (cluster.py) |
-| SIGTERM to the whole group, Buildkite's cancel | the CLI's ``Stopped`` | its own teardown |
-| SIGTERM or SIGKILL to nox (its parent) alone | SIGTERM, from the parent-death signal set here (Linux), or from the watchdog thread that polls ``os.getppid()`` (anywhere) | its own teardown |
-| SIGKILL to the harness (Buildkite 10 s after its SIGTERM, nox 0.5 s after Ctrl-C unless told to wait, the OOM killer) | nothing | the reaper, and a parent-death SIGTERM to each server |
+| Ctrl-C (SIGINT to the foreground group) | SIGINT | its own teardown (cluster.py) |
+| SIGTERM to the group (Buildkite's cancel) | SIGTERM | its own teardown |
+| SIGTERM or SIGKILL to nox alone | SIGTERM (parent death) | its own teardown |
+| SIGKILL to the harness (*) | nothing | the reaper; each server's parent-death SIGTERM |
 
-The servers run in sessions of their own (so a signal to our group never reaches them half-way
-through their start), so only the harness, or the reaper, can stop them:
+(*) Buildkite 10 s after its SIGTERM, nox 0.5 s after Ctrl-C unless told to wait
+(:func:`nox_run_options`), the OOM killer.
+
+The servers run in sessions of their own (so the teardown alone decides how they stop), so no
+signal to our group reaches them: only the harness, or the reaper, stops them.
 
 - **Parent death** (:class:`ParentWatch`): ``prctl(PR_SET_PDEATHSIG, SIGTERM)`` makes the kernel
   send SIGTERM to the harness the moment its parent (nox) exits, however it exits; a thread

@@ -118,8 +118,9 @@ def write_junit(results: Sequence[ConfigResult], path: Path, *, suite: str,
             elif r.outcome == NOT_RUN:  # never started: nothing failed, nothing to show
                 ET.SubElement(case, "skipped", message=(r.error or "not run")[:500])
             else:
+                kind = {ERROR: "ConfigError", CANCELLED: "Cancelled"}.get(r.outcome, "NotRun")
                 e = ET.SubElement(case, "error", message=(r.error or "did not run").splitlines()[0][:500],
-                                  type={ERROR: "ConfigError", CANCELLED: "Cancelled"}.get(r.outcome, "NotRun"))
+                                  type=kind)
                 e.text = f"{r.error or 'did not run'}\n\n{_logs_tail(r.run_dir)}"
             cases.append(case)
         for name in skipped_checks:

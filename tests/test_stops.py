@@ -86,15 +86,19 @@ class NoxRun:
     """nox running the sweep (two configs) in its own process group, output timestamped."""
 
     def __init__(self, tmp_path: Path, *, env: dict[str, str] | None = None, args: tuple[str, ...] = (),
-                 grace: float = GRACE):
-        (tmp_path / "sweep.toml").write_text(SWEEP)
+                 grace: float = GRACE, sweep: str | None = None, fake: bool = True):
+        """``sweep``: a built-in sweep (default: SWEEP's two configs); ``fake``: the fake stack
+        instead of real vLLM (and no accuracy check)."""
+        if sweep is None:
+            (tmp_path / "sweep.toml").write_text(SWEEP)
+            sweep = str(tmp_path / "sweep.toml")
         (tmp_path / "noxfile.py").write_text(NOXFILE.format(root=str(ROOT), python=sys.executable))
         self.results = tmp_path / "results"
-        e = {**os.environ, "PYTHONPATH": f"{FAKE}{os.pathsep}{ROOT}", **(env or {})}
+        e = {**os.environ, "PYTHONPATH": f"{FAKE}{os.pathsep}{ROOT}" if fake else str(ROOT), **(env or {})}
         self.lines: list[tuple[float, str]] = []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "nox", "-f", str(tmp_path / "noxfile.py"), "-s", "sweep", "--",
-             str(tmp_path / "sweep.toml"), "--platform", "cpu", "--skip-check", "accuracy",
+             sweep, "--platform", "cpu", *(("--skip-check", "accuracy") if fake else ()),
              "--results-dir", str(self.results), "--grace", str(grace), *args],
             cwd=tmp_path, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True)
@@ -104,6 +108,7 @@ class NoxRun:
     def _read(self):
         for line in self.proc.stdout:
             self.lines.append((time.monotonic(), line.rstrip("\n")))
+            print(line, end="", flush=True)  # shown by pytest -s, or when a test fails
 
     @property
     def text(self) -> str:
