@@ -38,6 +38,7 @@ def test_buildkite_cancel_of_a_real_cluster_is_done_well_inside_10s(tmp_path):
         pass
     assert run.wait(10) != 0
     run.reader.join(5)
+    assert "stopped by SIGTERM" in run.text and "teardown done" in run.text, run.text
     doc = run.summary()
     (res,) = doc["configs"]
     assert res["outcome"] == "cancelled" and "stopped by SIGTERM" in res["error"], res
