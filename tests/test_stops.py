@@ -181,6 +181,7 @@ def _start(tmp_path, **kw) -> tuple[NoxRun, psutil.Process, list[psutil.Process]
     ("term_group", "stopped by SIGTERM", "stopped by SIGTERM"),
     ("term_nox", "stopped by SIGTERM: the parent process", "the parent process (pid"),
     ("kill_nox", "stopped by SIGTERM: the parent process", "the parent process (pid"),
+    ("hup_group", "stopped by SIGHUP", "stopped by SIGHUP"),
 ])
 def test_each_way_of_stopping_leaves_nothing_and_records_the_cancel(tmp_path, bystander, how, cause, said):
     run, harness, procs = _start(tmp_path)
@@ -189,7 +190,8 @@ def test_each_way_of_stopping_leaves_nothing_and_records_the_cancel(tmp_path, by
     {"ctrl_c": lambda: os.killpg(pgid, signal.SIGINT),          # the terminal's Ctrl-C
      "term_group": lambda: os.killpg(pgid, signal.SIGTERM),     # e.g. a CI agent's cancel
      "term_nox": lambda: os.kill(pgid, signal.SIGTERM),         # e.g. timeout(1): nox alone
-     "kill_nox": lambda: os.kill(pgid, signal.SIGKILL)}[how]()
+     "kill_nox": lambda: os.kill(pgid, signal.SIGKILL),
+     "hup_group": lambda: os.killpg(pgid, signal.SIGHUP)}[how]()     # the terminal closed
     took = run.all_gone_within(procs, t0, GRACE + 2)
     assert run.wait(10) != 0
     run.reader.join(5)
