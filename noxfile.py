@@ -27,7 +27,7 @@ import nox
 ROOT = Path(__file__).parent
 sys.path.insert(0, str(ROOT))
 
-from pd_sessions import hosts, install, installed  # noqa: E402
+from pd_sessions import hosts, install, installed, lifeline  # noqa: E402
 from pd_sessions.cliargs import split_session_args, sweep_parser  # noqa: E402
 from pd_sessions.config import load, make_overrides, select  # noqa: E402
 from pd_sessions.errors import PdError, PlanError  # noqa: E402
@@ -210,7 +210,9 @@ def _sweep(session: nox.Session, name: str, connectors: list[str], extra: tuple[
             target.venv_install("-e", str(ROOT))
     else:
         _connectors(session, target, platform, connectors, accuracy="accuracy" not in args.skip_check)
-    target.run("-m", "pd_sessions", "sweep", name, *extra, *target.rest, env=target.env)
+    # lifeline.nox_run_options: on Ctrl-C, nox waits for the teardown instead of SIGKILLing it.
+    target.run("-m", "pd_sessions", "sweep", name, *extra, *target.rest, env=target.env,
+               **lifeline.nox_run_options(target.rest))
 
 
 def _imports(session: nox.Session, connectors: list[str]) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
-from pd_sessions import __version__, hosts
+from pd_sessions import __version__, hosts, lifeline, process, unfinished
 from pd_sessions.checks.accuracy import AccuracyOptions
 from pd_sessions.cliargs import add_sweep_options
 from pd_sessions.config import Overrides, load, make_overrides, select
@@ -36,7 +36,7 @@ class Stopped(BaseException):
 
     def __init__(self, signum: int):
         self.signum = signum
-        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        super().__init__(f"stopped by {signal.Signals(signum).name}{lifeline.parent_note()}")
 
 
 _T0 = time.monotonic()
@@ -51,10 +51,12 @@ def install_signal_handlers() -> None:
         # Later signals are ignored so they cannot cut the teardown short.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
         raise Stopped(signum)
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGHUP, handler)  # the terminal closed
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -150,10 +152,19 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         say(f"dry run: {len(shown)} plans, nothing was launched")
         return 0
 
+    unfinished.check_writable(results_dir)  # exit 2 before anything starts
     say(f"results and logs: {results_dir}")
     results = []
-    try:
-        results = run_sweep(configs, inv, opts, say)
+    provisional = unfinished.Provisional(configs, results_dir, suite=sweep.name, platform=platform,
+                                         checks=opts.checks, skipped=opts.skip_checks)
+    try:  # the lifeline: see lifeline.py (parent death, the reaper)
+        with lifeline.Lifeline(results_dir, grace_s=opts.grace_s, warn=say) as life, \
+                process.observed(life.reaper):
+            results = run_sweep(configs, inv, opts, say, results=results, on_change=provisional)
+    except BaseException as e:  # a stop: the cut-short config is cancelled, the rest not run
+        results = unfinished.complete(configs, results, platform=platform,
+                                      cause=unfinished.stop_cause(e))
+        raise
     finally:
         meta = {"sweep": sweep.name, "platform": platform, "pd_sessions": __version__,
                 "allow_unpinned_remote_code": args.allow_unpinned_remote_code,

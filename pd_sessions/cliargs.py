@@ -14,6 +14,18 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
+def positive_seconds(text: str) -> float:
+    """argparse type for --deadline/--grace: a number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r}; give a number of seconds above 0") from None
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"got {text}; give a number of seconds above 0 "
+                                         "(leave it out for the default)")
+    return value
+
+
 def add_sweep_options(s: argparse.ArgumentParser) -> None:
     """Every option of ``pd-sessions sweep`` except the sweep itself."""
     s.add_argument("--platform", choices=["cpu", "cuda"], default=None,
@@ -25,9 +37,9 @@ def add_sweep_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--dry-run", action="store_true", help="print every plan; launch nothing")
     s.add_argument("--results-dir", type=Path, default=None,
                    help="where results and logs go (default: results/<sweep>-<time>)")
-    s.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
+    s.add_argument("--deadline", type=positive_seconds, default=None, metavar="SECONDS",
                    help="readiness deadline per config (default 1200)")
-    s.add_argument("--grace", type=float, default=None, metavar="SECONDS",
+    s.add_argument("--grace", type=positive_seconds, default=None, metavar="SECONDS",
                    help="SIGTERM grace before SIGKILL at teardown (default 10)")
     s.add_argument("--allow-unpinned-remote-code", action="store_true",
                    help="allow trust_remote_code without a pinned revision (said in the results)")

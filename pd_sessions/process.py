@@ -4,6 +4,8 @@ Every process starts in its own session (so its process group holds it and
 every child that does not leave the group). Stopping is: SIGTERM to each group
 and to every tracked descendant, a grace period, SIGKILL to what is left, then a
 check that every PID we tracked is gone. We never look processes up by name.
+(lifeline.py signals only this process itself, when its parent is gone; its reaper
+stops what we started with :func:`stop_leaders` after we are gone.)
 """
 
 from __future__ import annotations
@@ -19,12 +21,48 @@ from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import psutil
 
+from pd_sessions import lifeline
 from pd_sessions.errors import StopError
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Leader:
+    """A process we started, as much as is needed to find its tree again (also from another
+    process: the reaper, see lifeline.py)."""
+
+    name: str
+    pid: int
+    # create_time of the leader, to tell it from a later process with the same PID
+    create_time: float = 0.0
+
+
+class Observer(Protocol):
+    """Told about every process spawn() starts and stop() stops (lifeline.Reaper)."""
+
+    def spawned(self, r: Running) -> None: ...
+
+    def stopping(self, rs: Sequence[Running], kill_at: float) -> None: ...
+
+    def stopped(self, rs: Sequence[Running]) -> None: ...
+
+
+_observers: list[Observer] = []
+
+
+@contextlib.contextmanager
+def observed(observer: Observer) -> Iterator[None]:
+    """Tell ``observer`` about every spawn and stop inside the block."""
+    _observers.append(observer)
+    try:
+        yield
+    finally:
+        _observers.remove(observer)
 
 
 @dataclass
@@ -49,6 +87,10 @@ class Running:
     def log_tail(self, lines: int = 40) -> str:
         return log_tail(self.log_path, lines)
 
+    @property
+    def leader(self) -> Leader:
+        return Leader(self.name, self.pid, self.create_time)
+
 
 def log_tail(path: Path, lines: int = 40) -> str:
     try:
@@ -64,20 +106,29 @@ def log_tail(path: Path, lines: int = 40) -> str:
 
 def spawn(name: str, argv: Sequence[str], *, env: Mapping[str, str], log_path: Path,
           url: str | None = None, cwd: Path | None = None) -> Running:
-    """Start ``argv`` in a new session with stdout+stderr appended to ``log_path``."""
+    """Start ``argv`` in a new session with stdout+stderr appended to ``log_path``.
+
+    From Popen until the observers (the reaper) have it, SIGINT/SIGTERM/SIGHUP are deferred,
+    so a cancel cannot leave a started process unrecorded; started from the main thread, the
+    child also gets SIGTERM if this process dies (lifeline.child_preexec).
+    """
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as out:
+    with open(log_path, "ab") as out, signals_deferred():
         out.write(f"# pd_sessions: starting {name}: {list(argv)}\n".encode())
         out.flush()
         popen = subprocess.Popen(list(argv), env=dict(env), stdout=out, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True, cwd=cwd)
-    try:
-        ct = psutil.Process(popen.pid).create_time()
-    except psutil.Error:
-        ct = 0.0
+                                 stdin=subprocess.DEVNULL, start_new_session=True, cwd=cwd,
+                                 preexec_fn=lifeline.child_preexec())
+        try:
+            ct = psutil.Process(popen.pid).create_time()
+        except psutil.Error:
+            ct = 0.0
+        r = Running(name=name, popen=popen, log_path=log_path, started_at=time.monotonic(),
+                    url=url, create_time=ct)
+        for o in list(_observers):
+            o.spawned(r)
     log.debug("started %s pid %d", name, popen.pid)
-    return Running(name=name, popen=popen, log_path=log_path, started_at=time.monotonic(),
-                   url=url, create_time=ct)
+    return r
 
 
 @dataclass
@@ -88,7 +139,7 @@ class StopReport:
     pids: list[int] = field(default_factory=list)
 
 
-def _tracked(r: Running) -> list[psutil.Process]:
+def _tracked(r: Running | Leader) -> list[psutil.Process]:
     """The leader, its descendants, and anything else still in its session."""
     procs: dict[int, psutil.Process] = {}
     try:
@@ -131,7 +182,7 @@ def _wait_gone(procs: Sequence[psutil.Process], timeout: float, poll: float = 0.
         time.sleep(poll)
 
 
-def _signal_all(groups: set[int], procs: list[psutil.Process], sig: int) -> None:
+def _signal_all(groups: Sequence[int], procs: list[psutil.Process], sig: int) -> None:
     for pgid in groups:
         # Only while a process of ours is still in the group, so a recycled id is never hit.
         if any(_alive(p) and _pgid(p) == pgid for p in procs):
@@ -156,7 +207,7 @@ def _pgid(p: psutil.Process) -> int | None:
 
 @contextlib.contextmanager
 def signals_deferred() -> Iterator[None]:
-    """Hold SIGINT/SIGTERM until the block ends (a cancel must not cut teardown short).
+    """Hold SIGINT/SIGTERM/SIGHUP until the block ends (a cancel must not cut teardown short).
 
     A signal that arrives meanwhile is recorded and raised again right after, when the
     previous handlers are back. Python-level handlers, not a signal mask: a mask holds
@@ -168,7 +219,7 @@ def signals_deferred() -> Iterator[None]:
         yield
         return
     pending: list[int] = []
-    sigs = (signal.SIGINT, signal.SIGTERM)
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     old = {s: signal.getsignal(s) for s in sigs}
     for s in sigs:
         signal.signal(s, lambda signum, frame: pending.append(signum))
@@ -185,21 +236,34 @@ def signals_deferred() -> Iterator[None]:
 def stop(running: Sequence[Running], *, grace_s: float = 10.0, kill_wait_s: float = 5.0) -> StopReport:
     """Stop ``running`` and all their descendants; raise StopError if any survive.
 
-    SIGINT/SIGTERM to this process are deferred until it returns.
+    SIGINT/SIGTERM/SIGHUP to this process are deferred until it returns. The observers
+    (the reaper) hear when the grace ends, and that the processes are gone.
     """
     with signals_deferred():
-        return _stop(running, grace_s=grace_s, kill_wait_s=kill_wait_s)
+        for o in list(_observers):
+            o.stopping(running, time.time() + grace_s)
+        try:
+            rep = stop_leaders([r.leader for r in running], grace_s=grace_s, kill_wait_s=kill_wait_s)
+        finally:
+            for r in running:  # reap our direct children (zombies by now, unless they survived)
+                r.popen.poll()
+        for o in list(_observers):
+            o.stopped(running)
+        return rep
 
 
-def _stop(running: Sequence[Running], *, grace_s: float, kill_wait_s: float) -> StopReport:
+def stop_leaders(leaders: Sequence[Leader], *, grace_s: float, kill_wait_s: float = 5.0) -> StopReport:
+    """SIGTERM to each leader's group and every tracked process, ``grace_s``, SIGKILL to what
+    is left, then verify every PID gone (StopError names survivors). Needs no Popen: the
+    reaper stops the harness's processes with it after the harness has died."""
     t0 = time.monotonic()
     owner: dict[int, str] = {}
     procs: list[psutil.Process] = []
-    for r in running:
+    for r in leaders:
         for p in _tracked(r):
             owner[p.pid] = r.name
             procs.append(p)
-    groups = {r.pid for r in running}
+    groups = list(dict.fromkeys(r.pid for r in leaders))  # in order: the router's first
     _signal_all(groups, procs, signal.SIGTERM)
     alive = _wait_gone(procs, grace_s)
     killed = sorted({owner[p.pid] for p in alive})
@@ -208,11 +272,6 @@ def _stop(running: Sequence[Running], *, grace_s: float, kill_wait_s: float) -> 
                     ", ".join(f"{owner[p.pid]} pid {p.pid}" for p in alive))
         _signal_all(groups, alive, signal.SIGKILL)
         _wait_gone(alive, kill_wait_s)
-    for r in running:  # reap our direct children
-        try:
-            r.popen.wait(timeout=kill_wait_s)
-        except subprocess.TimeoutExpired:
-            pass
     survivors = [p for p in procs if _alive(p)]
     if survivors:
         raise StopError("processes survived SIGKILL: " + ", ".join(
@@ -227,7 +286,7 @@ def terminate(running: Sequence[Running]) -> None:
     sleeps); real teardown is :func:`stop`.
     """
     procs = [p for r in running for p in _tracked(r)]
-    _signal_all({r.pid for r in running}, procs, signal.SIGTERM)
+    _signal_all([r.pid for r in running], procs, signal.SIGTERM)
 
 
 def still_running(running: Sequence[Running]) -> list[str]:

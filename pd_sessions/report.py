@@ -15,6 +15,9 @@ from pd_sessions.checks.base import CheckResult
 from pd_sessions.process import log_tail
 
 PASSED, FAILED, ERROR = "passed", "failed", "error"
+# A config a stop cut short; one never started; one under way (only ever seen in a provisional
+# summary, written as each config starts: see unfinished.py).
+CANCELLED, NOT_RUN, RUNNING = "cancelled", "not run", "running"
 PHASES = ("plan", "start", "router", "checks", "teardown")
 
 
@@ -24,7 +27,7 @@ class ConfigResult:
     shape: str
     connector: str
     platform: str
-    outcome: str = ERROR            # passed | failed | error
+    outcome: str = ERROR            # passed | failed | error | cancelled | not run | running
     phases: dict[str, float] = field(default_factory=dict)   # PHASES -> seconds
     checks: list[CheckResult] = field(default_factory=list)
     error: str | None = None        # what stopped the config, if anything did
@@ -101,7 +104,8 @@ def _logs_tail(run_dir: str, lines: int = 20) -> str:
 def write_junit(results: Sequence[ConfigResult], path: Path, *, suite: str,
                 expected_checks: Sequence[str], skipped_checks: Sequence[str] = ()) -> Path:
     """One test case per config and check; a failing check is a <failure> with its message
-    and the logs' tails; a check that never ran because the config errored is an <error>."""
+    and the logs' tails; a check that never ran because the config errored or was cancelled is
+    an <error> (type ConfigError / Cancelled); a config never started is <skipped> ("not run")."""
     cases = []
     for r in results:
         by_name = {c.name: c for c in r.checks}
@@ -113,9 +117,12 @@ def write_junit(results: Sequence[ConfigResult], path: Path, *, suite: str,
                 if not c.passed:
                     f = ET.SubElement(case, "failure", message=c.message[:500], type="CheckFailed")
                     f.text = f"{c.message}\n\n{_logs_tail(r.run_dir)}"
+            elif r.outcome == NOT_RUN:  # never started: nothing failed, nothing to show
+                ET.SubElement(case, "skipped", message=(r.error or "not run")[:500])
             else:
+                kind = {ERROR: "ConfigError", CANCELLED: "Cancelled"}.get(r.outcome, "NotRun")
                 e = ET.SubElement(case, "error", message=(r.error or "did not run").splitlines()[0][:500],
-                                  type="ConfigError" if r.outcome == ERROR else "NotRun")
+                                  type=kind)
                 e.text = f"{r.error or 'did not run'}\n\n{_logs_tail(r.run_dir)}"
             cases.append(case)
         for name in skipped_checks:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pd_sessions import tiny_model
+from pd_sessions import tiny_model, unfinished
 from pd_sessions.checks.accuracy import AccuracyOptions
 from pd_sessions.checks.base import CheckResult
 from pd_sessions.checks.runner import run_checks
@@ -24,7 +24,7 @@ from pd_sessions.errors import PdError
 from pd_sessions.hosts import Inventory
 from pd_sessions.plan import GPU_PASSTHROUGH_ENV, ClusterPlan, plan_cluster
 from pd_sessions.ports import PortAllocator
-from pd_sessions.report import ConfigResult, write_config_result
+from pd_sessions.report import RUNNING, ConfigResult, write_config_result
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +74,22 @@ def make_plan(config: ClusterConfig, inv: Inventory, ports: PortAllocator, opts:
                         passthrough_env={k: os.environ[k] for k in GPU_PASSTHROUGH_ENV if k in os.environ})
 
 
+def new_result(config: ClusterConfig, opts: SweepOptions) -> ConfigResult:
+    return ConfigResult(name=config.name, shape=config.shape, connector=config.connector,
+                        platform=opts.platform, overrides=list(opts.overrides))
+
+
 def run_config(config: ClusterConfig, inv: Inventory, opts: SweepOptions,
                progress: Callable[[str], None],
-               on_event: Callable[[Event], None] | None = None) -> ConfigResult:
-    """Plan, start, check, tear down and record one config (``on_event``: see running_cluster)."""
-    res = ConfigResult(name=config.name, shape=config.shape, connector=config.connector,
-                       platform=opts.platform, overrides=list(opts.overrides))
+               on_event: Callable[[Event], None] | None = None,
+               into: ConfigResult | None = None) -> ConfigResult:
+    """Plan, start, check, tear down and record one config (``on_event``: see running_cluster).
+
+    ``into``: the record to fill (else a new one). An unforeseen exception (not a PdError)
+    errors this config, its traceback in ``error.log``; a stop (SIGINT, SIGTERM) marks it
+    cancelled, writes its result.json, and goes on up.
+    """
+    res = into or new_result(config, opts)
     run_dir = opts.results_dir / config.name
     res.run_dir = str(run_dir)
     t = time.monotonic()
@@ -106,11 +116,22 @@ def run_config(config: ClusterConfig, inv: Inventory, opts: SweepOptions,
                     res.checks = list(checks)
                     for c in checks:
                         progress(f"{config.name}: {c.name} {c.verdict.upper()}: {c.message}")
+                        if "traceback" in c.details:  # it crashed: see checks.base.crashed
+                            with open(run_dir / "checks.log", "a") as f:
+                                f.write(f"--- {c.name} crashed ---\n{c.details['traceback']}")
         finally:
             _fill_phases(res)
     except PdError as e:
         res.error = str(e)
         progress(f"{config.name}: ERROR: {str(e).splitlines()[0]}")
+    except Exception as e:  # a bug, or a library failing in a way we did not foresee
+        log_path = unfinished.crash_log(run_dir, "error", e)
+        res.error = f"internal error: {type(e).__name__}: {e} (traceback in {log_path})"
+        progress(f"{config.name}: ERROR: {res.error}")
+    except BaseException as e:  # a stop: record this config as cancelled, then let it go on up
+        unfinished.cancel(res, unfinished.stop_cause(e))
+        write_config_result(res, run_dir / "result.json")
+        raise
     finally:
         ports.release()
     res.decide(opts.checks)
@@ -129,10 +150,24 @@ def _fill_phases(res: ConfigResult) -> None:
 
 
 def run_sweep(configs: Sequence[ClusterConfig], inv: Inventory, opts: SweepOptions,
-              progress: Callable[[str], None]) -> list[ConfigResult]:
-    results = []
+              progress: Callable[[str], None], results: list[ConfigResult] | None = None,
+              on_change: Callable[[list[ConfigResult]], None] | None = None) -> list[ConfigResult]:
+    """Run every config; one record each, returned (and appended to ``results`` if given).
+
+    Each record joins ``results`` as its config starts (outcome ``running``), so a caller that
+    a stop interrupts still holds the finished ones and the cancelled one. ``on_change`` is
+    called as each config starts and ends (to write a provisional summary).
+    """
+    results = [] if results is None else results
     for i, config in enumerate(configs, 1):
         progress(f"[{i}/{len(configs)}] {config.name}: {config.shape}, {config.connector}")
-        results.append(run_config(config, inv, opts, progress))
+        res = new_result(config, opts)
+        res.outcome = RUNNING
+        results.append(res)
+        if on_change:
+            on_change(results)
+        run_config(config, inv, opts, progress, into=res)
         progress(f"[{i}/{len(configs)}] {config.name}: {results[-1].outcome.upper()}")
+        if on_change:
+            on_change(results)
     return results

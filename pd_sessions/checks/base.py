@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,3 +22,11 @@ class CheckResult:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "verdict": self.verdict, "message": self.message,
                 "seconds": round(self.seconds, 3), "details": self.details}
+
+
+def crashed(name: str, exc: BaseException) -> CheckResult:
+    """A check that raised something unforeseen (a bug, a library's own error, not a PdError):
+    it fails, naming the exception; the sweep writes the traceback to the config's checks.log,
+    and the other checks still run."""
+    return CheckResult(name, FAIL, f"crashed: {type(exc).__name__}: {exc} (traceback in checks.log)",
+                       {"traceback": "".join(traceback.format_exception(exc))})

@@ -26,13 +26,14 @@ import sys
 from pd_sessions import http
 from pd_sessions.checks import accuracy as acc
 from pd_sessions.checks import kv_transfer
-from pd_sessions.checks.base import FAIL, PASS, CheckResult
+from pd_sessions.checks.base import FAIL, PASS, CheckResult, crashed
 from pd_sessions.checks.offline_task import TASK as OFFLINE_TASK
 from pd_sessions.checks.offline_task import write_task
 from pd_sessions.checks import parity
 from pd_sessions.checks.completions import MAX_TOKENS, PARITY_PROMPTS, SMOKE_PROMPT, Completion, evaluate_smoke
 from pd_sessions.cluster import Cluster
 from pd_sessions.config import TINY_MODELS
+from pd_sessions.errors import PdError
 
 CONTROL_PROMPT = "A request sent straight to the decode instance, not through the router:"
 
@@ -47,6 +48,10 @@ def _timed(name: str, results: list[CheckResult], fn: Callable[[], CheckResult])
         r = fn()
     except (http.HttpError, kv_transfer.MetricMissing) as e:
         r = CheckResult(name, FAIL, f"could not run: {e}")
+    except PdError:
+        raise
+    except Exception as e:  # unforeseen (e.g. from lm_eval): this check fails, the others run
+        r = crashed(name, e)
     r.seconds = time.monotonic() - t0
     results.append(r)
 

@@ -1,0 +1,52 @@
+"""A Buildkite-style cancel of a real CPU-lane sweep, through nox: SIGTERM to the group while
+the checks run, SIGKILL 10 s later. The real cluster (vLLM API servers, their engine cores,
+vllm-router) must be gone, and the results written, well inside those 10 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from conftest import heavy
+from test_e2e_cpu_lane import plan_ports, processes_using
+from test_stops import NoxRun, alive, family
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+BUILDKITE_GRACE_S = 10.0
+
+
+def test_buildkite_cancel_of_a_real_cluster_is_done_well_inside_10s(tmp_path):
+    heavy("vllm")
+    heavy("mooncake.engine")
+    run = NoxRun(tmp_path, sweep="mooncake_sweep", args=("--only", "1x1"), grace=BUILDKITE_GRACE_S,
+                 fake=False)
+    run.wait_for("cluster ready after", timeout=600)
+    procs = family(psutil.Process(run.proc.pid))
+    assert len(procs) >= 7, procs  # nox, harness, reaper, 2 API servers + engine cores, router
+    t0 = time.monotonic()
+    os.killpg(run.proc.pid, signal.SIGTERM)
+    took = run.all_gone_within(procs, t0, BUILDKITE_GRACE_S)
+    try:
+        os.killpg(run.proc.pid, signal.SIGKILL)  # the agent's SIGKILL: nothing alive is left for it
+    except ProcessLookupError:
+        pass
+    assert run.wait(10) != 0
+    run.reader.join(5)
+    assert "stopped by SIGTERM" in run.text and "teardown done" in run.text, run.text
+    doc = run.summary()
+    (res,) = doc["configs"]
+    assert res["outcome"] == "cancelled" and "stopped by SIGTERM" in res["error"], res
+    assert (run.results / "junit.xml").exists() and (run.results / "summary.txt").exists()
+    run_dir = run.results / "1x1"
+    assert processes_using(plan_ports(run_dir)) == []
+    assert not any(alive(p) for p in procs)
+    teardown = res["phases"].get("teardown")
+    print(f"\nreal 1x1 cluster, Buildkite-style cancel: every process gone and results written "
+          f"{took:.2f} s after SIGTERM (harness teardown phase {teardown} s); Buildkite's grace: 10 s")
+    assert took < BUILDKITE_GRACE_S / 2, f"{took:.2f} s is not well inside Buildkite's 10 s grace"

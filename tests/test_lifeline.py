@@ -1,0 +1,224 @@
+"""The lifeline with real throwaway processes: the reaper stops what a dead harness left, a
+child hears its parent die, the harness hears its parent die; and the nox options."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from conftest import ROOT
+from pd_sessions import lifeline, process
+from pd_sessions.cluster import teardown
+from test_process import FAMILY, IGNORES_TERM, _session_members, _wait_for
+
+
+def _gone(pids, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                   for p in pids):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _family(r: process.Running, tmp_path, marker: str, n: int) -> list[int]:
+    _wait_for(r.log_path, marker)
+    end = time.monotonic() + 10
+    while len(members := _session_members(r.pid)) < n:
+        assert time.monotonic() < end, members
+        time.sleep(0.02)
+    return members
+
+
+def test_the_reaper_stops_what_a_dead_harness_left(tmp_path):
+    """The pipe ending (the harness gone, however it went) is the reaper's only trigger: it
+    stops every recorded process with its session (a double-forked orphan included), SIGKILLs
+    one that ignores SIGTERM after the grace, and exits."""
+    reaper = lifeline.Reaper(tmp_path / "reaper.log", grace_s=1.0, warn=pytest.fail)
+    with process.observed(reaper):
+        fam = process.spawn("family", [sys.executable, "-c", FAMILY], env=os.environ,
+                            log_path=tmp_path / "f.log")
+        stubborn = process.spawn("stubborn", [sys.executable, "-c", IGNORES_TERM], env=os.environ,
+                                 log_path=tmp_path / "s.log")
+    members = _family(fam, tmp_path, "family up", 3) + _family(stubborn, tmp_path, "ignoring SIGTERM", 1)
+    t0 = time.monotonic()
+    reaper.proc.stdin.close()  # what the kernel does when the harness dies
+    assert reaper.proc.wait(10) == 0
+    took = time.monotonic() - t0
+    assert _gone(members, 1.0), members
+    assert 1.0 <= took < 1.0 + 2.0, took
+    log = (tmp_path / "reaper.log").read_text()
+    assert "is gone while 2 of its processes may still run: family pid" in log
+    assert "needed SIGKILL: stubborn" in log
+    fam.popen.wait(1)
+    stubborn.popen.wait(1)
+
+
+def test_the_reaper_keeps_to_the_grace_the_harness_began(tmp_path):
+    """Harness killed mid-teardown: the SIGKILL comes when the harness's grace ends, not a
+    whole grace later."""
+    reaper = lifeline.Reaper(tmp_path / "reaper.log", grace_s=30.0, warn=pytest.fail)
+    with process.observed(reaper):
+        stubborn = process.spawn("stubborn", [sys.executable, "-c", IGNORES_TERM], env=os.environ,
+                                 log_path=tmp_path / "s.log")
+    _wait_for(stubborn.log_path, "ignoring SIGTERM")
+    t0 = time.monotonic()
+    reaper.stopping([stubborn], time.time() + 0.5)
+    reaper.proc.stdin.close()
+    assert reaper.proc.wait(10) == 0
+    assert time.monotonic() - t0 < 0.5 + 2.0
+    assert _gone([stubborn.pid], 0.5)
+    stubborn.popen.wait(1)
+
+
+def test_after_a_clean_teardown_the_reaper_has_nothing_to_do(tmp_path):
+    reaper = lifeline.Reaper(tmp_path / "reaper.log", grace_s=5.0, warn=pytest.fail)
+    with process.observed(reaper):
+        r = process.spawn("quick", [sys.executable, "-c", "import time; time.sleep(600)"], env=os.environ,
+                          log_path=tmp_path / "q.log")
+        process.stop([r], grace_s=2)
+    t0 = time.monotonic()
+    reaper.close()
+    assert reaper.proc.returncode == 0 and time.monotonic() - t0 < 1.5
+    assert "nothing to do" in (tmp_path / "reaper.log").read_text()
+
+
+MIDDLE = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    sys.path.insert(0, {root!r})
+    from pd_sessions import process
+    r = process.spawn("child", [sys.executable, "-c", "import time; time.sleep(600)"],
+                      env=os.environ, log_path=Path({log!r}))
+    print(r.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def test_a_child_hears_its_harness_die(tmp_path):
+    """A server spawned by a harness that is then SIGKILLed (before it could tell anyone)
+    gets SIGTERM from the kernel."""
+    script = MIDDLE.format(root=str(ROOT), log=str(tmp_path / "c.log"))
+    middle = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child = int(middle.stdout.readline())
+    assert psutil.pid_exists(child)
+    middle.kill()
+    middle.wait()
+    try:
+        assert _gone([child], 2.0), "the child outlived its harness"
+    finally:
+        if psutil.pid_exists(child):
+            os.kill(child, signal.SIGKILL)
+
+
+WATCHED = textwrap.dedent("""
+    import os, signal, sys, time
+    sys.path.insert(0, {root!r})
+    from pd_sessions import lifeline
+    if {no_prctl}:
+        lifeline._PRCTL = None  # only the getppid() watchdog
+    got = []
+    signal.signal(signal.SIGTERM, lambda *a: got.append(1))
+    watch = lifeline.ParentWatch(poll_s=0.1)
+    open({out!r} + ".armed", "w").close()
+    end = time.monotonic() + 20
+    while not got and time.monotonic() < end:
+        time.sleep(0.01)
+    with open({out!r}, "w") as f:
+        f.write(("SIGTERM" if got else "nothing") + (": parent gone" if watch.gone() else ""))
+""")
+
+
+@pytest.mark.parametrize("no_prctl", [False, True], ids=["prctl", "getppid-watchdog"])
+def test_the_harness_hears_its_parent_die(tmp_path, no_prctl):
+    out = tmp_path / "out.txt"
+    script = WATCHED.format(root=str(ROOT), no_prctl=no_prctl, out=str(out))
+    # a parent (nox's stand-in) that starts the watched process and then dies by SIGKILL
+    parent = subprocess.Popen([sys.executable, "-c",
+                               "import subprocess, sys, time\n"
+                               f"p = subprocess.Popen([sys.executable, '-c', {script!r}])\n"
+                               "time.sleep(600)\n"])
+    end = time.monotonic() + 10
+    while not (tmp_path / "out.txt.armed").exists():
+        assert time.monotonic() < end and parent.poll() is None
+        time.sleep(0.02)
+    watched = psutil.Process(parent.pid).children()[0]
+    t0 = time.monotonic()
+    parent.kill()
+    parent.wait()
+    while not out.exists():
+        assert time.monotonic() - t0 < 5, "the watched process never heard its parent die"
+        time.sleep(0.02)
+    took = time.monotonic() - t0
+    assert out.read_text() == "SIGTERM: parent gone"
+    assert took < (0.5 if no_prctl else 0.3) + 0.5, took
+    watched.wait(5)
+
+
+def test_a_signal_while_spawning_is_acted_on_once_the_process_is_recorded(tmp_path):
+    """The cluster spawns and records under signals_deferred: a cancel in between (here sent
+    by an observer the moment the process exists) cannot leave the process unrecorded."""
+    class Boom(BaseException):
+        pass
+
+    def handler(signum, frame):
+        raise Boom()
+
+    class SignalsMidSpawn:
+        def spawned(self, r):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        def stopping(self, rs, kill_at):
+            pass
+
+        def stopped(self, rs):
+            pass
+
+    recorded: list[process.Running] = []
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        with process.observed(SignalsMidSpawn()), pytest.raises(Boom):
+            with process.signals_deferred():
+                recorded.append(process.spawn("s", [sys.executable, "-c", "import time; time.sleep(600)"],
+                                              env=os.environ, log_path=tmp_path / "s.log"))
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert len(recorded) == 1
+    process.stop(recorded, grace_s=2)
+
+
+def test_teardown_shares_one_grace_between_router_and_instances(tmp_path):
+    """Three processes that all ignore SIGTERM: one grace for all, not one per group."""
+    rs = [process.spawn(n, [sys.executable, "-c", IGNORES_TERM], env=os.environ,
+                        log_path=tmp_path / f"{n}.log") for n in ("router", "prefill-0", "decode-0")]
+    for r in rs:
+        _wait_for(r.log_path, "ignoring SIGTERM")
+    t0 = time.monotonic()
+    teardown(rs[0], rs[1:], grace_s=1.0)
+    took = time.monotonic() - t0
+    assert 1.0 <= took < 1.0 + 1.0, took
+    assert process.still_running(rs) == []
+
+
+@pytest.mark.parametrize("posargs,grace", [
+    ((), 10.0), (("--grace", "3"), 3.0), (("--grace=4.5",), 4.5), (("--grace", "x"), 10.0),
+    (("--only", "1x1", "--grace"), 10.0),
+])
+def test_nox_waits_for_the_teardown_budget(posargs, grace):
+    assert lifeline.grace_from_args(posargs) == grace
+    assert lifeline.nox_run_options(posargs) == {"interrupt_timeout": grace + 5.0 + 5.0}
+
+
+def test_the_noxfile_import_is_standard_library_only():
+    code = ("import sys; import pd_sessions.lifeline; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pd_sessions', 'psutil')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "['pd_sessions', 'pd_sessions.lifeline']"

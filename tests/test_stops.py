@@ -1,0 +1,286 @@
+"""Every way of stopping a run, driven through nox itself: nothing outlives it (within grace
++ 2 s), it exits non-zero, and it leaves summary.json, summary.txt and junit.xml.
+
+A throwaway noxfile runs `python -m pd_sessions sweep` as the project's noxfile does (same
+`lifeline.nox_run_options`), against the fake stack of test_faults.py (vLLM and the router
+replaced by a throwaway server with a grandchild "engine core"): what is under test is the
+harness's own handling, where timing matters. Real vLLM: test_e2e_stops.py.
+
+nox and the harness run in a process group of their own, as under a terminal or the
+Buildkite agent; the servers, as always, in sessions of their own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import ROOT
+from test_faults import FAKE, assert_nothing_left, bystander  # noqa: F401 (a fixture)
+
+GRACE = 2.0
+SWEEP = """name = "fake"
+[defaults]
+model = "fake-model"
+connector = "mooncake"
+[[config]]
+name = "1x1"
+[[config]]
+name = "1x1b"
+"""
+NOXFILE = textwrap.dedent("""
+    import sys
+    import nox
+    sys.path.insert(0, {root!r})
+    from pd_sessions import lifeline
+    nox.options.default_venv_backend = "none"
+
+    @nox.session(python=False)
+    def sweep(session):
+        session.run({python!r}, "-m", "pd_sessions", "sweep", *session.posargs, external=True,
+                    **lifeline.nox_run_options(session.posargs))
+""")
+
+
+def alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def family(root: psutil.Process) -> list[psutil.Process]:
+    """``root``, its descendants, and every member of their sessions (the servers' engine
+    cores, the reaper): everything a run started."""
+    procs = {root.pid: root}
+    for c in root.children(recursive=True):
+        procs[c.pid] = c
+    sids = set()
+    for p in list(procs.values()):
+        try:
+            sids.add(os.getsid(p.pid))
+        except OSError:
+            pass
+    sids.discard(os.getsid(0))
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) in sids:
+                procs.setdefault(p.pid, p)
+        except OSError:
+            pass
+    return list(procs.values())
+
+
+class NoxRun:
+    """nox running the sweep (two configs) in its own process group, output timestamped."""
+
+    def __init__(self, tmp_path: Path, *, env: dict[str, str] | None = None, args: tuple[str, ...] = (),
+                 grace: float = GRACE, sweep: str | None = None, fake: bool = True):
+        """``sweep``: a built-in sweep (default: SWEEP's two configs); ``fake``: the fake stack
+        instead of real vLLM (and no accuracy check)."""
+        if sweep is None:
+            (tmp_path / "sweep.toml").write_text(SWEEP)
+            sweep = str(tmp_path / "sweep.toml")
+        (tmp_path / "noxfile.py").write_text(NOXFILE.format(root=str(ROOT), python=sys.executable))
+        self.results = tmp_path / "results"
+        e = {**os.environ, "PYTHONPATH": f"{FAKE}{os.pathsep}{ROOT}" if fake else str(ROOT), **(env or {})}
+        self.lines: list[tuple[float, str]] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "nox", "-f", str(tmp_path / "noxfile.py"), "-s", "sweep", "--",
+             sweep, "--platform", "cpu", *(("--skip-check", "accuracy") if fake else ()),
+             "--results-dir", str(self.results), "--grace", str(grace), *args],
+            cwd=tmp_path, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+            print(line, end="", flush=True)  # shown by pytest -s, or when a test fails
+
+    @property
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    def wait_for(self, needle: str, timeout: float = 60):
+        end = time.monotonic() + timeout
+        while not any(needle in line for _, line in self.lines):
+            assert time.monotonic() < end and self.proc.poll() is None, self.text
+            time.sleep(0.02)
+
+    def started(self) -> tuple[psutil.Process, list[psutil.Process]]:
+        """Once both instances run their "engine core": the harness and everything under nox."""
+        self.wait_for("started 2 instances")
+        nox = psutil.Process(self.proc.pid)
+        harness = next(c for c in nox.children() if "pd_sessions" in " ".join(c.cmdline()))
+        end = time.monotonic() + 30
+        while True:
+            procs = family(nox)
+            engine_cores = [p for p in procs if p.ppid() not in (nox.pid, harness.pid)
+                            and "time.sleep(3600)" in " ".join(p.cmdline())]
+            if len(engine_cores) >= 2 and any("pd_sessions.lifeline" in " ".join(p.cmdline())
+                                              for p in procs):
+                return harness, procs
+            assert time.monotonic() < end, procs
+            time.sleep(0.05)
+
+    def wait(self, timeout: float = 60) -> int:
+        rc = self.proc.wait(timeout)
+        return rc
+
+    def all_gone_within(self, procs: list[psutil.Process], since: float, limit: float) -> float:
+        """Seconds from ``since`` until every process in ``procs`` is gone; fails past ``limit``."""
+        while any(alive(p) for p in procs):
+            assert time.monotonic() - since < limit, (
+                f"still alive {limit:.1f} s after the stop: {[p for p in procs if alive(p)]}\n{self.text}")
+            time.sleep(0.02)
+        return time.monotonic() - since
+
+    def summary(self) -> dict:
+        return json.loads((self.results / "summary.json").read_text())
+
+
+def assert_cancel_recorded(run: NoxRun, cause: str) -> None:
+    """The interrupted config is cancelled (by ``cause``), the other not run; all three files."""
+    doc = run.summary()
+    assert "provisional" not in doc, doc
+    first, second = doc["configs"]
+    assert first["outcome"] == "cancelled" and cause in first["error"], first
+    assert "while the cluster was starting" in first["error"]
+    assert second["outcome"] == "not run" and cause in second["error"], second
+    assert "CANCELLED" in (run.results / "summary.txt").read_text()
+    suite = ET.parse(run.results / "junit.xml").getroot().find("testsuite")
+    cases = {(c.get("classname"), c.get("name")): c for c in suite}
+    assert cases[("fake.1x1", "smoke")].find("error").get("type") == "Cancelled"
+    assert cases[("fake.1x1b", "smoke")].find("skipped") is not None
+    assert json.loads((run.results / "1x1" / "result.json").read_text())["outcome"] == "cancelled"
+
+
+def _start(tmp_path, **kw) -> tuple[NoxRun, psutil.Process, list[psutil.Process]]:
+    # decode never gets healthy: the first config is still starting when it is stopped
+    run = NoxRun(tmp_path, env={"FAKE_DECODE_BEHAVIOR": "never_healthy", **kw.pop("env", {})},
+                 args=("--deadline", "60"), **kw)
+    harness, procs = run.started()
+    return run, harness, procs
+
+
+@pytest.mark.parametrize("how,cause,said", [
+    ("ctrl_c", "stopped by SIGINT", "stopped by SIGINT: teardown done"),
+    ("term_group", "stopped by SIGTERM", "stopped by SIGTERM"),
+    ("term_nox", "stopped by SIGTERM: the parent process", "the parent process (pid"),
+    ("kill_nox", "stopped by SIGTERM: the parent process", "the parent process (pid"),
+    ("hup_group", "stopped by SIGHUP", "stopped by SIGHUP"),
+])
+def test_each_way_of_stopping_leaves_nothing_and_records_the_cancel(tmp_path, bystander, how, cause, said):
+    run, harness, procs = _start(tmp_path)
+    pgid = run.proc.pid
+    t0 = time.monotonic()
+    {"ctrl_c": lambda: os.killpg(pgid, signal.SIGINT),          # the terminal's Ctrl-C
+     "term_group": lambda: os.killpg(pgid, signal.SIGTERM),     # e.g. a CI agent's cancel
+     "term_nox": lambda: os.kill(pgid, signal.SIGTERM),         # e.g. timeout(1): nox alone
+     "kill_nox": lambda: os.kill(pgid, signal.SIGKILL),
+     "hup_group": lambda: os.killpg(pgid, signal.SIGHUP)}[how]()     # the terminal closed
+    took = run.all_gone_within(procs, t0, GRACE + 2)
+    assert run.wait(10) != 0
+    run.reader.join(5)
+    assert said in run.text and "teardown done" in run.text, run.text
+    assert_cancel_recorded(run, cause)
+    assert_nothing_left(run.results / "1x1")
+    assert not alive(harness)
+    print(f"{how}: everything gone {took:.2f} s after the stop")
+
+
+def test_buildkite_cancel_healthy_teardown_fits_well_inside_its_10s_grace(tmp_path, bystander):
+    """The agent's cancel: SIGTERM to the group, SIGKILL to the group 10 s later. Everything,
+    results included, is done long before the SIGKILL."""
+    run, harness, procs = _start(tmp_path, grace=10.0)
+    t0 = time.monotonic()
+    os.killpg(run.proc.pid, signal.SIGTERM)
+    took = run.all_gone_within(procs, t0, 10.0)
+    try:
+        os.killpg(run.proc.pid, signal.SIGKILL)  # the agent's SIGKILL: nothing alive is left for it
+    except ProcessLookupError:
+        pass
+    assert took < 5.0, f"teardown took {took:.2f} s of Buildkite's 10 s grace"
+    assert run.wait(10) != 0
+    run.reader.join(5)
+    assert_cancel_recorded(run, "stopped by SIGTERM")
+    assert_nothing_left(run.results / "1x1")
+    print(f"buildkite cancel (fake stack): everything gone and recorded {took:.2f} s after SIGTERM")
+
+
+def test_buildkite_sigkill_mid_teardown_the_reaper_finishes_it(tmp_path, bystander):
+    """The agent's SIGKILL lands while a child ignores SIGTERM and the harness waits out its
+    grace (here 1 s after the SIGTERM, grace 3 s): the harness dies at once; the reaper
+    SIGKILLs the stubborn child when the harness's grace ends, so all is gone within grace + 2 s,
+    and the summary written as the config started stands."""
+    grace = 3.0
+    run, harness, procs = _start(tmp_path, grace=grace, env={"FAKE_PREFILL_BEHAVIOR": "ignore_term"})
+    t0 = time.monotonic()
+    os.killpg(run.proc.pid, signal.SIGTERM)
+    time.sleep(1.0)
+    assert alive(harness), "the harness must still be waiting out its grace"
+    os.killpg(run.proc.pid, signal.SIGKILL)
+    took = run.all_gone_within(procs, t0, grace + 2)
+    assert took >= grace - 0.2, f"the stubborn child was killed before the grace ended ({took:.2f} s)"
+    reaper_log = (run.results / "reaper.log").read_text()
+    assert "is gone while 3 of its processes may still run" in reaper_log, reaper_log
+    assert "needed SIGKILL: prefill-0" in reaper_log, reaper_log
+    doc = run.summary()
+    assert doc["provisional"] and [c["outcome"] for c in doc["configs"]] == ["cancelled", "not run"]
+    assert "killed with SIGKILL?" in doc["configs"][0]["error"]
+    assert ET.parse(run.results / "junit.xml").getroot().find("testsuite") is not None
+    assert_nothing_left(run.results / "1x1")
+    print(f"SIGKILL mid-teardown: the reaper had everything gone {took:.2f} s after SIGTERM")
+
+
+def test_a_check_that_crashes_fails_that_check_and_the_sweep_goes_on(tmp_path, bystander):
+    run = NoxRun(tmp_path, env={"FAKE_DECODE_BEHAVIOR": "bad_usage"})
+    assert run.wait(60) == 1, run.text
+    run.reader.join(5)
+    doc = run.summary()
+    assert [c["outcome"] for c in doc["configs"]] == ["failed", "failed"], doc
+    smoke = doc["configs"][0]["checks"][0]
+    assert smoke["verdict"] == "fail" and smoke["message"].startswith("crashed: ValueError"), smoke
+    log = (run.results / "1x1" / "checks.log").read_text()
+    assert "Traceback (most recent call last)" in log and "ValueError" in log
+    failure = ET.parse(run.results / "junit.xml").getroot().find("testsuite")[0].find("failure")
+    assert "crashed: ValueError" in failure.get("message") and "Traceback" in failure.text
+    assert_nothing_left(run.results / "1x1b")
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pd_sessions", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": f"{FAKE}{os.pathsep}{ROOT}"})
+
+
+def test_an_unwritable_results_dir_is_refused_before_anything_starts(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    (tmp_path / "sweep.toml").write_text(SWEEP)
+    r = cli("sweep", str(tmp_path / "sweep.toml"), "--platform", "cpu", "--results-dir",
+            str(blocker / "results"))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"--results-dir: cannot write to {blocker / 'results'}" in r.stderr
+    assert "started" not in r.stdout
+
+
+@pytest.mark.parametrize("flag,value", [("--grace", "0"), ("--grace", "-1"), ("--deadline", "0"),
+                                        ("--deadline", "-5"), ("--deadline", "nan")])
+def test_deadline_and_grace_must_be_above_zero(tmp_path, flag, value):
+    r = cli("sweep", "mooncake_sweep", "--dry-run", flag, value)
+    assert r.returncode == 2
+    assert f"argument {flag}: got {value}; give a number of seconds above 0" in r.stderr
