@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import logging
 import os
@@ -18,8 +19,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
-from pd_sessions import __version__, hosts
-from pd_sessions.config import Sweep, builtin_sweep, load_sweep, select
+from pd_sessions import __version__, hosts, user_commands
+from pd_sessions.config import ClusterConfig, Sweep, SweepEntry, builtin_sweep, load_sweep, select
 from pd_sessions.checks.accuracy import AccuracyOptions
 from pd_sessions.errors import ConfigError, PdError, UsageError
 from pd_sessions.ports import PortAllocator
@@ -61,7 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=__version__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("sweep", help="run (or --dry-run) a sweep of P/D clusters")
+    # What selects, places and overrides a cluster: shared by `sweep` and `serve` (a parent parser).
+    s = argparse.ArgumentParser(add_help=False)
     s.add_argument("sweep", help="a built-in sweep name (e.g. mooncake_sweep) or a .toml path")
     s.add_argument("--platform", choices=["cpu", "cuda"], default=None,
                    help="force a platform; default: cuda when a GPU is visible, else cpu")
@@ -78,6 +80,16 @@ def _parser() -> argparse.ArgumentParser:
                    help="SIGTERM grace before SIGKILL at teardown (default 10)")
     s.add_argument("--allow-unpinned-remote-code", action="store_true",
                    help="allow trust_remote_code without a pinned revision (said in the results)")
+    s.add_argument("--share-gpus", action="store_true",
+                   help="let instances share GPUs when the host has fewer than the config needs "
+                        "(each gets explicit KV-cache bytes); prints a warning")
+    s.add_argument("--mooncake-protocol", choices=["rdma", "tcp"], default=None)
+    s.add_argument("--mooncake-device-name", default=os.environ.get("MOONCAKE_DEVICE_NAME"),
+                   help="RDMA HCA allow-list (default: $MOONCAKE_DEVICE_NAME)")
+    s.add_argument("-v", "--verbose", action="store_true")
+    common = s
+
+    s = sub.add_parser("sweep", parents=[common], help="run (or --dry-run) a sweep of P/D clusters")
     s.add_argument("--accuracy", choices=["enforce", "warn"], default="enforce",
                    help="warn: exploratory run; an accuracy miss or missing baseline is reported, "
                         "not failed (said in the summary)")
@@ -89,13 +101,20 @@ def _parser() -> argparse.ArgumentParser:
                    help="measure accuracy and write it as the model's baseline")
     s.add_argument("--skip-check", action="append", default=[], choices=["accuracy"],
                    help="do not run this check (printed in the banner, recorded in the results)")
-    s.add_argument("--share-gpus", action="store_true",
-                   help="let instances share GPUs when the host has fewer than the config needs "
-                        "(each gets explicit KV-cache bytes); prints a warning")
-    s.add_argument("--mooncake-protocol", choices=["rdma", "tcp"], default=None)
-    s.add_argument("--mooncake-device-name", default=os.environ.get("MOONCAKE_DEVICE_NAME"),
-                   help="RDMA HCA allow-list (default: $MOONCAKE_DEVICE_NAME)")
-    s.add_argument("-v", "--verbose", action="store_true")
+    s.add_argument("--exec", dest="user_commands", action="append", metavar="CMD",
+                   help="after the checks, run CMD (split like a shell, run without one) with the "
+                        "cluster up and its address in the environment (PREFILL_PORT, PROXY_PORT, "
+                        "PD_SESSIONS_CLUSTER...); its exit status is check exec[N]; {junitxml} in "
+                        "CMD becomes a path whose JUnit is merged into ours (repeatable)")
+    s.add_argument("--pytest", dest="user_commands", action="append", nargs="+", metavar="PATH",
+                   help="shorthand for --exec 'python -m pytest PATH... --junitxml={junitxml}' with "
+                        "this environment's python (repeatable)")
+    s.add_argument("--exec-timeout", type=float, default=user_commands.DEFAULT_TIMEOUT_S,
+                   metavar="SECONDS", help="stop a command (its process group) that runs longer and "
+                                           "fail its check (default %(default)g)")
+
+    v = sub.add_parser("serve", parents=[common], help="start one config, print how to reach it, "
+                       "and keep it up until Ctrl-C or SIGTERM")
 
     t = sub.add_parser("tiny-model", help="generate (once) the tiny model and print its path")
     t.add_argument("--cache-dir", type=Path, default=None)
@@ -121,7 +140,10 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
     return out
 
 
-def cmd_sweep(args: argparse.Namespace) -> int:
+def _selection(args: argparse.Namespace) -> tuple[Sweep, str, hosts.Inventory, str | None,
+                                                  list[ClusterConfig], tuple[SweepEntry, ...], tuple[str, ...]]:
+    """What `sweep` and `serve` share: (sweep, platform, inventory, note, configs with the
+    command line's overrides applied, entries left out, --only names)."""
     only = tuple(o for item in args.only for o in item.split(",") if o)
     sweep = load(args.sweep)
     platform, inv, note = preflight(sweep, args.platform, hosts.detect(), dry_run=args.dry_run,
@@ -130,6 +152,15 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                                include_opt_in=args.include_opt_in)
     over = _overrides(args)
     configs = [dataclasses.replace(e.config, **over) if over else e.config for e in entries]
+    return sweep, platform, inv, note, configs, left_out, only
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    if args.exec_timeout <= 0:
+        raise UsageError(f"--exec-timeout: got {args.exec_timeout:g}; give a number of seconds > 0")
+    commands = user_commands.from_cli(args.user_commands, python=sys.executable, dry_run=args.dry_run,
+                                      have_pytest=importlib.util.find_spec("pytest") is not None)
+    sweep, platform, inv, note, configs, left_out, only = _selection(args)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     results_dir = (args.results_dir or Path("results") / f"{sweep.name}-{stamp}").resolve()
     opts = SweepOptions(platform=platform, results_dir=results_dir,
@@ -138,7 +169,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                                                  limit=args.accuracy_limit,
                                                  allow_sample_mismatch=args.allow_sample_mismatch,
                                                  record_baseline=args.record_baseline),
-                        skip_checks=tuple(args.skip_check),
+                        skip_checks=tuple(args.skip_check), commands=commands,
+                        exec_timeout_s=args.exec_timeout,
                         **({"deadline_s": args.deadline} if args.deadline else {}),
                         **({"grace_s": args.grace} if args.grace is not None else {}))
 
@@ -161,6 +193,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         say("remote code: --allow-unpinned-remote-code given: configs with trust_remote_code and "
             "no revision run UNPINNED (recorded in the results)")
     say(f"configs: {', '.join(c.name for c in configs) or 'none'}")
+    for c in commands:
+        say(f"after the checks, each config runs {c.name}: {c.given} (timeout {args.exec_timeout:g} s)")
     for e in left_out:
         why = e.opt_in_reason if not only else "not named by --only"
         say(f"left out: {e.config.name} ({e.config.shape}): {why}"
@@ -202,6 +236,37 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pd_sessions import serve
+
+    sweep, platform, inv, note, configs, left_out, only = _selection(args)
+    if len(only) != 1 or len(configs) != 1:
+        names = ", ".join(e.config.name for e in sweep.entries(platform))
+        raise UsageError(f"serve starts one config: name it with --only (known in {sweep.name}: {names})")
+    (config,) = configs
+    opts = SweepOptions(platform=platform, allow_unpinned=args.allow_unpinned_remote_code,
+                        share_gpus=args.share_gpus,
+                        results_dir=(args.results_dir or Path("results") / f"serve-{sweep.name}-"
+                                     f"{time.strftime('%Y%m%d-%H%M%S')}").resolve(),
+                        **({"deadline_s": args.deadline} if args.deadline else {}),
+                        **({"grace_s": args.grace} if args.grace is not None else {}))
+    if note:
+        say(note)
+    if args.dry_run:
+        with PortAllocator(config.host) as ports:
+            print(make_plan(config, inv, ports, opts, create_model=False).render())
+        say("dry run: nothing was launched")
+        return 0
+    say(f"serve {sweep.name} {config.name} ({config.shape}, {config.connector}) on {platform}; "
+        f"logs in {opts.results_dir / config.name}")
+    try:
+        serve.serve(config, inv, opts, progress=say, emit=lambda line: print(line, flush=True))
+    except (Stopped, KeyboardInterrupt) as e:
+        say(f"{e if isinstance(e, Stopped) else 'interrupted (SIGINT)'}: torn down, nothing left running")
+        return 0
+    return 0
+
+
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     from pd_sessions import tiny_model
 
@@ -222,7 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_signal_handlers()
-    commands = {"sweep": cmd_sweep, "tiny-model": cmd_tiny_model, "inventory": cmd_inventory}
+    commands = {"sweep": cmd_sweep, "serve": cmd_serve, "tiny-model": cmd_tiny_model,
+                "inventory": cmd_inventory}
     return run_command(lambda: commands[args.command](args), prog="pd-sessions")
 
 

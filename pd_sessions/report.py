@@ -116,6 +116,8 @@ def write_junit(results: Sequence[ConfigResult], path: Path, *, suite: str,
                                   type="ConfigError" if r.outcome == ERROR else "NotRun")
                 e.text = f"{r.error or 'did not run'}\n\n{_logs_tail(r.run_dir)}"
             cases.append(case)
+        for c in r.checks:  # test cases from the JUnit a user command wrote (--exec, --pytest)
+            cases += external_cases(c, classname=f"{suite}.{r.name}.{c.name}")
         for name in skipped_checks:
             case = ET.Element("testcase", classname=f"{suite}.{r.name}", name=name)
             ET.SubElement(case, "skipped", message="skipped by request (--skip-check)")
@@ -131,6 +133,24 @@ def write_junit(results: Sequence[ConfigResult], path: Path, *, suite: str,
     path.parent.mkdir(parents=True, exist_ok=True)
     ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
     return path
+
+
+def external_cases(check: CheckResult, *, classname: str) -> list[ET.Element]:
+    """The test cases of the JUnit file a check's command wrote (``details["junit"]["path"]``),
+    their classname prefixed with ``classname``; [] when there is none or it cannot be read
+    (the check's own test case still carries the verdict)."""
+    path = (check.details.get("junit") or {}).get("path")
+    if not path:
+        return []
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return []
+    out = []
+    for case in root.iter("testcase"):
+        case.set("classname", f"{classname}.{case.get('classname', '')}".rstrip("."))
+        out.append(case)
+    return out
 
 
 def annotate(results: Sequence[ConfigResult], *, sweep: str) -> bool:
