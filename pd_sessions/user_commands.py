@@ -40,6 +40,9 @@ JUNIT_PLACEHOLDER = "{junitxml}"
 CLUSTER_FILE = "cluster.json"
 DEFAULT_TIMEOUT_S = 3600.0
 TAIL_LINES = 30
+ENV_NAMES = ("PREFILL_HOST", "PREFILL_PORT", "DECODE_HOST", "DECODE_PORT", "PROXY_HOST", "PROXY_PORT",
+             "PREFILL_HOSTS", "PREFILL_PORTS", "DECODE_HOSTS", "DECODE_PORTS", "TEST_MODEL", "BLOCK_SIZE",
+             "PD_SESSIONS_CLUSTER")
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,10 @@ def pytest_command(paths: Sequence[str], index: int, *, python: str,
         if not Path(p.split("::")[0]).exists():
             raise UsageError(f"--pytest {p}: no such file or directory (relative paths are read "
                              f"from {os.getcwd()})")
-    argv = (python, "-m", "pytest", "-v", "-rA", *paths, f"--junitxml={JUNIT_PLACEHOLDER}")
+    # -p: the pd_cluster fixture (attached to this cluster) even where pd-sessions runs from a
+    # checkout rather than an installed distribution (installed, the entry point loads it once).
+    argv = (python, "-m", "pytest", "-p", "pd_sessions.pytest_plugin", "-v", "-rA", *paths,
+            f"--junitxml={JUNIT_PLACEHOLDER}")
     return UserCommand(index=index, argv=argv, given="--pytest " + shlex.join(paths))
 
 
@@ -267,9 +273,9 @@ def junit_summary(path: Path) -> dict[str, Any] | None:
                 continue
             out[key] += 1
             if kind != "skipped" and out["first_failure"] is None:
-                msg = (el.get("message") or (el.text or "").strip().splitlines()[-1:] or [""])
-                msg = msg if isinstance(msg, str) else msg[0]
-                out["first_failure"] = f"{c.get('classname', '')}::{c.get('name', '')}: {msg[:300]}"
+                msg = (el.get("message") or el.text or "").strip()
+                first = msg.splitlines()[0][:300] if msg else "(no message)"
+                out["first_failure"] = f"{c.get('classname', '')}::{c.get('name', '')}: {first}"
     return out
 
 
