@@ -201,9 +201,12 @@ def pd_cluster(request: pytest.FixtureRequest,
     opts = SweepOptions(platform=platform, results_dir=Path(results).resolve(),
                         **({"deadline_s": deadline} if deadline else {}))
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
 
-    def say(msg: str) -> None:
-        if reporter is not None:
+    def say(msg: str) -> None:  # progress shown live, past pytest's output capture
+        if reporter is None:
+            return
+        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
             reporter.write_line(f"[pd_cluster] {msg}")
 
     with _sigterm_as_interrupt(), serve.one_cluster(entry.config, inv, opts, progress=say) as cluster:
