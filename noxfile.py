@@ -2,6 +2,7 @@
 
     nox -s mooncake_sweep [-- --platform cpu|cuda --only 1x1 --dry-run --results-dir DIR]
     nox -s mooncake_imports / nixl_imports [-- --dry-run]   # install + import canary only
+    nox -s serve -- mooncake_sweep --only 1x1   # hold one cluster up (URLs, env, curl) until Ctrl-C
     nox -s tests        # unit + end-to-end (real vLLM on the CPU lane)
     nox -s unit         # unit tests only (no vLLM install)
     nox -s bench        # measures (not a test): overhead, readiness, teardown, router; writes bench/
@@ -107,6 +108,17 @@ def nixl_sweep(session: nox.Session) -> None:
 def kimi_linear_nightly(session: nox.Session) -> None:
     """Kimi-Linear-48B-A3B over NIXL, prefill TP2 + decode DP2/EP on 4 GPUs (runs unpinned, said so)."""
     _sweep(session, "kimi_linear_nightly", ["nixl"], extra=("--allow-unpinned-remote-code",))
+
+
+@nox.session(python=PYTHON)
+def serve(session: nox.Session) -> None:
+    """Hold one config up for your own tests: `nox -s serve -- mooncake_sweep --only 1x1` (Ctrl-C stops)."""
+    if not session.posargs:
+        session.error("usage: nox -s serve -- SWEEP --only CONFIG [sweep options]")
+    platform = _platform(session, session.posargs[0])
+    entries = builtin_sweep(session.posargs[0]).entries(platform)
+    _connectors(session, platform, sorted({e.config.connector for e in entries}))
+    session.run("python", "-m", "pd_sessions", "serve", *session.posargs)
 
 
 @nox.session(python=PYTHON)

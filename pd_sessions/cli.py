@@ -113,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
                    metavar="SECONDS", help="stop a command (its process group) that runs longer and "
                                            "fail its check (default %(default)g)")
 
-    v = sub.add_parser("serve", parents=[common], help="start one config, print how to reach it, "
+    sub.add_parser("serve", parents=[common], help="start one config, print how to reach it, "
                        "and keep it up until Ctrl-C or SIGTERM")
 
     t = sub.add_parser("tiny-model", help="generate (once) the tiny model and print its path")
@@ -140,8 +140,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
     return out
 
 
-def _selection(args: argparse.Namespace) -> tuple[Sweep, str, hosts.Inventory, str | None,
-                                                  list[ClusterConfig], tuple[SweepEntry, ...], tuple[str, ...]]:
+def _selection(args: argparse.Namespace) -> tuple[Sweep, str, hosts.Inventory, str | None, list[ClusterConfig],
+                                                  tuple[SweepEntry, ...], tuple[str, ...]]:
     """What `sweep` and `serve` share: (sweep, platform, inventory, note, configs with the
     command line's overrides applied, entries left out, --only names)."""
     only = tuple(o for item in args.only for o in item.split(",") if o)
@@ -239,7 +239,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pd_sessions import serve
 
-    sweep, platform, inv, note, configs, left_out, only = _selection(args)
+    sweep, platform, inv, note, configs, _, only = _selection(args)
     if len(only) != 1 or len(configs) != 1:
         names = ", ".join(e.config.name for e in sweep.entries(platform))
         raise UsageError(f"serve starts one config: name it with --only (known in {sweep.name}: {names})")

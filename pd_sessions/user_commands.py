@@ -313,7 +313,7 @@ def run_commands(cluster: Any, commands: Sequence[UserCommand], results: list[Ch
         timed_out, dead, returncode = False, None, None
         try:
             returncode = cluster.guard(running.popen.wait, when=f"while {cmd.name} ran",
-                                       timeout=timeout_s, heartbeat=lambda: say(
+                                       timeout=timeout_s, heartbeat=lambda cmd=cmd, t0=t0: say(
                                            f"{plan.config.name}: {cmd.name} running for "
                                            f"{time.monotonic() - t0:.0f} s (timeout {timeout_s:g} s)"))
         except TimeoutError:

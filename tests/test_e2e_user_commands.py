@@ -52,7 +52,8 @@ def test_sweep_runs_a_passing_and_a_failing_user_command(tmp_path):
     assert (run_dir / "exec-0.log").exists() and (run_dir / "exec-1.log").exists()
     assert json.loads((run_dir / "cluster.json").read_text())["connector"] == "mooncake"
 
-    cases = {(c.get("classname"), c.get("name")): c for c in ET.parse(tmp_path / "junit.xml").iter("testcase")}
+    cases = {(c.get("classname"), c.get("name")): c
+             for c in ET.parse(tmp_path / "junit.xml").iter("testcase")}
     assert cases[("mooncake_sweep.1x1", "exec[0]")].find("failure") is None
     assert cases[("mooncake_sweep.1x1", "exec[1]")].find("failure") is not None
     merged = {name: c for (cls, name), c in cases.items() if cls.startswith("mooncake_sweep.1x1.exec[")}
@@ -107,7 +108,7 @@ def test_serve_prints_env_serves_requests_and_stops_on_sigterm(tmp_path):
     family = []
     for name in ("prefill-0", "decode-0"):
         leader = next(p for p in psutil.process_iter(["cmdline"])
-                      if str(ports[name]) in (p.info["cmdline"] or []) and "--port" in (p.info["cmdline"] or []))
+                      if str(ports[name]) in (argv := p.info["cmdline"] or []) and "--port" in argv)
         family += [leader, *leader.children(recursive=True)]
     cli.proc.send_signal(signal.SIGTERM)
     assert cli.wait(timeout=120) == 0, cli.text[-3000:]

@@ -10,7 +10,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -20,17 +19,19 @@ import pytest
 
 from conftest import FIXTURES, ROOT
 from pd_sessions import serve, user_commands as uc
-from pd_sessions.checks.base import FAIL, PASS, CheckResult
+from pd_sessions.checks.base import FAIL, PASS
 from pd_sessions.config import ClusterConfig
 from pd_sessions.errors import UsageError
 from pd_sessions.hosts import Inventory
 from pd_sessions.plan import plan_cluster
 from pd_sessions.pytest_plugin import parse_spec
 from pd_sessions.report import ConfigResult, write_junit
-from test_faults import FAKE, SWEEP, Run, assert_nothing_left, bystander  # noqa: F401 (fixture)
+from test_faults import FAKE, SWEEP, Run, assert_nothing_left
+from test_faults import bystander as bystander  # the fixture: a stranger named vllm must survive
 from test_plan import FakePorts
 
 USER = FIXTURES / "user_tests"
+LIVE = pytest.mark.usefixtures("bystander")
 CPU2 = Inventory(gpus=(), cpus=(0, 1))
 GPUS4 = Inventory(gpus=("0", "1", "2", "3"), cpus=tuple(range(8)), gpu_source="nvidia-smi")
 
@@ -102,7 +103,8 @@ def test_env_and_description_of_a_2p2d_cpu_plan():
     env = uc.cluster_env(plan, Path("/r/cluster.json"))
     p, d = plan.prefill, plan.decode
     assert env["PREFILL_PORT"] == str(p[0].port) and env["DECODE_PORT"] == str(d[0].port)
-    assert env["PREFILL_PORTS"] == f"{p[0].port},{p[1].port}" and env["DECODE_PORTS"] == f"{d[0].port},{d[1].port}"
+    assert env["PREFILL_PORTS"] == f"{p[0].port},{p[1].port}"
+    assert env["DECODE_PORTS"] == f"{d[0].port},{d[1].port}"
     assert env["PROXY_HOST"] == "127.0.0.1" and env["PROXY_PORT"] == str(plan.router.port)
     assert env["TEST_MODEL"] == "m" and env["BLOCK_SIZE"] == "128"
     assert env["PD_SESSIONS_CLUSTER"] == "/r/cluster.json" and set(env) <= set(uc.ENV_NAMES)
@@ -111,15 +113,16 @@ def test_env_and_description_of_a_2p2d_cpu_plan():
     assert info["connector"] == "nixl" and info["router"]["url"] == plan.router.url
     assert [x["kv_transfer_config"]["kv_role"] for x in info["prefill"] + info["decode"]] == \
         ["kv_producer"] * 2 + ["kv_consumer"] * 2
-    assert info["prefill"][1]["cpu_bind"] == p[1].cpu_bind and info["decode"][0]["metrics_url"].endswith("/metrics")
+    assert info["prefill"][1]["cpu_bind"] == p[1].cpu_bind
+    assert info["decode"][0]["metrics_url"] == f"{d[0].url}/metrics"
 
 
 def test_block_size_is_only_set_when_the_plan_sets_it():
     plan = plan_cluster(ClusterConfig(name="c", model="m"), GPUS4, FakePorts(), platform="cuda", python="/py")
     assert "BLOCK_SIZE" not in uc.cluster_env(plan) and "PD_SESSIONS_CLUSTER" not in uc.cluster_env(plan)
     assert uc.describe(plan)["prefill"][0]["gpus"] == ["0"]
-    plan = plan_cluster(ClusterConfig(name="c", model="m", block_size=64), GPUS4, FakePorts(), platform="cuda",
-                        python="/py")
+    plan = plan_cluster(ClusterConfig(name="c", model="m", block_size=64), GPUS4, FakePorts(),
+                        platform="cuda", python="/py")
     assert uc.cluster_env(plan)["BLOCK_SIZE"] == "64"
 
 
@@ -162,7 +165,8 @@ def test_evaluate_decision_table():
 
 JUNIT = """<?xml version="1.0"?><testsuites><testsuite name="pytest" tests="3">
 <testcase classname="t.mod" name="test_ok" time="0.1"/>
-<testcase classname="t.mod" name="test_bad"><failure message="AssertionError: router said 'x'&#10;second line">trace</failure></testcase>
+<testcase classname="t.mod" name="test_bad">
+<failure message="AssertionError: router said 'x'&#10;second line">trace</failure></testcase>
 <testcase classname="t.mod" name="test_skip"><skipped message="no"/></testcase>
 </testsuite></testsuites>"""
 
@@ -224,13 +228,16 @@ def test_bad_input_exits_2_before_launch(args, needle):
 
 # --- live, against the fake stack ------------------------------------------------------------
 
-def test_hanging_command_is_stopped_at_the_timeout_with_its_children(tmp_path, bystander):
+@LIVE
+def test_hanging_command_is_stopped_at_the_timeout_with_its_children(tmp_path):
     hang = (f"{sys.executable} -c \"import subprocess, sys, time; "
             f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
-            f"open('{tmp_path}/child', 'w').write(str(p.pid)); print('hanging', flush=True); time.sleep(600)\"")
+            f"open('{tmp_path}/child', 'w').write(str(p.pid)); print('hanging', flush=True); "
+            "time.sleep(600)\"")
     r = Run(tmp_path, args=("--exec", hang, "--exec-timeout", "2"))
     assert r.wait(60) == 1, r.text
-    check = next(c for c in json.loads((r.run_dir / "result.json").read_text())["checks"] if c["name"] == "exec[0]")
+    checks = json.loads((r.run_dir / "result.json").read_text())["checks"]
+    check = next(c for c in checks if c["name"] == "exec[0]")
     assert check["verdict"] == "fail" and "did not finish within 2 s (--exec-timeout)" in check["message"]
     assert 2 <= check["seconds"] < 2 + 2 + 3  # timeout + grace + slack
     assert "hanging" in r.text  # its log was tailed
@@ -250,12 +257,14 @@ time.sleep(120)
 """
 
 
-def test_a_server_dying_while_a_command_runs_fails_it_at_once_naming_the_server(tmp_path, bystander):
+@LIVE
+def test_a_server_dying_while_a_command_runs_fails_it_at_once_naming_the_server(tmp_path):
     script = tmp_path / "kill_decode.py"
     script.write_text(KILL_DECODE)
     r = Run(tmp_path, args=("--exec", f"{sys.executable} {script}", "--exec", "true"))
     assert r.wait(60) == 1, r.text
-    killed = float(re.search(r"killing decode pid \d+ at ([0-9.]+)", (r.run_dir / "exec-0.log").read_text())[1])
+    log = (r.run_dir / "exec-0.log").read_text()
+    killed = float(re.search(r"killing decode pid \d+ at ([0-9.]+)", log)[1])
     assert r.first("FAILED: decode-0") - killed < 2.0
     result = json.loads((r.run_dir / "result.json").read_text())
     check = next(c for c in result["checks"] if c["name"] == "exec[0]")
@@ -279,7 +288,8 @@ def _serve(tmp_path, env=None):
                             stderr=subprocess.STDOUT, text=True)
 
 
-def test_serve_prints_env_answers_and_stops_cleanly_on_sigterm(tmp_path, bystander):
+@LIVE
+def test_serve_prints_env_answers_and_stops_cleanly_on_sigterm(tmp_path):
     p = _serve(tmp_path)
     lines = []
     for line in p.stdout:
@@ -302,7 +312,8 @@ def test_serve_prints_env_answers_and_stops_cleanly_on_sigterm(tmp_path, bystand
     assert_nothing_left(tmp_path / "r" / "1x1")
 
 
-def test_serve_exits_non_zero_naming_a_server_that_dies(tmp_path, bystander):
+@LIVE
+def test_serve_exits_non_zero_naming_a_server_that_dies(tmp_path):
     p = _serve(tmp_path, env={"FAKE_DECODE_BEHAVIOR": "die_after_ready:1"})
     out, _ = p.communicate(timeout=60)
     assert p.returncode == 1, out
@@ -331,14 +342,16 @@ def _plugin_pytest(tmp_path, *files):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
 
-def test_plugin_fixture_starts_a_cluster_for_the_tests_and_tears_it_down(tmp_path, bystander):
+@LIVE
+def test_plugin_fixture_starts_a_cluster_for_the_tests_and_tears_it_down(tmp_path):
     r = _plugin_pytest(tmp_path, USER / "pd_parity_fixture.py")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "2 passed" in r.stdout and "[pd_cluster] 1x1: cluster ready" in r.stdout
     assert_nothing_left(tmp_path / "r" / "1x1")
 
 
-def test_plugin_fails_the_next_test_fast_when_a_server_died(tmp_path, bystander):
+@LIVE
+def test_plugin_fails_the_next_test_fast_when_a_server_died(tmp_path):
     f = tmp_path / "kills_decode.py"
     f.write_text(KILLS_ITS_DECODE)
     r = _plugin_pytest(tmp_path, f)
