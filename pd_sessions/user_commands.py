@@ -312,33 +312,24 @@ def run_commands(cluster: Any, commands: Sequence[UserCommand], results: list[Ch
                                 log_path=log_path)
         timed_out, dead, returncode = False, None, None
         try:
-            returncode = cluster.guard(running.popen.wait, when=f"while {cmd.name} ran",
-                                       timeout=timeout_s, heartbeat=lambda cmd=cmd, t0=t0: say(
-                                           f"{plan.config.name}: {cmd.name} running for "
-                                           f"{time.monotonic() - t0:.0f} s (timeout {timeout_s:g} s)"))
-        except TimeoutError:
-            timed_out = True
-        except ProcessExited as e:
-            dead = str(e).splitlines()[0]
-            results.append(_finish(cmd, running, grace_s, t0, timeout_s, None, False, dead, junit, say,
-                                   plan.config.name))
-            raise
+            try:
+                returncode = cluster.guard(running.popen.wait, when=f"while {cmd.name} ran",
+                                           timeout=timeout_s, heartbeat=lambda cmd=cmd, t0=t0: say(
+                                               f"{plan.config.name}: {cmd.name} running for "
+                                               f"{time.monotonic() - t0:.0f} s (timeout {timeout_s:g} s)"))
+            except TimeoutError:
+                timed_out = True
+            except ProcessExited as e:
+                dead = str(e).splitlines()[0]
+                raise
         finally:
-            if running.poll() is None or timed_out:
-                process.stop([running], grace_s=grace_s)
-        results.append(_finish(cmd, running, grace_s, t0, timeout_s, returncode, timed_out, None, junit,
-                               say, plan.config.name))
-
-
-def _finish(cmd: UserCommand, running: process.Running, grace_s: float, t0: float, timeout_s: float,
-            returncode: int | None, timed_out: bool, dead: str | None, junit: Path,
-            say: Callable[[str], None], config: str) -> CheckResult:
-    if running.poll() is None:
-        process.stop([running], grace_s=grace_s)
-    tail = running.log_tail(TAIL_LINES)
-    r = evaluate(cmd, returncode=returncode, seconds=time.monotonic() - t0, timed_out=timed_out,
-                 timeout_s=timeout_s, log_path=running.log_path, log_tail=tail,
-                 junit=junit_summary(junit), dead=dead)
-    if not r.passed:
-        say(f"{config}: {cmd.name} FAILED; last {TAIL_LINES} lines of {running.log_path}:\n{tail}")
-    return r
+            # Also after a clean exit: whatever it left running in its session goes too.
+            process.stop([running], grace_s=grace_s)
+            if timed_out or dead is not None or returncode is not None:  # not when interrupted
+                tail = running.log_tail(TAIL_LINES)
+                r = evaluate(cmd, returncode=returncode, seconds=time.monotonic() - t0, timed_out=timed_out,
+                             timeout_s=timeout_s, log_path=log_path, log_tail=tail,
+                             junit=junit_summary(junit), dead=dead)
+                results.append(r)
+                if not r.passed:
+                    say(f"{plan.config.name}: {cmd.name} FAILED; last {TAIL_LINES} lines of {log_path}:\n{tail}")

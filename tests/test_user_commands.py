@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -332,14 +333,21 @@ def test_two_must_not_run_against_a_dead_cluster(pd_cluster):
 """
 
 
-def _plugin_pytest(tmp_path, *files):
+def _plugin_argv(tmp_path, *files):
     toml = tmp_path / "sweep.toml"
     toml.write_text(SWEEP.format(connector="mooncake", extra=""))
-    env = {k: v for k, v in _fake_env().items() if k != "PD_SESSIONS_CLUSTER"}
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "pd_sessions.pytest_plugin", "-v",
-                           "-p", "no:cacheprovider", *map(str, files), "--pd-cluster", f"{toml}:1x1",
-                           "--pd-platform", "cpu", "--pd-results-dir", str(tmp_path / "r")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    return [sys.executable, "-m", "pytest", "-p", "pd_sessions.pytest_plugin", "-v", "-p", "no:cacheprovider",
+            *map(str, files), "--pd-cluster", f"{toml}:1x1", "--pd-platform", "cpu",
+            "--pd-results-dir", str(tmp_path / "r")]
+
+
+def _plugin_env():
+    return {k: v for k, v in _fake_env().items() if k != "PD_SESSIONS_CLUSTER"}
+
+
+def _plugin_pytest(tmp_path, *files):
+    return subprocess.run(_plugin_argv(tmp_path, *files), cwd=tmp_path, env=_plugin_env(), capture_output=True,
+                          text=True, timeout=120)
 
 
 @LIVE
@@ -360,6 +368,31 @@ def test_plugin_fails_the_next_test_fast_when_a_server_died(tmp_path):
     assert re.search(r"decode-0 \(http://127.0.0.1:\d+\) exited with status -9 \(SIGKILL\) before "
                      r".*test_two_must_not_run", r.stdout)
     assert "--- last lines of its log ---" in r.stdout
+    assert_nothing_left(tmp_path / "r" / "1x1")
+
+
+SLOW = """import pathlib, time
+
+def test_waits(pd_cluster):
+    pathlib.Path("started").write_text("")
+    time.sleep(120)
+"""
+
+
+@LIVE
+def test_sigterm_to_pytest_tears_the_fixture_cluster_down(tmp_path):
+    f = tmp_path / "slow.py"
+    f.write_text(SLOW)
+    p = subprocess.Popen(_plugin_argv(tmp_path, f), cwd=tmp_path, env=_plugin_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    end = time.monotonic() + 60
+    while not (tmp_path / "started").exists():  # the test runs: the cluster is up
+        assert time.monotonic() < end and p.poll() is None
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=30)
+    assert p.returncode == 2, out  # pytest's "interrupted"
+    assert "stopped by SIGTERM" in out and "tearing down" in out
     assert_nothing_left(tmp_path / "r" / "1x1")
 
 
