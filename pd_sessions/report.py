@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import xml.etree.ElementTree as ET
@@ -129,10 +130,22 @@ def write_junit(results: Sequence[ConfigResult], path: Path, *, suite: str,
     ts = ET.SubElement(root, "testsuite", name=suite, tests=str(len(cases)), failures=str(failures),
                        errors=str(errors), skipped=str(skips))
     ts.extend(cases)
+    for el in root.iter():  # log tails and model output may hold characters XML 1.0 forbids
+        el.text = xml_safe(el.text) if el.text else el.text
+        for k, v in el.attrib.items():
+            el.set(k, xml_safe(v))
     ET.indent(root)
     path.parent.mkdir(parents=True, exist_ok=True)
     ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
     return path
+
+
+_XML_INVALID = re.compile("[^\x09\x0a\x0d\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def xml_safe(text: str) -> str:
+    """``text`` with the characters XML 1.0 cannot hold (ANSI escapes, NUL...) written as ``\\xNN``."""
+    return _XML_INVALID.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def external_cases(check: CheckResult, *, classname: str) -> list[ET.Element]:

@@ -404,3 +404,16 @@ def test_plugin_without_the_fixture_starts_nothing(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "1 passed" in r.stdout and "[pd_cluster]" not in r.stdout
     assert not list((tmp_path / "base").glob("pd_cluster*"))  # no cluster was even planned
+
+
+def test_junit_stays_well_formed_with_control_characters_in_messages_and_logs(tmp_path):
+    (tmp_path / "exec-0.log").write_text("pytest diff: + \x1b[31mred\x1b[0m \x00 \ufffd done\n")
+    check = verdict(returncode=1)
+    check.name, check.message = "exec[0]", "router said '\x0c\x1b'"
+    r = ConfigResult(name="1x1", shape="s", connector="nixl", platform="cpu", checks=[check],
+                     run_dir=str(tmp_path))
+    r.decide(["exec[0]"])
+    path = write_junit([r], tmp_path / "junit.xml", suite="sw", expected_checks=["exec[0]"])
+    failure = ET.parse(path).getroot().find("testsuite/testcase/failure")
+    assert failure.get("message") == "router said '\\x0c\\x1b'"
+    assert "\\x1b[31mred\\x1b[0m \\x00 \ufffd done" in failure.text
