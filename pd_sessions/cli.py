@@ -2,6 +2,7 @@
 
 Exit status: 0 all passed; 1 a config failed; 2 bad config or arguments
 (nothing launched); 128+N when stopped by signal N (teardown still ran).
+`serve` exits 0 when stopped by Ctrl-C or SIGTERM (its normal end) and 1 when a server died.
 """
 
 from __future__ import annotations
