@@ -147,7 +147,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--pd-platform", default=None, choices=["cpu", "cuda"],
                 help="force the lane (default: cuda when a GPU is visible, else cpu)")
     g.addoption("--pd-results-dir", default=None, type=Path,
-                help="where the cluster's plan and logs go (default: pytest's tmp dir)")
+                help="where clusters' plans and logs go, as DIR/SWEEP/CONFIG/ (default: pytest's tmp dir)")
     g.addoption("--pd-deadline", default=None, type=float, metavar="SECONDS",
                 help="readiness deadline (default 1200)")
 
@@ -195,10 +195,10 @@ def pd_cluster(request: pytest.FixtureRequest,
     sweep = load(sweep_name)
     platform, inv, _ = preflight(sweep, request.config.getoption("--pd-platform"), hosts.detect())
     (entry,), _ = select(sweep.entries(platform), platform, only=(config_name,))
-    results = request.config.getoption("--pd-results-dir") or tmp_path_factory.mktemp(
-        f"pd_cluster-{Path(sweep_name).stem}")
+    base = request.config.getoption("--pd-results-dir") or tmp_path_factory.mktemp("pd_cluster")
     deadline = request.config.getoption("--pd-deadline")
-    opts = SweepOptions(platform=platform, results_dir=Path(results).resolve(),
+    # <base>/<sweep>/<config>/: clusters of one session (parameters) keep their logs apart
+    opts = SweepOptions(platform=platform, results_dir=(Path(base) / Path(sweep_name).stem).resolve(),
                         **({"deadline_s": deadline} if deadline else {}))
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
     capture = request.config.pluginmanager.get_plugin("capturemanager")

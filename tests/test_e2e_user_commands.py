@@ -78,7 +78,7 @@ def test_pd_cluster_fixture_starts_checks_and_tears_down(tmp_path):
     print(r.stdout[-5000:], r.stderr[-2000:])
     assert r.returncode == 0, r.stdout[-3000:]
     assert "2 passed" in r.stdout and "[pd_cluster] 1x1: cluster ready" in r.stdout
-    run_dir = tmp_path / "1x1"
+    run_dir = tmp_path / "nixl_sweep" / "1x1"
     assert (run_dir / "decode-0.log").exists() and "NixlConnector" in (run_dir / "plan.txt").read_text()
     assert processes_using(plan_ports(run_dir)) == []
 

@@ -355,7 +355,7 @@ def test_plugin_fixture_starts_a_cluster_for_the_tests_and_tears_it_down(tmp_pat
     r = _plugin_pytest(tmp_path, USER / "pd_parity_fixture.py")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "2 passed" in r.stdout and "[pd_cluster] 1x1: cluster ready" in r.stdout
-    assert_nothing_left(tmp_path / "r" / "1x1")
+    assert_nothing_left(tmp_path / "r" / "sweep" / "1x1")
 
 
 @LIVE
@@ -368,7 +368,7 @@ def test_plugin_fails_the_next_test_fast_when_a_server_died(tmp_path):
     assert re.search(r"decode-0 \(http://127.0.0.1:\d+\) exited with status -9 \(SIGKILL\) before "
                      r".*test_two_must_not_run", r.stdout)
     assert "--- last lines of its log ---" in r.stdout
-    assert_nothing_left(tmp_path / "r" / "1x1")
+    assert_nothing_left(tmp_path / "r" / "sweep" / "1x1")
 
 
 SLOW = """import pathlib, time
@@ -393,7 +393,7 @@ def test_sigterm_to_pytest_tears_the_fixture_cluster_down(tmp_path):
     out, _ = p.communicate(timeout=30)
     assert p.returncode == 2, out  # pytest's "interrupted"
     assert "stopped by SIGTERM" in out and "tearing down" in out
-    assert_nothing_left(tmp_path / "r" / "1x1")
+    assert_nothing_left(tmp_path / "r" / "sweep" / "1x1")
 
 
 def test_plugin_without_the_fixture_starts_nothing(tmp_path):
