@@ -2,6 +2,7 @@
 
     nox -s mooncake_sweep [-- --platform cpu|cuda --only 1x1 --dry-run --results-dir DIR ...]
     nox -s mooncake_imports / nixl_imports [-- --dry-run]   # install + import canary only
+    nox -s serve -- mooncake_sweep --only 1x1   # hold one cluster up (URLs, env, curl) until Ctrl-C
     nox -s tests        # unit + end-to-end (real vLLM on the CPU lane)
     nox -s unit         # unit tests only (no vLLM install)
     nox -s bench        # measures (not a test): overhead, readiness, teardown, router; writes bench/
@@ -88,10 +89,10 @@ def _nox_no_install(session: nox.Session) -> bool:
     return bool(getattr(getattr(runner, "global_config", None), "no_install", False))
 
 
-def _checked(session: nox.Session, target: Target, sweep_name: str | None):
+def _checked(session: nox.Session, target: Target, sweep_name: str | None, parser=None):
     """Parse and check the posargs exactly as the CLI will, before anything is installed.
     Returns (platform, the CLI's args)."""
-    parser = sweep_parser(prog=f"nox -s {session.name} --", positional=False)
+    parser = parser or sweep_parser(prog=f"nox -s {session.name} --", positional=False)
     args = parser.parse_args(target.rest)  # exits 2 (and prints usage) on a bad argument
     try:
         over = make_overrides(sets=args.set_fields, model=args.model, revision=args.revision,
@@ -198,20 +199,22 @@ def _dry_run_install(session: nox.Session, target: Target, platform: str, connec
 
 
 def _sweep(session: nox.Session, name: str, connectors: list[str], extra: tuple[str, ...] = (),
-           posargs: list[str] | None = None) -> None:
+           posargs: list[str] | None = None, command: str = "sweep") -> None:
     target = Target(session, posargs)
+    parser = sweep_parser(prog=f"nox -s {session.name} --", positional=False, serve=command == "serve")
     if "-h" in target.rest or "--help" in target.rest:
-        sweep_parser(prog=f"nox -s {session.name} --", positional=False).print_help()
+        parser.print_help()
         return
-    platform, args = _checked(session, target, name)
+    platform, args = _checked(session, target, name, parser)
     if args.dry_run:  # plans need only the package itself
         _dry_run_install(session, target, platform, connectors)
         if not target.installed:
             target.venv_install("-e", str(ROOT))
     else:
-        _connectors(session, target, platform, connectors, accuracy="accuracy" not in args.skip_check)
+        _connectors(session, target, platform, connectors,
+                    accuracy="accuracy" not in getattr(args, "skip_check", ["accuracy"]))
     # lifeline.nox_run_options: on Ctrl-C, nox waits for the teardown instead of SIGKILLing it.
-    target.run("-m", "pd_sessions", "sweep", name, *extra, *target.rest, env=target.env,
+    target.run("-m", "pd_sessions", command, name, *extra, *target.rest, env=target.env,
                **lifeline.nox_run_options(target.rest))
 
 
@@ -243,15 +246,20 @@ def nixl_sweep(session: nox.Session) -> None:
 def sweep(session: nox.Session) -> None:
     """Any sweep: a built-in name or your own TOML file, with the connectors its configs use.
     [-- NAME_OR_TOML, then the options of mooncake_sweep]"""
+    name, connectors = _named_sweep(session, "sweep")
+    _sweep(session, name, connectors, posargs=session.posargs[1:])
+
+
+def _named_sweep(session: nox.Session, command: str) -> tuple[str, list[str]]:
+    """(the sweep named by the first posarg, the connectors its configs use)."""
     if not session.posargs or session.posargs[0].startswith("-"):
-        _fail(session, "name the sweep first: nox -s sweep -- NAME_OR_TOML [options]")
+        _fail(session, f"name the sweep first: nox -s {session.name} -- NAME_OR_TOML [options]")
     name = session.posargs[0]
     try:
-        connectors = sorted({e.config.connector for plat in load(name).platforms
-                             for e in load(name).entries(plat)})
+        sweep = load(name)
     except PdError as e:
         _fail(session, str(e), e.exit_status)
-    _sweep(session, name, connectors, posargs=session.posargs[1:])
+    return name, sorted({e.config.connector for plat in sweep.platforms for e in sweep.entries(plat)})
 
 
 @nox.session(python=PYTHON, reuse_venv=True, tags=["gpu", "nightly"])
@@ -259,6 +267,14 @@ def kimi_linear_nightly(session: nox.Session) -> None:
     """Kimi-Linear-48B-A3B over NIXL, prefill TP2 + decode DP2/EP on 4 GPUs (runs unpinned, said so).
     [-- same options as mooncake_sweep; --dry-run plans anywhere]"""
     _sweep(session, "kimi_linear_nightly", ["nixl"], extra=("--allow-unpinned-remote-code",))
+
+
+@nox.session(python=PYTHON, reuse_venv=True, tags=["cpu", "gpu"])
+def serve(session: nox.Session) -> None:
+    """Hold one config up for your own tests until Ctrl-C: `nox -s serve -- SWEEP --only CONFIG`.
+    [-- SWEEP --only CONFIG, then the options of mooncake_sweep except the checks']"""
+    name, connectors = _named_sweep(session, "serve")
+    _sweep(session, name, connectors, posargs=session.posargs[1:], command="serve")
 
 
 @nox.session(python=PYTHON, reuse_venv=True, tags=["cpu", "gpu"])

@@ -2,25 +2,29 @@
 
 Exit status: 0 all passed; 1 a config failed; 2 bad config or arguments
 (nothing launched); 128+N when stopped by signal N (teardown still ran).
+`serve` exits 0 when stopped by Ctrl-C or SIGTERM (its normal end) and 1 when a server died.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import logging
 import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
-from pd_sessions import __version__, hosts, lifeline, process, unfinished
+from pd_sessions import __version__, hosts, lifeline, process, unfinished, user_commands
 from pd_sessions.checks.accuracy import AccuracyOptions
-from pd_sessions.cliargs import add_sweep_options
-from pd_sessions.config import Overrides, load, make_overrides, select
+from pd_sessions.cliargs import add_common_options, add_sweep_options
+from pd_sessions.config import ClusterConfig, Overrides, Sweep, SweepEntry, load, make_overrides, select
 from pd_sessions.envfacts import facts, summary_lines
 from pd_sessions.errors import ConfigError, PdError, PlanError, UsageError
 from pd_sessions.ports import PortAllocator
@@ -64,9 +68,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=__version__)
     sub = p.add_subparsers(dest="command", required=True)
 
+    # The options live in cliargs (standard library only): the noxfile parses posargs with them.
     s = sub.add_parser("sweep", help="run (or --dry-run) a sweep of P/D clusters")
     s.add_argument("sweep", help="a built-in sweep name (e.g. mooncake_sweep) or a .toml path")
     add_sweep_options(s)
+
+    v = sub.add_parser("serve", help="start one config, print how to reach it, and keep it up until "
+                                     "Ctrl-C or SIGTERM")
+    v.add_argument("sweep", help="a built-in sweep name (e.g. mooncake_sweep) or a .toml path")
+    add_common_options(v)
 
     t = sub.add_parser("tiny-model", help="generate (once) the tiny model and print its path")
     t.add_argument("--cache-dir", type=Path, default=None)
@@ -83,7 +93,8 @@ def overrides(args: argparse.Namespace) -> Overrides:
                                  "mooncake_device_name": args.mooncake_device_name or None})
 
 
-def cmd_sweep(args: argparse.Namespace) -> int:
+def _selection(args: argparse.Namespace) -> Selection:
+    """Load, check and select: everything `sweep` and `serve` do before they differ."""
     only = tuple(o for item in args.only for o in item.split(",") if o)
     over = overrides(args)
     sweep = load(args.sweep)
@@ -94,6 +105,30 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                                include_opt_in=args.include_opt_in)
     configs = [over.apply(e.config) for e in entries]
     left_out = tuple(dataclasses.replace(e, config=over.apply(e.config)) for e in left_out)
+    return Selection(sweep, platform, inv, note, configs, left_out, only, over, env)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What `sweep` and `serve` share: the configs to run, with the command line's overrides."""
+
+    sweep: Sweep
+    platform: str
+    inv: hosts.Inventory
+    note: str | None
+    configs: list[ClusterConfig]
+    left_out: tuple[SweepEntry, ...]
+    only: tuple[str, ...]
+    over: Overrides
+    env: dict[str, Any]
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    commands = user_commands.from_cli(args.user_commands, python=sys.executable, dry_run=args.dry_run,
+                                      have_pytest=importlib.util.find_spec("pytest") is not None)
+    sel = _selection(args)
+    sweep, platform, inv, note, configs, left_out, only, over, env = (
+        sel.sweep, sel.platform, sel.inv, sel.note, sel.configs, sel.left_out, sel.only, sel.over, sel.env)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     results_dir = (args.results_dir or Path("results") / f"{sweep.name}-{stamp}").resolve()
     opts = SweepOptions(platform=platform, results_dir=results_dir,
@@ -103,6 +138,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                                                  allow_sample_mismatch=args.allow_sample_mismatch,
                                                  record_baseline=args.record_baseline),
                         skip_checks=tuple(args.skip_check), overrides=tuple(over.describe()),
+                        commands=commands, exec_timeout_s=args.exec_timeout,
                         **({"deadline_s": args.deadline} if args.deadline else {}),
                         **({"grace_s": args.grace} if args.grace is not None else {}))
 
@@ -134,6 +170,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         say("remote code: --allow-unpinned-remote-code given: configs with trust_remote_code and "
             "no revision run UNPINNED (recorded in the results)")
     say(f"configs: {', '.join(c.name for c in configs) or 'none'}")
+    for c in commands:
+        say(f"after the checks, each config runs {c.name}: {c.given} (timeout {args.exec_timeout:g} s)")
     for e in left_out:
         why = e.opt_in_reason if not only else "not named by --only"
         say(f"left out: {e.config.name} ({e.config.shape}): {why}"
@@ -186,6 +224,43 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pd_sessions import serve
+
+    sel = _selection(args)
+    sweep, platform, inv, note, configs, only = (sel.sweep, sel.platform, sel.inv, sel.note, sel.configs,
+                                                 sel.only)
+    if len(only) != 1 or len(configs) != 1:
+        names = ", ".join(e.config.name for e in sweep.entries(platform))
+        raise UsageError(f"serve starts one config: name it with --only (known in {sweep.name}: {names})")
+    (config,) = configs
+    opts = SweepOptions(platform=platform, allow_unpinned=args.allow_unpinned_remote_code,
+                        share_gpus=args.share_gpus, overrides=tuple(sel.over.describe()),
+                        results_dir=(args.results_dir or Path("results") / f"serve-{sweep.name}-"
+                                     f"{time.strftime('%Y%m%d-%H%M%S')}").resolve(),
+                        **({"deadline_s": args.deadline} if args.deadline else {}),
+                        **({"grace_s": args.grace} if args.grace is not None else {}))
+    for line in summary_lines(sel.env):
+        say(line)
+    if note:
+        say(note)
+    for line in sel.over.describe():
+        say(f"override (command line): {line}")
+    if args.dry_run:
+        with PortAllocator(config.host) as ports:
+            print(make_plan(config, inv, ports, opts, create_model=False).render())
+        say("dry run: nothing was launched")
+        return 0
+    say(f"serve {sweep.name} {config.name} ({config.shape}, {config.connector}) on {platform}; "
+        f"logs in {opts.results_dir / config.name}")
+    try:
+        serve.serve(config, inv, opts, progress=say, emit=lambda line: print(line, flush=True))
+    except (Stopped, KeyboardInterrupt) as e:
+        say(f"{e if isinstance(e, Stopped) else 'interrupted (SIGINT)'}: torn down, nothing left running")
+        return 0
+    return 0
+
+
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     from pd_sessions import tiny_model
 
@@ -206,7 +281,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_signal_handlers()
-    commands = {"sweep": cmd_sweep, "tiny-model": cmd_tiny_model, "inventory": cmd_inventory}
+    commands = {"sweep": cmd_sweep, "serve": cmd_serve, "tiny-model": cmd_tiny_model,
+                "inventory": cmd_inventory}
     return run_command(lambda: commands[args.command](args), prog="pd-sessions")
 
 

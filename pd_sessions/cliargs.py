@@ -26,8 +26,12 @@ def positive_seconds(text: str) -> float:
     return value
 
 
-def add_sweep_options(s: argparse.ArgumentParser) -> None:
-    """Every option of ``pd-sessions sweep`` except the sweep itself."""
+# --exec-timeout's default (pd_sessions.user_commands uses it too).
+EXEC_TIMEOUT_S = 3600.0
+
+
+def add_common_options(s: argparse.ArgumentParser) -> None:
+    """Options of both ``sweep`` and ``serve``: what to start, where, and the overrides."""
     s.add_argument("--platform", choices=["cpu", "cuda"], default=None,
                    help="force a platform; default: cuda when a GPU is visible, else cpu")
     s.add_argument("--only", action="append", default=[], metavar="NAME",
@@ -43,17 +47,6 @@ def add_sweep_options(s: argparse.ArgumentParser) -> None:
                    help="SIGTERM grace before SIGKILL at teardown (default 10)")
     s.add_argument("--allow-unpinned-remote-code", action="store_true",
                    help="allow trust_remote_code without a pinned revision (said in the results)")
-    s.add_argument("--accuracy", choices=["enforce", "warn"], default="enforce",
-                   help="warn: exploratory run; an accuracy miss or missing baseline is reported, "
-                        "not failed (said in the summary)")
-    s.add_argument("--accuracy-rule", choices=["tolerance", "wilson"], default="tolerance")
-    s.add_argument("--accuracy-limit", type=int, default=None, metavar="N",
-                   help="lm_eval sample limit (refused unless it matches the baseline's)")
-    s.add_argument("--allow-sample-mismatch", action="store_true")
-    s.add_argument("--record-baseline", action="store_true",
-                   help="measure accuracy and write it as the model's baseline")
-    s.add_argument("--skip-check", action="append", default=[], choices=["accuracy"],
-                   help="do not run this check (printed in the banner, recorded in the results)")
     s.add_argument("--share-gpus", action="store_true",
                    help="let instances share GPUs when the host has fewer than the config needs "
                         "(each gets explicit KV-cache bytes); prints a warning")
@@ -76,11 +69,45 @@ def add_sweep_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("-v", "--verbose", action="store_true")
 
 
-def sweep_parser(prog: str = "pd-sessions sweep", *, positional: bool = True) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="run (or --dry-run) a sweep of P/D clusters")
+def add_sweep_options(s: argparse.ArgumentParser) -> None:
+    """Every option of ``pd-sessions sweep`` except the sweep itself: the common ones, the
+    checks', and the user's own commands."""
+    add_common_options(s)
+    c = s.add_argument_group("checks")
+    c.add_argument("--accuracy", choices=["enforce", "warn"], default="enforce",
+                   help="warn: exploratory run; an accuracy miss or missing baseline is reported, "
+                        "not failed (said in the summary)")
+    c.add_argument("--accuracy-rule", choices=["tolerance", "wilson"], default="tolerance")
+    c.add_argument("--accuracy-limit", type=int, default=None, metavar="N",
+                   help="lm_eval sample limit (refused unless it matches the baseline's)")
+    c.add_argument("--allow-sample-mismatch", action="store_true")
+    c.add_argument("--record-baseline", action="store_true",
+                   help="measure accuracy and write it as the model's baseline")
+    c.add_argument("--skip-check", action="append", default=[], choices=["accuracy"],
+                   help="do not run this check (printed in the banner, recorded in the results)")
+    u = s.add_argument_group("your own commands against each live cluster")
+    u.add_argument("--exec", dest="user_commands", action="append", metavar="CMD",
+                   help="after the checks, run CMD (split like a shell, run without one) with the "
+                        "cluster up and its address in the environment (PREFILL_PORT, PROXY_PORT, "
+                        "PD_SESSIONS_CLUSTER...); its exit status is check exec[N]; {junitxml} in "
+                        "CMD becomes a path whose JUnit is merged into ours (repeatable)")
+    u.add_argument("--pytest", dest="user_commands", action="append", nargs="+", metavar="PATH",
+                   help="shorthand for --exec 'python -m pytest PATH... --junitxml={junitxml}' with "
+                        "this environment's python (repeatable)")
+    u.add_argument("--exec-timeout", type=positive_seconds, default=EXEC_TIMEOUT_S,
+                   metavar="SECONDS", help="stop a command (its process group) that runs longer and "
+                                           "fail its check (default %(default)g)")
+
+
+def sweep_parser(prog: str = "pd-sessions sweep", *, positional: bool = True,
+                 serve: bool = False) -> argparse.ArgumentParser:
+    """The parser of ``sweep`` (or, with ``serve``, of ``serve``); ``positional=False`` for a
+    nox session, whose sweep is given by the session."""
+    p = argparse.ArgumentParser(prog=prog, description=("start one config and hold it up" if serve else
+                                                        "run (or --dry-run) a sweep of P/D clusters"))
     if positional:
         p.add_argument("sweep", help="a built-in sweep name (e.g. mooncake_sweep) or a .toml path")
-    add_sweep_options(p)
+    (add_common_options if serve else add_sweep_options)(p)
     return p
 
 

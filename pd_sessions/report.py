@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import xml.etree.ElementTree as ET
@@ -125,6 +126,8 @@ def write_junit(results: Sequence[ConfigResult], path: Path, *, suite: str,
                                   type=kind)
                 e.text = f"{r.error or 'did not run'}\n\n{_logs_tail(r.run_dir)}"
             cases.append(case)
+        for c in r.checks:  # test cases from the JUnit a user command wrote (--exec, --pytest)
+            cases += external_cases(c, classname=f"{suite}.{r.name}.{c.name}")
         for name in skipped_checks:
             case = ET.Element("testcase", classname=f"{suite}.{r.name}", name=name)
             ET.SubElement(case, "skipped", message="skipped by request (--skip-check)")
@@ -136,10 +139,40 @@ def write_junit(results: Sequence[ConfigResult], path: Path, *, suite: str,
     ts = ET.SubElement(root, "testsuite", name=suite, tests=str(len(cases)), failures=str(failures),
                        errors=str(errors), skipped=str(skips))
     ts.extend(cases)
+    for el in root.iter():  # log tails and model output may hold characters XML 1.0 forbids
+        el.text = xml_safe(el.text) if el.text else el.text
+        for k, v in el.attrib.items():
+            el.set(k, xml_safe(v))
     ET.indent(root)
     path.parent.mkdir(parents=True, exist_ok=True)
     ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
     return path
+
+
+_XML_INVALID = re.compile("[^\x09\x0a\x0d\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def xml_safe(text: str) -> str:
+    """``text`` with the characters XML 1.0 cannot hold (ANSI escapes, NUL...) written as ``\\xNN``."""
+    return _XML_INVALID.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def external_cases(check: CheckResult, *, classname: str) -> list[ET.Element]:
+    """The test cases of the JUnit file a check's command wrote (``details["junit"]["path"]``),
+    their classname prefixed with ``classname``; [] when there is none or it cannot be read
+    (the check's own test case still carries the verdict)."""
+    path = (check.details.get("junit") or {}).get("path")
+    if not path:
+        return []
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return []
+    out = []
+    for case in root.iter("testcase"):
+        case.set("classname", f"{classname}.{case.get('classname', '')}".rstrip("."))
+        out.append(case)
+    return out
 
 
 def annotate(results: Sequence[ConfigResult], *, sweep: str) -> bool:

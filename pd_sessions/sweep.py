@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pd_sessions import tiny_model, unfinished
+from pd_sessions import tiny_model, unfinished, user_commands
 from pd_sessions.checks.accuracy import AccuracyOptions
 from pd_sessions.checks.base import CheckResult
 from pd_sessions.checks.runner import run_checks
@@ -46,10 +46,13 @@ class SweepOptions:
     skip_checks: tuple[str, ...] = ()
     # The command line's overrides, described (already applied to the configs; recorded).
     overrides: tuple[str, ...] = ()
+    # The user's own commands (--exec, --pytest), run after the checks: check exec[N] each.
+    commands: tuple[user_commands.UserCommand, ...] = ()
+    exec_timeout_s: float = user_commands.DEFAULT_TIMEOUT_S
 
     @property
     def checks(self) -> tuple[str, ...]:
-        return tuple(c for c in CHECKS if c not in self.skip_checks)
+        return tuple(c for c in CHECKS if c not in self.skip_checks) + tuple(c.name for c in self.commands)
 
 
 def model_path(config: ClusterConfig, *, create: bool, cache: Path | None = None,
@@ -111,6 +114,9 @@ def run_config(config: ClusterConfig, inv: Inventory, opts: SweepOptions,
                 try:
                     cluster.guard(lambda: run_checks(cluster, checks, opts.accuracy, opts.skip_checks),
                                   when="while checks ran")
+                    if opts.commands:
+                        user_commands.run_commands(cluster, opts.commands, checks, progress=progress,
+                                                   timeout_s=opts.exec_timeout_s, grace_s=opts.grace_s)
                 finally:
                     res.phases["checks"] = time.monotonic() - t
                     res.checks = list(checks)
