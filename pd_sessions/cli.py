@@ -20,6 +20,7 @@ from types import FrameType
 
 from pd_sessions import __version__, hosts
 from pd_sessions.config import Sweep, builtin_sweep, load_sweep, select
+from pd_sessions.checks import registry as check_registry
 from pd_sessions.checks.accuracy import AccuracyOptions
 from pd_sessions.errors import ConfigError, PdError, UsageError
 from pd_sessions.ports import PortAllocator
@@ -87,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--allow-sample-mismatch", action="store_true")
     s.add_argument("--record-baseline", action="store_true",
                    help="measure accuracy and write it as the model's baseline")
-    s.add_argument("--skip-check", action="append", default=[], choices=["accuracy"],
+    s.add_argument("--skip-check", action="append", default=[], choices=list(check_registry.NAMES),
                    help="do not run this check (printed in the banner, recorded in the results)")
     s.add_argument("--share-gpus", action="store_true",
                    help="let instances share GPUs when the host has fewer than the config needs "
@@ -139,6 +140,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                                                  allow_sample_mismatch=args.allow_sample_mismatch,
                                                  record_baseline=args.record_baseline),
                         skip_checks=tuple(args.skip_check),
+                        selected_checks=sweep.checks, check_options=sweep.check_options,
                         **({"deadline_s": args.deadline} if args.deadline else {}),
                         **({"grace_s": args.grace} if args.grace is not None else {}))
 
@@ -161,6 +163,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         say("remote code: --allow-unpinned-remote-code given: configs with trust_remote_code and "
             "no revision run UNPINNED (recorded in the results)")
     say(f"configs: {', '.join(c.name for c in configs) or 'none'}")
+    say(f"checks: {', '.join(opts.checks)}")
     for e in left_out:
         why = e.opt_in_reason if not only else "not named by --only"
         say(f"left out: {e.config.name} ({e.config.shape}): {why}"

@@ -10,11 +10,13 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
 from pd_sessions import tiny_model
 from pd_sessions.checks.accuracy import AccuracyOptions
+from pd_sessions.checks import registry
 from pd_sessions.checks.base import CheckResult
 from pd_sessions.checks.runner import run_checks
 from pd_sessions.cluster import DEFAULT_DEADLINE_S, DEFAULT_GRACE_S, Event, running_cluster
@@ -27,7 +29,7 @@ from pd_sessions.report import ConfigResult, write_config_result
 
 log = logging.getLogger(__name__)
 
-CHECKS = ("smoke", "parity", "kv_transfer", "accuracy")
+CHECKS = registry.DEFAULTS
 
 
 @dataclass(frozen=True)
@@ -43,10 +45,13 @@ class SweepOptions:
     accuracy: AccuracyOptions = AccuracyOptions()
     # Checks not run, by explicit request (printed in the banner, recorded in the results).
     skip_checks: tuple[str, ...] = ()
+    # The sweep's selection (TOML `checks`) and options (TOML `[check_options.X]`).
+    selected_checks: tuple[str, ...] = CHECKS
+    check_options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def checks(self) -> tuple[str, ...]:
-        return tuple(c for c in CHECKS if c not in self.skip_checks)
+        return tuple(c for c in self.selected_checks if c not in self.skip_checks)
 
 
 def model_path(config: ClusterConfig, *, create: bool, cache: Path | None = None) -> str | None:
@@ -90,7 +95,9 @@ def run_config(config: ClusterConfig, inv: Inventory, opts: SweepOptions,
                                  timings=res.timings, on_event=on_event) as cluster:
                 t = time.monotonic()
                 try:
-                    cluster.guard(lambda: run_checks(cluster, checks, opts.accuracy, opts.skip_checks),
+                    cluster.guard(lambda: run_checks(cluster, checks, opts.accuracy, opts.skip_checks,
+                                                     selected=opts.selected_checks,
+                                                     options=opts.check_options),
                                   when="while checks ran")
                 finally:
                     res.phases["checks"] = time.monotonic() - t

@@ -5,7 +5,10 @@
 3. parity: each prompt through the router, then straight to prefill-0
 4. scrape decode /metrics (after): the window held only router requests
 5. control: one request straight to decode-0 must leave the counter still
-6. accuracy (lm_eval through the router): on the CPU lane an offline task run through
+6. the registry's other checks (cache_paths, too_long, burst, abort_frees_kv...), each
+   with its own gatherer and options; they run after the KV window on purpose (they prime
+   decode caches and send requests straight to instances)
+7. accuracy (lm_eval through the router): on the CPU lane an offline task run through
    the router and straight to prefill-0 must give identical samples; elsewhere the
    measured value is compared with the recorded baseline
 
@@ -16,7 +19,8 @@ dying process still reports the checks that finished.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import datetime
 import shlex
@@ -24,7 +28,7 @@ import sys
 
 from pd_sessions import http
 from pd_sessions.checks import accuracy as acc
-from pd_sessions.checks import kv_transfer
+from pd_sessions.checks import kv_transfer, registry
 from pd_sessions.checks.base import FAIL, PASS, CheckResult
 from pd_sessions.checks.offline_task import TASK as OFFLINE_TASK
 from pd_sessions.checks.offline_task import write_task
@@ -51,8 +55,12 @@ def _timed(name: str, results: list[CheckResult], fn: Callable[[], CheckResult])
 
 
 def run_checks(cluster: Cluster, results: list[CheckResult],
-               accuracy: acc.AccuracyOptions | None = None, skip: tuple[str, ...] = ()) -> None:
-    """Run every check in order, except those named in ``skip`` (the caller records why)."""
+               accuracy: acc.AccuracyOptions | None = None, skip: tuple[str, ...] = (),
+               selected: Sequence[str] = registry.DEFAULTS,
+               options: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+    """Run the ``selected`` checks in the registry's order, except those named in ``skip``
+    (the caller records why). ``options``: check -> its options (registry defaults fill gaps)."""
+    wanted = {n for n in selected if n not in skip}
     plan = cluster.plan
     model = plan.served_model_name
     router = plan.router.url
@@ -75,13 +83,15 @@ def run_checks(cluster: Cluster, results: list[CheckResult],
     except (http.HttpError, kv_transfer.MetricMissing) as e:
         before, before_err = {}, [str(e)]
 
-    _timed("smoke", results, lambda: evaluate_smoke(via_router(SMOKE_PROMPT)))
+    if "smoke" in wanted:
+        _timed("smoke", results, lambda: evaluate_smoke(via_router(SMOKE_PROMPT)))
 
     def parity() -> CheckResult:
         pairs = [(p, via_router(p), _complete(baseline.url, model, p)) for p in PARITY_PROMPTS]
         return evaluate_parity(pairs, baseline=f"{baseline.name} direct (no disaggregation)")
 
-    _timed("parity", results, parity)
+    if "parity" in wanted:
+        _timed("parity", results, parity)
 
     def kv() -> CheckResult:
         if before_err:
@@ -94,9 +104,16 @@ def run_checks(cluster: Cluster, results: list[CheckResult],
                                     router_requests=ledger["requests"],
                                     control=(d0.name, after[d0.name], control_after))
 
-    _timed("kv_transfer", results, kv)
+    if "kv_transfer" in wanted:
+        _timed("kv_transfer", results, kv)
 
-    if "accuracy" not in skip:
+    for info in registry.CHECKS:
+        if info.gatherer is None or info.name not in wanted:
+            continue
+        opts = {**info.options, **(options or {}).get(info.name, {})}
+        _timed(info.name, results, lambda: info.load()(cluster, opts))
+
+    if "accuracy" in wanted:
         _timed("accuracy", results, lambda: accuracy_check(cluster, accuracy or acc.AccuracyOptions()))
 
 
