@@ -253,3 +253,41 @@ def test_gauges_from_a_real_decode_scrape():
     g = gauges((FIXTURES / "decode_metrics_after.txt").read_text(), (RUNNING, KV_USAGE))
     assert g == {RUNNING: 0.0, KV_USAGE: 0.0}
     assert abort_frees_kv.settled(IDLE, g) is None
+
+
+# ---------------------------------------------------------------- per-instance counting (xPyD)
+
+from pd_sessions.checks import per_instance  # noqa: E402
+
+ROLES_2P2D = {"prefill": 2, "decode": 2}
+
+
+def test_every_instance_served_passes_and_counts_are_recorded():
+    before = {"prefill-0": 0, "prefill-1": 0, "decode-0": 0, "decode-1": 0}
+    after = {"prefill-0": 30, "prefill-1": 20, "decode-0": 25, "decode-1": 25}
+    r = per_instance.apply(CheckResult("kv_transfer", PASS, "ok"), before, after, requests=5, roles=ROLES_2P2D)
+    assert r.passed and r.details["served_by_instance"]["prefill-1"] == 20
+
+
+def test_an_ignored_instance_fails_naming_it():
+    before = {"prefill-0": 0, "prefill-1": 7, "decode-0": 0, "decode-1": 0}
+    after = {"prefill-0": 50, "prefill-1": 7, "decode-0": 25, "decode-1": 25}
+    r = per_instance.apply(CheckResult("parity", PASS, "4/4 identical"), before, after, requests=4,
+                           roles=ROLES_2P2D)
+    assert not r.passed and r.message.startswith("prefill-1 served none of 4 router requests")
+    assert "the router ignores it; 4/4 identical" in r.message
+
+
+@pytest.mark.parametrize("requests,roles,expect", [
+    (5, {"prefill": 1, "decode": 1}, []),        # one instance per role: the KV proof covers it
+    (1, {"prefill": 2, "decode": 1}, []),        # fewer requests than instances: not judged
+    (2, {"prefill": 2, "decode": 1}, ["prefill-1"]),
+])
+def test_idle_instances_decision_table(requests, roles, expect):
+    before = {"prefill-0": 0, "prefill-1": 0, "decode-0": 0}
+    after = {"prefill-0": 9, "prefill-1": 0, "decode-0": 9}
+    assert per_instance.idle_instances(before, after, requests=requests, roles=roles) == expect
+
+
+def test_prefill_tokens_from_a_real_scrape():
+    assert per_instance.prefill_tokens((FIXTURES / "decode_metrics_after.txt").read_text()) == 24.0

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pd_sessions import http
-from pd_sessions.checks import kv_transfer
+from pd_sessions.checks import kv_transfer, per_instance
 from pd_sessions.checks.base import FAIL, PASS, CheckResult
 from pd_sessions.checks.completions import Completion, evaluate_parity
 
@@ -67,6 +67,7 @@ def run(cluster: Any, options: Mapping[str, Any]) -> CheckResult:
                                                         timeout=120.0))
 
     before = scrape()
+    served_before = per_instance.scrape(plan)
     t0 = time.monotonic()
     results: list[Completion | None] = []
     errors: list[str] = []
@@ -83,6 +84,8 @@ def run(cluster: Any, options: Mapping[str, Any]) -> CheckResult:
     ok = [c for c in results if c is not None]
     kv = kv_transfer.evaluate(before, after, router_prompt_tokens=sum(c.prompt_tokens for c in ok),
                               router_requests=len(ok))
+    kv = per_instance.apply(kv, served_before, per_instance.scrape(plan), requests=len(ok),
+                            roles={"prefill": len(plan.prefill), "decode": len(plan.decode)})
     p0 = plan.prefill[0]
     # one at a time: each request alone on prefill-0
     pairs = [(p, c, one(p0.url, p)) for p, c in zip(texts, results) if c is not None]

@@ -98,16 +98,21 @@ def _text(lead: str, n_words: int, offset: int = 0) -> str:
     return lead + "".join(WORDS[(offset + i) % len(WORDS)] for i in range(n_words))
 
 
-def _fit(url: str, model: str, lead: str, target: int) -> tuple[str, tuple[int, ...]]:
-    """A prompt ``lead`` + words whose token count is ``target`` or just over it."""
+def _fit(url: str, model: str, lead: str, target: int, *, offset: int = 0) -> tuple[str, tuple[int, ...]]:
+    """``lead`` + words, with a token count from ``target`` to a few words' worth above it
+    (words are not one token each in every tokenizer: the rate is measured first)."""
+    sample = 48
+    rate = max(1.0, len(tokenize(url, model, _text("", sample, offset)).tokens) / sample)
     base = len(tokenize(url, model, lead).tokens)
-    words = max(1, target - base)
-    for _ in range(4):
-        text = _text(lead, words)
+    words = max(1, round((target - base) / rate))
+    text, toks = lead, ()
+    for _ in range(8):
+        text = _text(lead, words, offset)
         toks = tokenize(url, model, text).tokens
-        if len(toks) >= target:
-            return text, toks
-        words += target - len(toks)
+        if target <= len(toks) <= target + 2 * rate + 2:
+            break
+        step = round((target - len(toks)) / rate)
+        words = max(1, words + (step if step else (1 if len(toks) < target else -1)))
     return text, toks
 
 
@@ -123,9 +128,8 @@ def run(cluster: Any, options: Mapping[str, Any]) -> CheckResult:
 
     short, short_t = _fit(p0.url, model, LEAD["short"], want["short"])
     primed, primed_t = _fit(p0.url, model, LEAD["primed"], want["primed"])
-    extra = want["partial"] - len(primed_t)
-    partial = primed + _text("", extra, offset=3)
-    partial_t = tokenize(p0.url, model, partial).tokens
+    half = want["partial"] - want["primed"]  # a block and a half more than the primed prompt
+    partial, partial_t = _fit(p0.url, model, primed, len(primed_t) + half, offset=3)
     errors = (situation_errors("short", len(short_t), block)
               + situation_errors("primed", len(primed_t), block)
               + situation_errors("partial", len(partial_t), block, primed_tokens=len(primed_t),

@@ -28,7 +28,7 @@ import sys
 
 from pd_sessions import http
 from pd_sessions.checks import accuracy as acc
-from pd_sessions.checks import kv_transfer, registry
+from pd_sessions.checks import kv_transfer, per_instance, registry
 from pd_sessions.checks.base import FAIL, PASS, CheckResult
 from pd_sessions.checks.offline_task import TASK as OFFLINE_TASK
 from pd_sessions.checks.offline_task import write_task
@@ -86,9 +86,18 @@ def run_checks(cluster: Cluster, results: list[CheckResult],
     if "smoke" in wanted:
         _timed("smoke", results, lambda: evaluate_smoke(via_router(SMOKE_PROMPT)))
 
+    roles = {"prefill": len(plan.prefill), "decode": len(plan.decode)}
+    served_before: dict[str, float] = {}
+    try:
+        served_before = per_instance.scrape(plan)
+    except (http.HttpError, kv_transfer.MetricMissing) as e:
+        before_err.append(str(e))
+
     def parity() -> CheckResult:
+        p_before = per_instance.scrape(plan)
         pairs = [(p, via_router(p), _complete(baseline.url, model, p)) for p in PARITY_PROMPTS]
-        return evaluate_parity(pairs, baseline=f"{baseline.name} direct (no disaggregation)")
+        r = evaluate_parity(pairs, baseline=f"{baseline.name} direct (no disaggregation)")
+        return per_instance.apply(r, p_before, per_instance.scrape(plan), requests=len(pairs), roles=roles)
 
     if "parity" in wanted:
         _timed("parity", results, parity)
@@ -100,9 +109,12 @@ def run_checks(cluster: Cluster, results: list[CheckResult],
         d0 = plan.decode[0]
         _complete(d0.url, model, CONTROL_PROMPT)
         control_after = scrape()[d0.name]
-        return kv_transfer.evaluate(before, after, router_prompt_tokens=ledger["tokens"],
-                                    router_requests=ledger["requests"],
-                                    control=(d0.name, after[d0.name], control_after))
+        r = kv_transfer.evaluate(before, after, router_prompt_tokens=ledger["tokens"],
+                                 router_requests=ledger["requests"],
+                                 control=(d0.name, after[d0.name], control_after))
+        # the control request went to decode-0 only, after the window: compare up to `after`
+        served_after = {**per_instance.scrape(plan), **after}
+        return per_instance.apply(r, served_before, served_after, requests=ledger["requests"], roles=roles)
 
     if "kv_transfer" in wanted:
         _timed("kv_transfer", results, kv)
