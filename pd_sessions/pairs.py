@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pd_sessions import http
+from pd_sessions import http, stuck
 from pd_sessions.errors import PdError
 from pd_sessions.plan import ClusterPlan, ProcessSpec
 
@@ -145,6 +145,8 @@ def warm_pairs(plan: ClusterPlan, *, deadline: float, logs: dict[str, Path | Non
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                if stuck.is_timeout(last):  # say what each instance holds
+                    last += f"; stuck: {stuck.gather(plan)}"
                 raise PdPathFailed(f"pair {pair.name}", waited_s=time.monotonic() - t0, last=last,
                                    decode=pair.decode.name,
                                    decode_errors=log_errors(logs.get(pair.decode.name)))

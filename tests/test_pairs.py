@@ -101,3 +101,43 @@ def test_fake_cluster_whose_pd_path_fails_ends_readiness_within_the_budget(tmp_p
     msg = str(e.value)
     assert "pair prefill-0 -> decode-0" in msg and "HTTP 500" in msg and "kept failing for 3 s" in msg
     assert "ERROR fake decode: handshake_setup_failed" in msg
+
+
+def _fake_env(**behaviors):
+    return {**os.environ, "PYTHONPATH": f"{FIXTURES / 'fake_stack'}{os.pathsep}{ROOT}", **behaviors}
+
+
+def test_a_stuck_kv_pull_at_readiness_names_the_decode_and_what_it_waits_for(tmp_path):
+    plan = _plan(tmp_path, num_prefill=1, num_decode=1, connector="mooncake")
+    t0 = time.monotonic()
+    with pytest.raises(pairs.PdPathFailed) as e:
+        with running_cluster(plan, tmp_path / "run", base_env=_fake_env(FAKE_DECODE_BEHAVIOR="stuck_pull:0"),
+                             pd_path_budget_s=3.0, grace_s=2):
+            pytest.fail("the cluster must not become ready")
+    assert time.monotonic() - t0 < 15
+    msg = str(e.value)
+    boot = f"bootstrap http://127.0.0.1:{plan.prefill[0].bootstrap_port}"
+    assert "pair prefill-0 -> decode-0" in msg and "no answer within" in msg
+    assert f"stuck: decode-0 waits for KV from prefill-0 ({boot}) (1 deferred" in msg
+    assert "no prefill is computing: the KV pull is stuck" in msg
+
+
+def test_a_stuck_kv_pull_during_checks_fails_fast_naming_the_instance(tmp_path, monkeypatch):
+    """Readiness passes (two pulls: the pair warm-up and the router probe), then every pull
+    hangs: the first check fails after the request bound with what is stuck, the rest at once."""
+    from pd_sessions.checks import runner
+
+    monkeypatch.setattr(runner, "CHECK_REQUEST_TIMEOUT_S", 2.0)
+    plan = _plan(tmp_path, num_prefill=1, num_decode=1, connector="mooncake")
+    results = []
+    with running_cluster(plan, tmp_path / "run", base_env=_fake_env(FAKE_DECODE_BEHAVIOR="stuck_pull:2"),
+                         grace_s=2) as cluster:
+        t0 = time.monotonic()
+        runner.run_checks(cluster, results, skip=("accuracy",))
+        took = time.monotonic() - t0
+    assert took < 10, took
+    by = {r.name: r for r in results}
+    assert [r.verdict for r in results] == ["fail"] * len(results) and len(results) == 7
+    assert "no answer within 2 s" in by["smoke"].message
+    assert "stuck: decode-0 waits for KV from prefill-0" in by["smoke"].message
+    assert by["parity"].message.startswith("not run: the P/D path is stuck (smoke got no answer within 2 s")

@@ -16,6 +16,7 @@ from pd_sessions import http
 from pd_sessions.checks import kv_transfer, per_instance
 from pd_sessions.checks.base import FAIL, PASS, CheckResult
 from pd_sessions.checks.completions import Completion, evaluate_parity
+from pd_sessions.checks.instances import REQUEST_TIMEOUT_S
 
 
 def prompts(n: int) -> list[str]:
@@ -64,7 +65,7 @@ def run(cluster: Any, options: Mapping[str, Any]) -> CheckResult:
 
     def one(url: str, prompt: str) -> Completion:
         return Completion.from_response(http.completion(url, model, prompt, max_tokens=max_tokens,
-                                                        timeout=120.0))
+                                                        timeout=REQUEST_TIMEOUT_S))
 
     before = scrape()
     served_before = per_instance.scrape(plan)

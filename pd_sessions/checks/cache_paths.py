@@ -21,7 +21,7 @@ from typing import Any
 from pd_sessions import http
 from pd_sessions.checks.base import FAIL, PASS, CheckResult
 from pd_sessions.checks.completions import MAX_TOKENS, Completion, evaluate_parity
-from pd_sessions.checks.instances import block_size, tokenize
+from pd_sessions.checks.instances import REQUEST_TIMEOUT_S, block_size, tokenize
 
 # One word per token in every tokenizer we have met (the space is part of the word).
 WORDS = (" apple", " river", " stone", " cloud", " green", " table", " seven", " north",
@@ -124,7 +124,8 @@ def run(cluster: Any, options: Mapping[str, Any]) -> CheckResult:
     p0, d0 = plan.prefill[0], plan.decode[0]
 
     def complete(url: str, prompt: str) -> Completion:
-        return Completion.from_response(http.completion(url, model, prompt, max_tokens=MAX_TOKENS))
+        return Completion.from_response(http.completion(url, model, prompt, max_tokens=MAX_TOKENS,
+                                                        timeout=REQUEST_TIMEOUT_S))
 
     short, short_t = _fit(p0.url, model, LEAD["short"], want["short"])
     primed, primed_t = _fit(p0.url, model, LEAD["primed"], want["primed"])

@@ -17,6 +17,9 @@ GPU_DEFAULT_BLOCK_SIZE = 16
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
+# How long one check request may take before it counts as stuck (a tiny model answers in
+# well under a second even on 2 CPU cores; a KV pull that never completes never answers).
+REQUEST_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)

@@ -26,12 +26,13 @@ import datetime
 import shlex
 import sys
 
-from pd_sessions import http
+from pd_sessions import http, stuck
 from pd_sessions.checks import accuracy as acc
 from pd_sessions.checks import kv_transfer, per_instance, registry
 from pd_sessions.checks.base import FAIL, PASS, CheckResult
 from pd_sessions.checks.offline_task import TASK as OFFLINE_TASK
 from pd_sessions.checks.offline_task import write_task
+from pd_sessions.checks.instances import REQUEST_TIMEOUT_S
 from pd_sessions.checks.completions import (MAX_TOKENS, PARITY_PROMPTS, SMOKE_PROMPT, Completion,
                                             evaluate_parity, evaluate_smoke)
 from pd_sessions.cluster import Cluster
@@ -40,8 +41,14 @@ from pd_sessions.config import TINY_MODELS
 CONTROL_PROMPT = "A request sent straight to the decode instance, not through the router:"
 
 
+# A check request that gets no answer this long is stuck (a KV pull that never completes):
+# the config fails then, naming what each instance holds, and the remaining checks do not wait.
+CHECK_REQUEST_TIMEOUT_S = REQUEST_TIMEOUT_S
+
+
 def _complete(base_url: str, model: str, prompt: str) -> Completion:
-    return Completion.from_response(http.completion(base_url, model, prompt, max_tokens=MAX_TOKENS))
+    return Completion.from_response(http.completion(base_url, model, prompt, max_tokens=MAX_TOKENS,
+                                                    timeout=CHECK_REQUEST_TIMEOUT_S))
 
 
 def _timed(name: str, results: list[CheckResult], fn: Callable[[], CheckResult]) -> None:
@@ -61,6 +68,20 @@ def run_checks(cluster: Cluster, results: list[CheckResult],
     """Run the ``selected`` checks in the registry's order, except those named in ``skip``
     (the caller records why). ``options``: check -> its options (registry defaults fill gaps)."""
     wanted = {n for n in selected if n not in skip}
+    stuck_in: list[str] = []
+
+    def timed(name: str, fn: Callable[[], CheckResult]) -> None:
+        """_timed, and once a request got no answer: say what is stuck, fail the rest at once."""
+        if stuck_in:
+            results.append(CheckResult(name, FAIL, f"not run: the P/D path is stuck ({stuck_in[0]})"))
+            return
+        _timed(name, results, fn)
+        r = results[-1]
+        if not r.passed and stuck.is_timeout(r.message):
+            diagnosis = stuck.gather(cluster.plan)
+            r.message += f"; stuck: {diagnosis}"
+            r.details["stuck"] = diagnosis
+            stuck_in.append(f"{name} got no answer within {CHECK_REQUEST_TIMEOUT_S:g} s: {diagnosis}")
     plan = cluster.plan
     model = plan.served_model_name
     router = plan.router.url
@@ -84,7 +105,7 @@ def run_checks(cluster: Cluster, results: list[CheckResult],
         before, before_err = {}, [str(e)]
 
     if "smoke" in wanted:
-        _timed("smoke", results, lambda: evaluate_smoke(via_router(SMOKE_PROMPT)))
+        timed("smoke", lambda: evaluate_smoke(via_router(SMOKE_PROMPT)))
 
     roles = {"prefill": len(plan.prefill), "decode": len(plan.decode)}
     served_before: dict[str, float] = {}
@@ -100,7 +121,7 @@ def run_checks(cluster: Cluster, results: list[CheckResult],
         return per_instance.apply(r, p_before, per_instance.scrape(plan), requests=len(pairs), roles=roles)
 
     if "parity" in wanted:
-        _timed("parity", results, parity)
+        timed("parity", parity)
 
     def kv() -> CheckResult:
         if before_err:
@@ -117,16 +138,16 @@ def run_checks(cluster: Cluster, results: list[CheckResult],
         return per_instance.apply(r, served_before, served_after, requests=ledger["requests"], roles=roles)
 
     if "kv_transfer" in wanted:
-        _timed("kv_transfer", results, kv)
+        timed("kv_transfer", kv)
 
     for info in registry.CHECKS:
         if info.gatherer is None or info.name not in wanted:
             continue
         opts = {**info.options, **(options or {}).get(info.name, {})}
-        _timed(info.name, results, lambda: info.load()(cluster, opts))
+        timed(info.name, lambda: info.load()(cluster, opts))
 
     if "accuracy" in wanted:
-        _timed("accuracy", results, lambda: accuracy_check(cluster, accuracy or acc.AccuracyOptions()))
+        timed("accuracy", lambda: accuracy_check(cluster, accuracy or acc.AccuracyOptions()))
 
 
 def accuracy_check(cluster: Cluster, opts: acc.AccuracyOptions) -> CheckResult:

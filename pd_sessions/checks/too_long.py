@@ -15,7 +15,7 @@ from typing import Any
 
 from pd_sessions import http
 from pd_sessions.checks.base import FAIL, PASS, CheckResult
-from pd_sessions.checks.instances import health, tokenize
+from pd_sessions.checks.instances import REQUEST_TIMEOUT_S, health, tokenize
 
 WORD = " hello"
 
@@ -94,7 +94,7 @@ def run(cluster: Any, options: Mapping[str, Any]) -> CheckResult:
     followup = None
     try:
         http.completion(plan.router.url, model, "After the long prompt, a short one:", max_tokens=2,
-                        timeout=60.0)
+                        timeout=REQUEST_TIMEOUT_S)
     except http.HttpError as e:
         followup = str(e)
     return evaluate(answer, bound_s=bound, prompt_tokens=counted, max_model_len=probe.max_model_len,
