@@ -141,3 +141,19 @@ def test_a_stuck_kv_pull_during_checks_fails_fast_naming_the_instance(tmp_path, 
     assert "no answer within 2 s" in by["smoke"].message
     assert "stuck: decode-0 waits for KV from prefill-0" in by["smoke"].message
     assert by["parity"].message.startswith("not run: the P/D path is stuck (smoke got no answer within 2 s")
+
+
+def test_a_router_whose_pd_hop_keeps_failing_ends_readiness_with_its_answer(tmp_path):
+    """The pairs warm (direct hops work), but every completion through the router gets HTTP 500:
+    readiness ends after the budget with the router's answer and the decode's error lines."""
+    plan = _plan(tmp_path, num_prefill=1, num_decode=1, connector="nixl")
+    t0 = time.monotonic()
+    with pytest.raises(pairs.PdPathFailed) as e:
+        with running_cluster(plan, tmp_path / "run", base_env=_fake_env(FAKE_ROUTER_BEHAVIOR="fail_pd"),
+                             pd_path_budget_s=3.0, grace_s=2):
+            pytest.fail("the cluster must not become ready")
+    assert time.monotonic() - t0 < 15
+    msg = str(e.value)
+    assert msg.startswith(f"router ({plan.router.url}): the P/D path kept failing for 3 s")
+    assert "router's answer to a 1-token completion:" in msg and "HTTP 500" in msg
+    assert "decode hop failed: KV transfer error" in msg and "--- decode-0's error lines" in msg
