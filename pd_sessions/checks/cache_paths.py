@@ -98,11 +98,15 @@ def _text(lead: str, n_words: int, offset: int = 0) -> str:
     return lead + "".join(WORDS[(offset + i) % len(WORDS)] for i in range(n_words))
 
 
-def _fit(url: str, model: str, lead: str, target: int, *, offset: int = 0) -> tuple[str, tuple[int, ...]]:
-    """``lead`` + words, with a token count from ``target`` to a few words' worth above it
-    (words are not one token each in every tokenizer: the rate is measured first)."""
+def _rate(url: str, model: str) -> float:
+    """Tokens per word of WORDS in this tokenizer (not one each in every tokenizer)."""
     sample = 48
-    rate = max(1.0, len(tokenize(url, model, _text("", sample, offset)).tokens) / sample)
+    return max(1.0, len(tokenize(url, model, _text("", sample)).tokens) / sample)
+
+
+def _fit(url: str, model: str, lead: str, target: int, rate: float, *,
+         offset: int = 0) -> tuple[str, tuple[int, ...]]:
+    """``lead`` + words, with a token count from ``target`` to a few words' worth above it."""
     base = len(tokenize(url, model, lead).tokens)
     words = max(1, round((target - base) / rate))
     text, toks = lead, ()
@@ -127,10 +131,11 @@ def run(cluster: Any, options: Mapping[str, Any]) -> CheckResult:
         return Completion.from_response(http.completion(url, model, prompt, max_tokens=MAX_TOKENS,
                                                         timeout=REQUEST_TIMEOUT_S))
 
-    short, short_t = _fit(p0.url, model, LEAD["short"], want["short"])
-    primed, primed_t = _fit(p0.url, model, LEAD["primed"], want["primed"])
+    rate = _rate(p0.url, model)
+    short, short_t = _fit(p0.url, model, LEAD["short"], want["short"], rate)
+    primed, primed_t = _fit(p0.url, model, LEAD["primed"], want["primed"], rate)
     half = want["partial"] - want["primed"]  # a block and a half more than the primed prompt
-    partial, partial_t = _fit(p0.url, model, primed, len(primed_t) + half, offset=3)
+    partial, partial_t = _fit(p0.url, model, primed, len(primed_t) + half, rate, offset=3)
     errors = (situation_errors("short", len(short_t), block)
               + situation_errors("primed", len(primed_t), block)
               + situation_errors("partial", len(partial_t), block, primed_tokens=len(primed_t),
