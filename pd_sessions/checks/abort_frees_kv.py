@@ -62,8 +62,8 @@ def evaluate(aborted: int, requests: int, stream_errors: list[str], held: Mappin
 
 def stream_then_disconnect(base_url: str, model: str, prompt: str, *, max_tokens: int = 512,
                            timeout: float = 60.0) -> str:
-    """Start a streaming completion, read until the first text arrives, close the socket.
-    Returns the first text; raises pdhttp.HttpError when none arrived."""
+    """Start a streaming completion, read until the first token's chunk arrives, close the socket.
+    Returns its text; raises pdhttp.HttpError when none arrived."""
     u = urllib.parse.urlsplit(base_url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
@@ -79,9 +79,8 @@ def stream_then_disconnect(base_url: str, model: str, prompt: str, *, max_tokens
                 raise pdhttp.HttpError(base_url, "stream ended before any token")
             if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
                 chunk = json.loads(line[6:])
-                text = (chunk.get("choices") or [{}])[0].get("text")
-                if text:
-                    return text
+                if chunk.get("choices"):  # a generated token (its text may be held back: partial UTF-8)
+                    return chunk["choices"][0].get("text") or ""
     except (OSError, ValueError) as e:
         raise pdhttp.HttpError(base_url, f"{type(e).__name__}: {e}") from None
     finally:
@@ -93,10 +92,16 @@ def run(cluster: Any, options: Mapping[str, Any]) -> CheckResult:
     n, bound = int(options["requests"]), float(options["bound_s"])
     idle = {s.name: scrape_gauges(s) for s in plan.instances}
     errors: list[str] = []
+    first_token_s: list[float] = []
+
+    def one(i: int) -> None:
+        t = time.monotonic()
+        stream_then_disconnect(plan.router.url, plan.served_model_name,
+                               f"Abort test {i}: a long story about the sea begins")
+        first_token_s.append(round(time.monotonic() - t, 3))
+
     with ThreadPoolExecutor(max_workers=n) as pool:
-        futures = [pool.submit(stream_then_disconnect, plan.router.url, plan.served_model_name,
-                               f"Abort test {i}: a long story about the sea begins") for i in range(n)]
-        for f in futures:
+        for f in [pool.submit(one, i) for i in range(n)]:
             try:
                 f.result()
             except pdhttp.HttpError as e:
@@ -109,4 +114,6 @@ def run(cluster: Any, options: Mapping[str, Any]) -> CheckResult:
         if all(h is None for h in held.values()) or waited >= bound:
             break
         time.sleep(POLL_S)
-    return evaluate(n - len(errors), n, errors, held, bound_s=bound, waited_s=waited, last=last)
+    result = evaluate(n - len(errors), n, errors, held, bound_s=bound, waited_s=waited, last=last)
+    result.details["first_token_s"] = sorted(first_token_s)
+    return result
