@@ -38,7 +38,8 @@ class PdPathFailed(PdError):
     """Every instance is healthy, but requests over a P/D path keep failing."""
 
     def __init__(self, what: str, *, waited_s: float, last: str, decode_errors: Sequence[str],
-                 decode: str, router_answer: str | None = None):
+                 decode: str, router_answer: str | None = None,
+                 prefill_errors: Sequence[str] = (), prefill: str | None = None):
         self.what = what
         self.last = last
         self.decode_errors = list(decode_errors)
@@ -48,6 +49,9 @@ class PdPathFailed(PdError):
             lines.append(f"router's answer to a 1-token completion: {router_answer}")
         lines.append(f"--- {decode}'s error lines ({len(self.decode_errors)}) ---")
         lines += self.decode_errors or ["(none found in its log)"]
+        if prefill is not None:
+            lines.append(f"--- {prefill}'s error lines ({len(prefill_errors)}) ---")
+            lines += list(prefill_errors) or ["(none found in its log)"]
         super().__init__("\n".join(lines))
 
 
@@ -142,18 +146,22 @@ def warm_pairs(plan: ClusterPlan, *, deadline: float, logs: dict[str, Path | Non
     for pair in pairs(plan):
         t0 = time.monotonic()
         last = "not tried"
+        held = ""  # what the instances held when a hop first timed out (while it was still stuck)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                if stuck.is_timeout(last):  # say what each instance holds
-                    last += f"; stuck: {stuck.gather(plan)}"
-                raise PdPathFailed(f"pair {pair.name}", waited_s=time.monotonic() - t0, last=last,
+                raise PdPathFailed(f"pair {pair.name}", waited_s=time.monotonic() - t0,
+                                   last=last + (f"; stuck: {held}" if held else ""),
                                    decode=pair.decode.name,
-                                   decode_errors=log_errors(logs.get(pair.decode.name)))
+                                   decode_errors=log_errors(logs.get(pair.decode.name)),
+                                   prefill=pair.prefill.name,
+                                   prefill_errors=log_errors(logs.get(pair.prefill.name)))
             try:
                 guard(lambda: warm(plan, pair, timeout=min(remaining, HOP_TIMEOUT_S)))
                 break
             except http.HttpError as e:
+                if stuck.is_timeout(e) and not held:
+                    held = stuck.gather(plan)
                 if str(e) != last:
                     say(f"pair {pair.name}: {e} (retrying until {remaining:.0f} s have passed)")
                 last = str(e)
