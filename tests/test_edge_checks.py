@@ -265,7 +265,8 @@ ROLES_2P2D = {"prefill": 2, "decode": 2}
 def test_every_instance_served_passes_and_counts_are_recorded():
     before = {"prefill-0": 0, "prefill-1": 0, "decode-0": 0, "decode-1": 0}
     after = {"prefill-0": 30, "prefill-1": 20, "decode-0": 25, "decode-1": 25}
-    r = per_instance.apply(CheckResult("kv_transfer", PASS, "ok"), before, after, requests=5, roles=ROLES_2P2D)
+    r = per_instance.apply(CheckResult("kv_transfer", PASS, "ok"), before, after, requests=5,
+                           roles=ROLES_2P2D)
     assert r.passed and r.details["served_by_instance"]["prefill-1"] == 20
 
 
@@ -291,3 +292,13 @@ def test_idle_instances_decision_table(requests, roles, expect):
 
 def test_prefill_tokens_from_a_real_scrape():
     assert per_instance.prefill_tokens((FIXTURES / "decode_metrics_after.txt").read_text()) == 24.0
+
+
+def test_tokens_sent_straight_to_a_prefill_do_not_count_as_served_by_the_router():
+    # prefill-0 only got parity's direct baseline requests (30 tokens); the router ignored it
+    before = {"prefill-0": 0, "prefill-1": 0, "decode-0": 0}
+    after = {"prefill-0": 30, "prefill-1": 30, "decode-0": 30}
+    r = per_instance.apply(CheckResult("parity", PASS, "ok"), before, after, requests=4,
+                           roles={"prefill": 2, "decode": 1}, direct={"prefill-0": 30})
+    assert not r.passed and r.message.startswith("prefill-0 served none of 4 router requests")
+    assert r.details["served_by_instance"] == {"prefill-0": 0, "prefill-1": 30, "decode-0": 30}

@@ -32,8 +32,9 @@ def scrape(plan) -> dict[str, float]:  # type: ignore[no-untyped-def]
 
 
 def idle_instances(before: Mapping[str, float], after: Mapping[str, float], *, requests: int,
-                   roles: Mapping[str, int]) -> list[str]:
-    """Instances whose counter did not move over ``requests`` router requests.
+                   roles: Mapping[str, int], direct: Mapping[str, float] | None = None) -> list[str]:
+    """Instances whose counter did not move over ``requests`` router requests, not counting
+    ``direct`` (tokens sent straight to an instance in the window, e.g. parity's baselines).
 
         a role with one instance          -> not judged (the KV proof itself covers it)
         requests < instances of that role -> not judged (round robin cannot reach them all)
@@ -43,16 +44,19 @@ def idle_instances(before: Mapping[str, float], after: Mapping[str, float], *, r
     for name in before:
         role = name.rsplit("-", 1)[0]
         n = roles.get(role, 1)
-        if n > 1 and requests >= n and after.get(name, 0.0) <= before[name]:
+        moved = after.get(name, 0.0) - before[name] - (direct or {}).get(name, 0.0)
+        if n > 1 and requests >= n and moved <= 0:
             idle.append(name)
     return idle
 
 
 def apply(result: CheckResult, before: Mapping[str, float], after: Mapping[str, float], *, requests: int,
-          roles: Mapping[str, int]) -> CheckResult:
+          roles: Mapping[str, int], direct: Mapping[str, float] | None = None) -> CheckResult:
     """``result`` with the per-instance counts added; a pass becomes a fail when an instance idled."""
-    result.details["served_by_instance"] = {n: after.get(n, 0.0) - before[n] for n in before}
-    idle = idle_instances(before, after, requests=requests, roles=roles)
+    direct = direct or {}
+    result.details["served_by_instance"] = {n: after.get(n, 0.0) - before[n] - direct.get(n, 0.0)
+                                            for n in before}
+    idle = idle_instances(before, after, requests=requests, roles=roles, direct=direct)
     if idle and result.passed:
         return CheckResult(result.name, FAIL, f"{', '.join(idle)} served none of {requests} router "
                            f"requests (counter unchanged: {PREFILL_METRIC} on prefills, external KV "

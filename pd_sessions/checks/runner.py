@@ -114,11 +114,18 @@ def run_checks(cluster: Cluster, results: list[CheckResult],
     except (http.HttpError, kv_transfer.MetricMissing) as e:
         before_err.append(str(e))
 
+    # prompt tokens sent straight to an instance inside the window (parity's baselines): not
+    # counted as the router having used that instance
+    direct = {baseline.name: 0.0}
+
     def parity() -> CheckResult:
         p_before = per_instance.scrape(plan)
         pairs = [(p, via_router(p), _complete(baseline.url, model, p)) for p in PARITY_PROMPTS]
+        sent = float(sum(base.prompt_tokens for _, _, base in pairs))
+        direct[baseline.name] += sent
         r = evaluate_parity(pairs, baseline=f"{baseline.name} direct (no disaggregation)")
-        return per_instance.apply(r, p_before, per_instance.scrape(plan), requests=len(pairs), roles=roles)
+        return per_instance.apply(r, p_before, per_instance.scrape(plan), requests=len(pairs), roles=roles,
+                                  direct={baseline.name: sent})
 
     if "parity" in wanted:
         timed("parity", parity)
@@ -135,7 +142,8 @@ def run_checks(cluster: Cluster, results: list[CheckResult],
                                  control=(d0.name, after[d0.name], control_after))
         # the control request went to decode-0 only, after the window: compare up to `after`
         served_after = {**per_instance.scrape(plan), **after}
-        return per_instance.apply(r, served_before, served_after, requests=ledger["requests"], roles=roles)
+        return per_instance.apply(r, served_before, served_after, requests=ledger["requests"], roles=roles,
+                                  direct=direct)
 
     if "kv_transfer" in wanted:
         timed("kv_transfer", kv)
