@@ -139,6 +139,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                                                  record_baseline=args.record_baseline),
                         skip_checks=tuple(args.skip_check), overrides=tuple(over.describe()),
                         commands=commands, exec_timeout_s=args.exec_timeout,
+                        selected_checks=sweep.checks, check_options=sweep.check_options,
                         **({"deadline_s": args.deadline} if args.deadline else {}),
                         **({"grace_s": args.grace} if args.grace is not None else {}))
 
@@ -170,6 +171,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         say("remote code: --allow-unpinned-remote-code given: configs with trust_remote_code and "
             "no revision run UNPINNED (recorded in the results)")
     say(f"configs: {', '.join(c.name for c in configs) or 'none'}")
+    say(f"checks: {', '.join(opts.checks)}")
     for c in commands:
         say(f"after the checks, each config runs {c.name}: {c.given} (timeout {args.exec_timeout:g} s)")
     for e in left_out:

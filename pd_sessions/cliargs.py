@@ -13,6 +13,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from pd_sessions.checks import registry as check_registry
+
 
 def positive_seconds(text: str) -> float:
     """argparse type for --deadline/--grace: a number of seconds above 0."""
@@ -83,7 +85,7 @@ def add_sweep_options(s: argparse.ArgumentParser) -> None:
     c.add_argument("--allow-sample-mismatch", action="store_true")
     c.add_argument("--record-baseline", action="store_true",
                    help="measure accuracy and write it as the model's baseline")
-    c.add_argument("--skip-check", action="append", default=[], choices=["accuracy"],
+    c.add_argument("--skip-check", action="append", default=[], choices=list(check_registry.NAMES),
                    help="do not run this check (printed in the banner, recorded in the results)")
     u = s.add_argument_group("your own commands against each live cluster")
     u.add_argument("--exec", dest="user_commands", action="append", metavar="CMD",

@@ -6,7 +6,9 @@
 Start: every instance and the router at once (each in its own session, output
 to ``run_dir/<name>.log``; the router waits for its workers itself), wait until
 every instance is ready (alive, /health 200, /v1/models lists the model), then
-until the router is: /health 200 and a 1-token completion through it succeeds.
+until every (prefill, decode) pair has served a request aimed at it (pd_sessions.pairs),
+and until the router is: /health 200 and a 1-token completion through it succeeds. Once every
+instance is healthy, a P/D path that keeps failing ends the wait within PD_PATH_BUDGET_S.
 Every process must stay alive throughout. Teardown (on success, error, SIGINT or SIGTERM
 turned into exceptions by the CLI): the router and the instances together, under one
 grace: SIGTERM -> grace -> SIGKILL -> verified gone.
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from pd_sessions import http, process
+from pd_sessions import http, pairs, process
 from pd_sessions.errors import PdError, ReadinessTimeout
 from pd_sessions.plan import ClusterPlan, ProcessSpec
 from pd_sessions.ports import PortAllocator
@@ -82,8 +84,10 @@ def spawn_spec(spec: ProcessSpec, run_dir: Path, base_env: Mapping[str, str]) ->
 
 
 def _router_completion_probe(cluster: Cluster, deadline: float, tick: float,
-                             say: Callable[[str], None]) -> None:
-    """Retry a 1-token completion through the router until it answers or the deadline."""
+                             say: Callable[[str], None], pd_path: bool = False) -> None:
+    """Retry a 1-token completion through the router until it answers or the deadline.
+    ``pd_path``: the deadline is the P/D path budget (every instance healthy), so running
+    out of it raises PdPathFailed with the router's answer and the decodes' error lines."""
     plan = cluster.plan
     last = "no answer yet"
     t0 = time.monotonic()
@@ -97,6 +101,12 @@ def _router_completion_probe(cluster: Cluster, deadline: float, tick: float,
         if remaining <= 0:
             r = cluster.router
             assert r is not None
+            if pd_path:  # every instance is healthy: the P/D path itself keeps failing
+                raise pairs.PdPathFailed(
+                    f"router ({plan.router.url})", waited_s=time.monotonic() - t0, last=last,
+                    router_answer=last, decode=", ".join(d.name for d in plan.decode),
+                    decode_errors=[f"{i.name}: {line}" for i in cluster.instances
+                                   if i.name.startswith("decode") for line in pairs.log_errors(i.log_path)])
             raise ReadinessTimeout("router", url=plan.router.url,
                                    waited_s=time.monotonic() - r.started_at,
                                    last_probe=f"1-token completion: {last}",
@@ -118,7 +128,8 @@ def running_cluster(plan: ClusterPlan, run_dir: Path, *, ports: PortAllocator | 
                     progress: Callable[[str], None] | None = None,
                     base_env: Mapping[str, str] | None = None, tick: float = 0.1,
                     timings: dict[str, float] | None = None,
-                    on_event: Callable[[Event], None] | None = None) -> Iterator[Cluster]:
+                    on_event: Callable[[Event], None] | None = None,
+                    pd_path_budget_s: float = pairs.PD_PATH_BUDGET_S) -> Iterator[Cluster]:
     """Start ``plan`` and yield the ready :class:`Cluster`; always tear it down.
 
     ``ports`` (the allocator that planned the ports) is released right before
@@ -158,9 +169,20 @@ def running_cluster(plan: ClusterPlan, run_dir: Path, *, ports: PortAllocator | 
             tell(Event("ready", t.running.name, t.ready_at))
         cluster.timings["instances_ready"] = time.monotonic() - t0
         t1 = time.monotonic()
+        # Every instance is healthy: from here a P/D path that keeps failing ends the wait
+        # within the budget, not at the overall deadline.
+        pd_deadline = min(deadline, time.monotonic() + pd_path_budget_s)
+        took = pairs.warm_pairs(plan, deadline=pd_deadline,
+                                logs={r.name: r.log_path for r in cluster.instances},
+                                guard=lambda call: cluster.guard(call, when="while warming P/D pairs"),
+                                say=say)
+        cluster.timings["pairs_warm"] = time.monotonic() - t1
+        say(f"{plan.config.name}: warmed {len(took)} P/D pair(s) with a request aimed at each "
+            f"({', '.join(f'{k} {v:.1f} s' for k, v in took.items())})")
         wait_ready([Target(cluster.router, [health_probe(plan.router.health_url)])],
                    deadline=deadline, also_alive=cluster.instances, progress=say, tick=tick)
-        _router_completion_probe(cluster, deadline, tick=0.2, say=say)
+        _router_completion_probe(cluster, pd_deadline, tick=0.2, say=say,
+                                 pd_path=pd_deadline < deadline)
         cluster.timings["router_ready"] = time.monotonic() - t1
         tell(Event("ready", "router", time.monotonic()))
         say(f"{plan.config.name}: cluster ready after {time.monotonic() - t0:.1f} s "

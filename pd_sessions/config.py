@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from pd_sessions.checks import registry
 from pd_sessions.errors import ConfigError, did_you_mean
 
 CONNECTORS = ("mooncake", "nixl")
@@ -141,6 +142,10 @@ class Sweep:
     platforms: tuple[str, ...]
     # entries resolved per platform (overrides applied)
     entries_by_platform: dict[str, tuple[SweepEntry, ...]] = field(hash=False)
+    # Checks run on every config, in running order (TOML `checks = [...]`; default: the
+    # registry's defaults), and their options (TOML `[check_options.<check>]`).
+    checks: tuple[str, ...] = registry.DEFAULTS
+    check_options: dict[str, dict[str, Any]] = field(default_factory=dict, hash=False)
 
     def entries(self, platform: str) -> tuple[SweepEntry, ...]:
         if platform not in self.entries_by_platform:
@@ -286,7 +291,8 @@ def load_sweep(path: Path) -> Sweep:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError("toml", str(e), source=where) from None
     for key in data:
-        top = ["name", "description", "platforms", "defaults", "platform", "config"]
+        top = ["name", "description", "platforms", "defaults", "platform", "config", "checks",
+               "check_options"]
         if key not in top:
             raise ConfigError(key, f"unknown top-level key{did_you_mean(key, top)}", source=where)
     name = data.get("name")
@@ -324,8 +330,11 @@ def load_sweep(path: Path) -> Sweep:
                                   "say why in opt_in_reason", source=loc)
             entries.append(SweepEntry(cfg, default_on, reason))
         by_platform[plat] = tuple(entries)
+    checks = registry.resolve(data.get("checks"), source=where)
+    check_options = registry.resolve_options(data.get("check_options"), source=where)
     return Sweep(name=name, description=data.get("description", ""), source=where,
-                 platforms=platforms, entries_by_platform=by_platform)
+                 platforms=platforms, entries_by_platform=by_platform, checks=checks,
+                 check_options=check_options)
 
 
 def _check_choice_src(cfg_field: str, value: Any, choices: tuple[str, ...], where: str) -> None:

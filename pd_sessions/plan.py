@@ -25,6 +25,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from pd_sessions import connector_support
 from pd_sessions.config import TINY_MODELS, ClusterConfig
 from pd_sessions.errors import PlanError
 from pd_sessions.hosts import Inventory
@@ -366,6 +367,7 @@ def plan_cluster(config: ClusterConfig, inv: Inventory, ports: PortSource, *, pl
     ``passthrough_env``: the harness's values of GPU_PASSTHROUGH_ENV (cuda only)."""
     if platform not in ("cpu", "cuda"):
         raise PlanError("platform", f"got {platform!r}; allowed: cpu, cuda")
+    connector_support.check(config)  # before anything else: names the connector and the pair
     remote_args, remote_warning = remote_code_args(config, allow_unpinned=allow_unpinned)
     if config.model in TINY_MODELS and model is None:
         raise PlanError("model", f"{config.model!r} needs the generated model's path")

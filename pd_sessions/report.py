@@ -117,7 +117,8 @@ def write_junit(results: Sequence[ConfigResult], path: Path, *, suite: str,
                 case.set("time", f"{c.seconds:.3f}")
                 if not c.passed:
                     f = ET.SubElement(case, "failure", message=c.message[:500], type="CheckFailed")
-                    f.text = f"{c.message}\n\n{_logs_tail(r.run_dir)}"
+                    trace = c.details.get("traceback") if isinstance(c.details, dict) else None
+                    f.text = f"{c.message}\n\n" + (f"{trace}\n" if trace else "") + _logs_tail(r.run_dir)
             elif r.outcome == NOT_RUN:  # never started: nothing failed, nothing to show
                 ET.SubElement(case, "skipped", message=(r.error or "not run")[:500])
             else:

@@ -11,11 +11,13 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
 from pd_sessions import tiny_model, unfinished, user_commands
 from pd_sessions.checks.accuracy import AccuracyOptions
+from pd_sessions.checks import registry
 from pd_sessions.checks.base import CheckResult
 from pd_sessions.checks.runner import run_checks
 from pd_sessions.cluster import DEFAULT_DEADLINE_S, DEFAULT_GRACE_S, Event, running_cluster
@@ -28,7 +30,7 @@ from pd_sessions.report import RUNNING, ConfigResult, write_config_result
 
 log = logging.getLogger(__name__)
 
-CHECKS = ("smoke", "parity", "kv_transfer", "accuracy")
+CHECKS = registry.DEFAULTS
 
 
 @dataclass(frozen=True)
@@ -49,10 +51,14 @@ class SweepOptions:
     # The user's own commands (--exec, --pytest), run after the checks: check exec[N] each.
     commands: tuple[user_commands.UserCommand, ...] = ()
     exec_timeout_s: float = user_commands.DEFAULT_TIMEOUT_S
+    # The sweep's selection (TOML `checks`) and options (TOML `[check_options.X]`).
+    selected_checks: tuple[str, ...] = CHECKS
+    check_options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def checks(self) -> tuple[str, ...]:
-        return tuple(c for c in CHECKS if c not in self.skip_checks) + tuple(c.name for c in self.commands)
+        return (tuple(c for c in self.selected_checks if c not in self.skip_checks)
+                + tuple(c.name for c in self.commands))
 
 
 def model_path(config: ClusterConfig, *, create: bool, cache: Path | None = None,
@@ -112,7 +118,9 @@ def run_config(config: ClusterConfig, inv: Inventory, opts: SweepOptions,
                                  timings=res.timings, on_event=on_event) as cluster:
                 t = time.monotonic()
                 try:
-                    cluster.guard(lambda: run_checks(cluster, checks, opts.accuracy, opts.skip_checks),
+                    cluster.guard(lambda: run_checks(cluster, checks, opts.accuracy, opts.skip_checks,
+                                                     selected=opts.selected_checks,
+                                                     options=opts.check_options),
                                   when="while checks ran")
                     if opts.commands:
                         user_commands.run_commands(cluster, opts.commands, checks, progress=progress,

@@ -16,12 +16,15 @@ def cli(*args, timeout=60):
                           text=True, timeout=timeout)
 
 
-def test_dry_run_prints_both_plans_and_launches_nothing():
+def test_dry_run_prints_every_plan_and_launches_nothing():
     r = cli("sweep", "mooncake_sweep", "--dry-run")
     assert r.returncode == 0, r.stderr
     out = r.stdout
-    assert "plan 1x1" in out and "plan 2x2" in out
-    assert out.count("vllm.entrypoints.openai.api_server") == 4 and out.count("vllm_router.launch_router") == 2
+    names = ("1x1", "2x2", "1x2", "2x1", "2p1d", "1p2d")
+    assert all(f"plan {n}:" in out for n in names)
+    # 2 instances in each of the four TP configs, 3 in each xPyD config; one router each
+    assert out.count("vllm.entrypoints.openai.api_server") == 4 * 2 + 2 * 3
+    assert out.count("vllm_router.launch_router") == len(names)
     assert "nothing was launched" in out and "--kv-connector mooncake" in out
 
 

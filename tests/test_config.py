@@ -48,7 +48,9 @@ def test_config_is_frozen():
 def test_builtin_mooncake_sweep_is_data():
     sweep = builtin_sweep("mooncake_sweep")
     cuda = {e.config.name: e.config for e in sweep.entries("cuda")}
-    assert set(cuda) == {"1x1", "2x2"}
+    assert set(cuda) == {"1x1", "2x2", "1x2", "2x1", "2p1d", "1p2d"}
+    assert (cuda["1x2"].prefill_tp, cuda["1x2"].decode_tp) == (1, 2)
+    assert (cuda["2p1d"].num_prefill, cuda["2p1d"].num_decode) == (2, 1)
     assert cuda["2x2"].prefill_tp == cuda["2x2"].decode_tp == 2
     assert all(c.gpu_memory_utilization == 0.6 for c in cuda.values())
     assert all(c.model == "Qwen/Qwen3-0.6B" and c.connector == "mooncake" for c in cuda.values())
@@ -104,13 +106,14 @@ def test_select_decision_table():
     s = builtin_sweep("mooncake_sweep")
     names = lambda es: [e.config.name for e in es]  # noqa: E731
     sel, left = select(s.entries("cpu"), "cpu")
-    assert names(sel) == ["1x1"] and names(left) == ["2x2"]
+    opt_in = ["2x2", "1x2", "2x1", "2p1d", "1p2d"]
+    assert names(sel) == ["1x1"] and names(left) == opt_in
     sel, left = select(s.entries("cpu"), "cpu", include_opt_in=True)
-    assert names(sel) == ["1x1", "2x2"] and not left
+    assert names(sel) == ["1x1", *opt_in] and not left
     sel, left = select(s.entries("cuda"), "cuda")
-    assert names(sel) == ["1x1", "2x2"]
+    assert names(sel) == ["1x1", *opt_in]
     sel, left = select(s.entries("cpu"), "cpu", only=("2x2",))
-    assert names(sel) == ["2x2"] and names(left) == ["1x1"]
+    assert names(sel) == ["2x2"] and names(left) == ["1x1", *opt_in[1:]]
     with pytest.raises(ConfigError, match="no config named '3x3'"):
         select(s.entries("cpu"), "cpu", only=("3x3",))
 

@@ -103,6 +103,24 @@ def test_sweep_1x1_passes_all_checks_and_leaves_nothing(tmp_path, sweep):
     (cfg,) = summary["configs"]
     checks = {c["name"]: c for c in cfg["checks"]}
     assert [checks[n]["verdict"] for n in ("smoke", "parity", "kv_transfer", "accuracy")] == ["pass"] * 4
+    # the edge checks (issue 17), default in both sweeps
+    edge = ("cache_paths", "too_long", "burst", "abort_frees_kv")
+    assert {n: checks[n]["verdict"] for n in edge} == {n: "pass" for n in edge}, \
+        {n: checks[n]["message"] for n in edge}
+    situations = {s["name"]: s for s in checks["cache_paths"]["details"]["situations"]}
+    assert situations["short"]["prompt_tokens"] < 128 <= situations["primed"]["prompt_tokens"] // 2
+    assert situations["partial"]["prompt_tokens"] >= situations["primed"]["prompt_tokens"] + 128
+    too_long = checks["too_long"]["details"]
+    assert 400 <= too_long["status"] < 500 and too_long["seconds"] < 10
+    assert too_long["prompt_tokens"] > too_long["max_model_len"]
+    burst = checks["burst"]["details"]
+    assert burst["requests"] == 32 and burst["failed"] == [] and burst["kv_verdict"] == "pass"
+    assert burst["kv"]["router_requests"] == 32
+    aborted = checks["abort_frees_kv"]["details"]
+    assert aborted["aborted_after_first_tokens"] == aborted["requests"] > 0
+    assert set(aborted["held"]) == {"prefill-0", "decode-0"} and not any(aborted["held"].values())
+    print("edge check seconds:", {n: checks[n]["seconds"] for n in edge},
+          "total", round(sum(checks[n]["seconds"] for n in edge), 1))
     assert checks["accuracy"]["details"]["samples"] == 24
     kv = checks["kv_transfer"]["details"]
     assert kv["delta"] >= kv["router_prompt_tokens"] - kv["router_requests"] > 0

@@ -27,6 +27,7 @@ from conftest import FIXTURES, ROOT
 
 FAKE = FIXTURES / "fake_stack"
 SWEEP = """name = "fake"
+{top}
 [defaults]
 model = "fake-model"
 connector = "{connector}"
@@ -66,9 +67,9 @@ def assert_nothing_left(run_dir: Path) -> None:
 
 
 class Run:
-    def __init__(self, tmp_path: Path, *, connector="mooncake", extra="", env=None, args=()):
+    def __init__(self, tmp_path: Path, *, connector="mooncake", extra="", env=None, args=(), top=""):
         toml = tmp_path / "sweep.toml"
-        toml.write_text(SWEEP.format(connector=connector, extra=extra))
+        toml.write_text(SWEEP.format(connector=connector, extra=extra, top=top))
         self.results = tmp_path / "results"
         self.run_dir = self.results / "1x1"
         e = {**os.environ, "PYTHONPATH": f"{FAKE}{os.pathsep}{ROOT}", **(env or {})}
@@ -216,3 +217,50 @@ def test_two_sweeps_at_once_share_no_port(tmp_path, bystander):
     assert pa and pb and not pa & pb
     assert_nothing_left(ra.run_dir)
     assert_nothing_left(rb.run_dir)
+
+
+# ---------------------------------------------------------------- edge checks can fail (issue 17)
+
+def _result(r: Run) -> dict:
+    import json
+
+    return json.loads((r.run_dir / "result.json").read_text())
+
+
+def _check(r: Run, name: str) -> dict:
+    return next(c for c in _result(r)["checks"] if c["name"] == name)
+
+
+def test_too_long_fails_when_the_router_never_answers(tmp_path, bystander):
+    # the prefill rejects the prompt (HTTP 400); this router then waits forever instead of
+    # passing the error on
+    r = Run(tmp_path, env={"FAKE_ROUTER_BEHAVIOR": "hang_too_long"},
+            top='checks = ["smoke", "too_long"]\n[check_options.too_long]\nbound_s = 2')
+    assert r.wait() == 1, r.text
+    c = _check(r, "too_long")
+    assert c["verdict"] == "fail" and "got no answer within 2 s" in c["message"], c
+    assert c["details"]["status"] is None and c["seconds"] < 10
+    assert "too_long FAIL" in r.text
+    assert_nothing_left(r.run_dir)
+
+
+def test_abort_frees_kv_fails_when_a_server_keeps_a_request_running(tmp_path, bystander):
+    r = Run(tmp_path, env={"FAKE_PREFILL_BEHAVIOR": "keep_running"},
+            top='checks = ["smoke", "abort_frees_kv"]\n[check_options.abort_frees_kv]\nbound_s = 2')
+    assert r.wait() == 1, r.text
+    c = _check(r, "abort_frees_kv")
+    assert c["verdict"] == "fail", c
+    assert "2 s after 4 clients disconnected: prefill-0: 1 requests still running" in c["message"]
+    assert c["details"]["held"]["decode-0"] is None and 2 <= c["details"]["waited_s"] < 5
+    assert_nothing_left(r.run_dir)
+
+
+def test_burst_fails_when_the_decode_recomputes(tmp_path, bystander):
+    r = Run(tmp_path, env={"FAKE_DECODE_BEHAVIOR": "recompute"},
+            top='checks = ["burst"]\n[check_options.burst]\nrequests = 6')
+    assert r.wait() == 1, r.text
+    c = _check(r, "burst")
+    assert c["verdict"] == "fail" and "KV proof: decode instances received 0 prompt tokens" in c["message"]
+    assert c["details"]["failed"] == [] and c["details"]["kv"]["router_requests"] == 6
+    assert [x["name"] for x in _result(r)["checks"]] == ["burst"]
+    assert_nothing_left(r.run_dir)

@@ -282,7 +282,7 @@ def _fake_env():
 
 def _serve(tmp_path, env=None):
     toml = tmp_path / "sweep.toml"
-    toml.write_text(SWEEP.format(connector="nixl", extra=""))
+    toml.write_text(SWEEP.format(connector="nixl", extra="", top=""))
     return subprocess.Popen([sys.executable, "-m", "pd_sessions", "serve", str(toml), "--only", "1x1",
                              "--platform", "cpu", "--grace", "2", "--results-dir", str(tmp_path / "r")],
                             cwd=ROOT, env={**_fake_env(), **(env or {})}, stdout=subprocess.PIPE,
@@ -335,7 +335,7 @@ def test_two_must_not_run_against_a_dead_cluster(pd_cluster):
 
 def _plugin_argv(tmp_path, *files):
     toml = tmp_path / "sweep.toml"
-    toml.write_text(SWEEP.format(connector="mooncake", extra=""))
+    toml.write_text(SWEEP.format(connector="mooncake", extra="", top=""))
     return [sys.executable, "-m", "pytest", "-p", "pd_sessions.pytest_plugin", "-v", "-p", "no:cacheprovider",
             *map(str, files), "--pd-cluster", f"{toml}:1x1", "--pd-platform", "cpu",
             "--pd-results-dir", str(tmp_path / "r")]

@@ -286,6 +286,13 @@ class Window:
         self.offsets = {n: _size(p) for n, p in self.logs.items()}
         self.before = self._metrics()
 
+    @classmethod
+    def for_cluster(cls, cluster: Any, scrape: Any) -> Window:
+        """A window over a running cluster's decode metrics and instance logs."""
+        plan = cluster.plan
+        return cls(plan.config.connector, {s.name: s.url + "/metrics" for s in plan.decode},
+                   {s.name: cluster.run_dir / s.log_name for s in plan.instances}, scrape)
+
     def _metrics(self) -> dict[str, dict[str, float]]:
         if self.connector != "nixl":
             return {}

@@ -6,7 +6,10 @@
    router's tokens teacher-forced through prefill-0 (margin mode; see checks/parity.py)
 4. scrape decode /metrics (after): the window held only router requests
 5. control: one request straight to decode-0 must leave the counter still
-6. accuracy (lm_eval through the router): on the CPU lane an offline task run through
+6. the registry's other checks (cache_paths, too_long, burst, abort_frees_kv...), each
+   with its own gatherer and options; they run after the KV window on purpose (they prime
+   decode caches and send requests straight to instances)
+7. accuracy (lm_eval through the router): on the CPU lane an offline task run through
    the router and straight to prefill-0 must give identical samples; elsewhere the
    measured value is compared with the recorded baseline
 
@@ -17,20 +20,21 @@ dying process still reports the checks that finished.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import datetime
 import shlex
 import sys
 
-from pd_sessions import http
+from pd_sessions import http, stuck
 from pd_sessions.checks import accuracy as acc
-from pd_sessions.checks import kv_transfer
+from pd_sessions.checks import kv_transfer, parity, per_instance, registry
 from pd_sessions.checks.base import FAIL, PASS, CheckResult, crashed
+from pd_sessions.checks.completions import MAX_TOKENS, PARITY_PROMPTS, SMOKE_PROMPT, Completion, evaluate_smoke
+from pd_sessions.checks.instances import REQUEST_TIMEOUT_S
 from pd_sessions.checks.offline_task import TASK as OFFLINE_TASK
 from pd_sessions.checks.offline_task import write_task
-from pd_sessions.checks import parity
-from pd_sessions.checks.completions import MAX_TOKENS, PARITY_PROMPTS, SMOKE_PROMPT, Completion, evaluate_smoke
 from pd_sessions.cluster import Cluster
 from pd_sessions.config import TINY_MODELS
 from pd_sessions.errors import PdError
@@ -38,8 +42,14 @@ from pd_sessions.errors import PdError
 CONTROL_PROMPT = "A request sent straight to the decode instance, not through the router:"
 
 
+# A check request that gets no answer this long is stuck (a KV pull that never completes):
+# the config fails then, naming what each instance holds, and the remaining checks do not wait.
+CHECK_REQUEST_TIMEOUT_S = REQUEST_TIMEOUT_S
+
+
 def _complete(base_url: str, model: str, prompt: str) -> Completion:
-    return Completion.from_response(http.completion(base_url, model, prompt, max_tokens=MAX_TOKENS))
+    return Completion.from_response(http.completion(base_url, model, prompt, max_tokens=MAX_TOKENS,
+                                                    timeout=CHECK_REQUEST_TIMEOUT_S))
 
 
 def _timed(name: str, results: list[CheckResult], fn: Callable[[], CheckResult]) -> None:
@@ -57,8 +67,26 @@ def _timed(name: str, results: list[CheckResult], fn: Callable[[], CheckResult])
 
 
 def run_checks(cluster: Cluster, results: list[CheckResult],
-               accuracy: acc.AccuracyOptions | None = None, skip: tuple[str, ...] = ()) -> None:
-    """Run every check in order, except those named in ``skip`` (the caller records why)."""
+               accuracy: acc.AccuracyOptions | None = None, skip: tuple[str, ...] = (),
+               selected: Sequence[str] = registry.DEFAULTS,
+               options: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+    """Run the ``selected`` checks in the registry's order, except those named in ``skip``
+    (the caller records why). ``options``: check -> its options (registry defaults fill gaps)."""
+    wanted = {n for n in selected if n not in skip}
+    stuck_in: list[str] = []
+
+    def timed(name: str, fn: Callable[[], CheckResult]) -> None:
+        """_timed, and once a request got no answer: say what is stuck, fail the rest at once."""
+        if stuck_in:
+            results.append(CheckResult(name, FAIL, f"not run: the P/D path is stuck ({stuck_in[0]})"))
+            return
+        _timed(name, results, fn)
+        r = results[-1]
+        if not r.passed and stuck.is_timeout(r.message):
+            diagnosis = stuck.gather(cluster.plan)
+            r.message += f"; stuck: {diagnosis}"
+            r.details["stuck"] = diagnosis
+            stuck_in.append(f"{name} got no answer within {CHECK_REQUEST_TIMEOUT_S:g} s: {diagnosis}")
     plan = cluster.plan
     model = plan.served_model_name
     router = plan.router.url
@@ -79,37 +107,56 @@ def run_checks(cluster: Cluster, results: list[CheckResult],
     window: kv_transfer.Window | None = None
     try:
         before = scrape()
-        window = kv_transfer.Window(plan.config.connector, {s.name: s.url + "/metrics" for s in plan.decode},
-                                    {s.name: cluster.run_dir / s.log_name for s in plan.instances},
-                                    http.get_text)
+        window = kv_transfer.Window.for_cluster(cluster, http.get_text)
     except (http.HttpError, kv_transfer.MetricMissing) as e:
         before, before_err = {}, [str(e)]
 
-    _timed("smoke", results, lambda: evaluate_smoke(via_router(SMOKE_PROMPT)))
+    if "smoke" in wanted:
+        timed("smoke", lambda: evaluate_smoke(via_router(SMOKE_PROMPT)))
+
+    roles = {"prefill": len(plan.prefill), "decode": len(plan.decode)}
+    served_before: dict[str, float] = {}
+    try:
+        served_before = per_instance.scrape(plan)
+    except (http.HttpError, kv_transfer.MetricMissing) as e:
+        before_err.append(str(e))
+
+    # prompt tokens sent straight to an instance inside the window (parity's baselines): not
+    # counted as the router having used that instance
+    direct = {baseline.name: 0.0}
 
     def parity_check() -> CheckResult:
+        p_before = per_instance.scrape(plan)
         mode, why = parity.choose_mode(plan.config)
         label = f"{baseline.name} direct (no disaggregation)"
         if mode == "exact":
             pairs = [(p, via_router(p), _complete(baseline.url, model, p)) for p in PARITY_PROMPTS]
-            return parity.evaluate_exact(pairs, baseline=label, why=why)
-        rows = []
-        for p in PARITY_PROMPTS:
-            pd = via_router(p)
-            ids = pd.token_ids or ()
-            if pd.prompt_token_ids is None:
-                return CheckResult("parity", FAIL, "could not run: the router's answer carries no "
-                                   "prompt_token_ids (return_token_ids unsupported?)")
-            resp = http.post_json(f"{baseline.url}/v1/completions",
-                                  parity.teacher_force_payload(model, pd.prompt_token_ids, ids), timeout=600)
-            try:
-                rows.append((p, parity.forced_tokens(resp, len(pd.prompt_token_ids), ids)))
-            except ValueError as e:
-                return CheckResult("parity", FAIL, f"could not run: {e}")
-        return parity.evaluate_margin(rows, margin=plan.config.parity_margin, baseline=label, why=why,
-                                      margin_evidence=parity.DEFAULT_MARGIN_EVIDENCE)
+            sent = float(sum(base.prompt_tokens for _, _, base in pairs))
+            r = parity.evaluate_exact(pairs, baseline=label, why=why)
+        else:
+            rows, sent = [], 0.0
+            for p in PARITY_PROMPTS:
+                pd = via_router(p)
+                ids = pd.token_ids or ()
+                if pd.prompt_token_ids is None:
+                    return CheckResult("parity", FAIL, "could not run: the router's answer carries no "
+                                       "prompt_token_ids (return_token_ids unsupported?)")
+                sent += len(pd.prompt_token_ids) + len(ids)  # the forced prompt goes to the baseline
+                resp = http.post_json(f"{baseline.url}/v1/completions",
+                                      parity.teacher_force_payload(model, pd.prompt_token_ids, ids),
+                                      timeout=CHECK_REQUEST_TIMEOUT_S)
+                try:
+                    rows.append((p, parity.forced_tokens(resp, len(pd.prompt_token_ids), ids)))
+                except ValueError as e:
+                    return CheckResult("parity", FAIL, f"could not run: {e}")
+            r = parity.evaluate_margin(rows, margin=plan.config.parity_margin, baseline=label, why=why,
+                                       margin_evidence=parity.DEFAULT_MARGIN_EVIDENCE)
+        direct[baseline.name] += sent
+        return per_instance.apply(r, p_before, per_instance.scrape(plan), requests=len(PARITY_PROMPTS),
+                                  roles=roles, direct={baseline.name: sent})
 
-    _timed("parity", results, parity_check)
+    if "parity" in wanted:
+        timed("parity", parity_check)
 
     def kv() -> CheckResult:
         if before_err:
@@ -119,14 +166,25 @@ def run_checks(cluster: Cluster, results: list[CheckResult],
         d0 = plan.decode[0]
         _complete(d0.url, model, CONTROL_PROMPT)
         control_after = scrape()[d0.name]
-        return kv_transfer.evaluate(before, after, router_prompt_tokens=ledger["tokens"],
-                                    router_requests=ledger["requests"],
-                                    control=(d0.name, after[d0.name], control_after), evidence=evidence)
+        r = kv_transfer.evaluate(before, after, router_prompt_tokens=ledger["tokens"],
+                                 router_requests=ledger["requests"],
+                                 control=(d0.name, after[d0.name], control_after), evidence=evidence)
+        # the control request went to decode-0 only, after the window: compare up to `after`
+        served_after = {**per_instance.scrape(plan), **after}
+        return per_instance.apply(r, served_before, served_after, requests=ledger["requests"], roles=roles,
+                                  direct=direct)
 
-    _timed("kv_transfer", results, kv)
+    if "kv_transfer" in wanted:
+        timed("kv_transfer", kv)
 
-    if "accuracy" not in skip:
-        _timed("accuracy", results, lambda: accuracy_check(cluster, accuracy or acc.AccuracyOptions()))
+    for info in registry.CHECKS:
+        if info.gatherer is None or info.name not in wanted:
+            continue
+        opts = {**info.options, **(options or {}).get(info.name, {})}
+        timed(info.name, lambda: info.load()(cluster, opts))
+
+    if "accuracy" in wanted:
+        timed("accuracy", lambda: accuracy_check(cluster, accuracy or acc.AccuracyOptions()))
 
 
 def accuracy_check(cluster: Cluster, opts: acc.AccuracyOptions) -> CheckResult:

@@ -1,0 +1,95 @@
+"""burst: N concurrent requests through the router (32 by default). All must succeed, each
+must equal, token for token, the same request sent alone to prefill-direct, and the KV proof
+(decode instances' external-KV counters over the burst) must count every one of them.
+Outputs correct for one request can be wrong under concurrency (batching, block reuse, a
+transfer mixed up between requests).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from pd_sessions import http
+from pd_sessions.checks import kv_transfer, per_instance
+from pd_sessions.checks.base import FAIL, PASS, CheckResult
+from pd_sessions.checks.completions import Completion
+from pd_sessions.checks.parity import evaluate_exact
+from pd_sessions.checks.instances import REQUEST_TIMEOUT_S
+
+
+def prompts(n: int) -> list[str]:
+    """Distinct prompts with distinct first words, so none hits another's cached prefix."""
+    animals = ("otter", "heron", "lynx", "bison", "crane", "gecko", "moose", "panda")
+    return [f"{i} {animals[i % len(animals)]}s crossed burst bridge number {i * 7 + 3} while the "
+            f"{animals[(i + 3) % len(animals)]} counted to" for i in range(n)]
+
+
+def evaluate(pairs: Sequence[tuple[str, Completion | None, Completion]], errors: Sequence[str],
+             kv: CheckResult, *, requests: int, seconds: float) -> CheckResult:
+    """Verdict: no request failed, every pair identical, and the KV proof over the burst passed.
+
+    ``pairs`` holds (prompt, P/D completion or None when it failed, prefill-direct completion).
+    """
+    ok_pairs = [(p, pd, base) for p, pd, base in pairs if pd is not None]
+    parity = evaluate_exact(ok_pairs, baseline="prefill-direct, alone") if ok_pairs else None
+    details: dict[str, Any] = {"requests": requests, "failed": list(errors),
+                               "burst_seconds": round(seconds, 3),
+                               "parity": parity.details if parity else None, "kv": kv.details,
+                               "kv_verdict": kv.verdict}
+    problems = []
+    if errors:
+        problems.append(f"{len(errors)}/{requests} requests failed (first: {errors[0]})")
+    if parity is not None and not parity.passed:
+        problems.append(parity.message)
+    if not ok_pairs:
+        problems.append("no request succeeded")
+    if not kv.passed:
+        problems.append(f"KV proof: {kv.message}")
+    if problems:
+        return CheckResult("burst", FAIL, f"{requests} concurrent requests: " + "; ".join(problems), details)
+    return CheckResult("burst", PASS, f"{requests}/{requests} concurrent requests succeeded in "
+                       f"{seconds:.1f} s, "
+                       f"each identical to prefill-direct alone; {kv.message}", details)
+
+
+def run(cluster: Any, options: Mapping[str, Any]) -> CheckResult:
+    plan = cluster.plan
+    model = plan.served_model_name
+    n, max_tokens = int(options["requests"]), int(options["max_tokens"])
+    texts = prompts(n)
+
+    def scrape() -> dict[str, float]:
+        return {s.name: kv_transfer.external_tokens(http.get_text(f"{s.url}/metrics")) for s in plan.decode}
+
+    def one(url: str, prompt: str) -> Completion:
+        return Completion.from_response(http.completion(url, model, prompt, max_tokens=max_tokens,
+                                                        timeout=REQUEST_TIMEOUT_S))
+
+    before = scrape()
+    window = kv_transfer.Window.for_cluster(cluster, http.get_text)
+    served_before = per_instance.scrape(plan)
+    t0 = time.monotonic()
+    results: list[Completion | None] = []
+    errors: list[str] = []
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        futures = [pool.submit(one, plan.router.url, p) for p in texts]
+        for p, f in zip(texts, futures):
+            try:
+                results.append(f.result())
+            except http.HttpError as e:
+                results.append(None)
+                errors.append(f"{p[:30]!r}: {e}")
+    seconds = time.monotonic() - t0
+    after = scrape()
+    ok = [c for c in results if c is not None]
+    kv = kv_transfer.evaluate(before, after, router_prompt_tokens=sum(c.prompt_tokens for c in ok),
+                              router_requests=len(ok), evidence=window.close(router_requests=len(ok)))
+    kv = per_instance.apply(kv, served_before, per_instance.scrape(plan), requests=len(ok),
+                            roles={"prefill": len(plan.prefill), "decode": len(plan.decode)})
+    p0 = plan.prefill[0]
+    # one at a time: each request alone on prefill-0
+    pairs = [(p, c, one(p0.url, p)) for p, c in zip(texts, results) if c is not None]
+    return evaluate(pairs, errors, kv, requests=n, seconds=seconds)

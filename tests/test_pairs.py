@@ -1,0 +1,159 @@
+"""pd_sessions.pairs: per-pair warm-up parameters (pure), the error-line filter, the retry
+loop's budget (with a fake hop), and the whole readiness path against the fake stack: a
+cluster whose every instance is healthy but whose P/D path keeps failing ends the wait
+within the budget, with the answer and the decode's error lines."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import FIXTURES, ROOT
+from pd_sessions import http, pairs
+from pd_sessions.cluster import running_cluster
+from pd_sessions.config import ClusterConfig
+from pd_sessions.hosts import Inventory
+from pd_sessions.plan import plan_cluster
+from pd_sessions.ports import PortAllocator
+
+
+def test_mooncake_params_share_the_transfer_id_and_name_the_bootstrap():
+    assert pairs.prefill_params("mooncake", "t1") == {"do_remote_decode": True, "do_remote_prefill": False,
+                                                      "transfer_id": "t1"}
+    d = pairs.decode_params("mooncake", "t1", {}, bootstrap_url="http://127.0.0.1:9", engine_id="e")
+    assert d == {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": "t1",
+                 "remote_bootstrap_addr": "http://127.0.0.1:9", "remote_engine_id": "e"}
+
+
+def test_nixl_decode_gets_what_the_prefill_answered():
+    assert pairs.prefill_params("nixl", "t")["do_remote_decode"] is True
+    ans = {"kv_transfer_params": {"remote_engine_id": "p0", "remote_block_ids": [1]}}
+    assert pairs.decode_params("nixl", "t", ans) == ans["kv_transfer_params"]
+    with pytest.raises(ValueError, match="no kv_transfer_params"):
+        pairs.decode_params("nixl", "t", {})
+    with pytest.raises(ValueError, match="no pair warm-up"):
+        pairs.prefill_params("lmcache", "t")
+
+
+def test_error_lines_keep_the_last_matching_ones():
+    log = "INFO fine\nERROR one\nWARNING handshake_setup_failed\nINFO ok\n(EngineCore) Traceback\nERROR two\n"
+    assert pairs.error_lines(log, limit=2) == ["(EngineCore) Traceback", "ERROR two"]
+    assert pairs.error_lines("INFO all good\n") == []
+
+
+def _plan(tmp_path: Path, num_prefill=2, num_decode=2, connector="nixl"):
+    cfg = ClusterConfig(name="c", model="m", connector=connector, num_prefill=num_prefill,
+                        num_decode=num_decode)
+    with PortAllocator() as ports:
+        return plan_cluster(cfg, Inventory(gpus=(), cpus=(0, 1), gpu_source="test"), ports,
+                            platform="cpu", python=sys.executable)
+
+
+def test_every_pair_is_warmed_with_its_own_request(tmp_path):
+    plan = _plan(tmp_path)
+    seen = []
+    took = pairs.warm_pairs(plan, deadline=time.monotonic() + 5, logs={},
+                            warm=lambda plan, pair, timeout: seen.append(pair.name))
+    assert seen == ["prefill-0 -> decode-0", "prefill-0 -> decode-1", "prefill-1 -> decode-0",
+                    "prefill-1 -> decode-1"]
+    assert list(took) == seen
+
+
+def test_a_failing_pair_ends_the_wait_at_the_deadline_naming_pair_and_decode_errors(tmp_path):
+    plan = _plan(tmp_path)
+    log = tmp_path / "decode-0.log"
+    log.write_text("INFO start\nERROR nixl handshake_setup_failed: Resource temporarily unavailable\n")
+    calls = []
+
+    def warm(plan, pair, timeout):
+        calls.append(pair.name)
+        if pair.prefill.name == "prefill-1":
+            raise http.HttpError(pair.decode.url + "/v1/completions", "HTTP 500: KV transfer failed", 500)
+
+    t0 = time.monotonic()
+    with pytest.raises(pairs.PdPathFailed) as e:
+        pairs.warm_pairs(plan, deadline=t0 + 1.0, logs={"decode-0": log}, warm=warm, tick=0.1)
+    assert 1.0 <= time.monotonic() - t0 < 2.0
+    msg = str(e.value)
+    assert "pair prefill-1 -> decode-0" in msg and "HTTP 500: KV transfer failed" in msg
+    assert "decode-0's error lines (1)" in msg and "handshake_setup_failed" in msg
+    assert calls.count("prefill-1 -> decode-0") > 2 and "prefill-1 -> decode-1" not in calls
+
+
+@pytest.mark.parametrize("connector", ["mooncake", "nixl"])
+def test_fake_cluster_whose_pd_path_fails_ends_readiness_within_the_budget(tmp_path, connector):
+    """Every instance healthy, every request with kv_transfer_params answered 500 by the decode:
+    readiness ends after the P/D budget (not the 1200 s deadline), naming the pair, the answer
+    and the decode's error lines; then everything is torn down."""
+    plan = _plan(tmp_path, num_prefill=1, num_decode=1, connector=connector)
+    env = {**os.environ, "PYTHONPATH": f"{FIXTURES / 'fake_stack'}{os.pathsep}{ROOT}",
+           "FAKE_DECODE_BEHAVIOR": "fail_kv"}
+    t0 = time.monotonic()
+    with pytest.raises(pairs.PdPathFailed) as e:
+        with running_cluster(plan, tmp_path / "run", base_env=env, pd_path_budget_s=3.0, grace_s=2):
+            pytest.fail("the cluster must not become ready")
+    took = time.monotonic() - t0
+    assert took < 15, took
+    msg = str(e.value)
+    assert "pair prefill-0 -> decode-0" in msg and "HTTP 500" in msg and "kept failing for 3 s" in msg
+    assert "ERROR fake decode: handshake_setup_failed" in msg
+
+
+def _fake_env(**behaviors):
+    return {**os.environ, "PYTHONPATH": f"{FIXTURES / 'fake_stack'}{os.pathsep}{ROOT}", **behaviors}
+
+
+def test_a_stuck_kv_pull_at_readiness_names_the_decode_and_what_it_waits_for(tmp_path):
+    plan = _plan(tmp_path, num_prefill=1, num_decode=1, connector="mooncake")
+    t0 = time.monotonic()
+    with pytest.raises(pairs.PdPathFailed) as e:
+        with running_cluster(plan, tmp_path / "run", base_env=_fake_env(FAKE_DECODE_BEHAVIOR="stuck_pull:0"),
+                             pd_path_budget_s=3.0, grace_s=2):
+            pytest.fail("the cluster must not become ready")
+    assert time.monotonic() - t0 < 15
+    msg = str(e.value)
+    boot = f"bootstrap http://127.0.0.1:{plan.prefill[0].bootstrap_port}"
+    assert "pair prefill-0 -> decode-0" in msg and "no answer within" in msg
+    assert f"stuck: decode-0 waits for KV from prefill-0 ({boot}) (1 deferred" in msg
+    assert "no prefill is computing: the KV pull is stuck" in msg
+
+
+def test_a_stuck_kv_pull_during_checks_fails_fast_naming_the_instance(tmp_path, monkeypatch):
+    """Readiness passes (two pulls: the pair warm-up and the router probe), then every pull
+    hangs: the first check fails after the request bound with what is stuck, the rest at once."""
+    from pd_sessions.checks import runner
+
+    monkeypatch.setattr(runner, "CHECK_REQUEST_TIMEOUT_S", 2.0)
+    plan = _plan(tmp_path, num_prefill=1, num_decode=1, connector="mooncake")
+    results = []
+    with running_cluster(plan, tmp_path / "run", base_env=_fake_env(FAKE_DECODE_BEHAVIOR="stuck_pull:2"),
+                         grace_s=2) as cluster:
+        t0 = time.monotonic()
+        runner.run_checks(cluster, results, skip=("accuracy",))
+        took = time.monotonic() - t0
+    assert took < 10, took
+    by = {r.name: r for r in results}
+    assert [r.verdict for r in results] == ["fail"] * len(results) and len(results) == 7
+    assert "no answer within 2 s" in by["smoke"].message
+    assert "stuck: decode-0 waits for KV from prefill-0" in by["smoke"].message
+    assert by["parity"].message.startswith("not run: the P/D path is stuck (smoke got no answer within 2 s")
+
+
+def test_a_router_whose_pd_hop_keeps_failing_ends_readiness_with_its_answer(tmp_path):
+    """The pairs warm (direct hops work), but every completion through the router gets HTTP 500:
+    readiness ends after the budget with the router's answer and the decode's error lines."""
+    plan = _plan(tmp_path, num_prefill=1, num_decode=1, connector="nixl")
+    t0 = time.monotonic()
+    with pytest.raises(pairs.PdPathFailed) as e:
+        with running_cluster(plan, tmp_path / "run", base_env=_fake_env(FAKE_ROUTER_BEHAVIOR="fail_pd"),
+                             pd_path_budget_s=3.0, grace_s=2):
+            pytest.fail("the cluster must not become ready")
+    assert time.monotonic() - t0 < 15
+    msg = str(e.value)
+    assert msg.startswith(f"router ({plan.router.url}): the P/D path kept failing for 3 s")
+    assert "router's answer to a 1-token completion:" in msg and "HTTP 500" in msg
+    assert "decode hop failed: KV transfer error" in msg and "--- decode-0's error lines" in msg
