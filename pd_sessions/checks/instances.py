@@ -7,9 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from pd_sessions import http
+from pd_sessions.checks.kv_transfer import sample_sums
 from pd_sessions.plan import CPU_DEFAULT_BLOCK_SIZE, ClusterPlan, ProcessSpec
 
 # vLLM's default --block-size on GPUs when a config leaves it unset.
@@ -44,12 +43,7 @@ def block_size(plan: ClusterPlan, spec: ProcessSpec | None = None) -> int:
 
 def gauges(metrics_text: str, names: Sequence[str]) -> dict[str, float]:
     """Each named gauge summed over engines/models (absent ones are left out)."""
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(metrics_text):
-        for s in family.samples:
-            if s.name in names:
-                out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
+    return sample_sums(metrics_text, names)
 
 
 def scrape_gauges(spec: ProcessSpec, names: Sequence[str] = (RUNNING, WAITING, KV_USAGE),
