@@ -310,6 +310,15 @@ def buildkite(session: nox.Session) -> None:
     session.run("python", "-m", "pd_sessions.ci_jobs")
 
 
+@nox.session(python=PYTHON, reuse_venv=True, tags=["ci"])
+def lint(session: nox.Session) -> None:
+    """ruff (rules and formatting) and mypy (strict on the pure core), as configured in pyproject.toml."""
+    session.install("-e", str(ROOT), "-r", str(ROOT / "requirements" / "lint.txt"))
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    session.run("mypy")
+
+
 @nox.session(python=PYTHON, reuse_venv=True, tags=["cpu"])
 def unit(session: nox.Session) -> None:
     """Unit tests only: no vLLM, seconds. [-- pytest arguments]"""
