@@ -95,18 +95,22 @@ def _checked(session: nox.Session, target: Target, sweep_name: str | None, parse
     parser = parser or sweep_parser(prog=f"nox -s {session.name} --", positional=False)
     args = parser.parse_args(target.rest)  # exits 2 (and prints usage) on a bad argument
     try:
-        over = make_overrides(sets=args.set_fields, model=args.model, revision=args.revision,
-                              extra_args=args.extra_arg,
-                              named={"mooncake_protocol": args.mooncake_protocol})
+        over = make_overrides(
+            sets=args.set_fields,
+            model=args.model,
+            revision=args.revision,
+            extra_args=args.extra_arg,
+            named={"mooncake_protocol": args.mooncake_protocol},
+        )
         if sweep_name is None:
             return hosts.resolve_platform(args.platform, hosts.detect()), args
         sweep = load(sweep_name)
         inv = hosts.detect()
-        platform, _, _ = preflight(sweep, args.platform, inv, dry_run=args.dry_run,
-                                   share_gpus=args.share_gpus)
+        platform, _, _ = preflight(
+            sweep, args.platform, inv, dry_run=args.dry_run, share_gpus=args.share_gpus
+        )
         only = tuple(o for item in args.only for o in item.split(",") if o)
-        entries, _ = select(sweep.entries(platform), platform, only=only,
-                            include_opt_in=args.include_opt_in)
+        entries, _ = select(sweep.entries(platform), platform, only=only, include_opt_in=args.include_opt_in)
         rdma = rdma_problem([over.apply(e.config) for e in entries], platform, inv)
         if rdma and not args.dry_run:
             raise PlanError("mooncake_protocol", rdma)
@@ -115,8 +119,9 @@ def _checked(session: nox.Session, target: Target, sweep_name: str | None, parse
     return platform, args
 
 
-def _connectors(session: nox.Session, target: Target, platform: str, connectors: list[str], *,
-                accuracy: bool = True) -> None:
+def _connectors(
+    session: nox.Session, target: Target, platform: str, connectors: list[str], *, accuracy: bool = True
+) -> None:
     """Make the target fit (venv: install the lane; installed: only connector swaps), then run
     the import canary in its own process. Stops the session on any failure."""
     try:
@@ -127,8 +132,10 @@ def _connectors(session: nox.Session, target: Target, platform: str, connectors:
             install.install_lane(_VenvInstaller(target), platform, say=session.log, environ=os.environ)
             doc = target.facts()
             torch_platform, actions = install.plan_connectors(doc, connectors)
-            session.log(f"torch {(doc.get('torch') or {}).get('version')} is built for "
-                        f"{torch_platform.describe()}: {len(actions)} connector action(s)")
+            session.log(
+                f"torch {(doc.get('torch') or {}).get('version')} is built for "
+                f"{torch_platform.describe()}: {len(actions)} connector action(s)"
+            )
             install.apply_actions(_VenvInstaller(target), actions, torch_platform, env=env, say=session.log)
     except PdError as e:
         _fail(session, str(e), e.exit_status)
@@ -148,48 +155,60 @@ class _VenvInstaller:
         return self.target.session.run_install(*args)
 
 
-def _installed_env(session: nox.Session, target: Target, platform: str, connectors: list[str], *,
-                   accuracy: bool) -> None:
+def _installed_env(
+    session: nox.Session, target: Target, platform: str, connectors: list[str], *, accuracy: bool
+) -> None:
     from pd_sessions.envfacts import summary_lines
 
     doc = target.facts()
     for line in summary_lines(doc):
         session.log(line)
-    plan = installed.plan_installed(doc, connectors, lane=platform, need_lm_eval=accuracy,
-                                    no_install=target.no_install)
+    plan = installed.plan_installed(
+        doc, connectors, lane=platform, need_lm_eval=accuracy, no_install=target.no_install
+    )
     if plan.missing:
-        _fail(session, f"the environment at {plan.python} lacks what this session needs "
-              "(installed-environment mode never installs vLLM, torch, the router or a connector "
-              "by itself):\n  " + "\n  ".join(map(str, plan.missing)))
+        _fail(
+            session,
+            f"the environment at {plan.python} lacks what this session needs "
+            "(installed-environment mode never installs vLLM, torch, the router or a connector "
+            "by itself):\n  " + "\n  ".join(map(str, plan.missing)),
+        )
     steps = plan.describe()
     if target.no_install:
-        session.log("--no-install: changing nothing" + (f"; this run would: {'; '.join(steps)}" if steps
-                                                         else "; nothing to change"))
+        session.log(
+            "--no-install: changing nothing"
+            + (f"; this run would: {'; '.join(steps)}" if steps else "; nothing to change")
+        )
         return
-    session.log(f"installed environment: {len(steps)} change(s) for torch built for "
-                f"{plan.platform.describe()}" + (f": {'; '.join(steps)}" if steps else ""))
+    session.log(
+        f"installed environment: {len(steps)} change(s) for torch built for "
+        f"{plan.platform.describe()}" + (f": {'; '.join(steps)}" if steps else "")
+    )
     if not steps:
         return
     prefix = installed.installer(doc, shutil.which("uv"))
     if not prefix:
-        _fail(session, f"{plan.python} has no pip and uv is not on PATH: cannot make "
-              f"{'; '.join(steps)}", 1)
+        _fail(session, f"{plan.python} has no pip and uv is not on PATH: cannot make {'; '.join(steps)}", 1)
     for a in plan.actions:
         session.log(f"pd-sessions install: {a}")
-        session.run(*installed.action_argv(prefix, a, python=plan.python, find_links=target.find_links),
-                    external=True)
+        session.run(
+            *installed.action_argv(prefix, a, python=plan.python, find_links=target.find_links), external=True
+        )
     if plan.install_harness:
         session.log(f"pd-sessions install: pd-sessions (editable, from {ROOT})")
-        session.run(*installed.harness_argv(prefix, python=plan.python, find_links=target.find_links),
-                    external=True)
+        session.run(
+            *installed.harness_argv(prefix, python=plan.python, find_links=target.find_links), external=True
+        )
 
 
 def _dry_run_install(session: nox.Session, target: Target, platform: str, connectors: list[str]) -> None:
     if target.installed:
         session.log("dry run on the installed environment: nothing is installed")
         return
-    session.log(f"dry run: would install -r {install.lane_requirements(platform).relative_to(ROOT)} "
-                f"and this package, then the connector variants for the torch that brings:")
+    session.log(
+        f"dry run: would install -r {install.lane_requirements(platform).relative_to(ROOT)} "
+        f"and this package, then the connector variants for the torch that brings:"
+    )
     facts = {"cpu": {"torch": {"cuda": None}}, "cuda": None}[platform]
     cases = [facts] if facts is not None else [{"torch": {"cuda": "12.8"}}, {"torch": {"cuda": "13.0"}}]
     for doc in cases:
@@ -198,8 +217,14 @@ def _dry_run_install(session: nox.Session, target: Target, platform: str, connec
     session.log(f"  then: python -m pd_sessions.canary {' '.join(connectors)}")
 
 
-def _sweep(session: nox.Session, name: str, connectors: list[str], extra: tuple[str, ...] = (),
-           posargs: list[str] | None = None, command: str = "sweep") -> None:
+def _sweep(
+    session: nox.Session,
+    name: str,
+    connectors: list[str],
+    extra: tuple[str, ...] = (),
+    posargs: list[str] | None = None,
+    command: str = "sweep",
+) -> None:
     target = Target(session, posargs)
     parser = sweep_parser(prog=f"nox -s {session.name} --", positional=False, serve=command == "serve")
     if "-h" in target.rest or "--help" in target.rest:
@@ -211,11 +236,24 @@ def _sweep(session: nox.Session, name: str, connectors: list[str], extra: tuple[
         if not target.installed:
             target.venv_install("-e", str(ROOT))
     else:
-        _connectors(session, target, platform, connectors,
-                    accuracy="accuracy" not in getattr(args, "skip_check", ["accuracy"]))
+        _connectors(
+            session,
+            target,
+            platform,
+            connectors,
+            accuracy="accuracy" not in getattr(args, "skip_check", ["accuracy"]),
+        )
     # lifeline.nox_run_options: on Ctrl-C, nox waits for the teardown instead of SIGKILLing it.
-    target.run("-m", "pd_sessions", command, name, *extra, *target.rest, env=target.env,
-               **lifeline.nox_run_options(target.rest))
+    target.run(
+        "-m",
+        "pd_sessions",
+        command,
+        name,
+        *extra,
+        *target.rest,
+        env=target.env,
+        **lifeline.nox_run_options(target.rest),
+    )
 
 
 def _imports(session: nox.Session, connectors: list[str]) -> None:
@@ -297,9 +335,14 @@ def tests(session: nox.Session) -> None:
     target = Target(session)
     _connectors(session, target, "cpu", ["mooncake", "nixl"])
     if not target.installed:
-        target.venv_install("-r", str(ROOT / "requirements" / "test.txt"),
-                            "-r", str(ROOT / "requirements" / "buildkite.txt"),
-                            "-r", str(ROOT / "requirements" / "bench.txt"))
+        target.venv_install(
+            "-r",
+            str(ROOT / "requirements" / "test.txt"),
+            "-r",
+            str(ROOT / "requirements" / "buildkite.txt"),
+            "-r",
+            str(ROOT / "requirements" / "bench.txt"),
+        )
     target.run("-m", "pytest", *target.rest, env={**(target.env or {}), "PD_SESSIONS_FULL_ENV": "1"})
 
 
@@ -322,9 +365,16 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=PYTHON, reuse_venv=True, tags=["cpu"])
 def unit(session: nox.Session) -> None:
     """Unit tests only: no vLLM, seconds. [-- pytest arguments]"""
-    session.install("-e", str(ROOT), "-r", str(ROOT / "requirements" / "test.txt"),
-                    "-r", str(ROOT / "requirements" / "buildkite.txt"),
-                    "-r", str(ROOT / "requirements" / "bench.txt"))
+    session.install(
+        "-e",
+        str(ROOT),
+        "-r",
+        str(ROOT / "requirements" / "test.txt"),
+        "-r",
+        str(ROOT / "requirements" / "buildkite.txt"),
+        "-r",
+        str(ROOT / "requirements" / "bench.txt"),
+    )
     session.run("pytest", "-m", "not e2e", *session.posargs)
 
 
@@ -341,13 +391,21 @@ def bench(session: nox.Session) -> None:
         platform, _, _ = preflight(sweep, None, hosts.detect())
     except PdError as e:
         _fail(session, str(e), e.exit_status)
-    _connectors(session, target, platform, sorted({e.config.connector for e in sweep.entries(platform)}),
-                accuracy="--with-accuracy" in args)
+    _connectors(
+        session,
+        target,
+        platform,
+        sorted({e.config.connector for e in sweep.entries(platform)}),
+        accuracy="--with-accuracy" in args,
+    )
     if target.installed:
         lacking = [m for m in ("matplotlib", "aiohttp") if m not in target.facts()["installed"]]
         if lacking:
-            _fail(session, f"the bench needs {', '.join(lacking)}: install them with "
-                  f"`{sys.executable} -m pip install -r {ROOT / 'requirements' / 'bench.txt'}`")
+            _fail(
+                session,
+                f"the bench needs {', '.join(lacking)}: install them with "
+                f"`{sys.executable} -m pip install -r {ROOT / 'requirements' / 'bench.txt'}`",
+            )
     else:
         target.venv_install("-r", str(ROOT / "requirements" / "bench.txt"))
     target.run("-m", "pd_sessions.bench", *args)

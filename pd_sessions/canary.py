@@ -34,7 +34,7 @@ from pathlib import Path
 from pd_sessions.envfacts import canonical
 
 MOONCAKE_VARIANTS = {
-    "mooncake-transfer-engine": 12,           # CUDA 12 (default wheel)
+    "mooncake-transfer-engine": 12,  # CUDA 12 (default wheel)
     "mooncake-transfer-engine-cuda13": 13,
     "mooncake-transfer-engine-non-cuda": None,
 }
@@ -68,40 +68,66 @@ class Report:
         return all(f.ok for f in self.findings)
 
     def to_json(self) -> str:
-        return json.dumps({"ok": self.ok, "distributions": self.distributions,
-                           "findings": [f.__dict__ for f in self.findings]}, sort_keys=True)
+        return json.dumps(
+            {
+                "ok": self.ok,
+                "distributions": self.distributions,
+                "findings": [f.__dict__ for f in self.findings],
+            },
+            sort_keys=True,
+        )
 
 
 # ------------------------------------------------------------------ pure checks
 
-def check_distributions(installed: Mapping[str, str], torch_cuda: int | None,
-                        connectors: Sequence[str]) -> list[Finding]:
+
+def check_distributions(
+    installed: Mapping[str, str], torch_cuda: int | None, connectors: Sequence[str]
+) -> list[Finding]:
     """Variant conflicts and CUDA-major mismatches among installed connector wheels."""
     inst = {canonical(k): v for k, v in installed.items()}
     out: list[Finding] = []
     if "mooncake" in connectors:
         found = [d for d in MOONCAKE_VARIANTS if d in inst]
-        want = next(d for d, m in MOONCAKE_VARIANTS.items() if m == torch_cuda) \
-            if torch_cuda in MOONCAKE_VARIANTS.values() else None
+        want = (
+            next(d for d, m in MOONCAKE_VARIANTS.items() if m == torch_cuda)
+            if torch_cuda in MOONCAKE_VARIANTS.values()
+            else None
+        )
         if not found:
-            out.append(Finding("distributions", False, "no Mooncake wheel is installed"
-                               + (f"; install {want}" if want else "")))
+            out.append(
+                Finding(
+                    "distributions",
+                    False,
+                    "no Mooncake wheel is installed" + (f"; install {want}" if want else ""),
+                )
+            )
         elif len(found) > 1:
             keep = want if want in found else found[0]
             drop = [d for d in found if d != keep]
-            out.append(Finding("distributions", False,
-                               f"{len(found)} Mooncake variants installed at once: "
-                               + ", ".join(f"{d}=={inst[d]}" for d in found)
-                               + " (they ship the same `mooncake` package and overwrite each other); "
-                               f"fix: uv pip uninstall {' '.join(drop)} "
-                               f"&& uv pip install --reinstall {keep}=={inst[keep]}"))
+            out.append(
+                Finding(
+                    "distributions",
+                    False,
+                    f"{len(found)} Mooncake variants installed at once: "
+                    + ", ".join(f"{d}=={inst[d]}" for d in found)
+                    + " (they ship the same `mooncake` package and overwrite each other); "
+                    f"fix: uv pip uninstall {' '.join(drop)} "
+                    f"&& uv pip install --reinstall {keep}=={inst[keep]}",
+                )
+            )
         else:
             d = found[0]
             if want and d != want:
-                out.append(Finding("distributions", False,
-                                   f"{d}=={inst[d]} is built for "
-                                   f"{_cuda_name(MOONCAKE_VARIANTS[d])}, torch is {_cuda_name(torch_cuda)}; "
-                                   f"fix: uv pip uninstall {d} && uv pip install {want}=={inst[d]}"))
+                out.append(
+                    Finding(
+                        "distributions",
+                        False,
+                        f"{d}=={inst[d]} is built for "
+                        f"{_cuda_name(MOONCAKE_VARIANTS[d])}, torch is {_cuda_name(torch_cuda)}; "
+                        f"fix: uv pip uninstall {d} && uv pip install {want}=={inst[d]}",
+                    )
+                )
             else:
                 out.append(Finding("distributions", True, f"{d}=={inst[d]}"))
     if "nixl" in connectors:
@@ -111,15 +137,19 @@ def check_distributions(installed: Mapping[str, str], torch_cuda: int | None,
             out.append(Finding("distributions", False, "the nixl package is not installed"))
         elif bad:
             want = f"nixl-cu{torch_cuda}"
-            out.append(Finding("distributions", False,
-                               f"{', '.join(f'{d}=={inst[d]}' for d in bad)} does not match torch's "
-                               f"{_cuda_name(torch_cuda)}; fix: uv pip uninstall {' '.join(bad)} "
-                               f"&& uv pip install --no-deps {want}=={inst['nixl']}"))
+            out.append(
+                Finding(
+                    "distributions",
+                    False,
+                    f"{', '.join(f'{d}=={inst[d]}' for d in bad)} does not match torch's "
+                    f"{_cuda_name(torch_cuda)}; fix: uv pip uninstall {' '.join(bad)} "
+                    f"&& uv pip install --no-deps {want}=={inst['nixl']}",
+                )
+            )
         elif not cu:
             out.append(Finding("distributions", False, "nixl is installed without a nixl-cuN backend wheel"))
         else:
-            out.append(Finding("distributions", True,
-                               ", ".join(f"{d}=={inst[d]}" for d in ["nixl", *cu])))
+            out.append(Finding("distributions", True, ", ".join(f"{d}=={inst[d]}" for d in ["nixl", *cu])))
     return out
 
 
@@ -127,8 +157,9 @@ def _cuda_name(major: int | None) -> str:
     return "CPU-only" if major is None else f"CUDA {major}"
 
 
-def check_needed(lib: str, needed: Iterable[str], torch_cuda: int | None,
-                 resolves: Mapping[str, str | None]) -> list[Finding]:
+def check_needed(
+    lib: str, needed: Iterable[str], torch_cuda: int | None, resolves: Mapping[str, str | None]
+) -> list[Finding]:
     """Verdict on one native module's DT_NEEDED list.
 
     ``resolves`` maps each needed libcudart soname to where it was found (or None).
@@ -140,15 +171,33 @@ def check_needed(lib: str, needed: Iterable[str], torch_cuda: int | None,
             continue
         major = int(m.group(1))
         if torch_cuda is None:
-            out.append(Finding("elf", False, f"{lib} needs {name} but torch is CPU-only: "
-                               "this is a CUDA build of the connector; install its non-cuda variant"))
+            out.append(
+                Finding(
+                    "elf",
+                    False,
+                    f"{lib} needs {name} but torch is CPU-only: "
+                    "this is a CUDA build of the connector; install its non-cuda variant",
+                )
+            )
         elif major != torch_cuda:
-            out.append(Finding("elf", False, f"{lib} needs {name} but torch is CUDA {torch_cuda}: "
-                               f"install the connector variant built for CUDA {torch_cuda}"))
+            out.append(
+                Finding(
+                    "elf",
+                    False,
+                    f"{lib} needs {name} but torch is CUDA {torch_cuda}: "
+                    f"install the connector variant built for CUDA {torch_cuda}",
+                )
+            )
         elif not resolves.get(name):
-            out.append(Finding("elf", False, f"{lib} needs {name}, which does not resolve on this "
-                               "machine (not in RPATH/RUNPATH, LD_LIBRARY_PATH, the ldconfig cache "
-                               "or the nvidia-*-cu runtime wheels)"))
+            out.append(
+                Finding(
+                    "elf",
+                    False,
+                    f"{lib} needs {name}, which does not resolve on this "
+                    "machine (not in RPATH/RUNPATH, LD_LIBRARY_PATH, the ldconfig cache "
+                    "or the nvidia-*-cu runtime wheels)",
+                )
+            )
         else:
             out.append(Finding("elf", True, f"{lib}: {name} -> {resolves[name]}"))
     if not out:
@@ -157,6 +206,7 @@ def check_needed(lib: str, needed: Iterable[str], torch_cuda: int | None,
 
 
 # ------------------------------------------------------------------ facts (edge)
+
 
 def read_elf(path: Path) -> tuple[list[str], list[str]]:
     """(DT_NEEDED, RPATH+RUNPATH entries) of an ELF shared object, via pyelftools."""
@@ -205,8 +255,9 @@ def nvidia_wheel_dirs() -> list[str]:
     return dirs
 
 
-def resolve(name: str, rpaths: Sequence[str], cache: Mapping[str, str],
-            extra_dirs: Sequence[str] = ()) -> str | None:
+def resolve(
+    name: str, rpaths: Sequence[str], cache: Mapping[str, str], extra_dirs: Sequence[str] = ()
+) -> str | None:
     search = [*rpaths, *os.environ.get("LD_LIBRARY_PATH", "").split(":"), *extra_dirs]
     for d in search:
         if d and (Path(d) / name).exists():
@@ -228,8 +279,11 @@ def native_modules(dist: str) -> list[Path]:
         files = md.files(dist) or []
     except md.PackageNotFoundError:
         return []
-    return [Path(str(f.locate())) for f in files if str(f).endswith(".so") and "/" in str(f)
-            and not str(f).split("/")[0].endswith(".libs")]
+    return [
+        Path(str(f.locate()))
+        for f in files
+        if str(f).endswith(".so") and "/" in str(f) and not str(f).split("/")[0].endswith(".libs")
+    ]
 
 
 def torch_cuda_major() -> int | None:
@@ -244,8 +298,9 @@ def torch_cuda_major() -> int | None:
 def run(connectors: Sequence[str], torch_cuda: int | None) -> Report:
     report = Report()
     inst = installed_distributions()
-    report.distributions = {d: v for d, v in inst.items()
-                            if d in MOONCAKE_VARIANTS or d in NIXL_VARIANTS or d == "nixl"}
+    report.distributions = {
+        d: v for d, v in inst.items() if d in MOONCAKE_VARIANTS or d in NIXL_VARIANTS or d == "nixl"
+    }
     report.findings += check_distributions(inst, torch_cuda, connectors)
     cache = ldconfig_cache()
     extra = nvidia_wheel_dirs()
@@ -272,8 +327,11 @@ def run(connectors: Sequence[str], torch_cuda: int | None) -> Report:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pd_sessions.canary")
     p.add_argument("connectors", nargs="+", choices=sorted(IMPORTS))
-    p.add_argument("--torch-cuda-major", default=None,
-                   help="override torch's CUDA major ('none' for CPU-only); default: ask torch")
+    p.add_argument(
+        "--torch-cuda-major",
+        default=None,
+        help="override torch's CUDA major ('none' for CPU-only); default: ask torch",
+    )
     args = p.parse_args(argv)
     if args.torch_cuda_major is None:
         cuda = torch_cuda_major()

@@ -73,8 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("sweep", help="a built-in sweep name (e.g. mooncake_sweep) or a .toml path")
     add_sweep_options(s)
 
-    v = sub.add_parser("serve", help="start one config, print how to reach it, and keep it up until "
-                                     "Ctrl-C or SIGTERM")
+    v = sub.add_parser(
+        "serve", help="start one config, print how to reach it, and keep it up until Ctrl-C or SIGTERM"
+    )
     v.add_argument("sweep", help="a built-in sweep name (e.g. mooncake_sweep) or a .toml path")
     add_common_options(v)
 
@@ -87,10 +88,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def overrides(args: argparse.Namespace) -> Overrides:
     """The command line's per-run overrides (checked; applied per config later)."""
-    return make_overrides(sets=args.set_fields, model=args.model, revision=args.revision,
-                          extra_args=args.extra_arg,
-                          named={"mooncake_protocol": args.mooncake_protocol,
-                                 "mooncake_device_name": args.mooncake_device_name or None})
+    return make_overrides(
+        sets=args.set_fields,
+        model=args.model,
+        revision=args.revision,
+        extra_args=args.extra_arg,
+        named={
+            "mooncake_protocol": args.mooncake_protocol,
+            "mooncake_device_name": args.mooncake_device_name or None,
+        },
+    )
 
 
 def _selection(args: argparse.Namespace) -> Selection:
@@ -99,10 +106,12 @@ def _selection(args: argparse.Namespace) -> Selection:
     over = overrides(args)
     sweep = load(args.sweep)
     env = facts(import_torch=False, full=False)
-    platform, inv, note = preflight(sweep, args.platform, hosts.detect(), dry_run=args.dry_run,
-                                    share_gpus=args.share_gpus)
-    entries, left_out = select(sweep.entries(platform), platform, only=only,
-                               include_opt_in=args.include_opt_in)
+    platform, inv, note = preflight(
+        sweep, args.platform, hosts.detect(), dry_run=args.dry_run, share_gpus=args.share_gpus
+    )
+    entries, left_out = select(
+        sweep.entries(platform), platform, only=only, include_opt_in=args.include_opt_in
+    )
     configs = [over.apply(e.config) for e in entries]
     left_out = tuple(dataclasses.replace(e, config=over.apply(e.config)) for e in left_out)
     return Selection(sweep, platform, inv, note, configs, left_out, only, over, env)
@@ -124,30 +133,55 @@ class Selection:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    commands = user_commands.from_cli(args.user_commands, python=sys.executable, dry_run=args.dry_run,
-                                      have_pytest=importlib.util.find_spec("pytest") is not None)
+    commands = user_commands.from_cli(
+        args.user_commands,
+        python=sys.executable,
+        dry_run=args.dry_run,
+        have_pytest=importlib.util.find_spec("pytest") is not None,
+    )
     sel = _selection(args)
     sweep, platform, inv, note, configs, left_out, only, over, env = (
-        sel.sweep, sel.platform, sel.inv, sel.note, sel.configs, sel.left_out, sel.only, sel.over, sel.env)
+        sel.sweep,
+        sel.platform,
+        sel.inv,
+        sel.note,
+        sel.configs,
+        sel.left_out,
+        sel.only,
+        sel.over,
+        sel.env,
+    )
     stamp = time.strftime("%Y%m%d-%H%M%S")
     results_dir = (args.results_dir or Path("results") / f"{sweep.name}-{stamp}").resolve()
-    opts = SweepOptions(platform=platform, results_dir=results_dir,
-                        allow_unpinned=args.allow_unpinned_remote_code, share_gpus=args.share_gpus,
-                        accuracy=AccuracyOptions(mode=args.accuracy, rule=args.accuracy_rule,
-                                                 limit=args.accuracy_limit,
-                                                 allow_sample_mismatch=args.allow_sample_mismatch,
-                                                 record_baseline=args.record_baseline),
-                        skip_checks=tuple(args.skip_check), overrides=tuple(over.describe()),
-                        commands=commands, exec_timeout_s=args.exec_timeout,
-                        selected_checks=sweep.checks, check_options=sweep.check_options,
-                        **({"deadline_s": args.deadline} if args.deadline else {}),
-                        **({"grace_s": args.grace} if args.grace is not None else {}))
+    opts = SweepOptions(
+        platform=platform,
+        results_dir=results_dir,
+        allow_unpinned=args.allow_unpinned_remote_code,
+        share_gpus=args.share_gpus,
+        accuracy=AccuracyOptions(
+            mode=args.accuracy,
+            rule=args.accuracy_rule,
+            limit=args.accuracy_limit,
+            allow_sample_mismatch=args.allow_sample_mismatch,
+            record_baseline=args.record_baseline,
+        ),
+        skip_checks=tuple(args.skip_check),
+        overrides=tuple(over.describe()),
+        commands=commands,
+        exec_timeout_s=args.exec_timeout,
+        selected_checks=sweep.checks,
+        check_options=sweep.check_options,
+        **({"deadline_s": args.deadline} if args.deadline else {}),
+        **({"grace_s": args.grace} if args.grace is not None else {}),
+    )
 
     if platform == "cpu":
-        why = ("forced by --platform cpu" if args.platform == "cpu"
-               else f"no GPU visible (GPU source: {inv.gpu_source})")
-        lane = (f"CPU LANE ({why}): vLLM's CPU build, the generated tiny model, "
-                f"{len(inv.cpus)} cores")
+        why = (
+            "forced by --platform cpu"
+            if args.platform == "cpu"
+            else f"no GPU visible (GPU source: {inv.gpu_source})"
+        )
+        lane = f"CPU LANE ({why}): vLLM's CPU build, the generated tiny model, {len(inv.cpus)} cores"
     else:
         lane = f"CUDA: GPUs {','.join(inv.gpus)} (from {inv.gpu_source})"
     say(f"{sweep.name}: {lane}")
@@ -163,66 +197,94 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if rdma:
         say(f"WARNING: {rdma}")
     if args.skip_check:
-        say(f"checks skipped by request (--skip-check): {', '.join(args.skip_check)}; "
-            "recorded in summary.json")
+        say(
+            f"checks skipped by request (--skip-check): {', '.join(args.skip_check)}; "
+            "recorded in summary.json"
+        )
     if args.accuracy == "warn":
         say("accuracy: --accuracy=warn: misses and missing baselines are reported, not failed")
     if args.allow_unpinned_remote_code:
-        say("remote code: --allow-unpinned-remote-code given: configs with trust_remote_code and "
-            "no revision run UNPINNED (recorded in the results)")
+        say(
+            "remote code: --allow-unpinned-remote-code given: configs with trust_remote_code and "
+            "no revision run UNPINNED (recorded in the results)"
+        )
     say(f"configs: {', '.join(c.name for c in configs) or 'none'}")
     say(f"checks: {', '.join(opts.checks)}")
     for c in commands:
         say(f"after the checks, each config runs {c.name}: {c.given} (timeout {args.exec_timeout:g} s)")
     for e in left_out:
         why = e.opt_in_reason if not only else "not named by --only"
-        say(f"left out: {e.config.name} ({e.config.shape}): {why}"
-            + ("; run it with --include-opt-in" if not only else ""))
+        say(
+            f"left out: {e.config.name} ({e.config.shape}): {why}"
+            + ("; run it with --include-opt-in" if not only else "")
+        )
     if not configs:
         raise UsageError("no config selected: nothing to run")
 
     if args.dry_run:
         # Left-out configs are planned too (marked), so every plan can be reviewed.
         shown = [(c, "") for c in configs] + [
-            (e.config, "  (left out of this run)") for e in left_out if not only]
+            (e.config, "  (left out of this run)") for e in left_out if not only
+        ]
         for c, mark in shown:
             with PortAllocator(c.host) as ports:
-                print(make_plan(c, inv, ports, opts, create_model=False).render().replace(
-                    "\n", mark + "\n", 1))
+                print(
+                    make_plan(c, inv, ports, opts, create_model=False).render().replace("\n", mark + "\n", 1)
+                )
         say(f"dry run: {len(shown)} plans, nothing was launched")
         return 0
 
     unfinished.check_writable(results_dir)  # exit 2 before anything starts
     say(f"results and logs: {results_dir}")
     results = []
-    provisional = unfinished.Provisional(configs, results_dir, suite=sweep.name, platform=platform,
-                                         checks=opts.checks, skipped=opts.skip_checks)
+    provisional = unfinished.Provisional(
+        configs,
+        results_dir,
+        suite=sweep.name,
+        platform=platform,
+        checks=opts.checks,
+        skipped=opts.skip_checks,
+    )
     try:  # the lifeline: see lifeline.py (parent death, the reaper)
-        with lifeline.Lifeline(results_dir, grace_s=opts.grace_s, warn=say) as life, \
-                process.observed(life.reaper):
+        with (
+            lifeline.Lifeline(results_dir, grace_s=opts.grace_s, warn=say) as life,
+            process.observed(life.reaper),
+        ):
             results = run_sweep(configs, inv, opts, say, results=results, on_change=provisional)
     except BaseException as e:  # a stop: the cut-short config is cancelled, the rest not run
-        results = unfinished.complete(configs, results, platform=platform,
-                                      cause=unfinished.stop_cause(e))
+        results = unfinished.complete(configs, results, platform=platform, cause=unfinished.stop_cause(e))
         raise
     finally:
-        meta = {"sweep": sweep.name, "platform": platform, "pd_sessions": __version__,
-                "allow_unpinned_remote_code": args.allow_unpinned_remote_code,
-                "accuracy_mode": args.accuracy, "skipped_checks": list(args.skip_check),
-                "gpus": list(inv.gpus), "cpus": len(inv.cpus),
-                "overrides": over.describe(),
-                "environment": env,
-                "left_out": [{"name": e.config.name, "reason": e.opt_in_reason} for e in left_out]}
+        meta = {
+            "sweep": sweep.name,
+            "platform": platform,
+            "pd_sessions": __version__,
+            "allow_unpinned_remote_code": args.allow_unpinned_remote_code,
+            "accuracy_mode": args.accuracy,
+            "skipped_checks": list(args.skip_check),
+            "gpus": list(inv.gpus),
+            "cpus": len(inv.cpus),
+            "overrides": over.describe(),
+            "environment": env,
+            "left_out": [{"name": e.config.name, "reason": e.opt_in_reason} for e in left_out],
+        }
         if results:
             write_summary(results, results_dir, meta)
-            write_junit(results, results_dir / "junit.xml", suite=sweep.name, expected_checks=opts.checks,
-                        skipped_checks=opts.skip_checks)
+            write_junit(
+                results,
+                results_dir / "junit.xml",
+                suite=sweep.name,
+                expected_checks=opts.checks,
+                skipped_checks=opts.skip_checks,
+            )
             print("\n" + table(results), flush=True)
             if annotate(results, sweep=sweep.name):
                 say("summary added as a Buildkite annotation")
     failed = [r.name for r in results if r.outcome != "passed"]
-    say(f"{len(results) - len(failed)}/{len(results)} configs passed"
-        + (f"; failed: {', '.join(failed)}" if failed else ""))
+    say(
+        f"{len(results) - len(failed)}/{len(results)} configs passed"
+        + (f"; failed: {', '.join(failed)}" if failed else "")
+    )
     return 1 if failed else 0
 
 
@@ -230,18 +292,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pd_sessions import serve
 
     sel = _selection(args)
-    sweep, platform, inv, note, configs, only = (sel.sweep, sel.platform, sel.inv, sel.note, sel.configs,
-                                                 sel.only)
+    sweep, platform, inv, note, configs, only = (
+        sel.sweep,
+        sel.platform,
+        sel.inv,
+        sel.note,
+        sel.configs,
+        sel.only,
+    )
     if len(only) != 1 or len(configs) != 1:
         names = ", ".join(e.config.name for e in sweep.entries(platform))
         raise UsageError(f"serve starts one config: name it with --only (known in {sweep.name}: {names})")
     (config,) = configs
-    opts = SweepOptions(platform=platform, allow_unpinned=args.allow_unpinned_remote_code,
-                        share_gpus=args.share_gpus, overrides=tuple(sel.over.describe()),
-                        results_dir=(args.results_dir or Path("results") / f"serve-{sweep.name}-"
-                                     f"{time.strftime('%Y%m%d-%H%M%S')}").resolve(),
-                        **({"deadline_s": args.deadline} if args.deadline else {}),
-                        **({"grace_s": args.grace} if args.grace is not None else {}))
+    opts = SweepOptions(
+        platform=platform,
+        allow_unpinned=args.allow_unpinned_remote_code,
+        share_gpus=args.share_gpus,
+        overrides=tuple(sel.over.describe()),
+        results_dir=(
+            args.results_dir or Path("results") / f"serve-{sweep.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        ).resolve(),
+        **({"deadline_s": args.deadline} if args.deadline else {}),
+        **({"grace_s": args.grace} if args.grace is not None else {}),
+    )
     for line in summary_lines(sel.env):
         say(line)
     if note:
@@ -253,8 +326,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(make_plan(config, inv, ports, opts, create_model=False).render())
         say("dry run: nothing was launched")
         return 0
-    say(f"serve {sweep.name} {config.name} ({config.shape}, {config.connector}) on {platform}; "
-        f"logs in {opts.results_dir / config.name}")
+    say(
+        f"serve {sweep.name} {config.name} ({config.shape}, {config.connector}) on {platform}; "
+        f"logs in {opts.results_dir / config.name}"
+    )
     try:
         serve.serve(config, inv, opts, progress=say, emit=lambda line: print(line, flush=True))
     except (Stopped, KeyboardInterrupt) as e:
@@ -272,19 +347,33 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
 
 def cmd_inventory(args: argparse.Namespace) -> int:
     inv = hosts.detect()
-    print(json.dumps({"gpus": list(inv.gpus), "cpus": list(inv.cpus), "gpu_source": inv.gpu_source,
-                      "platform": hosts.resolve_platform(None, inv)}))
+    print(
+        json.dumps(
+            {
+                "gpus": list(inv.gpus),
+                "cpus": list(inv.cpus),
+                "gpu_source": inv.gpu_source,
+                "platform": hosts.resolve_platform(None, inv),
+            }
+        )
+    )
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     install_signal_handlers()
-    commands = {"sweep": cmd_sweep, "serve": cmd_serve, "tiny-model": cmd_tiny_model,
-                "inventory": cmd_inventory}
+    commands = {
+        "sweep": cmd_sweep,
+        "serve": cmd_serve,
+        "tiny-model": cmd_tiny_model,
+        "inventory": cmd_inventory,
+    }
     return run_command(lambda: commands[args.command](args), prog="pd-sessions")
 
 

@@ -44,9 +44,9 @@ ROUTER_PROBE_PROMPT = "Ready"
 class Event:
     """A moment in a cluster's life, for observers (the benchmark): see ``running_cluster``."""
 
-    kind: str                      # "spawned" | "ready"
-    name: str                      # the process: "prefill-0", "router"...
-    at: float                      # time.monotonic()
+    kind: str  # "spawned" | "ready"
+    name: str  # the process: "prefill-0", "router"...
+    at: float  # time.monotonic()
     health_url: str | None = None  # with "spawned"
 
 
@@ -70,8 +70,14 @@ class Cluster:
     def router_url(self) -> str:
         return self.plan.router.url
 
-    def guard(self, call: Callable[[], T], *, when: str = "while checks ran",
-              timeout: float | None = None, heartbeat: Callable[[], None] | None = None) -> T:
+    def guard(
+        self,
+        call: Callable[[], T],
+        *,
+        when: str = "while checks ran",
+        timeout: float | None = None,
+        heartbeat: Callable[[], None] | None = None,
+    ) -> T:
         """Run ``call``; fail at once if any process of the cluster exits meanwhile."""
         return guarded(call, watch=self.processes, when=when, timeout=timeout, heartbeat=heartbeat)
 
@@ -79,12 +85,12 @@ class Cluster:
 def spawn_spec(spec: ProcessSpec, run_dir: Path, base_env: Mapping[str, str]) -> Running:
     """Start one planned process, its output going to ``run_dir/<log_name>``."""
     env = {**base_env, **spec.env_dict()}
-    return process.spawn(spec.name, spec.argv, env=env, log_path=run_dir / spec.log_name,
-                         url=spec.url)
+    return process.spawn(spec.name, spec.argv, env=env, log_path=run_dir / spec.log_name, url=spec.url)
 
 
-def _router_completion_probe(cluster: Cluster, deadline: float, tick: float,
-                             say: Callable[[str], None], pd_path: bool = False) -> None:
+def _router_completion_probe(
+    cluster: Cluster, deadline: float, tick: float, say: Callable[[str], None], pd_path: bool = False
+) -> None:
     """Retry a 1-token completion through the router until it answers or the deadline.
     ``pd_path``: the deadline is the P/D path budget (every instance healthy), so running
     out of it raises PdPathFailed with the router's answer and the decodes' error lines."""
@@ -93,8 +99,10 @@ def _router_completion_probe(cluster: Cluster, deadline: float, tick: float,
     t0 = time.monotonic()
 
     def heartbeat() -> None:
-        say(f"waiting {time.monotonic() - t0:.0f} s (deadline in {deadline - time.monotonic():.0f} s) "
-            f"for a 1-token completion through the router (last: {last})")
+        say(
+            f"waiting {time.monotonic() - t0:.0f} s (deadline in {deadline - time.monotonic():.0f} s) "
+            f"for a 1-token completion through the router (last: {last})"
+        )
 
     while True:
         remaining = deadline - time.monotonic()
@@ -103,19 +111,38 @@ def _router_completion_probe(cluster: Cluster, deadline: float, tick: float,
             assert r is not None
             if pd_path:  # every instance is healthy: the P/D path itself keeps failing
                 raise pairs.PdPathFailed(
-                    f"router ({plan.router.url})", waited_s=time.monotonic() - t0, last=last,
-                    router_answer=last, decode=", ".join(d.name for d in plan.decode),
-                    decode_errors=[f"{i.name}: {line}" for i in cluster.instances
-                                   if i.name.startswith("decode") for line in pairs.log_errors(i.log_path)])
-            raise ReadinessTimeout("router", url=plan.router.url,
-                                   waited_s=time.monotonic() - r.started_at,
-                                   last_probe=f"1-token completion: {last}",
-                                   log_path=r.log_path, log_tail=r.log_tail())
+                    f"router ({plan.router.url})",
+                    waited_s=time.monotonic() - t0,
+                    last=last,
+                    router_answer=last,
+                    decode=", ".join(d.name for d in plan.decode),
+                    decode_errors=[
+                        f"{i.name}: {line}"
+                        for i in cluster.instances
+                        if i.name.startswith("decode")
+                        for line in pairs.log_errors(i.log_path)
+                    ],
+                )
+            raise ReadinessTimeout(
+                "router",
+                url=plan.router.url,
+                waited_s=time.monotonic() - r.started_at,
+                last_probe=f"1-token completion: {last}",
+                log_path=r.log_path,
+                log_tail=r.log_tail(),
+            )
         try:
-            cluster.guard(lambda: http.completion(plan.router.url, plan.served_model_name,
-                                                  ROUTER_PROBE_PROMPT, max_tokens=1,
-                                                  timeout=min(remaining, 120.0)),
-                          when="while the router was starting", heartbeat=heartbeat)
+            cluster.guard(
+                lambda: http.completion(
+                    plan.router.url,
+                    plan.served_model_name,
+                    ROUTER_PROBE_PROMPT,
+                    max_tokens=1,
+                    timeout=min(remaining, 120.0),
+                ),
+                when="while the router was starting",
+                heartbeat=heartbeat,
+            )
             return
         except http.HttpError as e:
             last = str(e)
@@ -123,13 +150,20 @@ def _router_completion_probe(cluster: Cluster, deadline: float, tick: float,
 
 
 @contextmanager
-def running_cluster(plan: ClusterPlan, run_dir: Path, *, ports: PortAllocator | None = None,
-                    deadline_s: float = DEFAULT_DEADLINE_S, grace_s: float = DEFAULT_GRACE_S,
-                    progress: Callable[[str], None] | None = None,
-                    base_env: Mapping[str, str] | None = None, tick: float = 0.1,
-                    timings: dict[str, float] | None = None,
-                    on_event: Callable[[Event], None] | None = None,
-                    pd_path_budget_s: float = pairs.PD_PATH_BUDGET_S) -> Iterator[Cluster]:
+def running_cluster(
+    plan: ClusterPlan,
+    run_dir: Path,
+    *,
+    ports: PortAllocator | None = None,
+    deadline_s: float = DEFAULT_DEADLINE_S,
+    grace_s: float = DEFAULT_GRACE_S,
+    progress: Callable[[str], None] | None = None,
+    base_env: Mapping[str, str] | None = None,
+    tick: float = 0.1,
+    timings: dict[str, float] | None = None,
+    on_event: Callable[[Event], None] | None = None,
+    pd_path_budget_s: float = pairs.PD_PATH_BUDGET_S,
+) -> Iterator[Cluster]:
     """Start ``plan`` and yield the ready :class:`Cluster`; always tear it down.
 
     ``ports`` (the allocator that planned the ports) is released right before
@@ -157,11 +191,14 @@ def running_cluster(plan: ClusterPlan, run_dir: Path, *, ports: PortAllocator | 
             # second), so its own start-up is hidden behind the instances'.
             cluster.router = spawn_spec(plan.router, run_dir, env)
         tell(Event("spawned", "router", cluster.router.started_at, plan.router.health_url))
-        say(f"{plan.config.name}: started {len(plan.instances)} instances and the router; "
-            f"waiting up to {deadline_s:.0f} s for them (logs in {run_dir})")
-        targets = [Target(r, [health_probe(s.health_url),
-                              models_probe(s.url, plan.served_model_name)])
-                   for r, s in zip(cluster.instances, plan.instances)]
+        say(
+            f"{plan.config.name}: started {len(plan.instances)} instances and the router; "
+            f"waiting up to {deadline_s:.0f} s for them (logs in {run_dir})"
+        )
+        targets = [
+            Target(r, [health_probe(s.health_url), models_probe(s.url, plan.served_model_name)])
+            for r, s in zip(cluster.instances, plan.instances)
+        ]
         wait_ready(targets, deadline=deadline, also_alive=[cluster.router], progress=say, tick=tick)
         for t in targets:
             assert t.ready_at is not None
@@ -172,21 +209,32 @@ def running_cluster(plan: ClusterPlan, run_dir: Path, *, ports: PortAllocator | 
         # Every instance is healthy: from here a P/D path that keeps failing ends the wait
         # within the budget, not at the overall deadline.
         pd_deadline = min(deadline, time.monotonic() + pd_path_budget_s)
-        took = pairs.warm_pairs(plan, deadline=pd_deadline,
-                                logs={r.name: r.log_path for r in cluster.instances},
-                                guard=lambda call: cluster.guard(call, when="while warming P/D pairs"),
-                                say=say)
+        took = pairs.warm_pairs(
+            plan,
+            deadline=pd_deadline,
+            logs={r.name: r.log_path for r in cluster.instances},
+            guard=lambda call: cluster.guard(call, when="while warming P/D pairs"),
+            say=say,
+        )
         cluster.timings["pairs_warm"] = time.monotonic() - t1
-        say(f"{plan.config.name}: warmed {len(took)} P/D pair(s) with a request aimed at each "
-            f"({', '.join(f'{k} {v:.1f} s' for k, v in took.items())})")
-        wait_ready([Target(cluster.router, [health_probe(plan.router.health_url)])],
-                   deadline=deadline, also_alive=cluster.instances, progress=say, tick=tick)
-        _router_completion_probe(cluster, pd_deadline, tick=0.2, say=say,
-                                 pd_path=pd_deadline < deadline)
+        say(
+            f"{plan.config.name}: warmed {len(took)} P/D pair(s) with a request aimed at each "
+            f"({', '.join(f'{k} {v:.1f} s' for k, v in took.items())})"
+        )
+        wait_ready(
+            [Target(cluster.router, [health_probe(plan.router.health_url)])],
+            deadline=deadline,
+            also_alive=cluster.instances,
+            progress=say,
+            tick=tick,
+        )
+        _router_completion_probe(cluster, pd_deadline, tick=0.2, say=say, pd_path=pd_deadline < deadline)
         cluster.timings["router_ready"] = time.monotonic() - t1
         tell(Event("ready", "router", time.monotonic()))
-        say(f"{plan.config.name}: cluster ready after {time.monotonic() - t0:.1f} s "
-            f"(router {plan.router.url})")
+        say(
+            f"{plan.config.name}: cluster ready after {time.monotonic() - t0:.1f} s "
+            f"(router {plan.router.url})"
+        )
         yield cluster
     except PdError as e:
         # Said before teardown, so the failure shows the moment it is detected.
@@ -201,8 +249,9 @@ def running_cluster(plan: ClusterPlan, run_dir: Path, *, ports: PortAllocator | 
             cluster.timings["teardown"] = time.monotonic() - t2
 
 
-def teardown(router: Running | None, instances: Sequence[Running], *,
-             grace_s: float = DEFAULT_GRACE_S) -> None:
+def teardown(
+    router: Running | None, instances: Sequence[Running], *, grace_s: float = DEFAULT_GRACE_S
+) -> None:
     """Stop the router and the instances together, under one shared grace: SIGTERM to all
     (the router's first), one wait of at most ``grace_s``, SIGKILL to what is left, every PID
     verified gone (StopError names survivors).

@@ -114,8 +114,7 @@ class ClusterConfig:
         """Human shape, e.g. 'P1xTP2 + D1xTP2'."""
         dp = f",DP{self.decode_dp}" if self.decode_dp > 1 else ""
         ep = "+EP" if self.expert_parallel else ""
-        return (f"{self.num_prefill}xP(TP{self.prefill_tp}) + "
-                f"{self.num_decode}xD(TP{self.decode_tp}{dp}{ep})")
+        return f"{self.num_prefill}xP(TP{self.prefill_tp}) + {self.num_decode}xD(TP{self.decode_tp}{dp}{ep})"
 
     @property
     def decode_ranks(self) -> int:
@@ -149,17 +148,21 @@ class Sweep:
 
     def entries(self, platform: str) -> tuple[SweepEntry, ...]:
         if platform not in self.entries_by_platform:
-            raise ConfigError("platform", f"sweep {self.name} runs on {', '.join(self.platforms)} "
-                              f"only, not {platform}")
+            raise ConfigError(
+                "platform", f"sweep {self.name} runs on {', '.join(self.platforms)} only, not {platform}"
+            )
         return self.entries_by_platform[platform]
 
     def gpus_needed(self) -> int:
         """The most GPUs any config of this sweep needs (for the cuda platform)."""
-        return max(e.config.num_prefill * e.config.prefill_tp + e.config.num_decode * e.config.decode_ranks
-                   for e in self.entries(self.platforms[-1]))
+        return max(
+            e.config.num_prefill * e.config.prefill_tp + e.config.num_decode * e.config.decode_ranks
+            for e in self.entries(self.platforms[-1])
+        )
 
 
 # ---------------------------------------------------------------- validation
+
 
 def _check_int(cfg_field: str, value: Any, lo: int, hi: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
@@ -181,7 +184,9 @@ def validate_cluster(c: ClusterConfig) -> None:
     if not c.name or not all(ch.isalnum() or ch in "-_." for ch in c.name):
         raise ConfigError("name", f"got {c.name!r}; allowed: letters, digits, '-', '_', '.'")
     if not isinstance(c.model, str) or not c.model:
-        raise ConfigError("model", f"got {c.model!r}; allowed: a hub id, a local path or one of {', '.join(TINY_MODELS)}")
+        raise ConfigError(
+            "model", f"got {c.model!r}; allowed: a hub id, a local path or one of {', '.join(TINY_MODELS)}"
+        )
     _check_choice("connector", c.connector, CONNECTORS)
     _check_int("num_prefill", c.num_prefill, 1, MAX_INSTANCES)
     _check_int("num_decode", c.num_decode, 1, MAX_INSTANCES)
@@ -192,9 +197,11 @@ def validate_cluster(c: ClusterConfig) -> None:
         if not isinstance(getattr(c, flag), bool):
             raise ConfigError(flag, f"got {getattr(c, flag)!r}; allowed: true, false")
     if (c.expert_parallel or c.decode_dp > 1) and not c.moe:
-        raise ConfigError("expert_parallel" if c.expert_parallel else "decode_dp",
-                          f"decode DP/EP is only for mixture-of-experts models; {c.model!r} is not "
-                          "marked moe = true in the config")
+        raise ConfigError(
+            "expert_parallel" if c.expert_parallel else "decode_dp",
+            f"decode DP/EP is only for mixture-of-experts models; {c.model!r} is not "
+            "marked moe = true in the config",
+        )
     if c.revision is not None and (not isinstance(c.revision, str) or not c.revision.strip()):
         raise ConfigError("revision", f"got {c.revision!r}; allowed: a commit hash or tag")
     u = c.gpu_memory_utilization
@@ -207,23 +214,30 @@ def validate_cluster(c: ClusterConfig) -> None:
     if c.dtype is not None:
         _check_choice("dtype", c.dtype, DTYPES)
     if not isinstance(c.extra_args, tuple) or not all(isinstance(a, str) for a in c.extra_args):
-        raise ConfigError("extra_args", f"got {c.extra_args!r}; allowed: a list of strings, "
-                          "one per argument (e.g. [\"--enforce-eager\"])")
+        raise ConfigError(
+            "extra_args",
+            f'got {c.extra_args!r}; allowed: a list of strings, one per argument (e.g. ["--enforce-eager"])',
+        )
     if not isinstance(c.extra_env, tuple) or not all(
-            isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, str) for x in p)
-            for p in c.extra_env):
+        isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in c.extra_env
+    ):
         raise ConfigError("extra_env", f"got {c.extra_env!r}; allowed: a table of string values")
     _check_choice("mooncake_protocol", c.mooncake_protocol, MOONCAKE_PROTOCOLS)
     if not isinstance(c.mooncake_device_name, str):
         raise ConfigError("mooncake_device_name", f"got {c.mooncake_device_name!r}; allowed: a string")
     if c.router_port is not None:
         _check_port("router_port", c.router_port)
-    for name, ports, count in (("prefill_ports", c.prefill_ports, c.num_prefill),
-                               ("decode_ports", c.decode_ports, c.num_decode)):
+    for name, ports, count in (
+        ("prefill_ports", c.prefill_ports, c.num_prefill),
+        ("decode_ports", c.decode_ports, c.num_decode),
+    ):
         if ports:
             if len(ports) != count:
-                raise ConfigError(name, f"got {len(ports)} ports {list(ports)}; allowed: none "
-                                  f"(allocate) or exactly {count} (one per instance)")
+                raise ConfigError(
+                    name,
+                    f"got {len(ports)} ports {list(ports)}; allowed: none "
+                    f"(allocate) or exactly {count} (one per instance)",
+                )
             for p in ports:
                 _check_port(name, p)
     explicit = [p for p in (c.router_port, *c.prefill_ports, *c.decode_ports) if p is not None]
@@ -238,8 +252,10 @@ def validate_cluster(c: ClusterConfig) -> None:
     if c.decode_weights_seed is not None:
         _check_int("decode_weights_seed", c.decode_weights_seed, 0, 2**31 - 1)
         if c.model not in TINY_MODELS:
-            raise ConfigError("decode_weights_seed", f"only for the generated tiny models "
-                              f"({', '.join(TINY_MODELS)}), not {c.model!r}")
+            raise ConfigError(
+                "decode_weights_seed",
+                f"only for the generated tiny models ({', '.join(TINY_MODELS)}), not {c.model!r}",
+            )
     if c.host != "127.0.0.1" and not c.host:
         raise ConfigError("host", "must not be empty")
 
@@ -256,16 +272,18 @@ def _coerce(raw: dict[str, Any], *, where: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in raw.items():
         if key not in _FIELDS:
-            raise ConfigError(key, f"unknown field{did_you_mean(key, _FIELDS)}; "
-                              f"allowed: {', '.join(sorted(_FIELDS))}", source=where)
+            raise ConfigError(
+                key,
+                f"unknown field{did_you_mean(key, _FIELDS)}; allowed: {', '.join(sorted(_FIELDS))}",
+                source=where,
+            )
         if key in _TUPLE_FIELDS:
             if not isinstance(value, list):
                 raise ConfigError(key, f"got {value!r}; allowed: a list", source=where)
             value = tuple(value)
         elif key == "extra_env":
             if not isinstance(value, dict):
-                raise ConfigError(key, f"got {value!r}; allowed: a table NAME = \"value\"",
-                                  source=where)
+                raise ConfigError(key, f'got {value!r}; allowed: a table NAME = "value"', source=where)
             value = tuple((str(k), v if isinstance(v, str) else repr(v)) for k, v in value.items())
         out[key] = value
     return out
@@ -291,8 +309,16 @@ def load_sweep(path: Path) -> Sweep:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError("toml", str(e), source=where) from None
     for key in data:
-        top = ["name", "description", "platforms", "defaults", "platform", "config", "checks",
-               "check_options"]
+        top = [
+            "name",
+            "description",
+            "platforms",
+            "defaults",
+            "platform",
+            "config",
+            "checks",
+            "check_options",
+        ]
         if key not in top:
             raise ConfigError(key, f"unknown top-level key{did_you_mean(key, top)}", source=where)
     name = data.get("name")
@@ -326,15 +352,24 @@ def load_sweep(path: Path) -> Sweep:
                 raise ConfigError("name", f"config name {cfg.name!r} appears twice", source=loc)
             seen.add(cfg.name)
             if plat not in default_on and not reason:
-                raise ConfigError("opt_in_reason", f"config {cfg.name!r} is opt-in on {plat}: "
-                                  "say why in opt_in_reason", source=loc)
+                raise ConfigError(
+                    "opt_in_reason",
+                    f"config {cfg.name!r} is opt-in on {plat}: say why in opt_in_reason",
+                    source=loc,
+                )
             entries.append(SweepEntry(cfg, default_on, reason))
         by_platform[plat] = tuple(entries)
     checks = registry.resolve(data.get("checks"), source=where)
     check_options = registry.resolve_options(data.get("check_options"), source=where)
-    return Sweep(name=name, description=data.get("description", ""), source=where,
-                 platforms=platforms, entries_by_platform=by_platform, checks=checks,
-                 check_options=check_options)
+    return Sweep(
+        name=name,
+        description=data.get("description", ""),
+        source=where,
+        platforms=platforms,
+        entries_by_platform=by_platform,
+        checks=checks,
+        check_options=check_options,
+    )
 
 
 def _check_choice_src(cfg_field: str, value: Any, choices: tuple[str, ...], where: str) -> None:
@@ -359,8 +394,9 @@ def builtin_sweep(name: str) -> Sweep:
     """Load ``pd_sessions/configs/<name>.toml``."""
     known = builtin_sweep_names()
     if name not in known:
-        raise ConfigError("sweep", f"no sweep named {name!r}{did_you_mean(name, known)}; "
-                          f"known: {', '.join(known)}")
+        raise ConfigError(
+            "sweep", f"no sweep named {name!r}{did_you_mean(name, known)}; known: {', '.join(known)}"
+        )
     return load_sweep(CONFIG_DIR / f"{name}.toml")
 
 
@@ -369,8 +405,13 @@ def builtin_sweep_names() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.toml") if "config" in tomllib.loads(p.read_text()))
 
 
-def select(entries: tuple[SweepEntry, ...], platform: str, *, only: tuple[str, ...] = (),
-           include_opt_in: bool = False) -> tuple[tuple[SweepEntry, ...], tuple[SweepEntry, ...]]:
+def select(
+    entries: tuple[SweepEntry, ...],
+    platform: str,
+    *,
+    only: tuple[str, ...] = (),
+    include_opt_in: bool = False,
+) -> tuple[tuple[SweepEntry, ...], tuple[SweepEntry, ...]]:
     """Choose which entries run. Returns (selected, left_out).
 
     Decision table:
@@ -383,8 +424,9 @@ def select(entries: tuple[SweepEntry, ...], platform: str, *, only: tuple[str, .
     names = [e.config.name for e in entries]
     for o in only:
         if o not in names:
-            raise ConfigError("--only", f"no config named {o!r}{did_you_mean(o, names)}; "
-                              f"known: {', '.join(names)}")
+            raise ConfigError(
+                "--only", f"no config named {o!r}{did_you_mean(o, names)}; known: {', '.join(names)}"
+            )
     selected, left = [], []
     for e in entries:
         if only:
@@ -406,8 +448,8 @@ OVERRIDE_SOURCE = "command line"
 def parse_value(raw: str) -> Any:
     """A ``--set`` value, read as a TOML value; a bare word is a string.
 
-        "16" -> 16   "0.8" -> 0.8   "true" -> True   '["--a", "b"]' -> ["--a", "b"]
-        "{A = \"1\"}" -> {"A": "1"}   "FLASHINFER" -> "FLASHINFER"   '"16"' -> "16"
+    "16" -> 16   "0.8" -> 0.8   "true" -> True   '["--a", "b"]' -> ["--a", "b"]
+    "{A = \"1\"}" -> {"A": "1"}   "FLASHINFER" -> "FLASHINFER"   '"16"' -> "16"
     """
     try:
         return tomllib.loads(f"v = {raw}")["v"]
@@ -445,8 +487,14 @@ class Overrides:
         return make_cluster({**current, **updated}, where=OVERRIDE_SOURCE)
 
 
-def make_overrides(*, sets: Sequence[str] = (), model: str | None = None, revision: str | None = None,
-                   extra_args: Sequence[str] = (), named: Mapping[str, Any] | None = None) -> Overrides:
+def make_overrides(
+    *,
+    sets: Sequence[str] = (),
+    model: str | None = None,
+    revision: str | None = None,
+    extra_args: Sequence[str] = (),
+    named: Mapping[str, Any] | None = None,
+) -> Overrides:
     """Build and check the command line's overrides (nothing is applied yet).
 
     ``sets`` are ``FIELD=VALUE`` items; ``named`` are fields set by their own flags
@@ -463,19 +511,23 @@ def make_overrides(*, sets: Sequence[str] = (), model: str | None = None, revisi
         key, eq, raw = item.partition("=")
         key = key.strip()
         if not eq or not key:
-            raise ConfigError("--set", f"got {item!r}; expected FIELD=VALUE, e.g. block_size=16",
-                              source=OVERRIDE_SOURCE)
+            raise ConfigError(
+                "--set", f"got {item!r}; expected FIELD=VALUE, e.g. block_size=16", source=OVERRIDE_SOURCE
+            )
         fields.append((key, parse_value(raw.strip())))
     for key, _ in fields:
         if key in NOT_OVERRIDABLE:
-            raise ConfigError(key, "cannot be overridden; select configs with --only",
-                              source=OVERRIDE_SOURCE)
+            raise ConfigError(key, "cannot be overridden; select configs with --only", source=OVERRIDE_SOURCE)
         if key not in _FIELDS:
-            raise ConfigError(key, f"unknown field{did_you_mean(key, _FIELDS)}; "
-                              f"allowed: {', '.join(sorted(set(_FIELDS) - set(NOT_OVERRIDABLE)))}",
-                              source=OVERRIDE_SOURCE)
+            raise ConfigError(
+                key,
+                f"unknown field{did_you_mean(key, _FIELDS)}; "
+                f"allowed: {', '.join(sorted(set(_FIELDS) - set(NOT_OVERRIDABLE)))}",
+                source=OVERRIDE_SOURCE,
+            )
     for a in extra_args:
         if not isinstance(a, str) or not a:
-            raise ConfigError("--extra-arg", f"got {a!r}; allowed: one non-empty argv element",
-                              source=OVERRIDE_SOURCE)
+            raise ConfigError(
+                "--extra-arg", f"got {a!r}; allowed: one non-empty argv element", source=OVERRIDE_SOURCE
+            )
     return Overrides(fields=tuple(fields), extra_args=tuple(extra_args))

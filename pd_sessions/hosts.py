@@ -43,8 +43,9 @@ def parse_visible_devices(value: str | None, physical: tuple[str, ...]) -> tuple
         known = set(physical)
         for v in ids:
             if v.isdigit() and v not in known:
-                raise ConfigError("CUDA_VISIBLE_DEVICES",
-                                  f"names GPU {v}, but this host has GPUs {','.join(physical)}")
+                raise ConfigError(
+                    "CUDA_VISIBLE_DEVICES", f"names GPU {v}, but this host has GPUs {','.join(physical)}"
+                )
     return ids
 
 
@@ -66,16 +67,22 @@ def detect(environ: dict[str, str] | None = None) -> Inventory:
     smi = shutil.which("nvidia-smi")
     if smi:
         try:
-            out = subprocess.run([smi, "--query-gpu=index", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=30, check=False)
+            out = subprocess.run(
+                [smi, "--query-gpu=index", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
+            )
             if out.returncode == 0:
                 physical = tuple(line.strip() for line in out.stdout.splitlines() if line.strip())
         except (OSError, subprocess.TimeoutExpired):
             physical = ()
     visible = env.get("CUDA_VISIBLE_DEVICES")
     gpus = parse_visible_devices(visible, physical) if physical else ()
-    source = (f"CUDA_VISIBLE_DEVICES={visible}" if visible is not None else
-              "nvidia-smi" if physical else "none")
+    source = (
+        f"CUDA_VISIBLE_DEVICES={visible}" if visible is not None else "nvidia-smi" if physical else "none"
+    )
     cpus = tuple(sorted(os.sched_getaffinity(0)))
     return Inventory(gpus=gpus, cpus=cpus, gpu_source=source, rdma_devices=rdma_devices())
 
@@ -83,12 +90,12 @@ def detect(environ: dict[str, str] | None = None) -> Inventory:
 def resolve_platform(requested: str | None, inv: Inventory) -> str:
     """Pick the platform.
 
-        requested  GPUs visible  -> platform
-        None       yes           -> cuda
-        None       no            -> cpu
-        "cpu"      any           -> cpu
-        "cuda"     yes           -> cuda
-        "cuda"     no            -> error (never a silent fallback)
+    requested  GPUs visible  -> platform
+    None       yes           -> cuda
+    None       no            -> cpu
+    "cpu"      any           -> cpu
+    "cuda"     yes           -> cuda
+    "cuda"     no            -> error (never a silent fallback)
     """
     if requested not in (None, "cpu", "cuda"):
         raise ConfigError("--platform", f"got {requested!r}; allowed: cpu, cuda")
@@ -96,7 +103,10 @@ def resolve_platform(requested: str | None, inv: Inventory) -> str:
         return "cpu"
     if requested == "cuda":
         if not inv.gpus:
-            raise PlanError("--platform", "cuda was asked for, but no GPU is visible "
-                            f"(source: {inv.gpu_source}); run on a GPU host or use --platform cpu")
+            raise PlanError(
+                "--platform",
+                "cuda was asked for, but no GPU is visible "
+                f"(source: {inv.gpu_source}); run on a GPU host or use --platform cpu",
+            )
         return "cuda"
     return "cuda" if inv.gpus else "cpu"

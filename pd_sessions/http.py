@@ -26,8 +26,12 @@ class HttpError(Exception):
 
 def request(url: str, *, payload: dict[str, Any] | None = None, timeout: float = 5.0) -> tuple[int, bytes]:
     data = None if payload is None else json.dumps(payload).encode()
-    req = urllib.request.Request(url, data=data, method="GET" if data is None else "POST",
-                                 headers={"Content-Type": "application/json"} if data else {})
+    req = urllib.request.Request(
+        url,
+        data=data,
+        method="GET" if data is None else "POST",
+        headers={"Content-Type": "application/json"} if data else {},
+    )
     try:
         with _OPENER.open(req, timeout=timeout) as resp:
             return resp.status, resp.read()
@@ -55,11 +59,21 @@ def post_json(url: str, payload: dict[str, Any], *, timeout: float = 60.0) -> di
         raise HttpError(url, f"response is not JSON: {body[:200]!r}") from None
 
 
-def completion(base_url: str, model: str, prompt: str, *, max_tokens: int,
-               timeout: float = 120.0) -> dict[str, Any]:
+def completion(
+    base_url: str, model: str, prompt: str, *, max_tokens: int, timeout: float = 120.0
+) -> dict[str, Any]:
     """A greedy /v1/completions request; returns the parsed response."""
-    return post_json(f"{base_url}/v1/completions",
-                     {"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                      "temperature": 0.0, "seed": 0, "ignore_eos": True,
-                      # vLLM extension: generated token ids, for token-level parity
-                      "return_token_ids": True}, timeout=timeout)
+    return post_json(
+        f"{base_url}/v1/completions",
+        {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "seed": 0,
+            "ignore_eos": True,
+            # vLLM extension: generated token ids, for token-level parity
+            "return_token_ids": True,
+        },
+        timeout=timeout,
+    )

@@ -68,10 +68,10 @@ def lane_requirements(platform: str) -> Path:
 
 def ldconfig_libs(run: Callable[[Sequence[str]], str] | None = None) -> set[str]:
     """Library sonames the dynamic loader knows (from ``ldconfig -p``)."""
+
     def default(cmd: Sequence[str]) -> str:
         ldconfig = shutil.which("ldconfig") or "/sbin/ldconfig"
-        return subprocess.run([ldconfig, *cmd[1:]], capture_output=True, text=True,
-                              check=False).stdout
+        return subprocess.run([ldconfig, *cmd[1:]], capture_output=True, text=True, check=False).stdout
 
     out = (run or default)(["ldconfig", "-p"])
     return {line.split()[0] for line in out.splitlines()[1:] if line.strip()}
@@ -82,17 +82,23 @@ def missing_system_packages(known: set[str], libs: Mapping[str, str] = SYSTEM_LI
     return sorted({pkg for lib, pkg in libs.items() if lib not in known})
 
 
-def ensure_system_packages(packages: Sequence[str], *, is_root: bool | None = None,
-                           run: Callable[[Sequence[str]], int] | None = None,
-                           say: Callable[[str], None] = print) -> None:
+def ensure_system_packages(
+    packages: Sequence[str],
+    *,
+    is_root: bool | None = None,
+    run: Callable[[Sequence[str]], int] | None = None,
+    say: Callable[[str], None] = print,
+) -> None:
     """apt-get install ``packages`` (as root), or raise InstallError naming the command."""
     if not packages:
         return
     cmd = ["apt-get", "install", "-y", "--no-install-recommends", *packages]
     root = os.geteuid() == 0 if is_root is None else is_root
     if not root or not shutil.which("apt-get"):
-        raise InstallError(f"missing system libraries for the connector wheels: install "
-                           f"{' '.join(packages)} (e.g. `sudo apt-get update && sudo {' '.join(cmd)}`)")
+        raise InstallError(
+            f"missing system libraries for the connector wheels: install "
+            f"{' '.join(packages)} (e.g. `sudo apt-get update && sudo {' '.join(cmd)}`)"
+        )
     runner = run or (lambda c: subprocess.run(list(c), check=False).returncode)
     for step in (["apt-get", "update"], cmd):
         say(f"pd-sessions install: {' '.join(step)}")
@@ -101,8 +107,13 @@ def ensure_system_packages(packages: Sequence[str], *, is_root: bool | None = No
             raise InstallError(f"`{' '.join(step)}` failed with status {rc}")
 
 
-def install_lane(session: Installer, platform: str, *, environ: Mapping[str, str] | None = None,
-                 say: Callable[[str], None] = print) -> None:
+def install_lane(
+    session: Installer,
+    platform: str,
+    *,
+    environ: Mapping[str, str] | None = None,
+    say: Callable[[str], None] = print,
+) -> None:
     """Install vLLM, the router and this package for ``platform`` into the session's venv
     (the connector wheels come after, from :func:`connector_actions`)."""
     env = dict(os.environ if environ is None else environ)
@@ -144,15 +155,22 @@ def plan_connectors(doc: Mapping[str, object], connectors: Sequence[str]) -> tup
     platform, installed = facts_from_json(doc)
     reqs = kv_requirements()
     nixl = reqs.get("nixl", "")
-    return platform, connector_actions(platform, installed, connectors=connectors,
-                                       mooncake_req=reqs["mooncake"],
-                                       nixl_version=nixl.split("==")[1] if "==" in nixl else None)
+    return platform, connector_actions(
+        platform,
+        installed,
+        connectors=connectors,
+        mooncake_req=reqs["mooncake"],
+        nixl_version=nixl.split("==")[1] if "==" in nixl else None,
+    )
 
 
 # ------------------------------------------------------------------ connector variants
 
-MOONCAKE = {12: "mooncake-transfer-engine", 13: "mooncake-transfer-engine-cuda13",
-            None: "mooncake-transfer-engine-non-cuda"}
+MOONCAKE = {
+    12: "mooncake-transfer-engine",
+    13: "mooncake-transfer-engine-cuda13",
+    None: "mooncake-transfer-engine-non-cuda",
+}
 NIXL_BACKENDS = {12: "nixl-cu12", 13: "nixl-cu13"}
 
 
@@ -160,7 +178,7 @@ NIXL_BACKENDS = {12: "nixl-cu12", 13: "nixl-cu13"}
 class Platform:
     """What the installed torch was built for."""
 
-    kind: str                  # "cuda" | "rocm" | "cpu"
+    kind: str  # "cuda" | "rocm" | "cpu"
     cuda_major: int | None = None
 
     def describe(self) -> str:
@@ -169,21 +187,24 @@ class Platform:
 
 @dataclass(frozen=True)
 class Action:
-    op: str                    # "uninstall" | "install"
+    op: str  # "uninstall" | "install"
     dist: str
-    spec: str = ""             # "==0.3.14", ">=0.3.12", "" (uninstall)
+    spec: str = ""  # "==0.3.14", ">=0.3.12", "" (uninstall)
     no_deps: bool = False
 
     def __str__(self) -> str:
         return f"{self.op} {self.dist}{self.spec}" + (" (--no-deps)" if self.no_deps else "")
 
 
-
-
-def connector_actions(platform: Platform, installed: Mapping[str, str], *, connectors: Sequence[str],
-                      mooncake_req: str = "mooncake-transfer-engine>=0.3.12",
-                      nixl_version: str | None = None,
-                      available: Mapping[str, Sequence[str]] | None = None) -> list[Action]:
+def connector_actions(
+    platform: Platform,
+    installed: Mapping[str, str],
+    *,
+    connectors: Sequence[str],
+    mooncake_req: str = "mooncake-transfer-engine>=0.3.12",
+    nixl_version: str | None = None,
+    available: Mapping[str, Sequence[str]] | None = None,
+) -> list[Action]:
     """Ordered install actions that leave exactly the connector variants ``platform`` needs.
 
     Decision table (Mooncake; the requirement names the default wheel, its specifier
@@ -203,8 +224,10 @@ def connector_actions(platform: Platform, installed: Mapping[str, str], *, conne
     """
     inst = {canonical(k): v for k, v in installed.items()}
     if platform.kind == "rocm":
-        raise InstallError("ROCm is not supported yet by pd-sessions' connector install "
-                           "(no ROCm Mooncake/NIXL variant is known); use a CUDA or CPU host")
+        raise InstallError(
+            "ROCm is not supported yet by pd-sessions' connector install "
+            "(no ROCm Mooncake/NIXL variant is known); use a CUDA or CPU host"
+        )
     major = platform.cuda_major if platform.kind == "cuda" else None
     if platform.kind == "cuda" and major not in (12, 13):
         raise InstallError(f"torch is built for CUDA {major}; supported: CUDA 12, CUDA 13, CPU")
@@ -221,9 +244,11 @@ def connector_actions(platform: Platform, installed: Mapping[str, str], *, conne
             keep = next((inst[d] for d in others if Version(inst[d]) in req.specifier), None)
             spec = f"=={keep}" if keep else str(req.specifier)
             if keep and available is not None and keep not in available.get(want, ()):
-                raise InstallError(f"{want}=={keep} (to replace {', '.join(others)} at the same version) "
-                                   f"does not exist for {platform.describe()}; available: "
-                                   f"{', '.join(available.get(want, ())) or 'none'}")
+                raise InstallError(
+                    f"{want}=={keep} (to replace {', '.join(others)} at the same version) "
+                    f"does not exist for {platform.describe()}; available: "
+                    f"{', '.join(available.get(want, ())) or 'none'}"
+                )
             actions.append(Action("install", want, spec))
     if "nixl" in connectors:
         backend = NIXL_BACKENDS[major] if major else NIXL_BACKENDS[12]
@@ -237,8 +262,14 @@ def connector_actions(platform: Platform, installed: Mapping[str, str], *, conne
     return actions
 
 
-def apply_actions(session: Installer, actions: Sequence[Action], platform: Platform, *,
-                  env: Mapping[str, str] | None = None, say: Callable[[str], None] = print) -> None:
+def apply_actions(
+    session: Installer,
+    actions: Sequence[Action],
+    platform: Platform,
+    *,
+    env: Mapping[str, str] | None = None,
+    say: Callable[[str], None] = print,
+) -> None:
     """Run ``actions`` in order through the session's installer; each printed first."""
     for a in actions:
         say(f"pd-sessions install: {a}")
@@ -246,7 +277,10 @@ def apply_actions(session: Installer, actions: Sequence[Action], platform: Platf
             if a.op == "uninstall":
                 session.run_install("uv", "pip", "uninstall", a.dist)
             else:
-                session.install(*(["--no-deps"] if a.no_deps else []), f"{a.dist}{a.spec}",
-                                env=dict(env or {}))
+                session.install(
+                    *(["--no-deps"] if a.no_deps else []), f"{a.dist}{a.spec}", env=dict(env or {})
+                )
         except Exception as e:  # nox raises its own CommandFailed; name what failed
-            raise InstallError(f"could not {a.op} {a.dist}{a.spec or ''} for {platform.describe()}: {e}") from e
+            raise InstallError(
+                f"could not {a.op} {a.dist}{a.spec or ''} for {platform.describe()}: {e}"
+            ) from e

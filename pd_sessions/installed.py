@@ -24,17 +24,25 @@ from packaging.requirements import Requirement
 
 from pd_sessions.envfacts import canonical
 from pd_sessions.errors import UsageError
-from pd_sessions.install import (MOONCAKE, NIXL_BACKENDS, REQUIREMENTS, ROOT, Action, Platform,
-                                 connector_actions, facts_from_json)
+from pd_sessions.install import (
+    MOONCAKE,
+    NIXL_BACKENDS,
+    REQUIREMENTS,
+    ROOT,
+    Action,
+    Platform,
+    connector_actions,
+    facts_from_json,
+)
 
 
 @dataclass(frozen=True)
 class Missing:
     """A piece the run needs that the interpreter does not have."""
 
-    what: str          # "vLLM", "the router", "the Mooncake connector"
-    package: str       # the distribution (with its version) to install
-    command: str       # the command that installs it into that interpreter
+    what: str  # "vLLM", "the router", "the Mooncake connector"
+    package: str  # the distribution (with its version) to install
+    command: str  # the command that installs it into that interpreter
 
     def __str__(self) -> str:
         return f"{self.what}: {self.package} is not installed; install it with `{self.command}`"
@@ -42,11 +50,11 @@ class Missing:
 
 @dataclass(frozen=True)
 class InstalledPlan:
-    python: str                          # the interpreter everything runs on
-    platform: Platform                   # what its torch is built for
-    missing: tuple[Missing, ...]         # each one is an exit-2 error
-    actions: tuple[Action, ...]          # connector swaps, in order
-    install_harness: bool                # pd-sessions itself is not installed there: install it
+    python: str  # the interpreter everything runs on
+    platform: Platform  # what its torch is built for
+    missing: tuple[Missing, ...]  # each one is an exit-2 error
+    actions: tuple[Action, ...]  # connector swaps, in order
+    install_harness: bool  # pd-sessions itself is not installed there: install it
 
     def describe(self) -> list[str]:
         steps = [str(a) for a in self.actions]
@@ -75,9 +83,15 @@ def install_command(python: str, has_pip: bool, *args: str) -> str:
     return shlex.join([*prefix, *args])
 
 
-def plan_installed(doc: Mapping[str, Any], connectors: Sequence[str], *, lane: str,
-                   need_lm_eval: bool, no_install: bool,
-                   requirements: Path = REQUIREMENTS) -> InstalledPlan:
+def plan_installed(
+    doc: Mapping[str, Any],
+    connectors: Sequence[str],
+    *,
+    lane: str,
+    need_lm_eval: bool,
+    no_install: bool,
+    requirements: Path = REQUIREMENTS,
+) -> InstalledPlan:
     """What the installed-environment mode must do to ``doc``'s interpreter.
 
     Decision table (``M`` = a Missing, reported as an exit-2 error; ``A`` = an action):
@@ -116,8 +130,11 @@ def plan_installed(doc: Mapping[str, Any], connectors: Sequence[str], *, lane: s
         need("the router", lane_pin(lane, "vllm-router", requirements))
     if need_lm_eval and modules.get("lm_eval") is None:
         req = lane_pin(lane, "lm-eval", requirements)
-        missing.append(Missing("lm_eval (the accuracy check)", req,
-                               f"{_pip(python, req)}` or pass `--skip-check accuracy"))
+        missing.append(
+            Missing(
+                "lm_eval (the accuracy check)", req, f"{_pip(python, req)}` or pass `--skip-check accuracy"
+            )
+        )
     major = platform.cuda_major if platform.kind == "cuda" else None
     present: list[str] = []
     if "mooncake" in connectors:
@@ -134,25 +151,41 @@ def plan_installed(doc: Mapping[str, Any], connectors: Sequence[str], *, lane: s
             need("the NIXL connector", f"nixl {backend}", "--no-deps")
     actions: list[Action] = []
     if present and doc.get("torch") is not None:
-        actions = connector_actions(platform, installed, connectors=present,
-                                    mooncake_req="mooncake-transfer-engine", nixl_version=nixl_version)
+        actions = connector_actions(
+            platform,
+            installed,
+            connectors=present,
+            mooncake_req="mooncake-transfer-engine",
+            nixl_version=nixl_version,
+        )
     harness = modules.get("pd_sessions")
-    install_harness = (harness is None or harness.get("dist") is None
-                       or any(canonical(Requirement(r).name) not in installed for r in harness_requirements()))
+    install_harness = (
+        harness is None
+        or harness.get("dist") is None
+        or any(canonical(Requirement(r).name) not in installed for r in harness_requirements())
+    )
     if install_harness and no_install:
-        missing.append(Missing("pd-sessions (this harness) or its dependencies", "pd-sessions",
-                               _pip(python, "-e", str(ROOT))))
+        missing.append(
+            Missing(
+                "pd-sessions (this harness) or its dependencies", "pd-sessions", _pip(python, "-e", str(ROOT))
+            )
+        )
         install_harness = False
-    return InstalledPlan(python=python, platform=platform, missing=tuple(missing),
-                         actions=tuple(actions), install_harness=install_harness)
+    return InstalledPlan(
+        python=python,
+        platform=platform,
+        missing=tuple(missing),
+        actions=tuple(actions),
+        install_harness=install_harness,
+    )
 
 
 def installer(doc: Mapping[str, Any], uv: str | None) -> list[str]:
     """The command prefix that installs into ``doc``'s interpreter: its own pip, else uv.
 
-        pip installed there  -> [python, -m, pip]
-        no pip, uv on PATH   -> [uv, pip]   (with --python PYTHON per command)
-        neither              -> []          (nothing can be installed; the caller says so)
+    pip installed there  -> [python, -m, pip]
+    no pip, uv on PATH   -> [uv, pip]   (with --python PYTHON per command)
+    neither              -> []          (nothing can be installed; the caller says so)
     """
     python = str(doc["python"]["executable"])
     if "pip" in {canonical(k) for k in (doc.get("installed") or {})}:
@@ -168,9 +201,9 @@ FIND_LINKS_ENV = "PD_SESSIONS_FIND_LINKS"
 def find_links_folder(option: str | None, environ: Mapping[str, str]) -> str | None:
     """The wheelhouse the sessions install from: ``--find-links`` wins over $PD_SESSIONS_FIND_LINKS.
 
-        neither set (or empty)        -> None (install from the index as usual)
-        a folder holding .whl files   -> that folder
-        anything else                 -> UsageError naming where it came from
+    neither set (or empty)        -> None (install from the index as usual)
+    a folder holding .whl files   -> that folder
+    anything else                 -> UsageError naming where it came from
     """
     value = (option or "").strip()
     source = "--find-links"
@@ -180,9 +213,11 @@ def find_links_folder(option: str | None, environ: Mapping[str, str]) -> str | N
         return None
     folder = Path(value)
     if not folder.is_dir() or not any(folder.glob("*.whl")):
-        raise UsageError(f"{source} {value}: not a folder of wheels; build one with "
-                         "`nox -s wheelhouse -- --python 3.12 --cuda 13 --out DIR`"
-                         + (" or unset it" if source == FIND_LINKS_ENV else ""))
+        raise UsageError(
+            f"{source} {value}: not a folder of wheels; build one with "
+            "`nox -s wheelhouse -- --python 3.12 --cuda 13 --out DIR`"
+            + (" or unset it" if source == FIND_LINKS_ENV else "")
+        )
     return str(folder)
 
 
@@ -191,15 +226,22 @@ def offline_args(find_links: str | None) -> list[str]:
     return ["--no-index", "--find-links", find_links] if find_links else []
 
 
-def action_argv(prefix: Sequence[str], action: Action, *, python: str,
-                find_links: str | None = None) -> list[str]:
+def action_argv(
+    prefix: Sequence[str], action: Action, *, python: str, find_links: str | None = None
+) -> list[str]:
     """The argv of one install action through ``prefix`` (see :func:`installer`)."""
     uv = len(prefix) == 2 and prefix[1] == "pip" and prefix[0] != python
     target = ["--python", python] if uv else []
     if action.op == "uninstall":
         return [*prefix, "uninstall", *target, *([] if uv else ["-y"]), action.dist]
-    return [*prefix, "install", *target, *(["--no-deps"] if action.no_deps else []),
-            *offline_args(find_links), f"{action.dist}{action.spec}"]
+    return [
+        *prefix,
+        "install",
+        *target,
+        *(["--no-deps"] if action.no_deps else []),
+        *offline_args(find_links),
+        f"{action.dist}{action.spec}",
+    ]
 
 
 def harness_argv(prefix: Sequence[str], *, python: str, find_links: str | None = None) -> list[str]:

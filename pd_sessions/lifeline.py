@@ -106,8 +106,9 @@ class ParentWatch:
         self.ppid = os.getppid()
         self.armed = set_parent_death_signal(signal.SIGTERM)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, args=(poll_s,), name="pd-parent-watch",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._poll, args=(poll_s,), name="pd-parent-watch", daemon=True
+        )
         self._thread.start()
         if os.getppid() != self.ppid:  # gone between reading it and arming: the kernel won't tell
             os.kill(os.getpid(), signal.SIGTERM)
@@ -161,14 +162,29 @@ class Reaper:
         self._warn = warn
         self._broken = False
         here = str(Path(__file__).resolve().parent.parent)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [here] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                [here] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+            ),
+        }
         with open(log_path, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "pd_sessions.lifeline", "--grace", str(grace_s),
-                 "--harness", str(os.getpid())],
-                stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, env=env,
-                start_new_session=True)
+                [
+                    sys.executable,
+                    "-m",
+                    "pd_sessions.lifeline",
+                    "--grace",
+                    str(grace_s),
+                    "--harness",
+                    str(os.getpid()),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
 
     def _send(self, msg: dict[str, Any]) -> None:
         if self._broken or self.proc.stdin is None:
@@ -178,8 +194,10 @@ class Reaper:
             self.proc.stdin.flush()
         except OSError as e:
             self._broken = True
-            self._warn(f"the reaper (pid {self.proc.pid}) is gone ({e}): if pd-sessions is now killed "
-                       f"with SIGKILL, its servers may outlive it; see {self.log_path}")
+            self._warn(
+                f"the reaper (pid {self.proc.pid}) is gone ({e}): if pd-sessions is now killed "
+                f"with SIGKILL, its servers may outlive it; see {self.log_path}"
+            )
 
     def spawned(self, r: _Process) -> None:
         self._send({"add": {"name": r.name, "pid": r.pid, "create_time": r.create_time}})
@@ -201,8 +219,10 @@ class Reaper:
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            self._warn(f"the reaper (pid {self.proc.pid}) is still stopping processes that survived "
-                       f"the teardown; see {self.log_path}")
+            self._warn(
+                f"the reaper (pid {self.proc.pid}) is still stopping processes that survived "
+                f"the teardown; see {self.log_path}"
+            )
 
 
 def teardown_budget_s(grace_s: float) -> float:
@@ -280,23 +300,30 @@ def _reap(grace_s: float, harness: int, say: Callable[[str], None]) -> int:
         return 0
     now = time.time()
     deadline = max(kill_at.get(pid, now + grace_s) for pid in known)
-    say(f"pd-sessions pid {harness} is gone while {len(known)} of its processes may still run: "
+    say(
+        f"pd-sessions pid {harness} is gone while {len(known)} of its processes may still run: "
         f"{', '.join(f'{x.name} pid {x.pid}' for x in known.values())}; stopping them "
-        f"(SIGKILL in {max(0.0, deadline - now):.1f} s)")
+        f"(SIGKILL in {max(0.0, deadline - now):.1f} s)"
+    )
     try:
-        rep = process.stop_leaders(list(known.values()), grace_s=max(0.0, deadline - time.time()),
-                                   kill_wait_s=KILL_WAIT_S)
+        rep = process.stop_leaders(
+            list(known.values()), grace_s=max(0.0, deadline - time.time()), kill_wait_s=KILL_WAIT_S
+        )
     except StopError as e:
         say(f"FAILED: {e}")
         return 1
-    say(f"done in {rep.seconds:.2f} s: {len(rep.pids)} processes gone"
-        + (f"; needed SIGKILL: {', '.join(rep.killed)}" if rep.killed else ""))
+    say(
+        f"done in {rep.seconds:.2f} s: {len(rep.pids)} processes gone"
+        + (f"; needed SIGKILL: {', '.join(rep.killed)}" if rep.killed else "")
+    )
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pd_sessions.lifeline",
-                                description="the reaper: started by pd-sessions itself, not by hand")
+    p = argparse.ArgumentParser(
+        prog="python -m pd_sessions.lifeline",
+        description="the reaper: started by pd-sessions itself, not by hand",
+    )
     p.add_argument("--grace", type=float, required=True)
     p.add_argument("--harness", type=int, required=True)
     args = p.parse_args(argv)

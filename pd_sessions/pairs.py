@@ -37,14 +37,25 @@ ERROR_MARKERS = ("ERROR", "Error", "error", "failed", "Traceback", "timed out", 
 class PdPathFailed(PdError):
     """Every instance is healthy, but requests over a P/D path keep failing."""
 
-    def __init__(self, what: str, *, waited_s: float, last: str, decode_errors: Sequence[str],
-                 decode: str, router_answer: str | None = None,
-                 prefill_errors: Sequence[str] = (), prefill: str | None = None):
+    def __init__(
+        self,
+        what: str,
+        *,
+        waited_s: float,
+        last: str,
+        decode_errors: Sequence[str],
+        decode: str,
+        router_answer: str | None = None,
+        prefill_errors: Sequence[str] = (),
+        prefill: str | None = None,
+    ):
         self.what = what
         self.last = last
         self.decode_errors = list(decode_errors)
-        lines = [f"{what}: the P/D path kept failing for {waited_s:.0f} s while every instance was "
-                 f"healthy (last answer: {last})"]
+        lines = [
+            f"{what}: the P/D path kept failing for {waited_s:.0f} s while every instance was "
+            f"healthy (last answer: {last})"
+        ]
         if router_answer is not None:
             lines.append(f"router's answer to a 1-token completion: {router_answer}")
         lines.append(f"--- {decode}'s error lines ({len(self.decode_errors)}) ---")
@@ -73,27 +84,44 @@ def pairs(plan: ClusterPlan) -> list[Pair]:
 def prefill_params(connector: str, transfer_id: str) -> dict[str, Any]:
     """kv_transfer_params of the prefill hop.
 
-        mooncake -> do_remote_decode + a transfer id the decode hop repeats
-        nixl     -> do_remote_decode; the prefill's answer carries what the decode needs
+    mooncake -> do_remote_decode + a transfer id the decode hop repeats
+    nixl     -> do_remote_decode; the prefill's answer carries what the decode needs
     """
     if connector == "mooncake":
         return {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
     if connector == "nixl":
-        return {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                "remote_block_ids": None, "remote_host": None, "remote_port": None}
+        return {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        }
     raise ValueError(f"no pair warm-up for connector {connector!r}")
 
 
-def decode_params(connector: str, transfer_id: str, prefill_answer: dict[str, Any], *,
-                  bootstrap_url: str | None = None, engine_id: str | None = None) -> dict[str, Any]:
+def decode_params(
+    connector: str,
+    transfer_id: str,
+    prefill_answer: dict[str, Any],
+    *,
+    bootstrap_url: str | None = None,
+    engine_id: str | None = None,
+) -> dict[str, Any]:
     """kv_transfer_params of the decode hop.
 
-        mooncake -> do_remote_prefill, the prefill's bootstrap URL and engine id, the transfer id
-        nixl     -> the kv_transfer_params the prefill answered with (ValueError when absent)
+    mooncake -> do_remote_prefill, the prefill's bootstrap URL and engine id, the transfer id
+    nixl     -> the kv_transfer_params the prefill answered with (ValueError when absent)
     """
     if connector == "mooncake":
-        return {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": transfer_id,
-                "remote_bootstrap_addr": bootstrap_url, "remote_engine_id": engine_id}
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "transfer_id": transfer_id,
+            "remote_bootstrap_addr": bootstrap_url,
+            "remote_engine_id": engine_id,
+        }
     params = prefill_answer.get("kv_transfer_params")
     if not params:
         raise ValueError("the prefill's answer has no kv_transfer_params")
@@ -116,8 +144,12 @@ def warm_pair(plan: ClusterPlan, pair: Pair, *, timeout: float = HOP_TIMEOUT_S) 
     """Send one request over ``pair``; raises http.HttpError (naming the hop) when it fails."""
     c = plan.config
     tid = f"pd-warm-{uuid.uuid4().hex}"
-    body = {"model": plan.served_model_name, "prompt": f"{WARM_PROMPT} {pair.name}", "max_tokens": 1,
-            "temperature": 0.0}
+    body = {
+        "model": plan.served_model_name,
+        "prompt": f"{WARM_PROMPT} {pair.name}",
+        "max_tokens": 1,
+        "temperature": 0.0,
+    }
     bootstrap = engine = None
     if c.connector == "mooncake":
         bootstrap = f"http://{pair.prefill.host}:{pair.prefill.bootstrap_port}"
@@ -125,21 +157,30 @@ def warm_pair(plan: ClusterPlan, pair: Pair, *, timeout: float = HOP_TIMEOUT_S) 
         if "0" not in entries:
             raise http.HttpError(f"{bootstrap}/query", f"no DP rank 0 registered yet ({entries})")
         engine = entries["0"]["engine_id"]
-    answer = http.post_json(f"{pair.prefill.url}/v1/completions",
-                            {**body, "kv_transfer_params": prefill_params(c.connector, tid)},
-                            timeout=timeout)
+    answer = http.post_json(
+        f"{pair.prefill.url}/v1/completions",
+        {**body, "kv_transfer_params": prefill_params(c.connector, tid)},
+        timeout=timeout,
+    )
     try:
         params = decode_params(c.connector, tid, answer, bootstrap_url=bootstrap, engine_id=engine)
     except ValueError as e:
         raise http.HttpError(f"{pair.prefill.url}/v1/completions", str(e)) from None
-    http.post_json(f"{pair.decode.url}/v1/completions", {**body, "kv_transfer_params": params},
-                   timeout=timeout)
+    http.post_json(
+        f"{pair.decode.url}/v1/completions", {**body, "kv_transfer_params": params}, timeout=timeout
+    )
 
 
-def warm_pairs(plan: ClusterPlan, *, deadline: float, logs: dict[str, Path | None],
-               guard: Callable[[Callable[[], None]], None] = lambda call: call(),
-               say: Callable[[str], None] = lambda msg: None, tick: float = 0.5,
-               warm: Callable[..., None] = warm_pair) -> dict[str, float]:
+def warm_pairs(
+    plan: ClusterPlan,
+    *,
+    deadline: float,
+    logs: dict[str, Path | None],
+    guard: Callable[[Callable[[], None]], None] = lambda call: call(),
+    say: Callable[[str], None] = lambda msg: None,
+    tick: float = 0.5,
+    warm: Callable[..., None] = warm_pair,
+) -> dict[str, float]:
     """Warm each pair, retrying until ``deadline`` (time.monotonic()); returns pair -> seconds.
     Raises PdPathFailed naming the pair, its last answer and its decode's error lines."""
     took = {}
@@ -150,12 +191,15 @@ def warm_pairs(plan: ClusterPlan, *, deadline: float, logs: dict[str, Path | Non
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise PdPathFailed(f"pair {pair.name}", waited_s=time.monotonic() - t0,
-                                   last=last + (f"; stuck: {held}" if held else ""),
-                                   decode=pair.decode.name,
-                                   decode_errors=log_errors(logs.get(pair.decode.name)),
-                                   prefill=pair.prefill.name,
-                                   prefill_errors=log_errors(logs.get(pair.prefill.name)))
+                raise PdPathFailed(
+                    f"pair {pair.name}",
+                    waited_s=time.monotonic() - t0,
+                    last=last + (f"; stuck: {held}" if held else ""),
+                    decode=pair.decode.name,
+                    decode_errors=log_errors(logs.get(pair.decode.name)),
+                    prefill=pair.prefill.name,
+                    prefill_errors=log_errors(logs.get(pair.prefill.name)),
+                )
             try:
                 guard(lambda: warm(plan, pair, timeout=min(remaining, HOP_TIMEOUT_S)))
                 break

@@ -104,9 +104,12 @@ class PortAllocator:
             s = _bind(self.host, port)
         except OSError as e:
             why = "already in use" if e.errno == errno.EADDRINUSE else e.strerror
-            raise PlanError(label, f"port {port} on {self.host} is {why} "
-                            f"(by {port_owner(port)}); pick another port or leave it unset "
-                            "to have one allocated") from None
+            raise PlanError(
+                label,
+                f"port {port} on {self.host} is {why} "
+                f"(by {port_owner(port)}); pick another port or leave it unset "
+                "to have one allocated",
+            ) from None
         self._held.append(s)
         self._ports.add(port)
         return port

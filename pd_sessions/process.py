@@ -104,8 +104,15 @@ def log_tail(path: Path, lines: int = 40) -> str:
     return "\n".join(deque(data.splitlines(), maxlen=lines))
 
 
-def spawn(name: str, argv: Sequence[str], *, env: Mapping[str, str], log_path: Path,
-          url: str | None = None, cwd: Path | None = None) -> Running:
+def spawn(
+    name: str,
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    log_path: Path,
+    url: str | None = None,
+    cwd: Path | None = None,
+) -> Running:
     """Start ``argv`` in a new session with stdout+stderr appended to ``log_path``.
 
     From Popen until the observers (the reaper) have it, SIGINT/SIGTERM/SIGHUP are deferred,
@@ -116,15 +123,23 @@ def spawn(name: str, argv: Sequence[str], *, env: Mapping[str, str], log_path: P
     with open(log_path, "ab") as out, signals_deferred():
         out.write(f"# pd_sessions: starting {name}: {list(argv)}\n".encode())
         out.flush()
-        popen = subprocess.Popen(list(argv), env=dict(env), stdout=out, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True, cwd=cwd,
-                                 preexec_fn=lifeline.child_preexec())
+        popen = subprocess.Popen(
+            list(argv),
+            env=dict(env),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=cwd,
+            preexec_fn=lifeline.child_preexec(),
+        )
         try:
             ct = psutil.Process(popen.pid).create_time()
         except psutil.Error:
             ct = 0.0
-        r = Running(name=name, popen=popen, log_path=log_path, started_at=time.monotonic(),
-                    url=url, create_time=ct)
+        r = Running(
+            name=name, popen=popen, log_path=log_path, started_at=time.monotonic(), url=url, create_time=ct
+        )
         for o in list(_observers):
             o.spawned(r)
     log.debug("started %s pid %d", name, popen.pid)
@@ -268,14 +283,16 @@ def stop_leaders(leaders: Sequence[Leader], *, grace_s: float, kill_wait_s: floa
     alive = _wait_gone(procs, grace_s)
     killed = sorted({owner[p.pid] for p in alive})
     if alive:
-        log.warning("SIGKILL after %.0f s grace: %s", grace_s,
-                    ", ".join(f"{owner[p.pid]} pid {p.pid}" for p in alive))
+        log.warning(
+            "SIGKILL after %.0f s grace: %s", grace_s, ", ".join(f"{owner[p.pid]} pid {p.pid}" for p in alive)
+        )
         _signal_all(groups, alive, signal.SIGKILL)
         _wait_gone(alive, kill_wait_s)
     survivors = [p for p in procs if _alive(p)]
     if survivors:
-        raise StopError("processes survived SIGKILL: " + ", ".join(
-            f"{owner[p.pid]} pid {p.pid}" for p in survivors))
+        raise StopError(
+            "processes survived SIGKILL: " + ", ".join(f"{owner[p.pid]} pid {p.pid}" for p in survivors)
+        )
     return StopReport(seconds=time.monotonic() - t0, killed=killed, pids=sorted(owner))
 
 

@@ -36,7 +36,7 @@ import pytest
 
 DEFAULT_CLUSTER = "mooncake_sweep:1x1"
 ENV_CLUSTER = "PD_SESSIONS_CLUSTER"
-_LIVE: list[PdCluster] = []   # clusters this process started and has not torn down yet
+_LIVE: list[PdCluster] = []  # clusters this process started and has not torn down yet
 
 
 @dataclass
@@ -59,9 +59,9 @@ class KvDelta:
 class PdCluster:
     """What a test gets: the cluster's URLs and environment, OpenAI clients, KV deltas."""
 
-    info: dict[str, Any]               # the PD_SESSIONS_CLUSTER document (user_commands.describe)
-    env: dict[str, str]                # PREFILL_PORT, PROXY_PORT, TEST_MODEL... as --exec gets them
-    cluster: Any = None                # the live cluster.Cluster when this process started it
+    info: dict[str, Any]  # the PD_SESSIONS_CLUSTER document (user_commands.describe)
+    env: dict[str, str]  # PREFILL_PORT, PROXY_PORT, TEST_MODEL... as --exec gets them
+    cluster: Any = None  # the live cluster.Cluster when this process started it
     _clients: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -86,11 +86,16 @@ class PdCluster:
             try:
                 import openai
             except ImportError as e:
-                raise RuntimeError(f"pd_cluster's clients need the openai package ({e}): "
-                                   "pip install openai") from None
+                raise RuntimeError(
+                    f"pd_cluster's clients need the openai package ({e}): pip install openai"
+                ) from None
             self._clients[url] = openai.OpenAI(
-                base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=300,
-                http_client=openai.DefaultHttpxClient(trust_env=False))  # loopback: no proxies
+                base_url=f"{url}/v1",
+                api_key="EMPTY",
+                max_retries=0,
+                timeout=300,
+                http_client=openai.DefaultHttpxClient(trust_env=False),
+            )  # loopback: no proxies
         return self._clients[url]
 
     @property
@@ -110,8 +115,10 @@ class PdCluster:
         from pd_sessions import http
         from pd_sessions.checks import kv_transfer
 
-        return {d["name"]: kv_transfer.external_tokens(http.get_text(d["metrics_url"]))
-                for d in self.info["decode"]}
+        return {
+            d["name"]: kv_transfer.external_tokens(http.get_text(d["metrics_url"]))
+            for d in self.info["decode"]
+        }
 
     @contextlib.contextmanager
     def kv_delta(self) -> Iterator[KvDelta]:
@@ -141,15 +148,28 @@ def parse_spec(spec: Any) -> tuple[str, str]:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     g = parser.getgroup("pd_sessions", "pd_cluster fixture (pd-sessions)")
-    g.addoption("--pd-cluster", default=None, metavar="SWEEP:CONFIG",
-                help=f"cluster the pd_cluster fixture starts (default {DEFAULT_CLUSTER}; with "
-                     f"${ENV_CLUSTER} set and no option, it attaches to that cluster instead)")
-    g.addoption("--pd-platform", default=None, choices=["cpu", "cuda"],
-                help="force the lane (default: cuda when a GPU is visible, else cpu)")
-    g.addoption("--pd-results-dir", default=None, type=Path,
-                help="where clusters' plans and logs go, as DIR/SWEEP/CONFIG/ (default: pytest's tmp dir)")
-    g.addoption("--pd-deadline", default=None, type=float, metavar="SECONDS",
-                help="readiness deadline (default 1200)")
+    g.addoption(
+        "--pd-cluster",
+        default=None,
+        metavar="SWEEP:CONFIG",
+        help=f"cluster the pd_cluster fixture starts (default {DEFAULT_CLUSTER}; with "
+        f"${ENV_CLUSTER} set and no option, it attaches to that cluster instead)",
+    )
+    g.addoption(
+        "--pd-platform",
+        default=None,
+        choices=["cpu", "cuda"],
+        help="force the lane (default: cuda when a GPU is visible, else cpu)",
+    )
+    g.addoption(
+        "--pd-results-dir",
+        default=None,
+        type=Path,
+        help="where clusters' plans and logs go, as DIR/SWEEP/CONFIG/ (default: pytest's tmp dir)",
+    )
+    g.addoption(
+        "--pd-deadline", default=None, type=float, metavar="SECONDS", help="readiness deadline (default 1200)"
+    )
 
 
 @contextlib.contextmanager
@@ -178,8 +198,9 @@ def _attach(path: str) -> PdCluster:
 
 
 @pytest.fixture(scope="session")
-def pd_cluster(request: pytest.FixtureRequest,
-               tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdCluster]:
+def pd_cluster(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[PdCluster]:
     """A ready P/D cluster (see the module docstring); torn down after the last test using it."""
     spec = getattr(request, "param", None) or request.config.getoption("--pd-cluster")
     if spec is None and os.environ.get(ENV_CLUSTER):
@@ -198,8 +219,11 @@ def pd_cluster(request: pytest.FixtureRequest,
     base = request.config.getoption("--pd-results-dir") or tmp_path_factory.mktemp("pd_cluster")
     deadline = request.config.getoption("--pd-deadline")
     # <base>/<sweep>/<config>/: clusters of one session (parameters) keep their logs apart
-    opts = SweepOptions(platform=platform, results_dir=(Path(base) / Path(sweep_name).stem).resolve(),
-                        **({"deadline_s": deadline} if deadline else {}))
+    opts = SweepOptions(
+        platform=platform,
+        results_dir=(Path(base) / Path(sweep_name).stem).resolve(),
+        **({"deadline_s": deadline} if deadline else {}),
+    )
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
     capture = request.config.pluginmanager.get_plugin("capturemanager")
 

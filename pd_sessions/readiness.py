@@ -34,6 +34,7 @@ def health_probe(url: str, timeout: float = 2.0) -> Probe:
         except http.HttpError as e:
             return e.reason
         return None if status == 200 else f"HTTP {status}"
+
     probe.__name__ = f"GET {url}"
     return probe
 
@@ -46,6 +47,7 @@ def models_probe(base_url: str, model: str, timeout: float = 2.0) -> Probe:
             return f"/v1/models: {e}"
         ids = [m.get("id") for m in data.get("data", [])]
         return None if model in ids else f"/v1/models lists {ids}, not {model!r}"
+
     return probe
 
 
@@ -64,13 +66,26 @@ def check_alive(running: Sequence[Running], when: str) -> None:
     for r in running:
         rc = r.poll()
         if rc is not None:
-            raise ProcessExited(r.name, pid=r.pid, returncode=rc, url=r.url, log_path=r.log_path,
-                                log_tail=r.log_tail(), when=when)
+            raise ProcessExited(
+                r.name,
+                pid=r.pid,
+                returncode=rc,
+                url=r.url,
+                log_path=r.log_path,
+                log_tail=r.log_tail(),
+                when=when,
+            )
 
 
-def wait_ready(targets: Sequence[Target], *, deadline: float, also_alive: Sequence[Running] = (),
-               tick: float = 0.1, progress_every: float = 15.0,
-               progress: Callable[[str], None] | None = None) -> None:
+def wait_ready(
+    targets: Sequence[Target],
+    *,
+    deadline: float,
+    also_alive: Sequence[Running] = (),
+    tick: float = 0.1,
+    progress_every: float = 15.0,
+    progress: Callable[[str], None] | None = None,
+) -> None:
     """Block until every target passes all its probes.
 
     ``deadline`` is a time.monotonic() value. ``also_alive`` are processes that
@@ -101,9 +116,14 @@ def wait_ready(targets: Sequence[Target], *, deadline: float, also_alive: Sequen
             # Check life once more so a death at the deadline is reported as a death.
             check_alive(watched, "while the cluster was starting")
             t = next(t for t in targets if t.ready_at is None)
-            raise ReadinessTimeout(t.running.name, url=t.running.url or "?",
-                                   waited_s=now - t.running.started_at, last_probe=t.last,
-                                   log_path=t.running.log_path, log_tail=t.running.log_tail())
+            raise ReadinessTimeout(
+                t.running.name,
+                url=t.running.url or "?",
+                waited_s=now - t.running.started_at,
+                last_probe=t.last,
+                log_path=t.running.log_path,
+                log_tail=t.running.log_tail(),
+            )
         if progress and now >= next_progress:
             waiting = ", ".join(f"{t.running.name} ({t.last})" for t in targets if t.ready_at is None)
             progress(f"waiting {now - start:.0f} s (deadline in {deadline - now:.0f} s) for: {waiting}")
@@ -111,9 +131,16 @@ def wait_ready(targets: Sequence[Target], *, deadline: float, also_alive: Sequen
         time.sleep(max(0.0, min(tick, deadline - time.monotonic())))
 
 
-def guarded(call: Callable[[], T], *, watch: Sequence[Running], when: str,
-            tick: float = 0.05, timeout: float | None = None,
-            heartbeat: Callable[[], None] | None = None, heartbeat_every: float = 15.0) -> T:
+def guarded(
+    call: Callable[[], T],
+    *,
+    watch: Sequence[Running],
+    when: str,
+    tick: float = 0.05,
+    timeout: float | None = None,
+    heartbeat: Callable[[], None] | None = None,
+    heartbeat_every: float = 15.0,
+) -> T:
     """Run ``call`` in a thread while checking every ``tick`` that ``watch`` are alive.
 
     A death raises ProcessExited at once (the caller's teardown then kills the

@@ -28,14 +28,14 @@ class ConfigResult:
     shape: str
     connector: str
     platform: str
-    outcome: str = ERROR            # passed | failed | error | cancelled | not run | running
-    phases: dict[str, float] = field(default_factory=dict)   # PHASES -> seconds
+    outcome: str = ERROR  # passed | failed | error | cancelled | not run | running
+    phases: dict[str, float] = field(default_factory=dict)  # PHASES -> seconds
     checks: list[CheckResult] = field(default_factory=list)
-    error: str | None = None        # what stopped the config, if anything did
+    error: str | None = None  # what stopped the config, if anything did
     run_dir: str = ""
     warnings: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)  # per-process readiness etc.
-    overrides: list[str] = field(default_factory=list)       # the command line's, described
+    overrides: list[str] = field(default_factory=list)  # the command line's, described
 
     def decide(self, expected_checks: Sequence[str]) -> None:
         """passed only if no error and every expected check ran and passed."""
@@ -55,14 +55,21 @@ class ConfigResult:
         return sum(self.phases.values())
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "shape": self.shape, "connector": self.connector,
-                "platform": self.platform, "outcome": self.outcome, "error": self.error,
-                "phases": {k: round(v, 3) for k, v in self.phases.items()},
-                "total_seconds": round(self.total_seconds, 3),
-                "timings": {k: round(v, 3) for k, v in self.timings.items()},
-                "checks": [c.to_dict() for c in self.checks], "warnings": self.warnings,
-                "overrides": self.overrides,
-                "run_dir": self.run_dir}
+        return {
+            "name": self.name,
+            "shape": self.shape,
+            "connector": self.connector,
+            "platform": self.platform,
+            "outcome": self.outcome,
+            "error": self.error,
+            "phases": {k: round(v, 3) for k, v in self.phases.items()},
+            "total_seconds": round(self.total_seconds, 3),
+            "timings": {k: round(v, 3) for k, v in self.timings.items()},
+            "checks": [c.to_dict() for c in self.checks],
+            "warnings": self.warnings,
+            "overrides": self.overrides,
+            "run_dir": self.run_dir,
+        }
 
 
 def table(results: Sequence[ConfigResult]) -> str:
@@ -71,9 +78,15 @@ def table(results: Sequence[ConfigResult]) -> str:
     rows = [head]
     for r in results:
         checks = " ".join(f"{c.name}:{c.verdict}" for c in r.checks) or "-"
-        rows.append([r.name, r.outcome.upper(), checks,
-                     *(f"{r.phases[p]:.1f}" if p in r.phases else "-" for p in PHASES),
-                     f"{r.total_seconds:.1f}"])
+        rows.append(
+            [
+                r.name,
+                r.outcome.upper(),
+                checks,
+                *(f"{r.phases[p]:.1f}" if p in r.phases else "-" for p in PHASES),
+                f"{r.total_seconds:.1f}",
+            ]
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -88,8 +101,11 @@ def write_config_result(r: ConfigResult, path: Path) -> None:
 def write_summary(results: Sequence[ConfigResult], results_dir: Path, meta: dict[str, Any]) -> Path:
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / "summary.json"
-    doc = {**meta, "passed": all(r.outcome == PASSED for r in results) and bool(results),
-           "configs": [r.to_dict() for r in results]}
+    doc = {
+        **meta,
+        "passed": all(r.outcome == PASSED for r in results) and bool(results),
+        "configs": [r.to_dict() for r in results],
+    }
     path.write_text(json.dumps(doc, indent=2) + "\n")
     (results_dir / "summary.txt").write_text(table(results) + "\n")
     return path
@@ -102,8 +118,14 @@ def _logs_tail(run_dir: str, lines: int = 20) -> str:
     return "\n".join(parts)
 
 
-def write_junit(results: Sequence[ConfigResult], path: Path, *, suite: str,
-                expected_checks: Sequence[str], skipped_checks: Sequence[str] = ()) -> Path:
+def write_junit(
+    results: Sequence[ConfigResult],
+    path: Path,
+    *,
+    suite: str,
+    expected_checks: Sequence[str],
+    skipped_checks: Sequence[str] = (),
+) -> Path:
     """One test case per config and check; a failing check is a <failure> with its message
     and the logs' tails; a check that never ran because the config errored or was cancelled is
     an <error> (type ConfigError / Cancelled); a config never started is <skipped> ("not run")."""
@@ -123,8 +145,9 @@ def write_junit(results: Sequence[ConfigResult], path: Path, *, suite: str,
                 ET.SubElement(case, "skipped", message=(r.error or "not run")[:500])
             else:
                 kind = {ERROR: "ConfigError", CANCELLED: "Cancelled"}.get(r.outcome, "NotRun")
-                e = ET.SubElement(case, "error", message=(r.error or "did not run").splitlines()[0][:500],
-                                  type=kind)
+                e = ET.SubElement(
+                    case, "error", message=(r.error or "did not run").splitlines()[0][:500], type=kind
+                )
                 e.text = f"{r.error or 'did not run'}\n\n{_logs_tail(r.run_dir)}"
             cases.append(case)
         for c in r.checks:  # test cases from the JUnit a user command wrote (--exec, --pytest)
@@ -137,8 +160,15 @@ def write_junit(results: Sequence[ConfigResult], path: Path, *, suite: str,
     errors = sum(1 for c in cases if c.find("error") is not None)
     root = ET.Element("testsuites")
     skips = sum(1 for c in cases if c.find("skipped") is not None)
-    ts = ET.SubElement(root, "testsuite", name=suite, tests=str(len(cases)), failures=str(failures),
-                       errors=str(errors), skipped=str(skips))
+    ts = ET.SubElement(
+        root,
+        "testsuite",
+        name=suite,
+        tests=str(len(cases)),
+        failures=str(failures),
+        errors=str(errors),
+        skipped=str(skips),
+    )
     ts.extend(cases)
     for el in root.iter():  # log tails and model output may hold characters XML 1.0 forbids
         el.text = xml_safe(el.text) if el.text else el.text
@@ -185,6 +215,10 @@ def annotate(results: Sequence[ConfigResult], *, sweep: str) -> bool:
         return False
     ok = all(r.outcome == PASSED for r in results) and bool(results)
     body = f"**{sweep}**: {'passed' if ok else 'FAILED'}\n\n```\n{table(results)}\n```\n"
-    subprocess.run([agent, "annotate", "--style", "success" if ok else "error",
-                    "--context", f"pd-sessions-{sweep}"], input=body, text=True, check=False)
+    subprocess.run(
+        [agent, "annotate", "--style", "success" if ok else "error", "--context", f"pd-sessions-{sweep}"],
+        input=body,
+        text=True,
+        check=False,
+    )
     return True

@@ -24,8 +24,8 @@ RUNNING = "vllm:num_requests_running"
 @dataclass(frozen=True)
 class State:
     running: float = 0.0
-    deferred: float = 0.0          # waiting by reason "deferred" (KV transfer among others)
-    error: str | None = None       # the scrape failed
+    deferred: float = 0.0  # waiting by reason "deferred" (KV transfer among others)
+    error: str | None = None  # the scrape failed
 
 
 def state(metrics_text: str) -> State:
@@ -61,10 +61,14 @@ def diagnose(states: Mapping[str, State], sources: Mapping[str, str]) -> str:
         if s.error is not None:
             lines.append(f"{name}: /metrics unreachable ({s.error})")
         elif name.startswith("decode") and s.deferred > 0:
-            tail = (f"while {', '.join(busy_prefills)} still computes" if busy_prefills else
-                    "no prefill is computing: the KV pull is stuck")
-            lines.append(f"{name} waits for KV from {where} "
-                         f"({s.deferred:g} deferred, {s.running:g} running); {tail}")
+            tail = (
+                f"while {', '.join(busy_prefills)} still computes"
+                if busy_prefills
+                else "no prefill is computing: the KV pull is stuck"
+            )
+            lines.append(
+                f"{name} waits for KV from {where} ({s.deferred:g} deferred, {s.running:g} running); {tail}"
+            )
         elif s.running > 0:
             lines.append(f"{name} has {s.running:g} running request(s)")
     return "; ".join(lines) or "no instance reports a running or deferred request"
@@ -93,5 +97,3 @@ def sources(plan: ClusterPlan) -> dict[str, str]:
 
 def is_timeout(error: BaseException | str) -> bool:
     return "no answer within" in str(error)
-
-

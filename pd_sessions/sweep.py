@@ -57,12 +57,14 @@ class SweepOptions:
 
     @property
     def checks(self) -> tuple[str, ...]:
-        return (tuple(c for c in self.selected_checks if c not in self.skip_checks)
-                + tuple(c.name for c in self.commands))
+        return tuple(c for c in self.selected_checks if c not in self.skip_checks) + tuple(
+            c.name for c in self.commands
+        )
 
 
-def model_path(config: ClusterConfig, *, create: bool, cache: Path | None = None,
-               weights_seed: int | None = None) -> str | None:
+def model_path(
+    config: ClusterConfig, *, create: bool, cache: Path | None = None, weights_seed: int | None = None
+) -> str | None:
     """What --model gets: the generated tiny model's directory, or None (use config.model)."""
     if config.model not in TINY_MODELS:
         return None
@@ -71,27 +73,48 @@ def model_path(config: ClusterConfig, *, create: bool, cache: Path | None = None
     return str(path)
 
 
-def make_plan(config: ClusterConfig, inv: Inventory, ports: PortAllocator, opts: SweepOptions,
-              *, create_model: bool) -> ClusterPlan:
-    return plan_cluster(config, inv, ports, platform=opts.platform, python=opts.python,
-                        model=model_path(config, create=create_model, cache=opts.model_cache),
-                        decode_model=(model_path(config, create=create_model, cache=opts.model_cache,
-                                                 weights_seed=config.decode_weights_seed)
-                                      if config.decode_weights_seed is not None else None),
-                        allow_unpinned=opts.allow_unpinned, share_gpus=opts.share_gpus,
-                        overrides=opts.overrides,
-                        passthrough_env={k: os.environ[k] for k in GPU_PASSTHROUGH_ENV if k in os.environ})
+def make_plan(
+    config: ClusterConfig, inv: Inventory, ports: PortAllocator, opts: SweepOptions, *, create_model: bool
+) -> ClusterPlan:
+    return plan_cluster(
+        config,
+        inv,
+        ports,
+        platform=opts.platform,
+        python=opts.python,
+        model=model_path(config, create=create_model, cache=opts.model_cache),
+        decode_model=(
+            model_path(
+                config, create=create_model, cache=opts.model_cache, weights_seed=config.decode_weights_seed
+            )
+            if config.decode_weights_seed is not None
+            else None
+        ),
+        allow_unpinned=opts.allow_unpinned,
+        share_gpus=opts.share_gpus,
+        overrides=opts.overrides,
+        passthrough_env={k: os.environ[k] for k in GPU_PASSTHROUGH_ENV if k in os.environ},
+    )
 
 
 def new_result(config: ClusterConfig, opts: SweepOptions) -> ConfigResult:
-    return ConfigResult(name=config.name, shape=config.shape, connector=config.connector,
-                        platform=opts.platform, overrides=list(opts.overrides))
+    return ConfigResult(
+        name=config.name,
+        shape=config.shape,
+        connector=config.connector,
+        platform=opts.platform,
+        overrides=list(opts.overrides),
+    )
 
 
-def run_config(config: ClusterConfig, inv: Inventory, opts: SweepOptions,
-               progress: Callable[[str], None],
-               on_event: Callable[[Event], None] | None = None,
-               into: ConfigResult | None = None) -> ConfigResult:
+def run_config(
+    config: ClusterConfig,
+    inv: Inventory,
+    opts: SweepOptions,
+    progress: Callable[[str], None],
+    on_event: Callable[[Event], None] | None = None,
+    into: ConfigResult | None = None,
+) -> ConfigResult:
     """Plan, start, check, tear down and record one config (``on_event``: see running_cluster).
 
     ``into``: the record to fill (else a new one). An unforeseen exception (not a PdError)
@@ -113,18 +136,38 @@ def run_config(config: ClusterConfig, inv: Inventory, opts: SweepOptions,
         (run_dir / "plan.txt").write_text(plan.render() + "\n")
         checks: list[CheckResult] = []
         try:
-            with running_cluster(plan, run_dir, ports=ports, deadline_s=opts.deadline_s,
-                                 grace_s=opts.grace_s, progress=progress,
-                                 timings=res.timings, on_event=on_event) as cluster:
+            with running_cluster(
+                plan,
+                run_dir,
+                ports=ports,
+                deadline_s=opts.deadline_s,
+                grace_s=opts.grace_s,
+                progress=progress,
+                timings=res.timings,
+                on_event=on_event,
+            ) as cluster:
                 t = time.monotonic()
                 try:
-                    cluster.guard(lambda: run_checks(cluster, checks, opts.accuracy, opts.skip_checks,
-                                                     selected=opts.selected_checks,
-                                                     options=opts.check_options),
-                                  when="while checks ran")
+                    cluster.guard(
+                        lambda: run_checks(
+                            cluster,
+                            checks,
+                            opts.accuracy,
+                            opts.skip_checks,
+                            selected=opts.selected_checks,
+                            options=opts.check_options,
+                        ),
+                        when="while checks ran",
+                    )
                     if opts.commands:
-                        user_commands.run_commands(cluster, opts.commands, checks, progress=progress,
-                                                   timeout_s=opts.exec_timeout_s, grace_s=opts.grace_s)
+                        user_commands.run_commands(
+                            cluster,
+                            opts.commands,
+                            checks,
+                            progress=progress,
+                            timeout_s=opts.exec_timeout_s,
+                            grace_s=opts.grace_s,
+                        )
                 finally:
                     res.phases["checks"] = time.monotonic() - t
                     res.checks = list(checks)
@@ -163,9 +206,14 @@ def _fill_phases(res: ConfigResult) -> None:
         res.phases["teardown"] = timings["teardown"]
 
 
-def run_sweep(configs: Sequence[ClusterConfig], inv: Inventory, opts: SweepOptions,
-              progress: Callable[[str], None], results: list[ConfigResult] | None = None,
-              on_change: Callable[[list[ConfigResult]], None] | None = None) -> list[ConfigResult]:
+def run_sweep(
+    configs: Sequence[ClusterConfig],
+    inv: Inventory,
+    opts: SweepOptions,
+    progress: Callable[[str], None],
+    results: list[ConfigResult] | None = None,
+    on_change: Callable[[list[ConfigResult]], None] | None = None,
+) -> list[ConfigResult]:
     """Run every config; one record each, returned (and appended to ``results`` if given).
 
     Each record joins ``results`` as its config starts (outcome ``running``), so a caller that

@@ -41,8 +41,8 @@ class TinySpec:
     num_heads: int = 2
     head_dim: int = 64
     max_position_embeddings: int = 2048
-    architecture: str = "llama"    # llama | mixtral | kimi_linear
-    num_experts: int = 4           # mixtral, kimi_linear
+    architecture: str = "llama"  # llama | mixtral | kimi_linear
+    num_experts: int = 4  # mixtral, kimi_linear
     # Seed of the weights when it differs from ``seed`` (the tokenizer always follows
     # ``seed``): another model with the same tokenizer and shapes, for parity's can-fail test.
     weights_seed: int | None = None
@@ -73,9 +73,17 @@ SPECS: dict[str, TinySpec] = {
     "tiny-mixtral": TinySpec(architecture="mixtral"),
     # Shaped like moonshotai/Kimi-Linear-48B-A3B-Instruct (KDA + MLA + MoE with a shared
     # expert), scaled down to the config that served on an H200 with vLLM 0.26.
-    "tiny-kimi-linear": TinySpec(architecture="kimi_linear", hidden_size=256, intermediate_size=512,
-                                 num_layers=4, num_heads=4, head_dim=64, max_position_embeddings=8192,
-                                 num_experts=8, remote_code=True),
+    "tiny-kimi-linear": TinySpec(
+        architecture="kimi_linear",
+        hidden_size=256,
+        intermediate_size=512,
+        num_layers=4,
+        num_heads=4,
+        head_dim=64,
+        max_position_embeddings=8192,
+        num_experts=8,
+        remote_code=True,
+    ),
     # A Llama whose tokenizer and config classes ship in the folder (trust_remote_code), for the
     # CPU lane: the Kimi-Linear KDA kernels are Triton, GPU only.
     "tiny-llama-remote": TinySpec(remote_code=True),
@@ -104,12 +112,14 @@ def model_dir(spec: TinySpec, cache_dir: Path | None = None) -> Path:
     return (cache_dir or default_cache_dir()) / "models" / f"tiny-{spec.architecture}-{spec.key()}"
 
 
-_WORDS = ("the a one two three four five six seven eight nine ten cat dog bird fish tree "
-          "house river stone cloud rain sun moon star road city field apple bread water "
-          "runs jumps sleeps eats sees finds takes gives makes reads writes sings walks "
-          "red blue green small large old new quick slow happy quiet bright dark warm cold "
-          "and or but then so because while after before under over near far with without "
-          "plus minus times equals number answer question how many total left each").split()
+_WORDS = (
+    "the a one two three four five six seven eight nine ten cat dog bird fish tree "
+    "house river stone cloud rain sun moon star road city field apple bread water "
+    "runs jumps sleeps eats sees finds takes gives makes reads writes sings walks "
+    "red blue green small large old new quick slow happy quiet bright dark warm cold "
+    "and or but then so because while after before under over near far with without "
+    "plus minus times equals number answer question how many total left each"
+).split()
 
 
 def corpus(seed: int, lines: int = 4000) -> list[str]:
@@ -144,7 +154,8 @@ def build(spec: TinySpec, out: Path) -> None:
     if spec.remote_code:
         _ship_remote_code(spec, out)
     (out / "pd_sessions_spec.json").write_text(
-        json.dumps({"generator_version": GENERATOR_VERSION, **asdict(spec)}, indent=2) + "\n")
+        json.dumps({"generator_version": GENERATOR_VERSION, **asdict(spec)}, indent=2) + "\n"
+    )
 
 
 def _tokenizer(spec: TinySpec):  # -> PreTrainedTokenizerFast
@@ -154,12 +165,16 @@ def _tokenizer(spec: TinySpec):  # -> PreTrainedTokenizerFast
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=spec.vocab_size, show_progress=False,
-                                  special_tokens=["<|bos|>", "<|eos|>", "<|pad|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab_size,
+        show_progress=False,
+        special_tokens=["<|bos|>", "<|eos|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(corpus(spec.seed), trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>",
-                                   eos_token="<|eos|>", pad_token="<|pad|>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
+    )
 
 
 def _llama_like(spec: TinySpec, fast, out: Path) -> None:
@@ -167,18 +182,27 @@ def _llama_like(spec: TinySpec, fast, out: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    common = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
-                  intermediate_size=spec.intermediate_size,
-                  num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
-                  num_key_value_heads=spec.num_heads, head_dim=spec.head_dim,
-                  max_position_embeddings=spec.max_position_embeddings,
-                  bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
-                  pad_token_id=fast.pad_token_id, tie_word_embeddings=False, torch_dtype="float32")
+    common = dict(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
     if spec.architecture == "mixtral":  # a mixture of experts, for the DP/EP decode shape
         from transformers import MixtralConfig, MixtralForCausalLM
 
-        model = MixtralForCausalLM(MixtralConfig(num_local_experts=spec.num_experts,
-                                                 num_experts_per_tok=2, **common))
+        model = MixtralForCausalLM(
+            MixtralConfig(num_local_experts=spec.num_experts, num_experts_per_tok=2, **common)
+        )
     else:
         model = LlamaForCausalLM(LlamaConfig(**common))
     with torch.no_grad():  # larger weights than HF's init give more varied greedy text
@@ -190,8 +214,14 @@ def _llama_like(spec: TinySpec, fast, out: Path) -> None:
 
 # Kimi-Linear's fixed sub-shapes, from the config that served on an H200 (vLLM 0.26): MLA
 # without q LoRA (vLLM asserts q_lora_rank is None and mla_use_nope), KDA heads 4 x 128.
-KIMI_MLA = {"q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-            "v_head_dim": 128, "mla_use_nope": True}
+KIMI_MLA = {
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "mla_use_nope": True,
+}
 KIMI_KDA_HEADS, KIMI_KDA_HEAD_DIM, KIMI_SHORT_CONV = 4, 128, 4
 KIMI_MOE_INTERMEDIATE = 128
 
@@ -202,20 +232,45 @@ def kimi_linear_config(spec: TinySpec, *, bos: int, eos: int, pad: int) -> dict:
     real config; layer 0 is dense (first_k_dense_replace = 1), the rest MoE."""
     n = spec.num_layers
     return {
-        "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear",
-        "vocab_size": spec.vocab_size, "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad,
-        "tie_word_embeddings": False, "max_position_embeddings": spec.max_position_embeddings,
-        "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size, "hidden_act": "silu",
-        "rms_norm_eps": 1e-05, "num_hidden_layers": n, "num_attention_heads": spec.num_heads,
-        "num_key_value_heads": spec.num_heads, "head_dim": spec.head_dim, **KIMI_MLA, "rope_theta": 10000.0,
-        "num_experts": spec.num_experts, "num_experts_per_token": 2, "num_shared_experts": 1,
-        "moe_intermediate_size": KIMI_MOE_INTERMEDIATE, "moe_renormalize": True,
-        "moe_router_activation_func": "sigmoid", "routed_scaling_factor": 2.446, "first_k_dense_replace": 1,
-        "moe_layer_freq": 1, "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1,
-        "num_nextn_predict_layers": 0, "torch_dtype": "bfloat16",
-        "linear_attn_config": {"kda_layers": list(range(1, n)), "full_attn_layers": [n],
-                               "num_heads": KIMI_KDA_HEADS, "head_dim": KIMI_KDA_HEAD_DIM,
-                               "short_conv_kernel_size": KIMI_SHORT_CONV},
+        "architectures": ["KimiLinearForCausalLM"],
+        "model_type": "kimi_linear",
+        "vocab_size": spec.vocab_size,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "pad_token_id": pad,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-05,
+        "num_hidden_layers": n,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_heads,
+        "head_dim": spec.head_dim,
+        **KIMI_MLA,
+        "rope_theta": 10000.0,
+        "num_experts": spec.num_experts,
+        "num_experts_per_token": 2,
+        "num_shared_experts": 1,
+        "moe_intermediate_size": KIMI_MOE_INTERMEDIATE,
+        "moe_renormalize": True,
+        "moe_router_activation_func": "sigmoid",
+        "routed_scaling_factor": 2.446,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "use_grouped_topk": True,
+        "num_expert_group": 1,
+        "topk_group": 1,
+        "num_nextn_predict_layers": 0,
+        "torch_dtype": "bfloat16",
+        "linear_attn_config": {
+            "kda_layers": list(range(1, n)),
+            "full_attn_layers": [n],
+            "num_heads": KIMI_KDA_HEADS,
+            "head_dim": KIMI_KDA_HEAD_DIM,
+            "short_conv_kernel_size": KIMI_SHORT_CONV,
+        },
     }
 
 
@@ -232,8 +287,11 @@ def kimi_linear_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     vh, lora = cfg["v_head_dim"], cfg["kv_lora_rank"]
     moe_i, e = cfg["moe_intermediate_size"], cfg["num_experts"]
     shared = moe_i * cfg["num_shared_experts"]
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,),
-                                       "lm_head.weight": (v, h)}
+    out: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (v, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (v, h),
+    }
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"] = (h,)
@@ -243,30 +301,56 @@ def kimi_linear_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
             for name in ("q_proj", "k_proj", "v_proj"):
                 out[a + name + ".weight"] = (proj, h)
                 out[a + name[0] + "_conv1d.weight"] = (proj, 1, k)
-            out.update({a + "f_a_proj.weight": (hd, h), a + "f_b_proj.weight": (proj, hd),
-                        a + "g_a_proj.weight": (hd, h), a + "g_b_proj.weight": (proj, hd),
-                        a + "b_proj.weight": (hh, h), a + "dt_bias": (proj,), a + "A_log": (1, 1, hh, 1),
-                        a + "o_norm.weight": (hd,), a + "o_proj.weight": (h, proj)})
+            out.update(
+                {
+                    a + "f_a_proj.weight": (hd, h),
+                    a + "f_b_proj.weight": (proj, hd),
+                    a + "g_a_proj.weight": (hd, h),
+                    a + "g_b_proj.weight": (proj, hd),
+                    a + "b_proj.weight": (hh, h),
+                    a + "dt_bias": (proj,),
+                    a + "A_log": (1, 1, hh, 1),
+                    a + "o_norm.weight": (hd,),
+                    a + "o_proj.weight": (h, proj),
+                }
+            )
         else:
-            out.update({a + "q_proj.weight": (heads * (nope + rope), h),
-                        a + "kv_a_proj_with_mqa.weight": (lora + rope, h),
-                        a + "kv_a_layernorm.weight": (lora,),
-                        a + "kv_b_proj.weight": (heads * (nope + vh), lora),
-                        a + "o_proj.weight": (h, heads * vh)})
+            out.update(
+                {
+                    a + "q_proj.weight": (heads * (nope + rope), h),
+                    a + "kv_a_proj_with_mqa.weight": (lora + rope, h),
+                    a + "kv_a_layernorm.weight": (lora,),
+                    a + "kv_b_proj.weight": (heads * (nope + vh), lora),
+                    a + "o_proj.weight": (h, heads * vh),
+                }
+            )
         if i >= cfg["first_k_dense_replace"] and i % cfg["moe_layer_freq"] == 0:
             m = p + "block_sparse_moe."
             out[m + "gate.weight"] = (e, h)
             out[m + "gate.e_score_correction_bias"] = (e,)
             for x in range(e):
-                out.update({f"{m}experts.{x}.w1.weight": (moe_i, h), f"{m}experts.{x}.w3.weight": (moe_i, h),
-                            f"{m}experts.{x}.w2.weight": (h, moe_i)})
-            out.update({m + "shared_experts.gate_proj.weight": (shared, h),
-                        m + "shared_experts.up_proj.weight": (shared, h),
-                        m + "shared_experts.down_proj.weight": (h, shared)})
+                out.update(
+                    {
+                        f"{m}experts.{x}.w1.weight": (moe_i, h),
+                        f"{m}experts.{x}.w3.weight": (moe_i, h),
+                        f"{m}experts.{x}.w2.weight": (h, moe_i),
+                    }
+                )
+            out.update(
+                {
+                    m + "shared_experts.gate_proj.weight": (shared, h),
+                    m + "shared_experts.up_proj.weight": (shared, h),
+                    m + "shared_experts.down_proj.weight": (h, shared),
+                }
+            )
         else:
-            out.update({p + "mlp.gate_proj.weight": (cfg["intermediate_size"], h),
-                        p + "mlp.up_proj.weight": (cfg["intermediate_size"], h),
-                        p + "mlp.down_proj.weight": (h, cfg["intermediate_size"])})
+            out.update(
+                {
+                    p + "mlp.gate_proj.weight": (cfg["intermediate_size"], h),
+                    p + "mlp.up_proj.weight": (cfg["intermediate_size"], h),
+                    p + "mlp.down_proj.weight": (h, cfg["intermediate_size"]),
+                }
+            )
     return out
 
 
@@ -284,17 +368,19 @@ def _kimi_linear(spec: TinySpec, fast, out: Path) -> None:
         leaf = name.rsplit(".", 1)[-1]
         if name.endswith(("norm.weight", "layernorm.weight")):
             t = torch.ones(shape)
-        elif leaf == "A_log":                  # decay rates as the real init: log(U(1, 16))
+        elif leaf == "A_log":  # decay rates as the real init: log(U(1, 16))
             t = torch.empty(shape).uniform_(1, 16).log()
         elif leaf in ("dt_bias", "e_score_correction_bias"):
             t = torch.zeros(shape)
-        else:                                  # fan-in scaled, so bf16 activations stay tame
+        else:  # fan-in scaled, so bf16 activations stay tame
             t = torch.randn(shape) * (0.5 / math.sqrt(shape[-1]))
         tensors[name] = t.to(torch.bfloat16).contiguous()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}, indent=2) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}, indent=2)
+        + "\n"
+    )
 
 
 _BUILDERS = {"llama": _llama_like, "mixtral": _llama_like, "kimi_linear": _kimi_linear}
@@ -333,8 +419,10 @@ _REMOTE_CONFIG_CLASS = {"llama": "PdTinyLlamaConfig", "kimi_linear": "KimiLinear
 
 def _ship_remote_code(spec: TinySpec, out: Path) -> None:
     if spec.architecture not in _REMOTE_CONFIG_CLASS:
-        raise ValueError(f"remote_code is not supported for {spec.architecture!r}; "
-                         f"allowed: {', '.join(_REMOTE_CONFIG_CLASS)}")
+        raise ValueError(
+            f"remote_code is not supported for {spec.architecture!r}; "
+            f"allowed: {', '.join(_REMOTE_CONFIG_CLASS)}"
+        )
     (out / f"{REMOTE_MODULE}.py").write_text(REMOTE_CODE)
     cfg_path, tok_path = out / "config.json", out / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())

@@ -25,12 +25,13 @@ from pathlib import Path
 from pd_sessions.cliargs import positive_seconds  # noqa: F401  (the sweep's --deadline/--grace type)
 from pd_sessions.config import ClusterConfig
 from pd_sessions.errors import UsageError
-from pd_sessions.report import (CANCELLED, NOT_RUN, RUNNING, ConfigResult, write_junit,
-                                write_summary)
+from pd_sessions.report import CANCELLED, NOT_RUN, RUNNING, ConfigResult, write_junit, write_summary
 
 # What a provisional summary says (see Provisional): still there, it means pd-sessions was killed.
-KILLED_RUNNING = ("cancelled: pd-sessions ended while this config ran, without recording how "
-                  "(killed with SIGKILL?); this record was written when the config started")
+KILLED_RUNNING = (
+    "cancelled: pd-sessions ended while this config ran, without recording how "
+    "(killed with SIGKILL?); this record was written when the config started"
+)
 KILLED = "pd-sessions ended early, without recording why (killed with SIGKILL?)"
 
 
@@ -68,18 +69,26 @@ def cancel(res: ConfigResult, cause: str) -> None:
     are kept."""
     done = ", ".join(c.name for c in res.checks) or "none"
     res.outcome = CANCELLED
-    res.error = (f"cancelled: {cause} {interrupted_while(res)}, {res.total_seconds:.1f} s in; "
-                 f"checks finished before that: {done}")
+    res.error = (
+        f"cancelled: {cause} {interrupted_while(res)}, {res.total_seconds:.1f} s in; "
+        f"checks finished before that: {done}"
+    )
 
 
 def not_run(config: ClusterConfig, platform: str, cause: str) -> ConfigResult:
-    return ConfigResult(name=config.name, shape=config.shape, connector=config.connector,
-                        platform=platform, outcome=NOT_RUN,
-                        error=f"not run: the sweep stopped before this config started ({cause})")
+    return ConfigResult(
+        name=config.name,
+        shape=config.shape,
+        connector=config.connector,
+        platform=platform,
+        outcome=NOT_RUN,
+        error=f"not run: the sweep stopped before this config started ({cause})",
+    )
 
 
-def complete(configs: Sequence[ClusterConfig], results: Sequence[ConfigResult], *, platform: str,
-             cause: str) -> list[ConfigResult]:
+def complete(
+    configs: Sequence[ClusterConfig], results: Sequence[ConfigResult], *, platform: str, cause: str
+) -> list[ConfigResult]:
     """One record per config: ``results`` (a ``running`` one becomes cancelled by ``cause``),
     then a ``not run`` one for each config without a record. ``results`` is not changed."""
     out = [dataclasses.replace(r) for r in results]
@@ -99,37 +108,59 @@ def check_writable(results_dir: Path) -> None:
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise UsageError(f"--results-dir: cannot write to {results_dir} ({e.strerror or e}); "
-                         "give a directory you can write to") from None
+        raise UsageError(
+            f"--results-dir: cannot write to {results_dir} ({e.strerror or e}); "
+            "give a directory you can write to"
+        ) from None
     if not os.access(results_dir, os.W_OK | os.X_OK):
-        raise UsageError(f"--results-dir: cannot write to {results_dir}; give a directory you "
-                         "can write to")
+        raise UsageError(f"--results-dir: cannot write to {results_dir}; give a directory you can write to")
 
 
-def write_all(results: Sequence[ConfigResult], results_dir: Path, meta: dict[str, object], *,
-              suite: str, checks: Sequence[str], skipped: Sequence[str]) -> None:
+def write_all(
+    results: Sequence[ConfigResult],
+    results_dir: Path,
+    meta: dict[str, object],
+    *,
+    suite: str,
+    checks: Sequence[str],
+    skipped: Sequence[str],
+) -> None:
     """summary.json, summary.txt and junit.xml for ``results``."""
     write_summary(results, results_dir, meta)
-    write_junit(results, results_dir / "junit.xml", suite=suite, expected_checks=checks,
-                skipped_checks=skipped)
+    write_junit(
+        results, results_dir / "junit.xml", suite=suite, expected_checks=checks, skipped_checks=skipped
+    )
 
 
 class Provisional:
     """Writes the summary as each config starts and ends (``run_sweep``'s ``on_change``), so a
     sweep killed with SIGKILL still leaves one; the final write replaces it."""
 
-    def __init__(self, configs: Sequence[ClusterConfig], results_dir: Path, *, suite: str,
-                 platform: str, checks: Sequence[str], skipped: Sequence[str]):
+    def __init__(
+        self,
+        configs: Sequence[ClusterConfig],
+        results_dir: Path,
+        *,
+        suite: str,
+        platform: str,
+        checks: Sequence[str],
+        skipped: Sequence[str],
+    ):
         self.configs = list(configs)
         self.results_dir = results_dir
-        self.meta = {"sweep": suite, "platform": platform,
-                     "provisional": "written while the sweep ran; the sweep did not finish"}
+        self.meta = {
+            "sweep": suite,
+            "platform": platform,
+            "provisional": "written while the sweep ran; the sweep did not finish",
+        }
         self.kw = {"suite": suite, "checks": checks, "skipped": skipped}
         self.platform = platform
 
     def __call__(self, results: Sequence[ConfigResult]) -> None:
-        done = [dataclasses.replace(r, outcome=CANCELLED, error=KILLED_RUNNING) if r.outcome == RUNNING
-                else r for r in results]
+        done = [
+            dataclasses.replace(r, outcome=CANCELLED, error=KILLED_RUNNING) if r.outcome == RUNNING else r
+            for r in results
+        ]
         done = complete(self.configs, done, platform=self.platform, cause=KILLED)
         write_all(done, self.results_dir, self.meta, **self.kw)  # type: ignore[arg-type]
 

@@ -41,18 +41,30 @@ JUNIT_PLACEHOLDER = "{junitxml}"
 CLUSTER_FILE = "cluster.json"
 DEFAULT_TIMEOUT_S = EXEC_TIMEOUT_S
 TAIL_LINES = 30
-ENV_NAMES = ("PREFILL_HOST", "PREFILL_PORT", "DECODE_HOST", "DECODE_PORT", "PROXY_HOST", "PROXY_PORT",
-             "PREFILL_HOSTS", "PREFILL_PORTS", "DECODE_HOSTS", "DECODE_PORTS", "TEST_MODEL", "BLOCK_SIZE",
-             "PD_SESSIONS_CLUSTER")
+ENV_NAMES = (
+    "PREFILL_HOST",
+    "PREFILL_PORT",
+    "DECODE_HOST",
+    "DECODE_PORT",
+    "PROXY_HOST",
+    "PROXY_PORT",
+    "PREFILL_HOSTS",
+    "PREFILL_PORTS",
+    "DECODE_HOSTS",
+    "DECODE_PORTS",
+    "TEST_MODEL",
+    "BLOCK_SIZE",
+    "PD_SESSIONS_CLUSTER",
+)
 
 
 @dataclass(frozen=True)
 class UserCommand:
     """One command to run with the cluster up."""
 
-    index: int                 # N in check name exec[N], in command-line order from 0
-    argv: tuple[str, ...]      # may hold {junitxml}, replaced by the JUnit path at run time
-    given: str                 # as the user wrote it, for messages
+    index: int  # N in check name exec[N], in command-line order from 0
+    argv: tuple[str, ...]  # may hold {junitxml}, replaced by the JUnit path at run time
+    given: str  # as the user wrote it, for messages
 
     @property
     def name(self) -> str:
@@ -70,32 +82,35 @@ class UserCommand:
 def parse_exec(text: str, index: int, *, which: Callable[[str], str | None] = shutil.which) -> UserCommand:
     """``--exec TEXT`` -> a command: split like a shell would (shlex), but no shell runs it.
 
-        TEXT                           -> result
-        empty / only spaces            -> UsageError "empty command"
-        unbalanced quotes              -> UsageError naming shlex's complaint
-        first word not found / not an executable file -> UsageError naming it
-        otherwise                      -> UserCommand(argv = the words)
+    TEXT                           -> result
+    empty / only spaces            -> UsageError "empty command"
+    unbalanced quotes              -> UsageError naming shlex's complaint
+    first word not found / not an executable file -> UsageError naming it
+    otherwise                      -> UserCommand(argv = the words)
     """
     try:
         argv = tuple(shlex.split(text))
     except ValueError as e:
         raise UsageError(f"--exec {text!r}: cannot split it into words ({e})") from None
     if not argv:
-        raise UsageError(f"--exec {text!r}: empty command; give a program and its arguments, "
-                         "e.g. --exec 'python -m pytest tests/my_test.py'")
+        raise UsageError(
+            f"--exec {text!r}: empty command; give a program and its arguments, "
+            "e.g. --exec 'python -m pytest tests/my_test.py'"
+        )
     exe = argv[0]
     if os.sep in exe:
         if not (os.path.isfile(exe) and os.access(exe, os.X_OK)):
             raise UsageError(f"--exec {text!r}: {exe} is not an executable file")
     elif which(exe) is None:
-        raise UsageError(f"--exec {text!r}: executable {exe!r} not found on PATH "
-                         "(commands run without a shell: no aliases, builtins or pipes; "
-                         "wrap them as `bash -c '...'` if you need one)")
+        raise UsageError(
+            f"--exec {text!r}: executable {exe!r} not found on PATH "
+            "(commands run without a shell: no aliases, builtins or pipes; "
+            "wrap them as `bash -c '...'` if you need one)"
+        )
     return UserCommand(index=index, argv=argv, given=text)
 
 
-def pytest_command(paths: Sequence[str], index: int, *, python: str,
-                   have_pytest: bool) -> UserCommand:
+def pytest_command(paths: Sequence[str], index: int, *, python: str, have_pytest: bool) -> UserCommand:
     """``--pytest PATH...`` -> ``python -m pytest PATH... --junitxml={junitxml}``.
 
     ``python`` is the session's own interpreter (the environment vLLM, openai and
@@ -105,28 +120,46 @@ def pytest_command(paths: Sequence[str], index: int, *, python: str,
     if not paths:
         raise UsageError("--pytest: give at least one test file or directory")
     if not have_pytest:
-        raise UsageError(f"--pytest: pytest is not installed for {python}; install it there "
-                         "(`pip install pytest openai`) or use --exec with another interpreter")
+        raise UsageError(
+            f"--pytest: pytest is not installed for {python}; install it there "
+            "(`pip install pytest openai`) or use --exec with another interpreter"
+        )
     for p in paths:
         if not Path(p.split("::")[0]).exists():
-            raise UsageError(f"--pytest {p}: no such file or directory (relative paths are read "
-                             f"from {os.getcwd()})")
+            raise UsageError(
+                f"--pytest {p}: no such file or directory (relative paths are read from {os.getcwd()})"
+            )
     # -p: the pd_cluster fixture (attached to this cluster) even where pd-sessions runs from a
     # checkout rather than an installed distribution (installed, the entry point loads it once).
-    argv = (python, "-m", "pytest", "-p", "pd_sessions.pytest_plugin", "-v", "-rA", *paths,
-            f"--junitxml={JUNIT_PLACEHOLDER}")
+    argv = (
+        python,
+        "-m",
+        "pytest",
+        "-p",
+        "pd_sessions.pytest_plugin",
+        "-v",
+        "-rA",
+        *paths,
+        f"--junitxml={JUNIT_PLACEHOLDER}",
+    )
     return UserCommand(index=index, argv=argv, given="--pytest " + shlex.join(paths))
 
 
-def from_cli(items: Sequence[str | Sequence[str]] | None, *, python: str, dry_run: bool,
-             have_pytest: bool, which: Callable[[str], str | None] = shutil.which
-             ) -> tuple[UserCommand, ...]:
+def from_cli(
+    items: Sequence[str | Sequence[str]] | None,
+    *,
+    python: str,
+    dry_run: bool,
+    have_pytest: bool,
+    which: Callable[[str], str | None] = shutil.which,
+) -> tuple[UserCommand, ...]:
     """The commands of ``--exec`` (a string each) and ``--pytest`` (a list of paths each),
     in command-line order. With ``--dry-run`` (nothing is launched) any is a UsageError."""
     items = list(items or [])
     if items and dry_run:
-        raise UsageError("--exec/--pytest need a running cluster and --dry-run launches none; "
-                         "drop one of them")
+        raise UsageError(
+            "--exec/--pytest need a running cluster and --dry-run launches none; drop one of them"
+        )
     out = []
     for i, item in enumerate(items):
         if isinstance(item, str):
@@ -137,6 +170,7 @@ def from_cli(items: Sequence[str | Sequence[str]] | None, *, python: str, dry_ru
 
 
 # --- what a command is told about the cluster (pure) ---------------------------------------
+
 
 def _flag(argv: Sequence[str], flag: str) -> str | None:
     return argv[argv.index(flag) + 1] if flag in argv[:-1] else None
@@ -156,9 +190,18 @@ def block_size(plan: ClusterPlan) -> int | None:
 
 def describe(plan: ClusterPlan, run_dir: Path | None = None) -> dict[str, Any]:
     """The cluster as JSON-ready data: written to PD_SESSIONS_CLUSTER."""
+
     def proc(s: ProcessSpec) -> dict[str, Any]:
-        d: dict[str, Any] = {"name": s.name, "role": s.role, "url": s.url, "host": s.host, "port": s.port,
-                             "gpus": list(s.gpus), "cpu_bind": s.cpu_bind, "log": s.log_name}
+        d: dict[str, Any] = {
+            "name": s.name,
+            "role": s.role,
+            "url": s.url,
+            "host": s.host,
+            "port": s.port,
+            "gpus": list(s.gpus),
+            "cpu_bind": s.cpu_bind,
+            "log": s.log_name,
+        }
         if s.role != "router":
             d["kv_transfer_config"] = kv_config(s)
             d["bootstrap_port"] = s.bootstrap_port
@@ -166,34 +209,47 @@ def describe(plan: ClusterPlan, run_dir: Path | None = None) -> dict[str, Any]:
         return d
 
     c = plan.config
-    return {"config": c.name, "shape": c.shape, "platform": plan.platform, "connector": c.connector,
-            "model": plan.model, "served_model_name": plan.served_model_name,
-            "block_size": block_size(plan), "router": proc(plan.router),
-            "prefill": [proc(s) for s in plan.prefill], "decode": [proc(s) for s in plan.decode],
-            "run_dir": str(run_dir) if run_dir else None}
+    return {
+        "config": c.name,
+        "shape": c.shape,
+        "platform": plan.platform,
+        "connector": c.connector,
+        "model": plan.model,
+        "served_model_name": plan.served_model_name,
+        "block_size": block_size(plan),
+        "router": proc(plan.router),
+        "prefill": [proc(s) for s in plan.prefill],
+        "decode": [proc(s) for s in plan.decode],
+        "run_dir": str(run_dir) if run_dir else None,
+    }
 
 
 def cluster_env(plan: ClusterPlan, cluster_file: Path | None = None) -> dict[str, str]:
     """The variables every user command gets (see the module docstring).
 
-        name               value
-        PREFILL_HOST/PORT  prefill-0's host and HTTP port
-        DECODE_HOST/PORT   decode-0's
-        PROXY_HOST/PORT    the router's
-        *_PORTS, *_HOSTS   all instances of the role, comma-separated, in plan order
-        TEST_MODEL         plan.served_model_name
-        BLOCK_SIZE         only when the plan passes --block-size (else vLLM picks it)
-        PD_SESSIONS_CLUSTER  only when a cluster file is given
+    name               value
+    PREFILL_HOST/PORT  prefill-0's host and HTTP port
+    DECODE_HOST/PORT   decode-0's
+    PROXY_HOST/PORT    the router's
+    *_PORTS, *_HOSTS   all instances of the role, comma-separated, in plan order
+    TEST_MODEL         plan.served_model_name
+    BLOCK_SIZE         only when the plan passes --block-size (else vLLM picks it)
+    PD_SESSIONS_CLUSTER  only when a cluster file is given
     """
     p0, d0, r = plan.prefill[0], plan.decode[0], plan.router
-    env = {"PREFILL_HOST": p0.host, "PREFILL_PORT": str(p0.port),
-           "DECODE_HOST": d0.host, "DECODE_PORT": str(d0.port),
-           "PROXY_HOST": r.host, "PROXY_PORT": str(r.port),
-           "PREFILL_HOSTS": ",".join(s.host for s in plan.prefill),
-           "PREFILL_PORTS": ",".join(str(s.port) for s in plan.prefill),
-           "DECODE_HOSTS": ",".join(s.host for s in plan.decode),
-           "DECODE_PORTS": ",".join(str(s.port) for s in plan.decode),
-           "TEST_MODEL": plan.served_model_name}
+    env = {
+        "PREFILL_HOST": p0.host,
+        "PREFILL_PORT": str(p0.port),
+        "DECODE_HOST": d0.host,
+        "DECODE_PORT": str(d0.port),
+        "PROXY_HOST": r.host,
+        "PROXY_PORT": str(r.port),
+        "PREFILL_HOSTS": ",".join(s.host for s in plan.prefill),
+        "PREFILL_PORTS": ",".join(str(s.port) for s in plan.prefill),
+        "DECODE_HOSTS": ",".join(s.host for s in plan.decode),
+        "DECODE_PORTS": ",".join(str(s.port) for s in plan.decode),
+        "TEST_MODEL": plan.served_model_name,
+    }
     bs = block_size(plan)
     if bs is not None:
         env["BLOCK_SIZE"] = str(bs)
@@ -215,9 +271,19 @@ def export_lines(env: Mapping[str, str]) -> list[str]:
 
 # --- the verdict (pure) --------------------------------------------------------------------
 
-def evaluate(cmd: UserCommand, *, returncode: int | None, seconds: float, timed_out: bool,
-             timeout_s: float, log_path: Path, log_tail: str, junit: Mapping[str, Any] | None,
-             dead: str | None = None) -> CheckResult:
+
+def evaluate(
+    cmd: UserCommand,
+    *,
+    returncode: int | None,
+    seconds: float,
+    timed_out: bool,
+    timeout_s: float,
+    log_path: Path,
+    log_tail: str,
+    junit: Mapping[str, Any] | None,
+    dead: str | None = None,
+) -> CheckResult:
     """exec[N]'s verdict.
 
         what happened                          -> verdict, message starts with
@@ -228,29 +294,48 @@ def evaluate(cmd: UserCommand, *, returncode: int | None, seconds: float, timed_
                                                   test and its message, from its JUnit)
     ``junit`` is the summary of the JUnit file it wrote (:func:`junit_summary`), if any.
     """
-    details: dict[str, Any] = {"argv": list(cmd.argv), "given": cmd.given, "returncode": returncode,
-                               "log": str(log_path), "timed_out": timed_out}
+    details: dict[str, Any] = {
+        "argv": list(cmd.argv),
+        "given": cmd.given,
+        "returncode": returncode,
+        "log": str(log_path),
+        "timed_out": timed_out,
+    }
     counts = ""
     if junit:
         details["junit"] = dict(junit)
-        counts = (f" ({junit['tests']} tests: {junit['failures']} failed, {junit['errors']} errors, "
-                  f"{junit['skipped']} skipped)")
+        counts = (
+            f" ({junit['tests']} tests: {junit['failures']} failed, {junit['errors']} errors, "
+            f"{junit['skipped']} skipped)"
+        )
     if dead is not None:
         return CheckResult(cmd.name, FAIL, f"{dead}; {cmd.given} was stopped", details, seconds)
     if timed_out:
-        return CheckResult(cmd.name, FAIL, f"{cmd.given} did not finish within {timeout_s:g} s "
-                           f"(--exec-timeout); its process group was stopped; log {log_path}",
-                           details, seconds)
+        return CheckResult(
+            cmd.name,
+            FAIL,
+            f"{cmd.given} did not finish within {timeout_s:g} s "
+            f"(--exec-timeout); its process group was stopped; log {log_path}",
+            details,
+            seconds,
+        )
     if returncode == 0:
-        return CheckResult(cmd.name, PASS, f"{cmd.given}: exit status 0 after {seconds:.1f} s{counts}",
-                           details, seconds)
+        return CheckResult(
+            cmd.name, PASS, f"{cmd.given}: exit status 0 after {seconds:.1f} s{counts}", details, seconds
+        )
     first = ""
     if junit and junit.get("first_failure"):
         first = f"; first failure: {junit['first_failure']}"
     tail = log_tail.strip().splitlines()[-1:] if not first else []
-    return CheckResult(cmd.name, FAIL, f"{cmd.given}: exit status {returncode}{counts}{first}"
-                       + (f"; last line: {tail[0][:200]}" if tail else "") + f"; log {log_path}",
-                       details, seconds)
+    return CheckResult(
+        cmd.name,
+        FAIL,
+        f"{cmd.given}: exit status {returncode}{counts}{first}"
+        + (f"; last line: {tail[0][:200]}" if tail else "")
+        + f"; log {log_path}",
+        details,
+        seconds,
+    )
 
 
 def junit_summary(path: Path) -> dict[str, Any] | None:
@@ -265,8 +350,14 @@ def junit_summary(path: Path) -> dict[str, Any] | None:
     except ET.ParseError:
         return None
     cases = list(root.iter("testcase"))
-    out: dict[str, Any] = {"path": str(path), "tests": len(cases), "failures": 0, "errors": 0,
-                           "skipped": 0, "first_failure": None}
+    out: dict[str, Any] = {
+        "path": str(path),
+        "tests": len(cases),
+        "failures": 0,
+        "errors": 0,
+        "skipped": 0,
+        "first_failure": None,
+    }
     for c in cases:
         for kind, key in (("failure", "failures"), ("error", "errors"), ("skipped", "skipped")):
             el = c.find(kind)
@@ -282,14 +373,21 @@ def junit_summary(path: Path) -> dict[str, Any] | None:
 
 # --- the edge ------------------------------------------------------------------------------
 
+
 def _argv(cmd: UserCommand, junit: Path) -> list[str]:
     return [a.replace(JUNIT_PLACEHOLDER, str(junit)) for a in cmd.argv]
 
 
-def run_commands(cluster: Any, commands: Sequence[UserCommand], results: list[CheckResult], *,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, grace_s: float = 10.0,
-                 progress: Callable[[str], None] | None = None,
-                 base_env: Mapping[str, str] | None = None) -> None:
+def run_commands(
+    cluster: Any,
+    commands: Sequence[UserCommand],
+    results: list[CheckResult],
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    grace_s: float = 10.0,
+    progress: Callable[[str], None] | None = None,
+    base_env: Mapping[str, str] | None = None,
+) -> None:
     """Run ``commands`` one after another against the live ``cluster`` (a cluster.Cluster),
     appending check ``exec[N]`` for each to ``results``.
 
@@ -300,8 +398,10 @@ def run_commands(cluster: Any, commands: Sequence[UserCommand], results: list[Ch
     say = progress or (lambda msg: None)
     plan = cluster.plan
     run_dir = Path(cluster.run_dir)
-    env = {**(os.environ if base_env is None else base_env),
-           **cluster_env(plan, write_cluster_file(plan, run_dir))}
+    env = {
+        **(os.environ if base_env is None else base_env),
+        **cluster_env(plan, write_cluster_file(plan, run_dir)),
+    }
     for cmd in commands:
         junit = run_dir / cmd.junit_name
         junit.unlink(missing_ok=True)
@@ -309,15 +409,21 @@ def run_commands(cluster: Any, commands: Sequence[UserCommand], results: list[Ch
         argv = _argv(cmd, junit)
         say(f"{plan.config.name}: {cmd.name}: running {shlex.join(argv)} (output: {log_path})")
         t0 = time.monotonic()
-        running = process.spawn(cmd.name, argv, env={**env, "PD_SESSIONS_JUNITXML": str(junit)},
-                                log_path=log_path)
+        running = process.spawn(
+            cmd.name, argv, env={**env, "PD_SESSIONS_JUNITXML": str(junit)}, log_path=log_path
+        )
         timed_out, dead, returncode = False, None, None
         try:
             try:
-                returncode = cluster.guard(running.popen.wait, when=f"while {cmd.name} ran",
-                                           timeout=timeout_s, heartbeat=lambda cmd=cmd, t0=t0: say(
-                                               f"{plan.config.name}: {cmd.name} running for "
-                                               f"{time.monotonic() - t0:.0f} s (timeout {timeout_s:g} s)"))
+                returncode = cluster.guard(
+                    running.popen.wait,
+                    when=f"while {cmd.name} ran",
+                    timeout=timeout_s,
+                    heartbeat=lambda cmd=cmd, t0=t0: say(
+                        f"{plan.config.name}: {cmd.name} running for "
+                        f"{time.monotonic() - t0:.0f} s (timeout {timeout_s:g} s)"
+                    ),
+                )
             except TimeoutError:
                 timed_out = True
             except ProcessExited as e:
@@ -328,9 +434,19 @@ def run_commands(cluster: Any, commands: Sequence[UserCommand], results: list[Ch
             process.stop([running], grace_s=grace_s)
             if timed_out or dead is not None or returncode is not None:  # not when interrupted
                 tail = running.log_tail(TAIL_LINES)
-                r = evaluate(cmd, returncode=returncode, seconds=time.monotonic() - t0, timed_out=timed_out,
-                             timeout_s=timeout_s, log_path=log_path, log_tail=tail,
-                             junit=junit_summary(junit), dead=dead)
+                r = evaluate(
+                    cmd,
+                    returncode=returncode,
+                    seconds=time.monotonic() - t0,
+                    timed_out=timed_out,
+                    timeout_s=timeout_s,
+                    log_path=log_path,
+                    log_tail=tail,
+                    junit=junit_summary(junit),
+                    dead=dead,
+                )
                 results.append(r)
                 if not r.passed:
-                    say(f"{plan.config.name}: {cmd.name} FAILED; last {TAIL_LINES} lines of {log_path}:\n{tail}")
+                    say(
+                        f"{plan.config.name}: {cmd.name} FAILED; last {TAIL_LINES} lines of {log_path}:\n{tail}"
+                    )

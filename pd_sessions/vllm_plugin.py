@@ -35,5 +35,4 @@ def register() -> None:
 
     acc.current_device_index = current_device_index
     acc._pd_sessions_cpu_shim = True  # type: ignore[attr-defined]
-    log.info("pd_sessions: no accelerator: torch.accelerator.current_device_index() -> 0 "
-             "(Mooncake CPU shim)")
+    log.info("pd_sessions: no accelerator: torch.accelerator.current_device_index() -> 0 (Mooncake CPU shim)")

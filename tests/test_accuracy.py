@@ -27,8 +27,10 @@ def test_missing_baseline_fails_with_how_to_record():
     assert "--record-baseline" in msg and "cannot pass" in msg and "--accuracy=warn" in msg
 
 
-@pytest.mark.parametrize("measured,ok", [(0.41, True), (0.3895, True), (0.4305, True), (0.389, False),
-                                         (0.431, False), (0.2, False)])
+@pytest.mark.parametrize(
+    "measured,ok",
+    [(0.41, True), (0.3895, True), (0.4305, True), (0.389, False), (0.431, False), (0.2, False)],
+)
 def test_two_sided_tolerance(measured, ok):
     r = acc.compare(measured, 1319, QWEN)
     assert r.passed is ok, r.message
@@ -64,12 +66,14 @@ def test_unknown_rule():
 def test_model_args_completions_chat_remote_code():
     assert acc.model_args(model="Qwen/Qwen3-0.6B", base_url="http://127.0.0.1:9000") == (
         "model=Qwen/Qwen3-0.6B,base_url=http://127.0.0.1:9000/v1/completions,num_concurrent=100,"
-        "tokenized_requests=False")
+        "tokenized_requests=False"
+    )
     chat = acc.model_args(model="google/gemma-4-E2B-it", base_url="http://h:1", endpoint="chat")
     assert "base_url=http://h:1/v1/chat/completions" in chat and "tokenizer_backend=huggingface" in chat
     assert acc.lm_eval_model("chat") == "local-chat-completions"
-    trc = acc.model_args(model="m", base_url="http://h:1", trust_remote_code=True, revision="abc",
-                         num_concurrent=8)
+    trc = acc.model_args(
+        model="m", base_url="http://h:1", trust_remote_code=True, revision="abc", num_concurrent=8
+    )
     assert trc.endswith("num_concurrent=8,tokenized_requests=False,trust_remote_code=True,revision=abc")
 
 
@@ -83,7 +87,9 @@ def test_read_recorded_lm_eval_output():
 
 
 def test_sample_identity():
-    assert acc.compare_samples({0: [["a"]], 1: [["b"]]}, {0: [["a"]], 1: [["b"]]}, baseline="prefill-0").passed
+    assert acc.compare_samples(
+        {0: [["a"]], 1: [["b"]]}, {0: [["a"]], 1: [["b"]]}, baseline="prefill-0"
+    ).passed
     r = acc.compare_samples({0: [["a"]], 1: [["b"]]}, {0: [["a"]], 1: [["c"]]}, baseline="prefill-0")
     assert not r.passed and "1/2 samples differ" in r.message and r.details["differing_doc_ids"] == [1]
     assert not acc.compare_samples({}, {}, baseline="x").passed
@@ -91,7 +97,7 @@ def test_sample_identity():
 
 def test_record_baseline_round_trips_any_value_through_a_toml_writer(tmp_path):
     path = tmp_path / "baselines.toml"
-    path.write_text("# kept comment\n[[baseline]]\nmodel = \"a\"\ntask = \"gsm8k\"\nvalue = 0.5\n")
+    path.write_text('# kept comment\n[[baseline]]\nmodel = "a"\ntask = "gsm8k"\nvalue = 0.5\n')
     odd = acc.Baseline(model='org/we"ird\\name', task="gsm8k", value=0.123456, samples=None, rtol=0.1)
     acc.record_baseline(path, odd, command="nox -s x -- --set 'a=\"b\"'", date="2026-11-29")
     got = acc.find_baseline(acc.load_baselines(path), odd.model, "gsm8k")

@@ -51,9 +51,12 @@ def test_overhead_is_wall_minus_slowest_startup_minus_checks():
 
 
 def test_overhead_parts_add_up():
-    o = overhead(100.0, {"prefill-0": 80.0, "decode-0": 90.0}, checks_s=5.0,
-                 phases={"prepare": 0.5, "instances": 90.25, "router": 1.5, "checks": 5.0,
-                         "teardown": 2.0})
+    o = overhead(
+        100.0,
+        {"prefill-0": 80.0, "decode-0": 90.0},
+        checks_s=5.0,
+        phases={"prepare": 0.5, "instances": 90.25, "router": 1.5, "checks": 5.0, "teardown": 2.0},
+    )
     assert o["noticing_s"] == pytest.approx(0.25)
     assert (o["prepare_s"], o["router_s"], o["teardown_s"]) == (0.5, 1.5, 2.0)
     assert o["other_s"] == pytest.approx(5.0 - 0.5 - 0.25 - 1.5 - 2.0)
@@ -66,12 +69,22 @@ def test_goal_verdicts():
 
 
 def _run(driver, wall, instances, own, checks=1.0, ok=True, repeat=0, teardown_s=2.0):
-    r = RunRecord(driver, "1x1", repeat, ok=ok, wall_s=wall,
-                  phases={"prepare": 0.1, "instances": instances, "router": 1.0, "checks": checks,
-                          "teardown": teardown_s},
-                  own_startup_s={"prefill-0": own - 1, "decode-0": own} if driver != "single"
-                  else {"prefill-0": own},
-                  noticed_s={"prefill-0": 0.05, "decode-0": 0.07} if driver != "single" else {})
+    r = RunRecord(
+        driver,
+        "1x1",
+        repeat,
+        ok=ok,
+        wall_s=wall,
+        phases={
+            "prepare": 0.1,
+            "instances": instances,
+            "router": 1.0,
+            "checks": checks,
+            "teardown": teardown_s,
+        },
+        own_startup_s={"prefill-0": own - 1, "decode-0": own} if driver != "single" else {"prefill-0": own},
+        noticed_s={"prefill-0": 0.05, "decode-0": 0.07} if driver != "single" else {},
+    )
     return r.to_dict()
 
 
@@ -95,24 +108,44 @@ def test_summarize_clusters_ratios_and_failed_runs_left_out():
 
 
 def _doc(runs, **parts):
-    return {"started_at": "2026-11-29T00:00:00+00:00", "duration_s": 60.0,
-            "machine": {"cpu_model": "cpu", "cores": 2, "memory_gib": 24, "platform": "linux",
-                        "python": "3.11", "load_before": "0", "load_after": "0"},
-            "settings": {"platform": "cpu", "repeats": 3, "checks": ["smoke"]},
-            "runs": runs, "clusters": report.summarize_clusters(runs) if runs else {}, **parts}
+    return {
+        "started_at": "2026-11-29T00:00:00+00:00",
+        "duration_s": 60.0,
+        "machine": {
+            "cpu_model": "cpu",
+            "cores": 2,
+            "memory_gib": 24,
+            "platform": "linux",
+            "python": "3.11",
+            "load_before": "0",
+            "load_after": "0",
+        },
+        "settings": {"platform": "cpu", "repeats": 3, "checks": ["smoke"]},
+        "runs": runs,
+        "clusters": report.summarize_clusters(runs) if runs else {},
+        **parts,
+    }
 
 
 def test_goals_markdown_and_chart(tmp_path):
-    runs = [_run(d, 100.0, 90.0, 89.0, repeat=i) for d in ("pd_sessions", "upstream", "single")
-            for i in range(3)]
+    runs = [
+        _run(d, 100.0, 90.0, 89.0, repeat=i) for d in ("pd_sessions", "upstream", "single") for i in range(3)
+    ]
     runs.append(_run("upstream", 5.0, 1.0, 1.0, ok=False, repeat=9))
-    doc = _doc(runs, teardown={"grace_s": 5.0, "what": "trees", "healthy": summary([0.1]),
-                               "ignores_sigterm": summary([5.1, 5.2, 8.0])})
+    doc = _doc(
+        runs,
+        teardown={
+            "grace_s": 5.0,
+            "what": "trees",
+            "healthy": summary([0.1]),
+            "ignores_sigterm": summary([5.1, 5.2, 8.0]),
+        },
+    )
     doc["goals"] = [g.to_dict() for g in report.goals(doc)]
     by_name = {g["name"]: g for g in doc["goals"]}
-    assert by_name["1x1: harness overhead"]["met"] is False            # 10 %
+    assert by_name["1x1: harness overhead"]["met"] is False  # 10 %
     assert by_name["1x1: readiness noticed after /health 200"]["met"] is True
-    assert by_name["1x1: teardown, healthy cluster"]["met"] is True     # 2 s
+    assert by_name["1x1: teardown, healthy cluster"]["met"] is True  # 2 s
     assert by_name["teardown, a child ignores SIGTERM"]["limit"] == 7.0
     assert by_name["teardown, a child ignores SIGTERM"]["met"] is True  # median 5.2
     paths = report.write(doc, tmp_path)
@@ -152,16 +185,24 @@ def test_prober_records_when_health_turned_200():
 def test_teardown_measure_waits_out_the_grace_only_for_a_stubborn_child(tmp_path):
     stubborn = teardown.measure("ignores_sigterm", tmp_path / "a", grace_s=0.5)
     healthy = teardown.measure("healthy", tmp_path / "b", grace_s=0.5)
-    assert stubborn >= 0.5          # SIGKILL only after the grace
-    assert healthy < 0.5            # nobody waited for a grace that was not needed
+    assert stubborn >= 0.5  # SIGKILL only after the grace
+    assert healthy < 0.5  # nobody waited for a grace that was not needed
 
 
 def test_bench_refuses_unknown_part(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "pd_sessions.bench", "--parts", "clusters,speed",
-                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    p = subprocess.run(
+        [sys.executable, "-m", "pd_sessions.bench", "--parts", "clusters,speed", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert p.returncode == 2 and "--parts takes router, teardown, clusters (got speed)" in p.stderr
-    p = subprocess.run([sys.executable, "-m", "pd_sessions.bench", "--repeats", "0",
-                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    p = subprocess.run(
+        [sys.executable, "-m", "pd_sessions.bench", "--repeats", "0", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert p.returncode == 2 and "--repeats must be at least 1 (got 0)" in p.stderr
 
 
@@ -176,8 +217,9 @@ def test_router_bench_against_fake_backends(tmp_path):
         assert r["errors"] == 0 and r["samples"] == 30, name
         assert 0 < r["p50_ms"] <= r["p99_ms"]
         assert r["throughput_rps"]["n"] == 1
-    assert t["vllm-router"]["added_p50_ms"] == pytest.approx(t["vllm-router"]["p50_ms"] - t["direct"]["p50_ms"],
-                                                             abs=0.002)
+    assert t["vllm-router"]["added_p50_ms"] == pytest.approx(
+        t["vllm-router"]["p50_ms"] - t["direct"]["p50_ms"], abs=0.002
+    )
     assert "fake" in out["backend"]
     # the four servers were our children; stopped and reaped, none is left
     assert psutil.Process().children(recursive=True) == []
@@ -196,9 +238,30 @@ def test_cluster_drivers_on_the_fake_stack(tmp_path):
     (tmp_path / "sweep.toml").write_text(SWEEP)
     env = {**os.environ, "PYTHONPATH": f"{FIXTURES / 'fake_stack'}{os.pathsep}{ROOT}"}
     out = tmp_path / "out"
-    p = subprocess.run([sys.executable, "-m", "pd_sessions.bench", "--sweep", str(tmp_path / "sweep.toml"),
-                        "--platform", "cpu", "--parts", "clusters", "--repeats", "1", "--grace", "2",
-                        "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pd_sessions.bench",
+            "--sweep",
+            str(tmp_path / "sweep.toml"),
+            "--platform",
+            "cpu",
+            "--parts",
+            "clusters",
+            "--repeats",
+            "1",
+            "--grace",
+            "2",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     doc = json.loads((out / "results.json").read_text())
     runs = {r["driver"]: r for r in doc["runs"]}
@@ -207,28 +270,40 @@ def test_cluster_drivers_on_the_fake_stack(tmp_path):
     for r in (pd, up):
         assert set(r["own_startup_s"]) == {"prefill-0", "decode-0"}
         o = r["overhead"]
-        assert o["overhead_s"] == pytest.approx(r["wall_s"] - max(r["own_startup_s"].values())
-                                                - r["checks_s"], abs=0.001)
-    assert up["phases"]["router"] >= UPSTREAM_PROXY_SLEEP_S      # its fixed sleep
-    assert up["phases"]["teardown"] >= 5.0                        # sleep 2 + sleep 3
+        assert o["overhead_s"] == pytest.approx(
+            r["wall_s"] - max(r["own_startup_s"].values()) - r["checks_s"], abs=0.001
+        )
+    assert up["phases"]["router"] >= UPSTREAM_PROXY_SLEEP_S  # its fixed sleep
+    assert up["phases"]["teardown"] >= 5.0  # sleep 2 + sleep 3
     assert pd["spawn_spread_s"] is not None and pd["router_health_to_ready_s"] is not None
     c = doc["clusters"]["1x1"]
     # the ratio of the two medians (each one run here, rounded to the ms as every summary is)
     assert c["upstream"]["wall_s"]["median"] == pytest.approx(up["wall_s"], abs=0.001)
     assert c["upstream_vs_pd_sessions"]["ratio"] == pytest.approx(
-        c["upstream"]["wall_s"]["median"] / c["pd_sessions"]["wall_s"]["median"], abs=0.001)
+        c["upstream"]["wall_s"]["median"] / c["pd_sessions"]["wall_s"]["median"], abs=0.001
+    )
     assert (out / "phases.png").read_bytes()[:4] == b"\x89PNG"
     assert "## Config 1x1: phases (s)" in (out / "results.md").read_text()
     # every process the drivers started logged its argv first: none of their ports is in use
-    started = [line for log in (out / "logs").rglob("*.log") for line in log.read_text().splitlines()
-               if line.startswith("# pd_sessions: starting ")]
+    started = [
+        line
+        for log in (out / "logs").rglob("*.log")
+        for line in log.read_text().splitlines()
+        if line.startswith("# pd_sessions: starting ")
+    ]
     ports = {int(m) for line in started for m in re.findall(r"'--port', '(\d+)'", line)}
     assert len(started) >= 7 and len(ports) >= 7  # single 1 + pd_sessions 3 + upstream 3
-    listening = [c.laddr.port for c in psutil.net_connections(kind="inet")
-                 if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in ports]
+    listening = [
+        c.laddr.port
+        for c in psutil.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in ports
+    ]
     assert listening == []
-    left = [q.info["cmdline"] for q in psutil.process_iter(["cmdline"])
-            if any(f"'--port', '{port}'" in str(q.info["cmdline"]) for port in ports)]
+    left = [
+        q.info["cmdline"]
+        for q in psutil.process_iter(["cmdline"])
+        if any(f"'--port', '{port}'" in str(q.info["cmdline"]) for port in ports)
+    ]
     assert left == []
 
 
@@ -242,8 +317,9 @@ def test_partial_results_of_an_interrupted_run_are_marked(tmp_path):
 
 
 def test_rerender_from_raw_samples(tmp_path):
-    runs = [_run(d, 100.0, 90.0, 89.0, repeat=i) for d in ("pd_sessions", "upstream", "single")
-            for i in range(3)]
+    runs = [
+        _run(d, 100.0, 90.0, 89.0, repeat=i) for d in ("pd_sessions", "upstream", "single") for i in range(3)
+    ]
     doc = _doc(runs)
     doc["clusters"] = {}  # stale summaries are recomputed from the runs
     (tmp_path / "results.json").write_text(json.dumps(doc))

@@ -29,22 +29,53 @@ def elfs(tmp_path_factory) -> dict[str, Path]:
         pytest.skip("no C compiler")
     d = tmp_path_factory.mktemp("elf")
     (d / "stub.c").write_text("int cudaRuntimeGetVersion(int *v) { *v = 0; return 0; }\n")
-    (d / "mod.c").write_text("int cudaRuntimeGetVersion(int *v);\n"
-                             "int probe(void) { int v; return cudaRuntimeGetVersion(&v); }\n")
+    (d / "mod.c").write_text(
+        "int cudaRuntimeGetVersion(int *v);\nint probe(void) { int v; return cudaRuntimeGetVersion(&v); }\n"
+    )
     (d / "plain.c").write_text("int probe(void) { return 0; }\n")
     out = {}
     for major in (12, 13):
         libdir = d / f"cuda{major}"
         libdir.mkdir()
-        _cc(["-shared", "-fPIC", f"-Wl,-soname,libcudart.so.{major}", "-o",
-             str(libdir / f"libcudart.so.{major}"), "stub.c"], d)
+        _cc(
+            [
+                "-shared",
+                "-fPIC",
+                f"-Wl,-soname,libcudart.so.{major}",
+                "-o",
+                str(libdir / f"libcudart.so.{major}"),
+                "stub.c",
+            ],
+            d,
+        )
         (libdir / "libcudart.so").symlink_to(f"libcudart.so.{major}")
         # RUNPATH=$ORIGIN/cuda{major}: resolves next to the module, as wheels do
-        _cc(["-shared", "-fPIC", "-o", str(d / f"engine_cu{major}.so"), "mod.c",
-             f"-L{libdir}", "-lcudart", f"-Wl,-rpath,$ORIGIN/cuda{major}"], d)
+        _cc(
+            [
+                "-shared",
+                "-fPIC",
+                "-o",
+                str(d / f"engine_cu{major}.so"),
+                "mod.c",
+                f"-L{libdir}",
+                "-lcudart",
+                f"-Wl,-rpath,$ORIGIN/cuda{major}",
+            ],
+            d,
+        )
         # same link, no rpath: resolves only if the loader knows the library
-        _cc(["-shared", "-fPIC", "-o", str(d / f"engine_cu{major}_norpath.so"), "mod.c",
-             f"-L{libdir}", "-lcudart"], d)
+        _cc(
+            [
+                "-shared",
+                "-fPIC",
+                "-o",
+                str(d / f"engine_cu{major}_norpath.so"),
+                "mod.c",
+                f"-L{libdir}",
+                "-lcudart",
+            ],
+            d,
+        )
         out[f"cu{major}"] = d / f"engine_cu{major}.so"
         out[f"cu{major}_norpath"] = d / f"engine_cu{major}_norpath.so"
     _cc(["-shared", "-fPIC", "-o", str(d / "engine_cpu.so"), "plain.c"], d)
@@ -66,16 +97,19 @@ def test_read_elf_sees_needed_and_origin(elfs):
 
 
 @needs_gcc
-@pytest.mark.parametrize("lib,torch_cuda,ok,needle", [
-    ("cu13", 13, True, "libcudart.so.13 ->"),
-    ("cu12", 12, True, "libcudart.so.12 ->"),
-    ("cu12", 13, False, "needs libcudart.so.12 but torch is CUDA 13"),
-    ("cu13", 12, False, "needs libcudart.so.13 but torch is CUDA 12"),
-    ("cu13", None, False, "torch is CPU-only"),
-    ("cu13_norpath", 13, False, "does not resolve on this machine"),
-    ("cpu", None, True, "needs no libcudart"),
-    ("cpu", 13, True, "needs no libcudart"),
-])
+@pytest.mark.parametrize(
+    "lib,torch_cuda,ok,needle",
+    [
+        ("cu13", 13, True, "libcudart.so.13 ->"),
+        ("cu12", 12, True, "libcudart.so.12 ->"),
+        ("cu12", 13, False, "needs libcudart.so.12 but torch is CUDA 13"),
+        ("cu13", 12, False, "needs libcudart.so.13 but torch is CUDA 12"),
+        ("cu13", None, False, "torch is CPU-only"),
+        ("cu13_norpath", 13, False, "does not resolve on this machine"),
+        ("cpu", None, True, "needs no libcudart"),
+        ("cpu", 13, True, "needs no libcudart"),
+    ],
+)
 def test_elf_verdicts(elfs, lib, torch_cuda, ok, needle):
     (f,) = verdicts(elfs[lib], torch_cuda)
     assert f.ok is ok and needle in f.message
@@ -88,16 +122,31 @@ def test_ld_library_path_resolves(elfs, monkeypatch):
     assert f.ok
 
 
-@pytest.mark.parametrize("installed,cuda,ok,needles", [
-    ({"mooncake-transfer-engine-non-cuda": "0.3.13.post1"}, None, True, ["non-cuda==0.3.13.post1"]),
-    ({"mooncake-transfer-engine-cuda13": "0.3.14"}, 13, True, ["cuda13==0.3.14"]),
-    ({"mooncake-transfer-engine-non-cuda": "0.3.13.post1", "mooncake-transfer-engine": "0.3.13.post1"}, None,
-     False, ["2 Mooncake variants installed at once", "mooncake-transfer-engine==0.3.13.post1",
-             "mooncake-transfer-engine-non-cuda==0.3.13.post1", "fix: uv pip uninstall mooncake-transfer-engine "]),
-    ({"mooncake-transfer-engine": "0.3.14"}, 13, False,
-     ["built for CUDA 12, torch is CUDA 13", "uv pip install mooncake-transfer-engine-cuda13==0.3.14"]),
-    ({}, 13, False, ["no Mooncake wheel", "mooncake-transfer-engine-cuda13"]),
-])
+@pytest.mark.parametrize(
+    "installed,cuda,ok,needles",
+    [
+        ({"mooncake-transfer-engine-non-cuda": "0.3.13.post1"}, None, True, ["non-cuda==0.3.13.post1"]),
+        ({"mooncake-transfer-engine-cuda13": "0.3.14"}, 13, True, ["cuda13==0.3.14"]),
+        (
+            {"mooncake-transfer-engine-non-cuda": "0.3.13.post1", "mooncake-transfer-engine": "0.3.13.post1"},
+            None,
+            False,
+            [
+                "2 Mooncake variants installed at once",
+                "mooncake-transfer-engine==0.3.13.post1",
+                "mooncake-transfer-engine-non-cuda==0.3.13.post1",
+                "fix: uv pip uninstall mooncake-transfer-engine ",
+            ],
+        ),
+        (
+            {"mooncake-transfer-engine": "0.3.14"},
+            13,
+            False,
+            ["built for CUDA 12, torch is CUDA 13", "uv pip install mooncake-transfer-engine-cuda13==0.3.14"],
+        ),
+        ({}, 13, False, ["no Mooncake wheel", "mooncake-transfer-engine-cuda13"]),
+    ],
+)
 def test_distribution_verdicts(installed, cuda, ok, needles):
     (f,) = canary.check_distributions(installed, cuda, ["mooncake"])
     assert f.ok is ok
@@ -115,8 +164,12 @@ def test_nixl_backend_must_match_torch():
 
 def test_canary_cli_json_line_and_status():
     """The real canary on this environment's Mooncake (CPU lane: non-cuda wheel must pass)."""
-    r = subprocess.run([sys.executable, "-m", "pd_sessions.canary", "mooncake", "--torch-cuda-major", "none"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "pd_sessions.canary", "mooncake", "--torch-cuda-major", "none"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     last = r.stdout.strip().splitlines()[-1]
     doc = json.loads(last)
     assert doc["ok"] is (r.returncode == 0)
@@ -147,8 +200,12 @@ def test_cuda12_wheel_next_to_non_cuda_fails_then_printed_fix_passes(tmp_path):
     pip("install", "--no-deps", "mooncake-transfer-engine==0.3.13.post1")
 
     def canary():
-        r = subprocess.run([str(py), "-m", "pd_sessions.canary", "mooncake", "--torch-cuda-major", "none"],
-                           capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [str(py), "-m", "pd_sessions.canary", "mooncake", "--torch-cuda-major", "none"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         return r.returncode, r.stdout
 
     rc, out = canary()
@@ -157,8 +214,10 @@ def test_cuda12_wheel_next_to_non_cuda_fails_then_printed_fix_passes(tmp_path):
     assert "mooncake-transfer-engine==0.3.13.post1" in line
     assert "mooncake-transfer-engine-non-cuda==0.3.13.post1" in line
     fix = line.split("fix: ", 1)[1]
-    assert fix == ("uv pip uninstall mooncake-transfer-engine && "
-                   "uv pip install --reinstall mooncake-transfer-engine-non-cuda==0.3.13.post1")
+    assert fix == (
+        "uv pip uninstall mooncake-transfer-engine && "
+        "uv pip install --reinstall mooncake-transfer-engine-non-cuda==0.3.13.post1"
+    )
     assert "needs libcudart.so.12 but torch is CPU-only" in out
     for step in fix.split(" && "):
         pip(*step.split()[2:])

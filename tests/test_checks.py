@@ -11,8 +11,13 @@ from pd_sessions.checks.parity import evaluate_exact as evaluate_parity
 
 
 def comp(ids=(1, 2, 3), text="abc", prompt_tokens=7):
-    return Completion(text=text, token_ids=tuple(ids) if ids is not None else None,
-                      prompt_tokens=prompt_tokens, completion_tokens=len(ids or ()), finish_reason="length")
+    return Completion(
+        text=text,
+        token_ids=tuple(ids) if ids is not None else None,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=len(ids or ()),
+        finish_reason="length",
+    )
 
 
 def test_completion_from_recorded_router_response():
@@ -36,7 +41,9 @@ def test_parity_identical_passes():
 
 
 def test_parity_reports_first_differing_token():
-    r = evaluate_parity([("p1", comp((1, 2, 3)), comp((1, 9, 3))), ("p2", comp(), comp())], baseline="prefill-0")
+    r = evaluate_parity(
+        [("p1", comp((1, 2, 3)), comp((1, 9, 3))), ("p2", comp(), comp())], baseline="prefill-0"
+    )
     assert not r.passed
     assert "1/2 prompts differ" in r.message and "differ at token 1" in r.message
 
@@ -60,16 +67,18 @@ def test_external_tokens_from_real_scrapes():
 
 
 def test_external_tokens_missing_metric():
-    text = "# TYPE vllm:prompt_tokens counter\nvllm:prompt_tokens_total{engine=\"0\"} 3.0\n"
+    text = '# TYPE vllm:prompt_tokens counter\nvllm:prompt_tokens_total{engine="0"} 3.0\n'
     with pytest.raises(kv_transfer.MetricMissing, match="not exposed"):
         kv_transfer.external_tokens(text)
 
 
 def test_external_tokens_sums_engines():
-    text = ("# TYPE vllm:prompt_tokens_by_source counter\n"
-            'vllm:prompt_tokens_by_source_total{engine="0",source="external_kv_transfer"} 5.0\n'
-            'vllm:prompt_tokens_by_source_total{engine="1",source="external_kv_transfer"} 7.0\n'
-            'vllm:prompt_tokens_by_source_total{engine="0",source="local_compute"} 100.0\n')
+    text = (
+        "# TYPE vllm:prompt_tokens_by_source counter\n"
+        'vllm:prompt_tokens_by_source_total{engine="0",source="external_kv_transfer"} 5.0\n'
+        'vllm:prompt_tokens_by_source_total{engine="1",source="external_kv_transfer"} 7.0\n'
+        'vllm:prompt_tokens_by_source_total{engine="0",source="local_compute"} 100.0\n'
+    )
     assert kv_transfer.external_tokens(text) == 12.0
 
 
@@ -78,8 +87,14 @@ OK = kv_transfer.Evidence("mooncake", log_stats={"prefill-0": {"Num successful t
 
 
 def test_kv_pass_and_control():
-    r = kv_transfer.evaluate({"decode-0": 10}, {"decode-0": 110}, router_prompt_tokens=100,
-                             router_requests=5, control=("decode-0", 110, 110), evidence=OK)
+    r = kv_transfer.evaluate(
+        {"decode-0": 10},
+        {"decode-0": 110},
+        router_prompt_tokens=100,
+        router_requests=5,
+        control=("decode-0", 110, 110),
+        evidence=OK,
+    )
     assert r.passed and "left it unchanged" in r.message
 
 
@@ -97,19 +112,27 @@ def test_kv_one_missed_request_fails():
 
 
 def test_kv_slack_of_one_token_per_request():
-    assert kv_transfer.evaluate({"d": 0}, {"d": 95}, router_prompt_tokens=100, router_requests=5,
-                                evidence=OK).passed
+    assert kv_transfer.evaluate(
+        {"d": 0}, {"d": 95}, router_prompt_tokens=100, router_requests=5, evidence=OK
+    ).passed
 
 
 def test_kv_sums_decode_instances():
-    r = kv_transfer.evaluate({"d0": 0, "d1": 0}, {"d0": 60, "d1": 40}, router_prompt_tokens=100,
-                             router_requests=4, evidence=OK)
+    r = kv_transfer.evaluate(
+        {"d0": 0, "d1": 0}, {"d0": 60, "d1": 40}, router_prompt_tokens=100, router_requests=4, evidence=OK
+    )
     assert r.passed and r.details["delta"] == 100
 
 
 def test_kv_control_moving_fails():
-    r = kv_transfer.evaluate({"d": 0}, {"d": 100}, router_prompt_tokens=100, router_requests=4,
-                             control=("d", 100, 130), evidence=OK)
+    r = kv_transfer.evaluate(
+        {"d": 0},
+        {"d": 100},
+        router_prompt_tokens=100,
+        router_requests=4,
+        control=("d", 100, 130),
+        evidence=OK,
+    )
     assert not r.passed and "does not tell transfers apart" in r.message
 
 

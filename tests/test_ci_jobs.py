@@ -54,8 +54,12 @@ def _commands():
 
 def _nox_lists(session: str) -> bool:
     """`nox --list --json -s NAME` lists NAME only if the noxfile defines it."""
-    r = subprocess.run([sys.executable, "-m", "nox", "--list", "--json", "-f", str(ROOT / "noxfile.py"),
-                        "-s", session], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-m", "nox", "--list", "--json", "-f", str(ROOT / "noxfile.py"), "-s", session],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     return r.returncode == 0 and session in {s["session"] for s in json.loads(r.stdout or "[]")}
 
 
@@ -118,8 +122,16 @@ def test_test_areas_validate_against_the_buildkite_step_schema():
     schema = json.loads(SCHEMA.read_text())
     for name in ("disaggregated", "disaggregated_mooncake"):
         area = yaml.safe_load((ROOT / f".buildkite/test_areas/{name}.yaml").read_text())
-        steps = [{"label": s["label"], "key": s["key"], "commands": s["commands"],
-                  "timeout_in_minutes": s["timeout_in_minutes"], **({"env": s["env"]} if "env" in s else {})}
-                 for s in area["steps"]]
-        jsonschema.validate({"steps": [{"group": area["group"], "depends_on": area["depends_on"],
-                                        "steps": steps}]}, schema)
+        steps = [
+            {
+                "label": s["label"],
+                "key": s["key"],
+                "commands": s["commands"],
+                "timeout_in_minutes": s["timeout_in_minutes"],
+                **({"env": s["env"]} if "env" in s else {}),
+            }
+            for s in area["steps"]
+        ]
+        jsonschema.validate(
+            {"steps": [{"group": area["group"], "depends_on": area["depends_on"], "steps": steps}]}, schema
+        )

@@ -12,8 +12,13 @@ from pd_sessions.hosts import detect
 
 
 def cli(*args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "pd_sessions", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "pd_sessions", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_dry_run_prints_every_plan_and_launches_nothing():
@@ -33,12 +38,15 @@ def test_dry_run_only():
     assert r.returncode == 0 and "plan 1x1" in r.stdout and "plan 2x2" not in r.stdout
 
 
-@pytest.mark.parametrize("args,needle", [
-    (("sweep", "mooncake_sweep", "--bogus"), "unrecognized arguments: --bogus"),
-    (("sweep", "mooncake_sweep", "--only", "3x3"), "--only: no config named '3x3'"),
-    (("sweep", "mooncake_swep"), 'did you mean "mooncake_sweep"'),
-    (("sweep", "mooncake_sweep", "--platform", "tpu"), "invalid choice: 'tpu'"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (("sweep", "mooncake_sweep", "--bogus"), "unrecognized arguments: --bogus"),
+        (("sweep", "mooncake_sweep", "--only", "3x3"), "--only: no config named '3x3'"),
+        (("sweep", "mooncake_swep"), 'did you mean "mooncake_sweep"'),
+        (("sweep", "mooncake_sweep", "--platform", "tpu"), "invalid choice: 'tpu'"),
+    ],
+)
 def test_bad_arguments_exit_2_naming_the_field(args, needle):
     r = cli(*args)
     assert r.returncode == 2
@@ -66,7 +74,9 @@ def test_kimi_dry_run_prints_the_nightly_plan_anywhere():
     assert "decode-0: http://127.0.0.1:" in out and "(GPUs 2,3," in out
     assert "1xD(TP1,DP2+EP)" in out and "--enable-expert-parallel" in out and "--data-parallel-size 2" in out
     assert "revision UNPINNED" in out and "VLLM_SSM_CONV_STATE_LAYOUT=DS" in out
-    assert "--mamba-cache-mode align" in out and "--max-model-len 32768" in out and "--trust-remote-code" in out
+    assert (
+        "--mamba-cache-mode align" in out and "--max-model-len 32768" in out and "--trust-remote-code" in out
+    )
     assert "--gpu-memory-utilization 0.9" in out and "--kv-connector nixl" in out
     assert "ports: all" in out and "distinct" in out
 
@@ -84,12 +94,27 @@ def test_kimi_without_4_gpus_exits_before_starting():
 
 
 def test_overrides_are_visible_in_the_dry_run():
-    r = cli("sweep", "mooncake_sweep", "--dry-run", "--only", "1x1", "--model", "tiny-mixtral",
-            "--set", "block_size=64", "--set", "attention_backend=CPU_ATTN", "--extra-arg=--max-num-seqs=4")
+    r = cli(
+        "sweep",
+        "mooncake_sweep",
+        "--dry-run",
+        "--only",
+        "1x1",
+        "--model",
+        "tiny-mixtral",
+        "--set",
+        "block_size=64",
+        "--set",
+        "attention_backend=CPU_ATTN",
+        "--extra-arg=--max-num-seqs=4",
+    )
     assert r.returncode == 0, r.stderr
     out = r.stdout
-    for line in ("override (command line): model = 'tiny-mixtral'", "override (command line): block_size = 64",
-                 "override (command line): extra_args += '--max-num-seqs=4'"):
+    for line in (
+        "override (command line): model = 'tiny-mixtral'",
+        "override (command line): block_size = 64",
+        "override (command line): extra_args += '--max-num-seqs=4'",
+    ):
         assert out.count(line) == 2, line  # banner + plan
     assert "--served-model-name tiny-mixtral" in out and "--block-size 64" in out
     assert "--attention-backend CPU_ATTN" in out
@@ -111,8 +136,13 @@ def test_banner_names_where_vllm_and_the_router_come_from():
 
 
 def _nox(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "nox", "-f", str(ROOT / "noxfile.py"), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "nox", "-f", str(ROOT / "noxfile.py"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_nox_posargs_are_parsed_by_the_package_parser_before_any_install():
@@ -139,6 +169,8 @@ def test_the_generic_sweep_session_takes_a_name_or_a_toml(tmp_path):
     assert r.returncode == 2 and 'did you mean "mooncake_sweep"' in r.stderr
     r = _nox("--no-venv", "-s", "sweep")
     assert r.returncode == 2 and "name the sweep first" in r.stderr
-    r = _nox("--no-venv", "-s", "sweep", "--", "pd_sessions/configs/nixl_sweep.toml", "--dry-run", "--only", "1x1")
+    r = _nox(
+        "--no-venv", "-s", "sweep", "--", "pd_sessions/configs/nixl_sweep.toml", "--dry-run", "--only", "1x1"
+    )
     assert r.returncode == 0, r.stderr
     assert "plan 1x1" in r.stdout and "--kv-connector nixl" in r.stdout

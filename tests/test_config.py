@@ -12,20 +12,31 @@ def cfg(**kw) -> ClusterConfig:
     return ClusterConfig(**{"name": "c", "model": "m", **kw})
 
 
-@pytest.mark.parametrize("field,value,needle", [
-    ("prefill_tp", 0, "prefill_tp: got 0; allowed: an integer from 1 to 8"),
-    ("decode_tp", 9, "decode_tp: got 9; allowed: an integer from 1 to 8"),
-    ("gpu_memory_utilization", 1.5, "gpu_memory_utilization: got 1.5; allowed: a number in (0, 1]"),
-    ("gpu_memory_utilization", 0, "gpu_memory_utilization: got 0"),
-    ("connector", "mooncak", 'connector: got \'mooncak\'; allowed: mooncake, nixl (did you mean "mooncake"?)'),
-    ("mooncake_protocol", "udp", "mooncake_protocol: got 'udp'; allowed: rdma, tcp"),
-    ("num_decode", True, "num_decode: got True"),
-    ("router_port", 80, "router_port: got 80; allowed: an integer from 1024 to 65535"),
-    ("prefill_ports", (9000, 9001), "prefill_ports: got 2 ports [9000, 9001]; allowed: none (allocate) or exactly 1"),
-    ("dtype", "fp8", "dtype: got 'fp8'"),
-    ("name", "a b", "name: got 'a b'"),
-    ("extra_args", "--enforce-eager", "extra_args: got '--enforce-eager'; allowed: a list of strings"),
-])
+@pytest.mark.parametrize(
+    "field,value,needle",
+    [
+        ("prefill_tp", 0, "prefill_tp: got 0; allowed: an integer from 1 to 8"),
+        ("decode_tp", 9, "decode_tp: got 9; allowed: an integer from 1 to 8"),
+        ("gpu_memory_utilization", 1.5, "gpu_memory_utilization: got 1.5; allowed: a number in (0, 1]"),
+        ("gpu_memory_utilization", 0, "gpu_memory_utilization: got 0"),
+        (
+            "connector",
+            "mooncak",
+            "connector: got 'mooncak'; allowed: mooncake, nixl (did you mean \"mooncake\"?)",
+        ),
+        ("mooncake_protocol", "udp", "mooncake_protocol: got 'udp'; allowed: rdma, tcp"),
+        ("num_decode", True, "num_decode: got True"),
+        ("router_port", 80, "router_port: got 80; allowed: an integer from 1024 to 65535"),
+        (
+            "prefill_ports",
+            (9000, 9001),
+            "prefill_ports: got 2 ports [9000, 9001]; allowed: none (allocate) or exactly 1",
+        ),
+        ("dtype", "fp8", "dtype: got 'fp8'"),
+        ("name", "a b", "name: got 'a b'"),
+        ("extra_args", "--enforce-eager", "extra_args: got '--enforce-eager'; allowed: a list of strings"),
+    ],
+)
 def test_validation_names_field_value_and_range(field, value, needle):
     with pytest.raises(ConfigError) as e:
         cfg(**{field: value})
@@ -80,7 +91,9 @@ def test_loader_names_file_and_unknown_field(tmp_path):
 
 
 def test_loader_bad_value_names_file_and_config(tmp_path):
-    p = write(tmp_path, 'name="s"\n[defaults]\nmodel="m"\n[[config]]\nname="a"\n[[config]]\nname="b"\ndecode_tp=0\n')
+    p = write(
+        tmp_path, 'name="s"\n[defaults]\nmodel="m"\n[[config]]\nname="a"\n[[config]]\nname="b"\ndecode_tp=0\n'
+    )
     with pytest.raises(ConfigError, match=r"s\.toml \[\[config\]\] #2: decode_tp: got 0"):
         load_sweep(p)
 
@@ -92,9 +105,12 @@ def test_loader_requires_reason_for_opt_in(tmp_path):
 
 
 def test_loader_platform_override_and_lists(tmp_path):
-    p = write(tmp_path, 'name="s"\n[defaults]\nmodel="m"\nextra_args=["--enforce-eager"]\n'
-                        '[defaults.extra_env]\nA="1"\n[platform.cpu]\nmodel="tiny-llama"\n'
-                        '[[config]]\nname="a"\n')
+    p = write(
+        tmp_path,
+        'name="s"\n[defaults]\nmodel="m"\nextra_args=["--enforce-eager"]\n'
+        '[defaults.extra_env]\nA="1"\n[platform.cpu]\nmodel="tiny-llama"\n'
+        '[[config]]\nname="a"\n',
+    )
     s = load_sweep(p)
     assert s.entries("cuda")[0].config.model == "m"
     assert s.entries("cpu")[0].config.model == "tiny-llama"
@@ -121,50 +137,85 @@ def test_select_decision_table():
 # ------------------------------------------------------------ per-run overrides
 
 
-@pytest.mark.parametrize("raw,value", [
-    ("16", 16), ("0.8", 0.8), ("true", True), ('["--a", "b"]', ["--a", "b"]), ("FLASHINFER", "FLASHINFER"),
-    ('"16"', "16"), ('{A = "1"}', {"A": "1"}), ("Qwen/Qwen3-0.6B", "Qwen/Qwen3-0.6B"),
-])
+@pytest.mark.parametrize(
+    "raw,value",
+    [
+        ("16", 16),
+        ("0.8", 0.8),
+        ("true", True),
+        ('["--a", "b"]', ["--a", "b"]),
+        ("FLASHINFER", "FLASHINFER"),
+        ('"16"', "16"),
+        ('{A = "1"}', {"A": "1"}),
+        ("Qwen/Qwen3-0.6B", "Qwen/Qwen3-0.6B"),
+    ],
+)
 def test_set_values_are_read_like_toml(raw, value):
     assert parse_value(raw) == value
 
 
 def test_overrides_apply_in_order_and_are_checked_like_the_toml():
     base = ClusterConfig(name="1x1", model="m", extra_args=("--x",))
-    over = make_overrides(sets=["gpu_memory_utilization=0.8", "block_size=16", "attention_backend=FLASHINFER",
-                                "extra_env={A = \"1\"}"],
-                          model="/models/tiny", revision="abc", extra_args=["--enforce-eager", "--max-num-seqs=4"])
+    over = make_overrides(
+        sets=[
+            "gpu_memory_utilization=0.8",
+            "block_size=16",
+            "attention_backend=FLASHINFER",
+            'extra_env={A = "1"}',
+        ],
+        model="/models/tiny",
+        revision="abc",
+        extra_args=["--enforce-eager", "--max-num-seqs=4"],
+    )
     c = over.apply(base)
     assert (c.model, c.revision, c.gpu_memory_utilization, c.block_size, c.attention_backend) == (
-        "/models/tiny", "abc", 0.8, 16, "FLASHINFER")
+        "/models/tiny",
+        "abc",
+        0.8,
+        16,
+        "FLASHINFER",
+    )
     assert c.extra_args == ("--x", "--enforce-eager", "--max-num-seqs=4") and c.extra_env == (("A", "1"),)
     assert c.name == "1x1"
-    assert over.describe() == ["model = '/models/tiny'", "revision = 'abc'", "gpu_memory_utilization = 0.8",
-                               "block_size = 16", "attention_backend = 'FLASHINFER'", "extra_env = {'A': '1'}",
-                               "extra_args += '--enforce-eager'", "extra_args += '--max-num-seqs=4'"]
+    assert over.describe() == [
+        "model = '/models/tiny'",
+        "revision = 'abc'",
+        "gpu_memory_utilization = 0.8",
+        "block_size = 16",
+        "attention_backend = 'FLASHINFER'",
+        "extra_env = {'A': '1'}",
+        "extra_args += '--enforce-eager'",
+        "extra_args += '--max-num-seqs=4'",
+    ]
     assert not make_overrides() and make_overrides().apply(base) is base
 
 
-@pytest.mark.parametrize("kw,needle", [
-    ({"sets": ["block_siz=16"]}, 'block_siz: unknown field (did you mean "block_size"?)'),
-    ({"sets": ["name=x"]}, "name: cannot be overridden; select configs with --only"),
-    ({"sets": ["block_size"]}, "--set: got 'block_size'; expected FIELD=VALUE"),
-    ({"sets": ["=3"]}, "expected FIELD=VALUE"),
-    ({"extra_args": [""]}, "--extra-arg: got ''"),
-])
+@pytest.mark.parametrize(
+    "kw,needle",
+    [
+        ({"sets": ["block_siz=16"]}, 'block_siz: unknown field (did you mean "block_size"?)'),
+        ({"sets": ["name=x"]}, "name: cannot be overridden; select configs with --only"),
+        ({"sets": ["block_size"]}, "--set: got 'block_size'; expected FIELD=VALUE"),
+        ({"sets": ["=3"]}, "expected FIELD=VALUE"),
+        ({"extra_args": [""]}, "--extra-arg: got ''"),
+    ],
+)
 def test_bad_overrides_name_the_field(kw, needle):
     with pytest.raises(ConfigError) as e:
         make_overrides(**kw)
     assert needle in str(e.value) and str(e.value).startswith("command line: ")
 
 
-@pytest.mark.parametrize("sets,needle", [
-    (["block_size=abc"], "block_size: got 'abc'; allowed: an integer"),
-    (["gpu_memory_utilization=1.5"], "gpu_memory_utilization: got 1.5; allowed: a number in (0, 1]"),
-    (["dtype=bf16"], 'did you mean "bfloat16"'),
-    (["connector=mooncak"], 'did you mean "mooncake"'),
-    (["extra_args=\"--a\""], "extra_args: got '--a'; allowed: a list"),
-])
+@pytest.mark.parametrize(
+    "sets,needle",
+    [
+        (["block_size=abc"], "block_size: got 'abc'; allowed: an integer"),
+        (["gpu_memory_utilization=1.5"], "gpu_memory_utilization: got 1.5; allowed: a number in (0, 1]"),
+        (["dtype=bf16"], 'did you mean "bfloat16"'),
+        (["connector=mooncak"], 'did you mean "mooncake"'),
+        (['extra_args="--a"'], "extra_args: got '--a'; allowed: a list"),
+    ],
+)
 def test_bad_override_values_fail_when_applied_like_the_toml(sets, needle):
     with pytest.raises(ConfigError) as e:
         make_overrides(sets=sets).apply(ClusterConfig(name="1x1", model="m"))

@@ -34,8 +34,11 @@ def test_tp_sizes_that_do_not_divide_are_refused_naming_connector_and_pair(conne
 
 def test_a_connector_without_heterogeneous_tp_is_refused(monkeypatch):
     monkeypatch.setitem(connector_support.SUPPORT, "nixl", (False, True))
-    with pytest.raises(PlanError, match="connector nixl does not support heterogeneous TP "
-                                        r"\(prefill TP1 \+ decode TP2\)"):
+    with pytest.raises(
+        PlanError,
+        match="connector nixl does not support heterogeneous TP "
+        r"\(prefill TP1 \+ decode TP2\)",
+    ):
         connector_support.check(cfg(connector="nixl", prefill_tp=1, decode_tp=2))
     monkeypatch.setitem(connector_support.SUPPORT, "nixl", (True, False))
     with pytest.raises(PlanError, match=r"several instances per role \(2P1D\)"):
@@ -50,14 +53,24 @@ def test_the_planner_refuses_before_taking_any_port():
         take_block = claim = take
 
     with pytest.raises(PlanError, match="cannot map prefill TP3 \\+ decode TP2"):
-        plan_cluster(cfg(prefill_tp=3, decode_tp=2), Inventory(gpus=(), cpus=(0, 1), gpu_source="t"),
-                     NoPorts(), platform="cpu", python=sys.executable)
+        plan_cluster(
+            cfg(prefill_tp=3, decode_tp=2),
+            Inventory(gpus=(), cpus=(0, 1), gpu_source="t"),
+            NoPorts(),
+            platform="cpu",
+            python=sys.executable,
+        )
 
 
 def test_xpyd_plan_gives_every_prefill_its_bootstrap_port_in_the_router_argv():
     with PortAllocator() as ports:
-        plan = plan_cluster(cfg(num_prefill=2, num_decode=2), Inventory(gpus=(), cpus=(0, 1), gpu_source="t"),
-                            ports, platform="cpu", python=sys.executable)
+        plan = plan_cluster(
+            cfg(num_prefill=2, num_decode=2),
+            Inventory(gpus=(), cpus=(0, 1), gpu_source="t"),
+            ports,
+            platform="cpu",
+            python=sys.executable,
+        )
     argv = list(plan.router.argv)
     for p in plan.prefill:
         i = argv.index(p.url)

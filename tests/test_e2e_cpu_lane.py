@@ -30,7 +30,9 @@ def _full_env():
 def plan_ports(run_dir: Path) -> dict[str, int]:
     """name -> HTTP port, read from the plan the harness wrote before launching."""
     text = (run_dir / "plan.txt").read_text()
-    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^  (\S+): http://127\.0\.0\.1:(\d+)", text, re.M)}
+    return {
+        m.group(1): int(m.group(2)) for m in re.finditer(r"^  (\S+): http://127\.0\.0\.1:(\d+)", text, re.M)
+    }
 
 
 def processes_using(ports: dict[str, int]) -> list[str]:
@@ -53,8 +55,13 @@ class Cli:
 
     def __init__(self, *args: str, argv: list[str] | None = None):
         self.lines: list[tuple[float, str]] = []
-        self.proc = subprocess.Popen(argv or [sys.executable, "-m", "pd_sessions", *args], cwd=ROOT,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            argv or [sys.executable, "-m", "pd_sessions", *args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -88,9 +95,25 @@ def test_sweep_1x1_passes_all_checks_and_leaves_nothing(tmp_path, sweep):
         cli = Cli("sweep", sweep, "--only", "1x1", "--platform", "cpu", "--results-dir", str(tmp_path))
     else:
         before = environment_facts(tmp_path)["installed"]
-        cli = Cli(argv=[sys.executable, "-m", "nox", "-f", str(ROOT / "noxfile.py"), "--no-venv",
-                        "-s", sweep, "--", "--only", "1x1", "--platform", "cpu",
-                        "--results-dir", str(tmp_path)])
+        cli = Cli(
+            argv=[
+                sys.executable,
+                "-m",
+                "nox",
+                "-f",
+                str(ROOT / "noxfile.py"),
+                "--no-venv",
+                "-s",
+                sweep,
+                "--",
+                "--only",
+                "1x1",
+                "--platform",
+                "cpu",
+                "--results-dir",
+                str(tmp_path),
+            ]
+        )
     rc = cli.wait(timeout=1100)
     assert rc == 0, cli.text[-3000:]
     if sweep == "mooncake_sweep":
@@ -105,8 +128,9 @@ def test_sweep_1x1_passes_all_checks_and_leaves_nothing(tmp_path, sweep):
     assert [checks[n]["verdict"] for n in ("smoke", "parity", "kv_transfer", "accuracy")] == ["pass"] * 4
     # the edge checks (issue 17), default in both sweeps
     edge = ("cache_paths", "too_long", "burst", "abort_frees_kv")
-    assert {n: checks[n]["verdict"] for n in edge} == {n: "pass" for n in edge}, \
-        {n: checks[n]["message"] for n in edge}
+    assert {n: checks[n]["verdict"] for n in edge} == {n: "pass" for n in edge}, {
+        n: checks[n]["message"] for n in edge
+    }
     situations = {s["name"]: s for s in checks["cache_paths"]["details"]["situations"]}
     assert situations["short"]["prompt_tokens"] < 128 <= situations["primed"]["prompt_tokens"] // 2
     assert situations["partial"]["prompt_tokens"] >= situations["primed"]["prompt_tokens"] + 128
@@ -119,8 +143,12 @@ def test_sweep_1x1_passes_all_checks_and_leaves_nothing(tmp_path, sweep):
     aborted = checks["abort_frees_kv"]["details"]
     assert aborted["aborted_after_first_tokens"] == aborted["requests"] > 0
     assert set(aborted["held"]) == {"prefill-0", "decode-0"} and not any(aborted["held"].values())
-    print("edge check seconds:", {n: checks[n]["seconds"] for n in edge},
-          "total", round(sum(checks[n]["seconds"] for n in edge), 1))
+    print(
+        "edge check seconds:",
+        {n: checks[n]["seconds"] for n in edge},
+        "total",
+        round(sum(checks[n]["seconds"] for n in edge), 1),
+    )
     assert checks["accuracy"]["details"]["samples"] == 24
     kv = checks["kv_transfer"]["details"]
     assert kv["delta"] >= kv["router_prompt_tokens"] - kv["router_requests"] > 0
@@ -196,22 +224,48 @@ def test_accuracy_identity_fails_against_a_model_with_another_seed(tmp_path):
     inv = detect()
     other_model = tiny_model.ensure(tiny_model.TinySpec(seed=1))
     with PortAllocator() as ports:
-        other = plan_cluster(ClusterConfig(name="other", model="tiny-llama"), inv, ports, platform="cpu",
-                             python=_sys.executable, model=str(other_model)).prefill[0]
-    foreign = process.spawn("seed1", other.argv, env={**_os.environ, **other.env_dict()},
-                            log_path=tmp_path / "seed1.log", url=other.url)
+        other = plan_cluster(
+            ClusterConfig(name="other", model="tiny-llama"),
+            inv,
+            ports,
+            platform="cpu",
+            python=_sys.executable,
+            model=str(other_model),
+        ).prefill[0]
+    foreign = process.spawn(
+        "seed1",
+        other.argv,
+        env={**_os.environ, **other.env_dict()},
+        log_path=tmp_path / "seed1.log",
+        url=other.url,
+    )
     try:
         ports = PortAllocator()
-        plan = plan_cluster(ClusterConfig(name="acc", model="tiny-llama"), inv, ports, platform="cpu",
-                            python=_sys.executable, model=str(tiny_model.ensure()))
+        plan = plan_cluster(
+            ClusterConfig(name="acc", model="tiny-llama"),
+            inv,
+            ports,
+            platform="cpu",
+            python=_sys.executable,
+            model=str(tiny_model.ensure()),
+        )
         with running_cluster(plan, tmp_path / "acc", ports=ports) as cluster:
-            wait_ready([Target(foreign, [health_probe(other.health_url), models_probe(other.url, "tiny-llama")])],
-                       deadline=time.monotonic() + 600)
+            wait_ready(
+                [Target(foreign, [health_probe(other.health_url), models_probe(other.url, "tiny-llama")])],
+                deadline=time.monotonic() + 600,
+            )
             include = write_task(tmp_path / "task")
 
             def samples(url):
-                res = acc.run_lm_eval(model="tiny-llama", base_url=url, task=TASK, include_path=include,
-                                      tokenizer=plan.model, log_samples=True, num_concurrent=8)
+                res = acc.run_lm_eval(
+                    model="tiny-llama",
+                    base_url=url,
+                    task=TASK,
+                    include_path=include,
+                    tokenizer=plan.model,
+                    log_samples=True,
+                    num_concurrent=8,
+                )
                 return acc.responses(res, TASK)
 
             via_router = cluster.guard(lambda: samples(plan.router.url))
@@ -237,8 +291,16 @@ name = "1x1"
 def test_silent_recompute_fails_the_kv_proof_with_the_values_it_saw(tmp_path):
     toml = tmp_path / "recompute.toml"
     toml.write_text(RECOMPUTE_SWEEP)
-    cli = Cli("sweep", str(toml), "--platform", "cpu", "--skip-check", "accuracy", "--results-dir",
-              str(tmp_path / "r"))
+    cli = Cli(
+        "sweep",
+        str(toml),
+        "--platform",
+        "cpu",
+        "--skip-check",
+        "accuracy",
+        "--results-dir",
+        str(tmp_path / "r"),
+    )
     assert cli.wait(timeout=1100) == 1, cli.text[-3000:]
     result = json.loads((tmp_path / "r" / "1x1" / "result.json").read_text())
     kv = next(c for c in result["checks"] if c["name"] == "kv_transfer")

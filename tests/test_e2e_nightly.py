@@ -74,7 +74,10 @@ def test_remote_code_model_passes_every_check_with_margin_parity_and_nixl_eviden
     assert p["mode"] == "margin" and p["tokens"] == 64 and p["max_gap"] <= p["margin"]
     kv = checks["kv_transfer"]["details"]["success"]
     assert kv["connector"] == "nixl" and kv["log_failures"] == {}
-    assert kv["nixl_delta"]["vllm:nixl_xfer_time_seconds_count"] >= checks["kv_transfer"]["details"]["router_requests"]
+    assert (
+        kv["nixl_delta"]["vllm:nixl_xfer_time_seconds_count"]
+        >= checks["kv_transfer"]["details"]["router_requests"]
+    )
     assert kv["nixl_delta"]["vllm:nixl_bytes_transferred_sum"] > 0
     # lm_eval loaded the model's own tokenizer class: only possible with trust_remote_code=True
     assert checks["accuracy"]["details"]["samples"] == 24

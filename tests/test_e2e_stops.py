@@ -24,8 +24,9 @@ BUILDKITE_GRACE_S = 10.0
 def test_buildkite_cancel_of_a_real_cluster_is_done_well_inside_10s(tmp_path):
     heavy("vllm")
     heavy("mooncake.engine")
-    run = NoxRun(tmp_path, sweep="mooncake_sweep", args=("--only", "1x1"), grace=BUILDKITE_GRACE_S,
-                 fake=False)
+    run = NoxRun(
+        tmp_path, sweep="mooncake_sweep", args=("--only", "1x1"), grace=BUILDKITE_GRACE_S, fake=False
+    )
     run.wait_for("cluster ready after", timeout=600)
     procs = family(psutil.Process(run.proc.pid))
     assert len(procs) >= 7, procs  # nox, harness, reaper, 2 API servers + engine cores, router
@@ -47,6 +48,8 @@ def test_buildkite_cancel_of_a_real_cluster_is_done_well_inside_10s(tmp_path):
     assert processes_using(plan_ports(run_dir)) == []
     assert not any(alive(p) for p in procs)
     teardown = res["phases"].get("teardown")
-    print(f"\nreal 1x1 cluster, Buildkite-style cancel: every process gone and results written "
-          f"{took:.2f} s after SIGTERM (harness teardown phase {teardown} s); Buildkite's grace: 10 s")
+    print(
+        f"\nreal 1x1 cluster, Buildkite-style cancel: every process gone and results written "
+        f"{took:.2f} s after SIGTERM (harness teardown phase {teardown} s); Buildkite's grace: 10 s"
+    )
     assert took < BUILDKITE_GRACE_S / 2, f"{took:.2f} s is not well inside Buildkite's 10 s grace"

@@ -35,9 +35,21 @@ def test_sweep_runs_a_passing_and_a_failing_user_command(tmp_path):
     """--pytest (an env-style file and a pd_cluster-fixture file, attached to the sweep's cluster)
     passes; --exec with {junitxml} running a failing test fails the config with its message."""
     failing = f"{sys.executable} -m pytest {USER / 'pd_fails_on_purpose.py'} --junitxml {{junitxml}}"
-    cli = Cli("sweep", "mooncake_sweep", "--only", "1x1", "--skip-check", "accuracy", "--results-dir",
-              str(tmp_path), "--pytest", str(USER / "pd_parity_env.py"), str(USER / "pd_parity_fixture.py"),
-              "--exec", failing)
+    cli = Cli(
+        "sweep",
+        "mooncake_sweep",
+        "--only",
+        "1x1",
+        "--skip-check",
+        "accuracy",
+        "--results-dir",
+        str(tmp_path),
+        "--pytest",
+        str(USER / "pd_parity_env.py"),
+        str(USER / "pd_parity_fixture.py"),
+        "--exec",
+        failing,
+    )
     assert cli.wait(timeout=1100) == 1, cli.text[-3000:]
     run_dir = tmp_path / "1x1"
     result = json.loads((run_dir / "result.json").read_text())
@@ -52,14 +64,19 @@ def test_sweep_runs_a_passing_and_a_failing_user_command(tmp_path):
     assert (run_dir / "exec-0.log").exists() and (run_dir / "exec-1.log").exists()
     assert json.loads((run_dir / "cluster.json").read_text())["connector"] == "mooncake"
 
-    cases = {(c.get("classname"), c.get("name")): c
-             for c in ET.parse(tmp_path / "junit.xml").iter("testcase")}
+    cases = {
+        (c.get("classname"), c.get("name")): c for c in ET.parse(tmp_path / "junit.xml").iter("testcase")
+    }
     assert cases[("mooncake_sweep.1x1", "exec[0]")].find("failure") is None
     assert cases[("mooncake_sweep.1x1", "exec[1]")].find("failure") is not None
     merged = {name: c for (cls, name), c in cases.items() if cls.startswith("mooncake_sweep.1x1.exec[")}
-    assert {"test_router_matches_prefill_direct", "test_cluster_file_matches_the_variables",
-            "test_router_matches_prefill_direct_and_kv_moved", "test_urls_and_environment",
-            "test_router_says_what_this_test_wrongly_expects"} == set(merged)
+    assert {
+        "test_router_matches_prefill_direct",
+        "test_cluster_file_matches_the_variables",
+        "test_router_matches_prefill_direct_and_kv_moved",
+        "test_urls_and_environment",
+        "test_router_says_what_this_test_wrongly_expects",
+    } == set(merged)
     failure = merged["test_router_says_what_this_test_wrongly_expects"].find("failure")
     assert "deliberately failing external test" in failure.get("message")
     assert all(merged[n].find("failure") is None for n in merged if "wrongly" not in n)
@@ -71,10 +88,28 @@ def test_pd_cluster_fixture_starts_checks_and_tears_down(tmp_path):
     nothing is left afterwards."""
     heavy("nixl._api")
     env = {k: v for k, v in os.environ.items() if k != "PD_SESSIONS_CLUSTER"}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "pd_sessions.pytest_plugin", "-v",
-                        str(USER / "pd_parity_fixture.py"), "--pd-cluster", "nixl_sweep:1x1",
-                        "--pd-results-dir", str(tmp_path), "-p", "no:cacheprovider"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1100)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "pd_sessions.pytest_plugin",
+            "-v",
+            str(USER / "pd_parity_fixture.py"),
+            "--pd-cluster",
+            "nixl_sweep:1x1",
+            "--pd-results-dir",
+            str(tmp_path),
+            "-p",
+            "no:cacheprovider",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1100,
+    )
     print(r.stdout[-5000:], r.stderr[-2000:])
     assert r.returncode == 0, r.stdout[-3000:]
     assert "2 passed" in r.stdout and "[pd_cluster] 1x1: cluster ready" in r.stdout
@@ -95,20 +130,31 @@ def test_serve_prints_env_serves_requests_and_stops_on_sigterm(tmp_path):
     assert {"PREFILL_PORT", "DECODE_PORT", "PROXY_PORT", "TEST_MODEL", "PD_SESSIONS_CLUSTER"} <= set(env)
 
     def client(port: str) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"http://{env['PROXY_HOST']}:{port}/v1", api_key="EMPTY", max_retries=0,
-                             http_client=openai.DefaultHttpxClient(trust_env=False))
+        return openai.OpenAI(
+            base_url=f"http://{env['PROXY_HOST']}:{port}/v1",
+            api_key="EMPTY",
+            max_retries=0,
+            http_client=openai.DefaultHttpxClient(trust_env=False),
+        )
 
     prompt = "Started by pd-sessions serve, answered through the router:"
-    pd, direct = (client(env[p]).completions.create(model=env["TEST_MODEL"], prompt=prompt, max_tokens=16,
-                                                    temperature=0) for p in ("PROXY_PORT", "PREFILL_PORT"))
+    pd, direct = (
+        client(env[p]).completions.create(
+            model=env["TEST_MODEL"], prompt=prompt, max_tokens=16, temperature=0
+        )
+        for p in ("PROXY_PORT", "PREFILL_PORT")
+    )
     assert pd.usage.completion_tokens == 16 and pd.choices[0].text == direct.choices[0].text
     assert "curl -s http://127.0.0.1:" + env["PROXY_PORT"] + "/v1/completions" in cli.text
 
     ports = plan_ports(tmp_path / "1x1")
     family = []
     for name in ("prefill-0", "decode-0"):
-        leader = next(p for p in psutil.process_iter(["cmdline"])
-                      if str(ports[name]) in (argv := p.info["cmdline"] or []) and "--port" in argv)
+        leader = next(
+            p
+            for p in psutil.process_iter(["cmdline"])
+            if str(ports[name]) in (argv := p.info["cmdline"] or []) and "--port" in argv
+        )
         family += [leader, *leader.children(recursive=True)]
     cli.proc.send_signal(signal.SIGTERM)
     assert cli.wait(timeout=120) == 0, cli.text[-3000:]

@@ -18,15 +18,29 @@ from pd_sessions.errors import ConfigError
 
 
 def comp(ids=(1, 2, 3), prompt_tokens=7):
-    return Completion(text="t", token_ids=tuple(ids), prompt_tokens=prompt_tokens,
-                      completion_tokens=len(ids), finish_reason="length")
+    return Completion(
+        text="t",
+        token_ids=tuple(ids),
+        prompt_tokens=prompt_tokens,
+        completion_tokens=len(ids),
+        finish_reason="length",
+    )
 
 
 # ---------------------------------------------------------------- registry and TOML selection
 
+
 def test_defaults_are_every_check_in_running_order():
-    assert registry.DEFAULTS == ("smoke", "parity", "kv_transfer", "cache_paths", "too_long", "burst",
-                                 "abort_frees_kv", "accuracy")
+    assert registry.DEFAULTS == (
+        "smoke",
+        "parity",
+        "kv_transfer",
+        "cache_paths",
+        "too_long",
+        "burst",
+        "abort_frees_kv",
+        "accuracy",
+    )
     assert registry.resolve(None) == registry.DEFAULTS
 
 
@@ -34,12 +48,15 @@ def test_selection_is_put_in_running_order():
     assert registry.resolve(["burst", "smoke"]) == ("smoke", "burst")
 
 
-@pytest.mark.parametrize("value,needle", [
-    (["brust"], "unknown check 'brust' (did you mean \"burst\"?); known: smoke, parity"),
-    ([], "an empty list runs no check"),
-    (["smoke", "smoke"], "listed more than once"),
-    ("smoke", "allowed: a list of check names"),
-])
+@pytest.mark.parametrize(
+    "value,needle",
+    [
+        (["brust"], "unknown check 'brust' (did you mean \"burst\"?); known: smoke, parity"),
+        ([], "an empty list runs no check"),
+        (["smoke", "smoke"], "listed more than once"),
+        ("smoke", "allowed: a list of check names"),
+    ],
+)
 def test_selection_errors_name_the_field(value, needle):
     with pytest.raises(ConfigError) as e:
         registry.resolve(value, source="s.toml")
@@ -52,13 +69,16 @@ def test_options_defaults_and_overrides():
     assert opts["too_long"]["bound_s"] == 10.0
 
 
-@pytest.mark.parametrize("raw,needle", [
-    ({"brust": {}}, 'check_options.brust: unknown check (did you mean "burst"?)'),
-    ({"burst": {"request": 3}}, 'check_options.burst.request: unknown option (did you mean "requests"?)'),
-    ({"burst": {"requests": "32"}}, "check_options.burst.requests: got '32'; allowed: a positive int"),
-    ({"burst": {"requests": 0}}, "allowed: a positive int"),
-    ({"smoke": {"x": 1}}, "allowed: none (this check has no options)"),
-])
+@pytest.mark.parametrize(
+    "raw,needle",
+    [
+        ({"brust": {}}, 'check_options.brust: unknown check (did you mean "burst"?)'),
+        ({"burst": {"request": 3}}, 'check_options.burst.request: unknown option (did you mean "requests"?)'),
+        ({"burst": {"requests": "32"}}, "check_options.burst.requests: got '32'; allowed: a positive int"),
+        ({"burst": {"requests": 0}}, "allowed: a positive int"),
+        ({"smoke": {"x": 1}}, "allowed: none (this check has no options)"),
+    ],
+)
 def test_option_errors(raw, needle):
     with pytest.raises(ConfigError, match=None) as e:
         registry.resolve_options(raw)
@@ -77,8 +97,9 @@ name = "1x1"
 
 def test_sweep_toml_selects_checks(tmp_path: Path):
     p = tmp_path / "s.toml"
-    p.write_text(SWEEP.format(top='checks = ["too_long", "smoke"]',
-                              tail="[check_options.too_long]\nbound_s = 3"))
+    p.write_text(
+        SWEEP.format(top='checks = ["too_long", "smoke"]', tail="[check_options.too_long]\nbound_s = 3")
+    )
     sweep = load_sweep(p)
     assert sweep.checks == ("smoke", "too_long")
     assert sweep.check_options["too_long"] == {"bound_s": 3}
@@ -117,8 +138,9 @@ OK_HEALTH = {"prefill-0": "ok", "decode-0": "ok", "router": "ok"}
 
 
 def tl(answer, health=OK_HEALTH, followup=None):
-    return too_long.evaluate(answer, bound_s=10, prompt_tokens=2100, max_model_len=2048,
-                             health_after=health, followup=followup)
+    return too_long.evaluate(
+        answer, bound_s=10, prompt_tokens=2100, max_model_len=2048, health_after=health, followup=followup
+    )
 
 
 def test_too_long_4xx_in_time_passes():
@@ -126,12 +148,15 @@ def test_too_long_4xx_in_time_passes():
     assert r.passed and "HTTP 400" in r.message and r.details["max_model_len"] == 2048
 
 
-@pytest.mark.parametrize("answer,needle", [
-    (too_long.Answer(None, 10.0, "no answer within 10 s"), "got no answer within 10 s"),
-    (too_long.Answer(400, 12.0), "only after 12.0 s"),
-    (too_long.Answer(200, 0.5), "was accepted (HTTP 200)"),
-    (too_long.Answer(500, 0.5, "Internal"), "got HTTP 500, expected a 4xx"),
-])
+@pytest.mark.parametrize(
+    "answer,needle",
+    [
+        (too_long.Answer(None, 10.0, "no answer within 10 s"), "got no answer within 10 s"),
+        (too_long.Answer(400, 12.0), "only after 12.0 s"),
+        (too_long.Answer(200, 0.5), "was accepted (HTTP 200)"),
+        (too_long.Answer(500, 0.5, "Internal"), "got HTTP 500, expected a 4xx"),
+    ],
+)
 def test_too_long_fails(answer, needle):
     r = tl(answer)
     assert not r.passed and needle in r.message
@@ -149,6 +174,7 @@ def test_too_long_failed_followup_fails():
 
 # ---------------------------------------------------------------- cache_paths
 
+
 def test_lengths_derive_from_the_block_size():
     assert cache_paths.lengths(128) == {"short": 64, "primed": 320, "partial": 512}
     assert cache_paths.lengths(16) == {"short": 8, "primed": 40, "partial": 64}
@@ -156,8 +182,10 @@ def test_lengths_derive_from_the_block_size():
         want = cache_paths.lengths(block)
         assert cache_paths.situation_errors("short", want["short"], block) == []
         assert cache_paths.situation_errors("primed", want["primed"], block) == []
-        assert cache_paths.situation_errors("partial", want["partial"], block,
-                                            primed_tokens=want["primed"]) == []
+        assert (
+            cache_paths.situation_errors("partial", want["partial"], block, primed_tokens=want["primed"])
+            == []
+        )
 
 
 def test_situations_that_would_not_arise_are_named():
@@ -190,8 +218,9 @@ def test_cache_paths_missing_situation_or_build_error_fails():
 # ---------------------------------------------------------------- burst
 
 KV_OK = CheckResult("kv_transfer", PASS, "decode received 320 prompt tokens", {"delta": 320})
-KV_BAD = CheckResult("kv_transfer", FAIL, "decode instances received 0 prompt tokens by KV transfer",
-                     {"delta": 0})
+KV_BAD = CheckResult(
+    "kv_transfer", FAIL, "decode instances received 0 prompt tokens by KV transfer", {"delta": 0}
+)
 
 
 def test_burst_passes():
@@ -209,8 +238,11 @@ def test_burst_one_wrong_under_concurrency_fails():
 def test_burst_failed_request_and_recompute_both_reported():
     pairs = [(f"p{i}", comp(), comp()) for i in range(3)]
     r = burst.evaluate(pairs, ["'p3': HTTP 500"], KV_BAD, requests=4, seconds=1.0)
-    assert not r.passed and "1/4 requests failed" in r.message and "KV proof: decode instances received 0" \
-        in r.message
+    assert (
+        not r.passed
+        and "1/4 requests failed" in r.message
+        and "KV proof: decode instances received 0" in r.message
+    )
 
 
 def test_burst_prompts_are_distinct_from_the_first_word():
@@ -223,23 +255,34 @@ def test_burst_prompts_are_distinct_from_the_first_word():
 IDLE = {RUNNING: 0.0, KV_USAGE: 0.0}
 
 
-@pytest.mark.parametrize("now,needle", [
-    ({RUNNING: 0.0, KV_USAGE: 0.0}, None),
-    ({RUNNING: 2.0, KV_USAGE: 0.01}, "2 requests still running"),
-    ({RUNNING: 0.0, KV_USAGE: 0.05}, "KV cache usage 0.0500 (idle 0.0000"),
-    ({KV_USAGE: 0.0}, "metric vllm:num_requests_running not exposed"),
-])
+@pytest.mark.parametrize(
+    "now,needle",
+    [
+        ({RUNNING: 0.0, KV_USAGE: 0.0}, None),
+        ({RUNNING: 2.0, KV_USAGE: 0.01}, "2 requests still running"),
+        ({RUNNING: 0.0, KV_USAGE: 0.05}, "KV cache usage 0.0500 (idle 0.0000"),
+        ({KV_USAGE: 0.0}, "metric vllm:num_requests_running not exposed"),
+    ],
+)
 def test_settled(now, needle):
     got = abort_frees_kv.settled(IDLE, now)
     assert got == needle if needle is None else needle in got
 
 
 def test_abort_pass_and_failure_naming_instance_and_value():
-    ok = abort_frees_kv.evaluate(4, 4, [], {"prefill-0": None, "decode-0": None}, bound_s=15, waited_s=0.4,
-                                 last={})
+    ok = abort_frees_kv.evaluate(
+        4, 4, [], {"prefill-0": None, "decode-0": None}, bound_s=15, waited_s=0.4, last={}
+    )
     assert ok.passed
-    bad = abort_frees_kv.evaluate(4, 4, [], {"prefill-0": "KV cache usage 0.0100 (idle 0.0000, ...)",
-                                             "decode-0": None}, bound_s=15, waited_s=15, last={})
+    bad = abort_frees_kv.evaluate(
+        4,
+        4,
+        [],
+        {"prefill-0": "KV cache usage 0.0100 (idle 0.0000, ...)", "decode-0": None},
+        bound_s=15,
+        waited_s=15,
+        last={},
+    )
     assert not bad.passed
     assert "15 s after 4 clients disconnected: prefill-0: KV cache usage 0.0100" in bad.message
 
@@ -265,25 +308,30 @@ ROLES_2P2D = {"prefill": 2, "decode": 2}
 def test_every_instance_served_passes_and_counts_are_recorded():
     before = {"prefill-0": 0, "prefill-1": 0, "decode-0": 0, "decode-1": 0}
     after = {"prefill-0": 30, "prefill-1": 20, "decode-0": 25, "decode-1": 25}
-    r = per_instance.apply(CheckResult("kv_transfer", PASS, "ok"), before, after, requests=5,
-                           roles=ROLES_2P2D)
+    r = per_instance.apply(
+        CheckResult("kv_transfer", PASS, "ok"), before, after, requests=5, roles=ROLES_2P2D
+    )
     assert r.passed and r.details["served_by_instance"]["prefill-1"] == 20
 
 
 def test_an_ignored_instance_fails_naming_it():
     before = {"prefill-0": 0, "prefill-1": 7, "decode-0": 0, "decode-1": 0}
     after = {"prefill-0": 50, "prefill-1": 7, "decode-0": 25, "decode-1": 25}
-    r = per_instance.apply(CheckResult("parity", PASS, "4/4 identical"), before, after, requests=4,
-                           roles=ROLES_2P2D)
+    r = per_instance.apply(
+        CheckResult("parity", PASS, "4/4 identical"), before, after, requests=4, roles=ROLES_2P2D
+    )
     assert not r.passed and r.message.startswith("prefill-1 served none of 4 router requests")
     assert "the router ignores it; 4/4 identical" in r.message
 
 
-@pytest.mark.parametrize("requests,roles,expect", [
-    (5, {"prefill": 1, "decode": 1}, []),        # one instance per role: the KV proof covers it
-    (1, {"prefill": 2, "decode": 1}, []),        # fewer requests than instances: not judged
-    (2, {"prefill": 2, "decode": 1}, ["prefill-1"]),
-])
+@pytest.mark.parametrize(
+    "requests,roles,expect",
+    [
+        (5, {"prefill": 1, "decode": 1}, []),  # one instance per role: the KV proof covers it
+        (1, {"prefill": 2, "decode": 1}, []),  # fewer requests than instances: not judged
+        (2, {"prefill": 2, "decode": 1}, ["prefill-1"]),
+    ],
+)
 def test_idle_instances_decision_table(requests, roles, expect):
     before = {"prefill-0": 0, "prefill-1": 0, "decode-0": 0}
     after = {"prefill-0": 9, "prefill-1": 0, "decode-0": 9}
@@ -298,7 +346,13 @@ def test_tokens_sent_straight_to_a_prefill_do_not_count_as_served_by_the_router(
     # prefill-0 only got parity's direct baseline requests (30 tokens); the router ignored it
     before = {"prefill-0": 0, "prefill-1": 0, "decode-0": 0}
     after = {"prefill-0": 30, "prefill-1": 30, "decode-0": 30}
-    r = per_instance.apply(CheckResult("parity", PASS, "ok"), before, after, requests=4,
-                           roles={"prefill": 2, "decode": 1}, direct={"prefill-0": 30})
+    r = per_instance.apply(
+        CheckResult("parity", PASS, "ok"),
+        before,
+        after,
+        requests=4,
+        roles={"prefill": 2, "decode": 1},
+        direct={"prefill-0": 30},
+    )
     assert not r.passed and r.message.startswith("prefill-0 served none of 4 router requests")
     assert r.details["served_by_instance"] == {"prefill-0": 0, "prefill-1": 30, "decode-0": 30}

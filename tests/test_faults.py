@@ -39,8 +39,9 @@ name = "1x1"
 
 @pytest.fixture(scope="module")
 def bystander():
-    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)", "vllm serve --port 1"],
-                         start_new_session=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(3600)", "vllm serve --port 1"], start_new_session=True
+    )
     yield p
     assert p.poll() is None, "the bystander was killed"
     p.kill()
@@ -56,8 +57,11 @@ def assert_nothing_left(run_dir: Path) -> None:
     """No process of the run is alive and no port of its plan is listened on (TIME_WAIT
     leftovers of finished connections are fine: servers bind with SO_REUSEADDR)."""
     ports = set(plan_ports(run_dir))
-    listening = [c for c in psutil.net_connections(kind="inet")
-                 if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in ports]
+    listening = [
+        c
+        for c in psutil.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in ports
+    ]
     assert listening == []
     for p in psutil.process_iter(["cmdline"]):
         argv = p.info["cmdline"] or []
@@ -74,10 +78,29 @@ class Run:
         self.run_dir = self.results / "1x1"
         e = {**os.environ, "PYTHONPATH": f"{FAKE}{os.pathsep}{ROOT}", **(env or {})}
         self.lines: list[tuple[float, str]] = []
-        self.proc = subprocess.Popen([sys.executable, "-m", "pd_sessions", "sweep", str(toml), "--platform",
-                                      "cpu", "--skip-check", "accuracy", "--results-dir", str(self.results),
-                                      "--grace", "2", *args], cwd=ROOT, env=e, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pd_sessions",
+                "sweep",
+                str(toml),
+                "--platform",
+                "cpu",
+                "--skip-check",
+                "accuracy",
+                "--results-dir",
+                str(self.results),
+                "--grace",
+                "2",
+                *args,
+            ],
+            cwd=ROOT,
+            env=e,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.t0 = time.time()
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -133,10 +156,13 @@ def test_never_healthy_fails_at_the_deadline_not_later(tmp_path, bystander):
     assert_nothing_left(r.run_dir)
 
 
-@pytest.mark.parametrize("behavior,needle", [
-    ("exit:0.5:2", "router (http://127.0.0.1:"),
-    ("never_healthy", "router (http://127.0.0.1:"),
-])
+@pytest.mark.parametrize(
+    "behavior,needle",
+    [
+        ("exit:0.5:2", "router (http://127.0.0.1:"),
+        ("never_healthy", "router (http://127.0.0.1:"),
+    ],
+)
 def test_router_dies_or_never_ready(tmp_path, bystander, behavior, needle):
     r = Run(tmp_path, env={"FAKE_ROUTER_BEHAVIOR": behavior}, args=("--deadline", "8"))
     assert r.wait() == 1, r.text
@@ -181,8 +207,11 @@ def test_signal_to_the_session_tears_everything_down(tmp_path, bystander, sig, s
     while len(procs := psutil.Process(r.proc.pid).children(recursive=True)) < 4:
         assert time.monotonic() < end, procs
         time.sleep(0.02)
-    grandchildren = [p for p in psutil.process_iter() if p.pid not in {c.pid for c in procs}
-                     and _in_sessions(p, {c.pid for c in procs})]
+    grandchildren = [
+        p
+        for p in psutil.process_iter()
+        if p.pid not in {c.pid for c in procs} and _in_sessions(p, {c.pid for c in procs})
+    ]
     assert len(procs) >= 2
     r.proc.send_signal(sig)
     assert r.wait(30) == status, r.text
@@ -200,8 +229,11 @@ def _in_sessions(p: psutil.Process, sids: set[int]) -> bool:
 
 
 def test_stubborn_child_is_killed_after_grace(tmp_path, bystander):
-    r = Run(tmp_path, env={"FAKE_DECODE_BEHAVIOR": "ignore_term", "FAKE_PREFILL_BEHAVIOR": "never_healthy"},
-            args=("--deadline", "3"))
+    r = Run(
+        tmp_path,
+        env={"FAKE_DECODE_BEHAVIOR": "ignore_term", "FAKE_PREFILL_BEHAVIOR": "never_healthy"},
+        args=("--deadline", "3"),
+    )
     assert r.wait(60) == 1, r.text
     assert "SIGKILL after 2 s grace: decode-0" in r.text or "needed SIGKILL: decode-0" in r.text
     assert_nothing_left(r.run_dir)
@@ -221,6 +253,7 @@ def test_two_sweeps_at_once_share_no_port(tmp_path, bystander):
 
 # ---------------------------------------------------------------- edge checks can fail (issue 17)
 
+
 def _result(r: Run) -> dict:
     import json
 
@@ -234,8 +267,11 @@ def _check(r: Run, name: str) -> dict:
 def test_too_long_fails_when_the_router_never_answers(tmp_path, bystander):
     # the prefill rejects the prompt (HTTP 400); this router then waits forever instead of
     # passing the error on
-    r = Run(tmp_path, env={"FAKE_ROUTER_BEHAVIOR": "hang_too_long"},
-            top='checks = ["smoke", "too_long"]\n[check_options.too_long]\nbound_s = 2')
+    r = Run(
+        tmp_path,
+        env={"FAKE_ROUTER_BEHAVIOR": "hang_too_long"},
+        top='checks = ["smoke", "too_long"]\n[check_options.too_long]\nbound_s = 2',
+    )
     assert r.wait() == 1, r.text
     c = _check(r, "too_long")
     assert c["verdict"] == "fail" and "got no answer within 2 s" in c["message"], c
@@ -245,8 +281,11 @@ def test_too_long_fails_when_the_router_never_answers(tmp_path, bystander):
 
 
 def test_abort_frees_kv_fails_when_a_server_keeps_a_request_running(tmp_path, bystander):
-    r = Run(tmp_path, env={"FAKE_PREFILL_BEHAVIOR": "keep_running"},
-            top='checks = ["smoke", "abort_frees_kv"]\n[check_options.abort_frees_kv]\nbound_s = 2')
+    r = Run(
+        tmp_path,
+        env={"FAKE_PREFILL_BEHAVIOR": "keep_running"},
+        top='checks = ["smoke", "abort_frees_kv"]\n[check_options.abort_frees_kv]\nbound_s = 2',
+    )
     assert r.wait() == 1, r.text
     c = _check(r, "abort_frees_kv")
     assert c["verdict"] == "fail", c
@@ -256,8 +295,11 @@ def test_abort_frees_kv_fails_when_a_server_keeps_a_request_running(tmp_path, by
 
 
 def test_burst_fails_when_the_decode_recomputes(tmp_path, bystander):
-    r = Run(tmp_path, env={"FAKE_DECODE_BEHAVIOR": "recompute"},
-            top='checks = ["burst"]\n[check_options.burst]\nrequests = 6')
+    r = Run(
+        tmp_path,
+        env={"FAKE_DECODE_BEHAVIOR": "recompute"},
+        top='checks = ["burst"]\n[check_options.burst]\nrequests = 6',
+    )
     assert r.wait() == 1, r.text
     c = _check(r, "burst")
     assert c["verdict"] == "fail" and "KV proof: decode instances received 0 prompt tokens" in c["message"]

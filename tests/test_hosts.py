@@ -8,9 +8,16 @@ from pd_sessions.hosts import Inventory, parse_visible_devices, resolve_platform
 GPU4 = ("0", "1", "2", "3")
 
 
-@pytest.mark.parametrize("value,expected", [
-    (None, GPU4), ("", ()), ("-1", ()), ("2,3", ("2", "3")), (" 1 , 0 ", ("1", "0")),
-])
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        (None, GPU4),
+        ("", ()),
+        ("-1", ()),
+        ("2,3", ("2", "3")),
+        (" 1 , 0 ", ("1", "0")),
+    ],
+)
 def test_visible_devices(value, expected):
     assert parse_visible_devices(value, GPU4) == expected
 
@@ -20,9 +27,16 @@ def test_visible_devices_unknown_gpu():
         parse_visible_devices("0,7", GPU4)
 
 
-@pytest.mark.parametrize("requested,gpus,expected", [
-    (None, GPU4, "cuda"), (None, (), "cpu"), ("cpu", GPU4, "cpu"), ("cpu", (), "cpu"), ("cuda", GPU4, "cuda"),
-])
+@pytest.mark.parametrize(
+    "requested,gpus,expected",
+    [
+        (None, GPU4, "cuda"),
+        (None, (), "cpu"),
+        ("cpu", GPU4, "cpu"),
+        ("cpu", (), "cpu"),
+        ("cuda", GPU4, "cuda"),
+    ],
+)
 def test_resolve_platform(requested, gpus, expected):
     assert resolve_platform(requested, Inventory(gpus=gpus, cpus=(0, 1))) == expected
 

@@ -5,8 +5,16 @@ from __future__ import annotations
 import pytest
 
 from pd_sessions.errors import InstallError
-from pd_sessions.install import (Action, Platform, apply_actions, connector_actions, facts_from_json,
-                                 index_env, kv_requirements, missing_system_packages)
+from pd_sessions.install import (
+    Action,
+    Platform,
+    apply_actions,
+    connector_actions,
+    facts_from_json,
+    index_env,
+    kv_requirements,
+    missing_system_packages,
+)
 
 CUDA12, CUDA13, CPU = Platform("cuda", 12), Platform("cuda", 13), Platform("cpu")
 REQ = "mooncake-transfer-engine>=0.3.12"
@@ -16,24 +24,39 @@ def strs(actions):
     return [str(a) for a in actions]
 
 
-@pytest.mark.parametrize("platform,installed,expected", [
-    (CUDA12, {}, ["install mooncake-transfer-engine>=0.3.12"]),
-    (CUDA13, {}, ["install mooncake-transfer-engine-cuda13>=0.3.12"]),
-    (CPU, {}, ["install mooncake-transfer-engine-non-cuda>=0.3.12"]),
-    # upstream's swap: default wheel on a CUDA 13 image -> uninstall, same version cuda13
-    (CUDA13, {"mooncake-transfer-engine": "0.3.14"},
-     ["uninstall mooncake-transfer-engine", "install mooncake-transfer-engine-cuda13==0.3.14"]),
-    (CPU, {"mooncake_transfer_engine": "0.3.13.post1"},
-     ["uninstall mooncake-transfer-engine", "install mooncake-transfer-engine-non-cuda==0.3.13.post1"]),
-    # already right: nothing to do
-    (CUDA13, {"mooncake-transfer-engine-cuda13": "0.3.14"}, []),
-    # two variants at once: remove the wrong one first, reinstall the right one (files were overwritten)
-    (CPU, {"mooncake-transfer-engine": "0.3.13.post1", "mooncake-transfer-engine-non-cuda": "0.3.13.post1"},
-     ["uninstall mooncake-transfer-engine", "install mooncake-transfer-engine-non-cuda==0.3.13.post1"]),
-    # an installed version the requirement does not allow is not carried over
-    (CUDA13, {"mooncake-transfer-engine": "0.3.10"},
-     ["uninstall mooncake-transfer-engine", "install mooncake-transfer-engine-cuda13>=0.3.12"]),
-])
+@pytest.mark.parametrize(
+    "platform,installed,expected",
+    [
+        (CUDA12, {}, ["install mooncake-transfer-engine>=0.3.12"]),
+        (CUDA13, {}, ["install mooncake-transfer-engine-cuda13>=0.3.12"]),
+        (CPU, {}, ["install mooncake-transfer-engine-non-cuda>=0.3.12"]),
+        # upstream's swap: default wheel on a CUDA 13 image -> uninstall, same version cuda13
+        (
+            CUDA13,
+            {"mooncake-transfer-engine": "0.3.14"},
+            ["uninstall mooncake-transfer-engine", "install mooncake-transfer-engine-cuda13==0.3.14"],
+        ),
+        (
+            CPU,
+            {"mooncake_transfer_engine": "0.3.13.post1"},
+            ["uninstall mooncake-transfer-engine", "install mooncake-transfer-engine-non-cuda==0.3.13.post1"],
+        ),
+        # already right: nothing to do
+        (CUDA13, {"mooncake-transfer-engine-cuda13": "0.3.14"}, []),
+        # two variants at once: remove the wrong one first, reinstall the right one (files were overwritten)
+        (
+            CPU,
+            {"mooncake-transfer-engine": "0.3.13.post1", "mooncake-transfer-engine-non-cuda": "0.3.13.post1"},
+            ["uninstall mooncake-transfer-engine", "install mooncake-transfer-engine-non-cuda==0.3.13.post1"],
+        ),
+        # an installed version the requirement does not allow is not carried over
+        (
+            CUDA13,
+            {"mooncake-transfer-engine": "0.3.10"},
+            ["uninstall mooncake-transfer-engine", "install mooncake-transfer-engine-cuda13>=0.3.12"],
+        ),
+    ],
+)
 def test_mooncake_decision_table(platform, installed, expected):
     actions = connector_actions(platform, installed, connectors=["mooncake"], mooncake_req=REQ)
     assert strs(actions) == expected
@@ -53,20 +76,31 @@ def test_unknown_cuda_major():
 
 def test_requested_version_missing_for_variant():
     with pytest.raises(InstallError) as e:
-        connector_actions(CUDA13, {"mooncake-transfer-engine": "0.3.12.post1"}, connectors=["mooncake"],
-                          mooncake_req=REQ, available={"mooncake-transfer-engine-cuda13": ["0.3.13", "0.3.14"]})
+        connector_actions(
+            CUDA13,
+            {"mooncake-transfer-engine": "0.3.12.post1"},
+            connectors=["mooncake"],
+            mooncake_req=REQ,
+            available={"mooncake-transfer-engine-cuda13": ["0.3.13", "0.3.14"]},
+        )
     msg = str(e.value)
     assert "mooncake-transfer-engine-cuda13==0.3.12.post1" in msg and "CUDA 13" in msg
     assert "available: 0.3.13, 0.3.14" in msg
 
 
-@pytest.mark.parametrize("platform,installed,expected", [
-    (CUDA13, {}, ["install nixl==1.5.1 (--no-deps)", "install nixl-cu13==1.5.1 (--no-deps)"]),
-    (CUDA12, {"nixl": "1.5.1", "nixl-cu13": "1.5.1"},
-     ["uninstall nixl-cu13", "install nixl-cu12==1.5.1 (--no-deps)"]),
-    (CPU, {}, ["install nixl==1.5.1 (--no-deps)", "install nixl-cu12==1.5.1 (--no-deps)"]),
-    (CUDA13, {"nixl": "1.5.1", "nixl-cu13": "1.5.1"}, []),
-])
+@pytest.mark.parametrize(
+    "platform,installed,expected",
+    [
+        (CUDA13, {}, ["install nixl==1.5.1 (--no-deps)", "install nixl-cu13==1.5.1 (--no-deps)"]),
+        (
+            CUDA12,
+            {"nixl": "1.5.1", "nixl-cu13": "1.5.1"},
+            ["uninstall nixl-cu13", "install nixl-cu12==1.5.1 (--no-deps)"],
+        ),
+        (CPU, {}, ["install nixl==1.5.1 (--no-deps)", "install nixl-cu12==1.5.1 (--no-deps)"]),
+        (CUDA13, {"nixl": "1.5.1", "nixl-cu13": "1.5.1"}, []),
+    ],
+)
 def test_nixl_decision_table(platform, installed, expected):
     assert strs(connector_actions(platform, installed, connectors=["nixl"], nixl_version="1.5.1")) == expected
 
@@ -76,11 +110,16 @@ def test_requirements_file_is_the_source():
     assert reqs["mooncake"] == "mooncake-transfer-engine>=0.3.12" and reqs["nixl"] == "nixl==1.5.1"
 
 
-@pytest.mark.parametrize("doc,expected", [
-    ({"torch": {"cuda": "13.0"}}, Platform("cuda", 13)), ({"torch": {"cuda": "12.8"}}, Platform("cuda", 12)),
-    ({"torch": {"cuda": None}}, Platform("cpu")), ({"torch": {"hip": "6.2"}}, Platform("rocm")),
-    ({"torch": None}, Platform("cpu")),
-])
+@pytest.mark.parametrize(
+    "doc,expected",
+    [
+        ({"torch": {"cuda": "13.0"}}, Platform("cuda", 13)),
+        ({"torch": {"cuda": "12.8"}}, Platform("cuda", 12)),
+        ({"torch": {"cuda": None}}, Platform("cpu")),
+        ({"torch": {"hip": "6.2"}}, Platform("rocm")),
+        ({"torch": None}, Platform("cpu")),
+    ],
+)
 def test_facts(doc, expected):
     assert facts_from_json(doc)[0] == expected
 
@@ -101,20 +140,28 @@ class FakeSession:
 
 def test_apply_prints_each_action_then_runs_it_in_order():
     said, s = [], FakeSession()
-    acts = [Action("uninstall", "mooncake-transfer-engine"),
-            Action("install", "mooncake-transfer-engine-cuda13", "==0.3.14"),
-            Action("install", "nixl-cu13", "==1.5.1", no_deps=True)]
+    acts = [
+        Action("uninstall", "mooncake-transfer-engine"),
+        Action("install", "mooncake-transfer-engine-cuda13", "==0.3.14"),
+        Action("install", "nixl-cu13", "==1.5.1", no_deps=True),
+    ]
     apply_actions(s, acts, CUDA13, say=said.append)
     assert said == [f"pd-sessions install: {a}" for a in acts]
-    assert s.calls == [("run", "uv", "pip", "uninstall", "mooncake-transfer-engine"),
-                       ("install", "mooncake-transfer-engine-cuda13==0.3.14"),
-                       ("install", "--no-deps", "nixl-cu13==1.5.1")]
+    assert s.calls == [
+        ("run", "uv", "pip", "uninstall", "mooncake-transfer-engine"),
+        ("install", "mooncake-transfer-engine-cuda13==0.3.14"),
+        ("install", "--no-deps", "nixl-cu13==1.5.1"),
+    ]
 
 
 def test_apply_failure_names_package_version_platform():
     with pytest.raises(InstallError) as e:
-        apply_actions(FakeSession(fail_on="cuda13"), [Action("install", "mooncake-transfer-engine-cuda13", "==9.9")],
-                      CUDA13, say=lambda m: None)
+        apply_actions(
+            FakeSession(fail_on="cuda13"),
+            [Action("install", "mooncake-transfer-engine-cuda13", "==9.9")],
+            CUDA13,
+            say=lambda m: None,
+        )
     assert "mooncake-transfer-engine-cuda13==9.9" in str(e.value) and "CUDA 13" in str(e.value)
 
 

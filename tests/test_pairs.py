@@ -22,11 +22,19 @@ from pd_sessions.ports import PortAllocator
 
 
 def test_mooncake_params_share_the_transfer_id_and_name_the_bootstrap():
-    assert pairs.prefill_params("mooncake", "t1") == {"do_remote_decode": True, "do_remote_prefill": False,
-                                                      "transfer_id": "t1"}
+    assert pairs.prefill_params("mooncake", "t1") == {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "transfer_id": "t1",
+    }
     d = pairs.decode_params("mooncake", "t1", {}, bootstrap_url="http://127.0.0.1:9", engine_id="e")
-    assert d == {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": "t1",
-                 "remote_bootstrap_addr": "http://127.0.0.1:9", "remote_engine_id": "e"}
+    assert d == {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "transfer_id": "t1",
+        "remote_bootstrap_addr": "http://127.0.0.1:9",
+        "remote_engine_id": "e",
+    }
 
 
 def test_nixl_decode_gets_what_the_prefill_answered():
@@ -46,20 +54,31 @@ def test_error_lines_keep_the_last_matching_ones():
 
 
 def _plan(tmp_path: Path, num_prefill=2, num_decode=2, connector="nixl"):
-    cfg = ClusterConfig(name="c", model="m", connector=connector, num_prefill=num_prefill,
-                        num_decode=num_decode)
+    cfg = ClusterConfig(
+        name="c", model="m", connector=connector, num_prefill=num_prefill, num_decode=num_decode
+    )
     with PortAllocator() as ports:
-        return plan_cluster(cfg, Inventory(gpus=(), cpus=(0, 1), gpu_source="test"), ports,
-                            platform="cpu", python=sys.executable)
+        return plan_cluster(
+            cfg,
+            Inventory(gpus=(), cpus=(0, 1), gpu_source="test"),
+            ports,
+            platform="cpu",
+            python=sys.executable,
+        )
 
 
 def test_every_pair_is_warmed_with_its_own_request(tmp_path):
     plan = _plan(tmp_path)
     seen = []
-    took = pairs.warm_pairs(plan, deadline=time.monotonic() + 5, logs={},
-                            warm=lambda plan, pair, timeout: seen.append(pair.name))
-    assert seen == ["prefill-0 -> decode-0", "prefill-0 -> decode-1", "prefill-1 -> decode-0",
-                    "prefill-1 -> decode-1"]
+    took = pairs.warm_pairs(
+        plan, deadline=time.monotonic() + 5, logs={}, warm=lambda plan, pair, timeout: seen.append(pair.name)
+    )
+    assert seen == [
+        "prefill-0 -> decode-0",
+        "prefill-0 -> decode-1",
+        "prefill-1 -> decode-0",
+        "prefill-1 -> decode-1",
+    ]
     assert list(took) == seen
 
 
@@ -90,8 +109,11 @@ def test_fake_cluster_whose_pd_path_fails_ends_readiness_within_the_budget(tmp_p
     readiness ends after the P/D budget (not the 1200 s deadline), naming the pair, the answer
     and the decode's error lines; then everything is torn down."""
     plan = _plan(tmp_path, num_prefill=1, num_decode=1, connector=connector)
-    env = {**os.environ, "PYTHONPATH": f"{FIXTURES / 'fake_stack'}{os.pathsep}{ROOT}",
-           "FAKE_DECODE_BEHAVIOR": "fail_kv"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{FIXTURES / 'fake_stack'}{os.pathsep}{ROOT}",
+        "FAKE_DECODE_BEHAVIOR": "fail_kv",
+    }
     t0 = time.monotonic()
     with pytest.raises(pairs.PdPathFailed) as e:
         with running_cluster(plan, tmp_path / "run", base_env=env, pd_path_budget_s=3.0, grace_s=2):
@@ -111,8 +133,13 @@ def test_a_stuck_kv_pull_at_readiness_names_the_decode_and_what_it_waits_for(tmp
     plan = _plan(tmp_path, num_prefill=1, num_decode=1, connector="mooncake")
     t0 = time.monotonic()
     with pytest.raises(pairs.PdPathFailed) as e:
-        with running_cluster(plan, tmp_path / "run", base_env=_fake_env(FAKE_DECODE_BEHAVIOR="stuck_pull:0"),
-                             pd_path_budget_s=3.0, grace_s=2):
+        with running_cluster(
+            plan,
+            tmp_path / "run",
+            base_env=_fake_env(FAKE_DECODE_BEHAVIOR="stuck_pull:0"),
+            pd_path_budget_s=3.0,
+            grace_s=2,
+        ):
             pytest.fail("the cluster must not become ready")
     assert time.monotonic() - t0 < 15
     msg = str(e.value)
@@ -130,8 +157,9 @@ def test_a_stuck_kv_pull_during_checks_fails_fast_naming_the_instance(tmp_path, 
     monkeypatch.setattr(runner, "CHECK_REQUEST_TIMEOUT_S", 2.0)
     plan = _plan(tmp_path, num_prefill=1, num_decode=1, connector="mooncake")
     results = []
-    with running_cluster(plan, tmp_path / "run", base_env=_fake_env(FAKE_DECODE_BEHAVIOR="stuck_pull:2"),
-                         grace_s=2) as cluster:
+    with running_cluster(
+        plan, tmp_path / "run", base_env=_fake_env(FAKE_DECODE_BEHAVIOR="stuck_pull:2"), grace_s=2
+    ) as cluster:
         t0 = time.monotonic()
         runner.run_checks(cluster, results, skip=("accuracy",))
         took = time.monotonic() - t0
@@ -149,8 +177,13 @@ def test_a_router_whose_pd_hop_keeps_failing_ends_readiness_with_its_answer(tmp_
     plan = _plan(tmp_path, num_prefill=1, num_decode=1, connector="nixl")
     t0 = time.monotonic()
     with pytest.raises(pairs.PdPathFailed) as e:
-        with running_cluster(plan, tmp_path / "run", base_env=_fake_env(FAKE_ROUTER_BEHAVIOR="fail_pd"),
-                             pd_path_budget_s=3.0, grace_s=2):
+        with running_cluster(
+            plan,
+            tmp_path / "run",
+            base_env=_fake_env(FAKE_ROUTER_BEHAVIOR="fail_pd"),
+            pd_path_budget_s=3.0,
+            grace_s=2,
+        ):
             pytest.fail("the cluster must not become ready")
     assert time.monotonic() - t0 < 15
     msg = str(e.value)

@@ -22,16 +22,19 @@ def cfg(**kw):
     return ClusterConfig(name="c", model="tiny-mixtral", moe=True, **kw)
 
 
-@pytest.mark.parametrize("kw, mode", [
-    ({}, "exact"),
-    ({"prefill_tp": 2, "decode_tp": 2}, "exact"),
-    ({"prefill_tp": 2, "decode_tp": 1}, "margin"),
-    ({"decode_dp": 2}, "margin"),
-    ({"expert_parallel": True}, "margin"),
-    ({"prefill_tp": 2, "decode_dp": 2, "expert_parallel": True, "dtype": "bfloat16"}, "margin"),
-    ({"parity_mode": "margin"}, "margin"),
-    ({"prefill_tp": 2, "parity_mode": "exact"}, "exact"),
-])
+@pytest.mark.parametrize(
+    "kw, mode",
+    [
+        ({}, "exact"),
+        ({"prefill_tp": 2, "decode_tp": 2}, "exact"),
+        ({"prefill_tp": 2, "decode_tp": 1}, "margin"),
+        ({"decode_dp": 2}, "margin"),
+        ({"expert_parallel": True}, "margin"),
+        ({"prefill_tp": 2, "decode_dp": 2, "expert_parallel": True, "dtype": "bfloat16"}, "margin"),
+        ({"parity_mode": "margin"}, "margin"),
+        ({"prefill_tp": 2, "parity_mode": "exact"}, "exact"),
+    ],
+)
 def test_mode_follows_the_layouts(kw, mode):
     got, why = parity.choose_mode(cfg(**kw))
     assert got == mode and why
@@ -60,10 +63,14 @@ def test_real_response_tokens_far_below_top1_fail_with_names_and_logprobs():
     toks = parity.forced_tokens(REAL, 1, [6, 7, 8, 9])
     assert [t.rank for t in toks] == [709, 456, 429, 595]
     assert toks[0].top_token == 740 and toks[0].top_text == " 951"
-    r = parity.evaluate_margin([("Row prompt", toks)], margin=parity.DEFAULT_MARGIN, baseline="prefill-0 direct")
+    r = parity.evaluate_margin(
+        [("Row prompt", toks)], margin=parity.DEFAULT_MARGIN, baseline="prefill-0 direct"
+    )
     assert not r.passed
-    assert ("prompt 'Row prompt' position 0: P/D token 6 '$' (logprob -7.7697, rank 709) vs reference "
-            "top-1 740 ' 951' (logprob -4.1133): gap 3.6564 > margin 1 (+3 more beyond the margin)") in r.message
+    assert (
+        "prompt 'Row prompt' position 0: P/D token 6 '$' (logprob -7.7697, rank 709) vs reference "
+        "top-1 740 ' 951' (logprob -4.1133): gap 3.6564 > margin 1 (+3 more beyond the margin)"
+    ) in r.message
     assert r.details["mode"] == "margin" and r.details["margin"] == 1.0
 
 

@@ -164,10 +164,13 @@ def test_cpu_lane_oversubscribed_warns():
     assert any("4 TP ranks share 2 CPU cores" in w for w in p.warnings)
 
 
-@pytest.mark.parametrize("kw,needle", [
-    ({"dtype": "bfloat16"}, "dtype: got 'bfloat16' on the CPU lane; allowed: float32"),
-    ({"block_size": 16}, "block_size: got 16 on the CPU lane; allowed: a multiple of 32"),
-])
+@pytest.mark.parametrize(
+    "kw,needle",
+    [
+        ({"dtype": "bfloat16"}, "dtype: got 'bfloat16' on the CPU lane; allowed: float32"),
+        ({"block_size": 16}, "block_size: got 16 on the CPU lane; allowed: a multiple of 32"),
+    ],
+)
 def test_cpu_lane_rejects_known_traps(kw, needle):
     with pytest.raises(PlanError, match=needle.replace("(", r"\(")):
         plan(cfg(model="m", **kw), CPU2, platform="cpu")
@@ -180,12 +183,21 @@ def test_tiny_model_needs_a_path():
 
 def test_render_lists_every_process():
     text = plan(cfg(prefill_tp=2, decode_tp=2)).render()
-    for needle in ("prefill-0", "decode-0", "router", "GPUs 0,1", "GPUs 2,3", "all ", "distinct",
-                   "CUDA_VISIBLE_DEVICES=0,1"):
+    for needle in (
+        "prefill-0",
+        "decode-0",
+        "router",
+        "GPUs 0,1",
+        "GPUs 2,3",
+        "all ",
+        "distinct",
+        "CUDA_VISIBLE_DEVICES=0,1",
+    ):
         assert needle in text
 
 
 # ---------------------------------------------------------------- NIXL, DP/EP, remote code
+
 
 def test_nixl_side_channel_ports_one_per_dp_rank():
     p = plan(cfg(connector="nixl", prefill_tp=2, decode_dp=2, expert_parallel=True, moe=True))
@@ -227,9 +239,12 @@ def test_dp_ep_gpu_shortage():
         plan(cfg(prefill_tp=2, decode_dp=2, expert_parallel=True, moe=True), inv)
 
 
-@pytest.mark.parametrize("kw,field", [({"decode_dp": 2}, "decode_dp"), ({"expert_parallel": True}, "expert_parallel")])
+@pytest.mark.parametrize(
+    "kw,field", [({"decode_dp": 2}, "decode_dp"), ({"expert_parallel": True}, "expert_parallel")]
+)
 def test_dp_ep_only_for_moe_models(kw, field):
     from pd_sessions.errors import ConfigError
+
     with pytest.raises(ConfigError) as e:
         cfg(**kw)
     assert e.value.field == field and "mixture-of-experts" in str(e.value)

@@ -18,13 +18,28 @@ HOST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "N
 
 
 def kimi(**kw):
-    return ClusterConfig(**{"name": "k", "model": "tiny-kimi-linear", "connector": "nixl", "moe": True, "hybrid": True,
-                            "prefill_tp": 2, "decode_dp": 2, "expert_parallel": True, "dtype": "bfloat16",
-                            "block_size": 256, "extra_args": ("--mamba-cache-mode", "align"), **kw})
+    return ClusterConfig(
+        **{
+            "name": "k",
+            "model": "tiny-kimi-linear",
+            "connector": "nixl",
+            "moe": True,
+            "hybrid": True,
+            "prefill_tp": 2,
+            "decode_dp": 2,
+            "expert_parallel": True,
+            "dtype": "bfloat16",
+            "block_size": 256,
+            "extra_args": ("--mamba-cache-mode", "align"),
+            **kw,
+        }
+    )
 
 
 def plan(c, **kw):
-    return plan_cluster(c, GPUS2, FakePorts(), platform="cuda", python="/py", model="/m", share_gpus=True, **kw)
+    return plan_cluster(
+        c, GPUS2, FakePorts(), platform="cuda", python="/py", model="/m", share_gpus=True, **kw
+    )
 
 
 def test_mamba_cache_mode_without_prefix_caching_is_warned_in_the_plan():
@@ -34,13 +49,16 @@ def test_mamba_cache_mode_without_prefix_caching_is_warned_in_the_plan():
     assert "WARNING: --mamba-cache-mode align cannot take effect" in p.render()
 
 
-@pytest.mark.parametrize("args, warned", [
-    (("--mamba-cache-mode", "align"), True),
-    (("--mamba-cache-mode=align",), True),
-    (("--mamba-cache-mode", "align", "--enable-prefix-caching"), False),
-    (("--mamba-cache-mode", "none"), False),
-    ((), False),
-])
+@pytest.mark.parametrize(
+    "args, warned",
+    [
+        (("--mamba-cache-mode", "align"), True),
+        (("--mamba-cache-mode=align",), True),
+        (("--mamba-cache-mode", "align", "--enable-prefix-caching"), False),
+        (("--mamba-cache-mode", "none"), False),
+        ((), False),
+    ],
+)
 def test_flag_warning_table(args, warned):
     assert bool(flag_warnings(kimi(extra_args=args))) is warned
 
@@ -77,22 +95,38 @@ def test_host_env_reaches_every_gpu_process_and_the_plan_says_from_where():
 def test_gpu_env_table():
     env, notes = gpu_env({"NCCL_NVLS_ENABLE": "0"}, (("NVSHMEM_DISABLE_NVLS", "1"),))
     assert env == {"NCCL_NVLS_ENABLE": "0"}
-    assert notes == ["NCCL_NVLS_ENABLE=0 (from the harness's environment, passed to every GPU process)",
-                     "NVSHMEM_DISABLE_NVLS=1 (from the config's extra_env)"]
+    assert notes == [
+        "NCCL_NVLS_ENABLE=0 (from the harness's environment, passed to every GPU process)",
+        "NVSHMEM_DISABLE_NVLS=1 (from the config's extra_env)",
+    ]
     assert gpu_env({}, ()) == ({}, [])
 
 
 def test_cpu_lane_passes_no_gpu_env():
     c = ClusterConfig(name="l", model="tiny-llama", connector="nixl")
-    p = plan_cluster(c, Inventory(gpus=(), cpus=(0, 1)), FakePorts(), platform="cpu", python="/py", model="/m",
-                     passthrough_env=HOST_ENV)
+    p = plan_cluster(
+        c,
+        Inventory(gpus=(), cpus=(0, 1)),
+        FakePorts(),
+        platform="cpu",
+        python="/py",
+        model="/m",
+        passthrough_env=HOST_ENV,
+    )
     assert not any(k in dict(s.env) for s in p.instances for k in GPU_PASSTHROUGH_ENV)
 
 
 def test_decode_with_other_weights_is_planned_and_warned():
     c = ClusterConfig(name="l", model="tiny-llama", decode_weights_seed=7)
-    p = plan_cluster(c, Inventory(gpus=(), cpus=(0, 1)), FakePorts(), platform="cpu", python="/py", model="/m",
-                     decode_model="/other")
+    p = plan_cluster(
+        c,
+        Inventory(gpus=(), cpus=(0, 1)),
+        FakePorts(),
+        platform="cpu",
+        python="/py",
+        model="/m",
+        decode_model="/other",
+    )
     assert p.prefill[0].argv[p.prefill[0].argv.index("--model") + 1] == "/m"
     assert p.decode[0].argv[p.decode[0].argv.index("--model") + 1] == "/other"
     assert any("fault injection" in w and "parity must fail" in w for w in p.warnings)
@@ -100,11 +134,27 @@ def test_decode_with_other_weights_is_planned_and_warned():
 
 def test_other_weights_over_nixl_let_the_handshake_through():
     c = ClusterConfig(name="l", model="tiny-llama", connector="nixl", decode_weights_seed=7)
-    p = plan_cluster(c, Inventory(gpus=(), cpus=(0, 1)), FakePorts(), platform="cpu", python="/py", model="/m",
-                     decode_model="/other")
+    p = plan_cluster(
+        c,
+        Inventory(gpus=(), cpus=(0, 1)),
+        FakePorts(),
+        platform="cpu",
+        python="/py",
+        model="/m",
+        decode_model="/other",
+    )
     for s in p.instances:
         kv = json.loads(s.argv[s.argv.index("--kv-transfer-config") + 1])
         assert kv["kv_connector_extra_config"] == {"enforce_handshake_compat": False}
-    plain = plan_cluster(ClusterConfig(name="l", model="tiny-llama", connector="nixl"), Inventory(gpus=(), cpus=(0, 1)),
-                         FakePorts(), platform="cpu", python="/py", model="/m")
-    assert "kv_connector_extra_config" not in plain.prefill[0].argv[plain.prefill[0].argv.index("--kv-transfer-config") + 1]
+    plain = plan_cluster(
+        ClusterConfig(name="l", model="tiny-llama", connector="nixl"),
+        Inventory(gpus=(), cpus=(0, 1)),
+        FakePorts(),
+        platform="cpu",
+        python="/py",
+        model="/m",
+    )
+    assert (
+        "kv_connector_extra_config"
+        not in plain.prefill[0].argv[plain.prefill[0].argv.index("--kv-transfer-config") + 1]
+    )

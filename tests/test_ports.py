@@ -34,10 +34,16 @@ def test_ports_are_held_until_release():
 
 
 def test_claim_of_taken_port_names_owner():
-    srv = subprocess.Popen([sys.executable, "-c",
-                            "import socket,time; s=socket.socket(); s.bind(('127.0.0.1',0)); s.listen();"
-                            "print(s.getsockname()[1], flush=True); time.sleep(60)"],
-                           stdout=subprocess.PIPE, text=True)
+    srv = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import socket,time; s=socket.socket(); s.bind(('127.0.0.1',0)); s.listen();"
+            "print(s.getsockname()[1], flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         port = int(srv.stdout.readline())
         with PortAllocator() as a, pytest.raises(PlanError) as e:
@@ -57,4 +63,3 @@ def test_claim_free_port_holds_it():
         assert b.claim("x", p) == p
         with pytest.raises(PlanError, match="already used by this plan"):
             b.claim("y", p)
-

@@ -68,8 +68,9 @@ def test_cpu_nightly_shape_plan():
 
     (e,) = builtin_sweep("nightly_shape_cpu").entries("cpu")
     with PortAllocator() as ports:
-        p = plan_cluster(e.config, Inventory(gpus=(), cpus=(0, 1, 2, 3)), ports, platform="cpu",
-                         python="py", model="/m")
+        p = plan_cluster(
+            e.config, Inventory(gpus=(), cpus=(0, 1, 2, 3)), ports, platform="cpu", python="py", model="/m"
+        )
     d = p.decode[0].argv
     assert "--enable-expert-parallel" in d and d[d.index("--data-parallel-size") + 1] == "2"
     assert dict(p.decode[0].env)["VLLM_CPU_OMP_THREADS_BIND"] == "2|3"
@@ -81,16 +82,23 @@ def test_cpu_nightly_shape_plan():
 RDMA_CFG = ClusterConfig(name="1x1", model="m", connector="mooncake", mooncake_protocol="rdma")
 
 
-@pytest.mark.parametrize("platform,devices,config,needle", [
-    ("cuda", (), RDMA_CFG, "has none (/sys/class/infiniband is empty); use --mooncake-protocol tcp"),
-    ("cuda", ("mlx5_0",), RDMA_CFG, None),
-    ("cuda", None, RDMA_CFG, None),                        # not looked at
-    ("cpu", (), RDMA_CFG, None),                           # the CPU lane uses tcp
-    ("cuda", (), ClusterConfig(name="t", model="m", connector="mooncake", mooncake_protocol="tcp"), None),
-    ("cuda", (), ClusterConfig(name="n", model="m", connector="nixl"), None),
-    ("cuda", ("mlx5_0", "mlx5_1"), ClusterConfig(name="d", model="m", mooncake_device_name="mlx5_12"),
-     "names mlx5_12, not an RDMA device of this host (mlx5_0, mlx5_1)"),
-])
+@pytest.mark.parametrize(
+    "platform,devices,config,needle",
+    [
+        ("cuda", (), RDMA_CFG, "has none (/sys/class/infiniband is empty); use --mooncake-protocol tcp"),
+        ("cuda", ("mlx5_0",), RDMA_CFG, None),
+        ("cuda", None, RDMA_CFG, None),  # not looked at
+        ("cpu", (), RDMA_CFG, None),  # the CPU lane uses tcp
+        ("cuda", (), ClusterConfig(name="t", model="m", connector="mooncake", mooncake_protocol="tcp"), None),
+        ("cuda", (), ClusterConfig(name="n", model="m", connector="nixl"), None),
+        (
+            "cuda",
+            ("mlx5_0", "mlx5_1"),
+            ClusterConfig(name="d", model="m", mooncake_device_name="mlx5_12"),
+            "names mlx5_12, not an RDMA device of this host (mlx5_0, mlx5_1)",
+        ),
+    ],
+)
 def test_rdma_without_a_device_is_said_before_launch(platform, devices, config, needle):
     inv = Inventory(gpus=("0",), cpus=(0,), rdma_devices=devices)
     got = rdma_problem([config], platform, inv)

@@ -59,8 +59,9 @@ def _session_members(sid: int) -> list[int]:
 @pytest.fixture
 def bystander():
     """Someone else's server: 'vllm' in its command line, not started by our spawn()."""
-    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "vllm serve bystander"],
-                         start_new_session=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)", "vllm serve bystander"], start_new_session=True
+    )
     yield p
     p.kill()
     p.wait()
@@ -75,7 +76,9 @@ def test_stop_kills_whole_family_and_spares_bystander(tmp_path, bystander):
         time.sleep(0.02)
     rep = stop([r], grace_s=5)
     assert _session_members(r.pid) == []
-    assert not [m for m in members if psutil.pid_exists(m) and psutil.Process(m).status() != psutil.STATUS_ZOMBIE]
+    assert not [
+        m for m in members if psutil.pid_exists(m) and psutil.Process(m).status() != psutil.STATUS_ZOMBIE
+    ]
     assert set(members) <= set(rep.pids)
     assert rep.killed == []  # all obeyed SIGTERM
     assert bystander.poll() is None, "the bystander must survive"
@@ -101,8 +104,12 @@ def test_stop_after_exit_is_clean(tmp_path):
 
 
 def test_spawn_logs_argv_and_output(tmp_path):
-    r = spawn("echo", [sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr)"],
-              env=os.environ, log_path=tmp_path / "e.log")
+    r = spawn(
+        "echo",
+        [sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr)"],
+        env=os.environ,
+        log_path=tmp_path / "e.log",
+    )
     r.popen.wait(10)
     text = (tmp_path / "e.log").read_text()
     assert "starting echo" in text and "out" in text and "err" in text
@@ -121,8 +128,9 @@ def test_sigterm_during_teardown_is_deferred_until_it_ends(tmp_path):
     got = []
     old_term = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(time.monotonic()))
     try:
-        r = spawn("stubborn", [sys.executable, "-c", IGNORES_TERM], env=os.environ,
-                  log_path=tmp_path / "s.log")
+        r = spawn(
+            "stubborn", [sys.executable, "-c", IGNORES_TERM], env=os.environ, log_path=tmp_path / "s.log"
+        )
         _wait_for(tmp_path / "s.log", "ignoring SIGTERM")
         timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
         timer.start()

@@ -70,7 +70,9 @@ def test_models_probe_requires_the_model(server):
 
 
 def test_dead_process_fails_fast_with_log_tail(server, sleeper):
-    r = sleeper("decode-0", "import sys, time; print('boom: bad flag', flush=True); time.sleep(0.5); sys.exit(3)")
+    r = sleeper(
+        "decode-0", "import sys, time; print('boom: bad flag', flush=True); time.sleep(0.5); sys.exit(3)"
+    )
     t = Target(r, [health_probe(f"{server}/health")])
     t0 = time.monotonic()
     with pytest.raises(ProcessExited) as e:
@@ -95,8 +97,13 @@ def test_progress_lines(server, sleeper):
     r = sleeper()
     lines = []
     with pytest.raises(ReadinessTimeout):
-        wait_ready([Target(r, [health_probe(f"{server}/health")])], deadline=time.monotonic() + 0.6,
-                   tick=0.05, progress_every=0.2, progress=lines.append)
+        wait_ready(
+            [Target(r, [health_probe(f"{server}/health")])],
+            deadline=time.monotonic() + 0.6,
+            tick=0.05,
+            progress_every=0.2,
+            progress=lines.append,
+        )
     assert lines and "sleeper (HTTP 503" in lines[0]
 
 

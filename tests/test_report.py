@@ -7,8 +7,14 @@ from pd_sessions.report import ConfigResult, table, write_summary
 
 
 def result(checks, error=None):
-    r = ConfigResult(name="1x1", shape="s", connector="mooncake", platform="cpu", error=error,
-                     phases={"plan": 1.0, "start": 60.0, "checks": 2.0})
+    r = ConfigResult(
+        name="1x1",
+        shape="s",
+        connector="mooncake",
+        platform="cpu",
+        error=error,
+        phases={"plan": 1.0, "start": 60.0, "checks": 2.0},
+    )
     r.checks = [CheckResult(n, v, "m") for n, v in checks]
     return r
 
@@ -59,8 +65,12 @@ def test_junit_one_case_per_config_and_check(tmp_path):
     dead.name = "4x4"
     for r in (ok, bad, dead):
         r.decide(["smoke", "parity", "kv_transfer"])
-    path = write_junit([ok, bad, dead], tmp_path / "junit.xml", suite="mooncake_sweep",
-                       expected_checks=["smoke", "parity", "kv_transfer"])
+    path = write_junit(
+        [ok, bad, dead],
+        tmp_path / "junit.xml",
+        suite="mooncake_sweep",
+        expected_checks=["smoke", "parity", "kv_transfer"],
+    )
     xml = JUnitXml.fromfile(str(path))
     cases = [c for suite in xml for c in suite]
     assert len(cases) == 9

@@ -85,8 +85,16 @@ def family(root: psutil.Process) -> list[psutil.Process]:
 class NoxRun:
     """nox running the sweep (two configs) in its own process group, output timestamped."""
 
-    def __init__(self, tmp_path: Path, *, env: dict[str, str] | None = None, args: tuple[str, ...] = (),
-                 grace: float = GRACE, sweep: str | None = None, fake: bool = True):
+    def __init__(
+        self,
+        tmp_path: Path,
+        *,
+        env: dict[str, str] | None = None,
+        args: tuple[str, ...] = (),
+        grace: float = GRACE,
+        sweep: str | None = None,
+        fake: bool = True,
+    ):
         """``sweep``: a built-in sweep (default: SWEEP's two configs); ``fake``: the fake stack
         instead of real vLLM (and no accuracy check)."""
         if sweep is None:
@@ -97,11 +105,32 @@ class NoxRun:
         e = {**os.environ, "PYTHONPATH": f"{FAKE}{os.pathsep}{ROOT}" if fake else str(ROOT), **(env or {})}
         self.lines: list[tuple[float, str]] = []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "nox", "-f", str(tmp_path / "noxfile.py"), "-s", "sweep", "--",
-             sweep, "--platform", "cpu", *(("--skip-check", "accuracy") if fake else ()),
-             "--results-dir", str(self.results), "--grace", str(grace), *args],
-            cwd=tmp_path, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "nox",
+                "-f",
+                str(tmp_path / "noxfile.py"),
+                "-s",
+                "sweep",
+                "--",
+                sweep,
+                "--platform",
+                "cpu",
+                *(("--skip-check", "accuracy") if fake else ()),
+                "--results-dir",
+                str(self.results),
+                "--grace",
+                str(grace),
+                *args,
+            ],
+            cwd=tmp_path,
+            env=e,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 
@@ -128,10 +157,12 @@ class NoxRun:
         end = time.monotonic() + 30
         while True:
             procs = family(nox)
-            engine_cores = [p for p in procs if p.ppid() not in (nox.pid, harness.pid)
-                            and "time.sleep(3600)" in " ".join(p.cmdline())]
-            if len(engine_cores) >= 2 and any("pd_sessions.lifeline" in " ".join(p.cmdline())
-                                              for p in procs):
+            engine_cores = [
+                p
+                for p in procs
+                if p.ppid() not in (nox.pid, harness.pid) and "time.sleep(3600)" in " ".join(p.cmdline())
+            ]
+            if len(engine_cores) >= 2 and any("pd_sessions.lifeline" in " ".join(p.cmdline()) for p in procs):
                 return harness, procs
             assert time.monotonic() < end, procs
             time.sleep(0.05)
@@ -144,7 +175,8 @@ class NoxRun:
         """Seconds from ``since`` until every process in ``procs`` is gone; fails past ``limit``."""
         while any(alive(p) for p in procs):
             assert time.monotonic() - since < limit, (
-                f"still alive {limit:.1f} s after the stop: {[p for p in procs if alive(p)]}\n{self.text}")
+                f"still alive {limit:.1f} s after the stop: {[p for p in procs if alive(p)]}\n{self.text}"
+            )
             time.sleep(0.02)
         return time.monotonic() - since
 
@@ -170,28 +202,37 @@ def assert_cancel_recorded(run: NoxRun, cause: str) -> None:
 
 def _start(tmp_path, **kw) -> tuple[NoxRun, psutil.Process, list[psutil.Process]]:
     # decode never gets healthy: the first config is still starting when it is stopped
-    run = NoxRun(tmp_path, env={"FAKE_DECODE_BEHAVIOR": "never_healthy", **kw.pop("env", {})},
-                 args=("--deadline", "60"), **kw)
+    run = NoxRun(
+        tmp_path,
+        env={"FAKE_DECODE_BEHAVIOR": "never_healthy", **kw.pop("env", {})},
+        args=("--deadline", "60"),
+        **kw,
+    )
     harness, procs = run.started()
     return run, harness, procs
 
 
-@pytest.mark.parametrize("how,cause,said", [
-    ("ctrl_c", "stopped by SIGINT", "stopped by SIGINT: teardown done"),
-    ("term_group", "stopped by SIGTERM", "stopped by SIGTERM"),
-    ("term_nox", "stopped by SIGTERM: the parent process", "the parent process (pid"),
-    ("kill_nox", "stopped by SIGTERM: the parent process", "the parent process (pid"),
-    ("hup_group", "stopped by SIGHUP", "stopped by SIGHUP"),
-])
+@pytest.mark.parametrize(
+    "how,cause,said",
+    [
+        ("ctrl_c", "stopped by SIGINT", "stopped by SIGINT: teardown done"),
+        ("term_group", "stopped by SIGTERM", "stopped by SIGTERM"),
+        ("term_nox", "stopped by SIGTERM: the parent process", "the parent process (pid"),
+        ("kill_nox", "stopped by SIGTERM: the parent process", "the parent process (pid"),
+        ("hup_group", "stopped by SIGHUP", "stopped by SIGHUP"),
+    ],
+)
 def test_each_way_of_stopping_leaves_nothing_and_records_the_cancel(tmp_path, bystander, how, cause, said):
     run, harness, procs = _start(tmp_path)
     pgid = run.proc.pid
     t0 = time.monotonic()
-    {"ctrl_c": lambda: os.killpg(pgid, signal.SIGINT),          # the terminal's Ctrl-C
-     "term_group": lambda: os.killpg(pgid, signal.SIGTERM),     # e.g. a CI agent's cancel
-     "term_nox": lambda: os.kill(pgid, signal.SIGTERM),         # e.g. timeout(1): nox alone
-     "kill_nox": lambda: os.kill(pgid, signal.SIGKILL),
-     "hup_group": lambda: os.killpg(pgid, signal.SIGHUP)}[how]()     # the terminal closed
+    {
+        "ctrl_c": lambda: os.killpg(pgid, signal.SIGINT),  # the terminal's Ctrl-C
+        "term_group": lambda: os.killpg(pgid, signal.SIGTERM),  # e.g. a CI agent's cancel
+        "term_nox": lambda: os.kill(pgid, signal.SIGTERM),  # e.g. timeout(1): nox alone
+        "kill_nox": lambda: os.kill(pgid, signal.SIGKILL),
+        "hup_group": lambda: os.killpg(pgid, signal.SIGHUP),
+    }[how]()  # the terminal closed
     took = run.all_gone_within(procs, t0, GRACE + 2)
     assert run.wait(10) != 0
     run.reader.join(5)
@@ -262,24 +303,32 @@ def test_a_check_that_crashes_fails_that_check_and_the_sweep_goes_on(tmp_path, b
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pd_sessions", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": f"{FAKE}{os.pathsep}{ROOT}"})
+    return subprocess.run(
+        [sys.executable, "-m", "pd_sessions", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": f"{FAKE}{os.pathsep}{ROOT}"},
+    )
 
 
 def test_an_unwritable_results_dir_is_refused_before_anything_starts(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     (tmp_path / "sweep.toml").write_text(SWEEP)
-    r = cli("sweep", str(tmp_path / "sweep.toml"), "--platform", "cpu", "--results-dir",
-            str(blocker / "results"))
+    r = cli(
+        "sweep", str(tmp_path / "sweep.toml"), "--platform", "cpu", "--results-dir", str(blocker / "results")
+    )
     assert r.returncode == 2, r.stdout + r.stderr
     assert f"--results-dir: cannot write to {blocker / 'results'}" in r.stderr
     assert "started" not in r.stdout
 
 
-@pytest.mark.parametrize("flag,value", [("--grace", "0"), ("--grace", "-1"), ("--deadline", "0"),
-                                        ("--deadline", "-5"), ("--deadline", "nan")])
+@pytest.mark.parametrize(
+    "flag,value",
+    [("--grace", "0"), ("--grace", "-1"), ("--deadline", "0"), ("--deadline", "-5"), ("--deadline", "nan")],
+)
 def test_deadline_and_grace_must_be_above_zero(tmp_path, flag, value):
     r = cli("sweep", "mooncake_sweep", "--dry-run", flag, value)
     assert r.returncode == 2

@@ -59,10 +59,15 @@ def test_kimi_linear_checkpoint_carries_the_real_names_and_a_few_mib(kimi_dir):
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
     cfg = json.loads((kimi_dir / "config.json").read_text())
     assert shapes == tm.kimi_linear_shapes(cfg)
-    assert "model.layers.0.self_attn.A_log" in shapes and shapes["model.layers.0.self_attn.A_log"] == (1, 1, 4, 1)
-    assert "model.layers.3.self_attn.kv_a_proj_with_mqa.weight" in shapes           # MLA, last layer
-    assert "model.layers.1.block_sparse_moe.experts.7.w2.weight" in shapes           # MoE from layer 1
-    assert "model.layers.0.mlp.gate_proj.weight" in shapes                           # dense layer 0
+    assert "model.layers.0.self_attn.A_log" in shapes and shapes["model.layers.0.self_attn.A_log"] == (
+        1,
+        1,
+        4,
+        1,
+    )
+    assert "model.layers.3.self_attn.kv_a_proj_with_mqa.weight" in shapes  # MLA, last layer
+    assert "model.layers.1.block_sparse_moe.experts.7.w2.weight" in shapes  # MoE from layer 1
+    assert "model.layers.0.mlp.gate_proj.weight" in shapes  # dense layer 0
     assert (kimi_dir / "model.safetensors").stat().st_size < 16 * 2**20
     assert cfg["auto_map"] == {"AutoConfig": "pd_tiny_remote.KimiLinearConfig"}
     assert (kimi_dir / "pd_tiny_remote.py").exists()
@@ -77,8 +82,13 @@ def free_port() -> int:
 def test_vllm_loads_every_parameter_of_the_tiny_kimi_linear_and_nothing_else(kimi_dir):
     """vLLM's own KimiLinearForCausalLM, built on CPU, loads exactly its parameters from our file."""
     heavy("vllm")
-    out = subprocess.run([sys.executable, str(HERE / "vllm_kimi_load_check.py"), str(kimi_dir), str(free_port())],
-                         capture_output=True, text=True, timeout=600, check=False)
+    out = subprocess.run(
+        [sys.executable, str(HERE / "vllm_kimi_load_check.py"), str(kimi_dir), str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["arch"] == "KimiLinearForCausalLM"
@@ -88,13 +98,23 @@ def test_vllm_loads_every_parameter_of_the_tiny_kimi_linear_and_nothing_else(kim
 def test_remote_code_model_needs_trust_remote_code(tmp_path):
     heavy("torch")
     d = tm.ensure(tm.SPECS["tiny-llama-remote"], tmp_path)
-    code = ("import sys; from transformers import AutoTokenizer as A; "
-            "t = A.from_pretrained(sys.argv[1], trust_remote_code=sys.argv[2] == '1'); print(type(t).__name__)")
+    code = (
+        "import sys; from transformers import AutoTokenizer as A; "
+        "t = A.from_pretrained(sys.argv[1], trust_remote_code=sys.argv[2] == '1'); print(type(t).__name__)"
+    )
     env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HF_HOME": str(tmp_path / "hf")}
-    ok = subprocess.run([sys.executable, "-c", code, str(d), "1"], capture_output=True, text=True, env=env, check=False)
+    ok = subprocess.run(
+        [sys.executable, "-c", code, str(d), "1"], capture_output=True, text=True, env=env, check=False
+    )
     assert ok.returncode == 0 and ok.stdout.strip() == "PdTinyTokenizerFast", ok.stderr[-2000:]
-    no = subprocess.run([sys.executable, "-c", code, str(d), "0"], capture_output=True, text=True, env=env, check=False,
-                        stdin=subprocess.DEVNULL)
+    no = subprocess.run(
+        [sys.executable, "-c", code, str(d), "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
     assert no.returncode != 0 and "trust_remote_code" in no.stderr
 
 

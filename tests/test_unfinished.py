@@ -27,33 +27,42 @@ class Stopped(BaseException):
     pass
 
 
-@pytest.mark.parametrize("exc,cause", [
-    (KeyboardInterrupt(), "interrupted (SIGINT)"),
-    (Stopped("stopped by SIGTERM"), "stopped by SIGTERM"),
-    (Stopped(), "Stopped"),
-])
+@pytest.mark.parametrize(
+    "exc,cause",
+    [
+        (KeyboardInterrupt(), "interrupted (SIGINT)"),
+        (Stopped("stopped by SIGTERM"), "stopped by SIGTERM"),
+        (Stopped(), "Stopped"),
+    ],
+)
 def test_stop_cause(exc, cause):
     assert unfinished.stop_cause(exc) == cause
 
 
-@pytest.mark.parametrize("phases,said", [
-    ({"plan": 0.1, "start": 3.0, "router": 1.0, "checks": 2.0, "teardown": 1.0}, "while checks ran"),
-    ({"plan": 0.1, "teardown": 1.0}, "while the cluster was starting"),
-    ({}, "while it was being planned"),
-])
+@pytest.mark.parametrize(
+    "phases,said",
+    [
+        ({"plan": 0.1, "start": 3.0, "router": 1.0, "checks": 2.0, "teardown": 1.0}, "while checks ran"),
+        ({"plan": 0.1, "teardown": 1.0}, "while the cluster was starting"),
+        ({}, "while it was being planned"),
+    ],
+)
 def test_interrupted_while(phases, said):
     assert unfinished.interrupted_while(res("a", RUNNING, phases=phases)) == said
 
 
 def test_complete_marks_the_running_one_cancelled_and_the_rest_not_run():
     done = res("a", PASSED)
-    running = res("b", RUNNING, phases={"plan": 0.5, "checks": 1.0},
-                  checks=[CheckResult("smoke", PASS, "ok")])
-    out = unfinished.complete([cfg("a"), cfg("b"), cfg("c")], [done, running], platform="cpu",
-                              cause="stopped by SIGTERM")
+    running = res(
+        "b", RUNNING, phases={"plan": 0.5, "checks": 1.0}, checks=[CheckResult("smoke", PASS, "ok")]
+    )
+    out = unfinished.complete(
+        [cfg("a"), cfg("b"), cfg("c")], [done, running], platform="cpu", cause="stopped by SIGTERM"
+    )
     assert [(r.name, r.outcome) for r in out] == [("a", PASSED), ("b", CANCELLED), ("c", NOT_RUN)]
-    assert out[1].error == ("cancelled: stopped by SIGTERM while checks ran, 1.5 s in; checks finished "
-                            "before that: smoke")
+    assert out[1].error == (
+        "cancelled: stopped by SIGTERM while checks ran, 1.5 s in; checks finished before that: smoke"
+    )
     assert out[1].checks == running.checks
     assert out[2].error == "not run: the sweep stopped before this config started (stopped by SIGTERM)"
     assert running.outcome == RUNNING, "complete() must not change the records it is given"
@@ -75,8 +84,9 @@ def test_check_writable(tmp_path):
 
 
 def test_provisional_summary_says_the_sweep_did_not_finish(tmp_path):
-    write = unfinished.Provisional([cfg("a"), cfg("b")], tmp_path, suite="s", platform="cpu",
-                                   checks=("smoke",), skipped=())
+    write = unfinished.Provisional(
+        [cfg("a"), cfg("b")], tmp_path, suite="s", platform="cpu", checks=("smoke",), skipped=()
+    )
     write([res("a", RUNNING)])
     doc = json.loads((tmp_path / "summary.json").read_text())
     assert doc["provisional"] and doc["passed"] is False
@@ -94,6 +104,7 @@ def test_a_crashed_check_keeps_its_traceback():
     except ValueError as e:
         r = crashed("smoke", e)
     assert not r.passed
-    assert r.message == ("crashed: ValueError: invalid literal for int() with base 10: 'many' "
-                         "(traceback in checks.log)")
+    assert r.message == (
+        "crashed: ValueError: invalid literal for int() with base 10: 'many' (traceback in checks.log)"
+    )
     assert r.details["traceback"].startswith("Traceback (most recent call last)")

@@ -43,11 +43,15 @@ def found(name):
 
 # --- parsing and validation (pure) ---------------------------------------------------------
 
-@pytest.mark.parametrize("text,needle", [
-    ("", "empty command"),
-    ("   ", "empty command"),
-    ("python -c 'unbalanced", "cannot split it into words"),
-])
+
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("", "empty command"),
+        ("   ", "empty command"),
+        ("python -c 'unbalanced", "cannot split it into words"),
+    ],
+)
 def test_bad_exec_text_is_refused(text, needle):
     with pytest.raises(UsageError, match=needle):
         uc.parse_exec(text, 0, which=found)
@@ -74,18 +78,26 @@ def test_exec_is_split_like_a_shell_but_keeps_metacharacters_as_words():
 def test_from_cli_keeps_command_line_order_and_builds_pytest_argv(tmp_path):
     t = tmp_path / "test_x.py"
     t.write_text("")
-    cmds = uc.from_cli(["echo hi", [str(t), f"{t}::test_one"]], python="/venv/python", dry_run=False,
-                       have_pytest=True, which=found)
+    cmds = uc.from_cli(
+        ["echo hi", [str(t), f"{t}::test_one"]],
+        python="/venv/python",
+        dry_run=False,
+        have_pytest=True,
+        which=found,
+    )
     assert [c.name for c in cmds] == ["exec[0]", "exec[1]"]
     assert cmds[1].argv[:5] == ("/venv/python", "-m", "pytest", "-p", "pd_sessions.pytest_plugin")
     assert cmds[1].argv[-3:] == (str(t), f"{t}::test_one", "--junitxml={junitxml}")
 
 
-@pytest.mark.parametrize("items,kw,needle", [
-    (["echo hi"], {"dry_run": True}, "--dry-run launches none"),
-    ([["tests/no_such_file.py"]], {}, "no_such_file.py: no such file"),
-    ([["tests/conftest.py"]], {"have_pytest": False}, "pytest is not installed for /venv/python"),
-])
+@pytest.mark.parametrize(
+    "items,kw,needle",
+    [
+        (["echo hi"], {"dry_run": True}, "--dry-run launches none"),
+        ([["tests/no_such_file.py"]], {}, "no_such_file.py: no such file"),
+        ([["tests/conftest.py"]], {"have_pytest": False}, "pytest is not installed for /venv/python"),
+    ],
+)
 def test_from_cli_refusals(items, kw, needle):
     args = {"python": "/venv/python", "dry_run": False, "have_pytest": True, **kw}
     with pytest.raises(UsageError, match=needle):
@@ -97,6 +109,7 @@ def test_nothing_given_is_no_command():
 
 
 # --- what a command is told (pure) ---------------------------------------------------------
+
 
 def test_env_and_description_of_a_2p2d_cpu_plan():
     cfg = ClusterConfig(name="2p2d", model="m", connector="nixl", num_prefill=2, num_decode=2)
@@ -112,8 +125,9 @@ def test_env_and_description_of_a_2p2d_cpu_plan():
     info = uc.describe(plan)
     json.dumps(info)  # serialisable as is
     assert info["connector"] == "nixl" and info["router"]["url"] == plan.router.url
-    assert [x["kv_transfer_config"]["kv_role"] for x in info["prefill"] + info["decode"]] == \
-        ["kv_producer"] * 2 + ["kv_consumer"] * 2
+    assert [x["kv_transfer_config"]["kv_role"] for x in info["prefill"] + info["decode"]] == [
+        "kv_producer"
+    ] * 2 + ["kv_consumer"] * 2
     assert info["prefill"][1]["cpu_bind"] == p[1].cpu_bind
     assert info["decode"][0]["metrics_url"] == f"{d[0].url}/metrics"
 
@@ -122,8 +136,9 @@ def test_block_size_is_only_set_when_the_plan_sets_it():
     plan = plan_cluster(ClusterConfig(name="c", model="m"), GPUS4, FakePorts(), platform="cuda", python="/py")
     assert "BLOCK_SIZE" not in uc.cluster_env(plan) and "PD_SESSIONS_CLUSTER" not in uc.cluster_env(plan)
     assert uc.describe(plan)["prefill"][0]["gpus"] == ["0"]
-    plan = plan_cluster(ClusterConfig(name="c", model="m", block_size=64), GPUS4, FakePorts(),
-                        platform="cuda", python="/py")
+    plan = plan_cluster(
+        ClusterConfig(name="c", model="m", block_size=64), GPUS4, FakePorts(), platform="cuda", python="/py"
+    )
     assert uc.cluster_env(plan)["BLOCK_SIZE"] == "64"
 
 
@@ -146,8 +161,15 @@ CMD = uc.UserCommand(index=1, argv=("pytest", "x.py"), given="pytest x.py")
 
 
 def verdict(**kw):
-    args = dict(returncode=0, seconds=1.0, timed_out=False, timeout_s=60, log_path=Path("/r/exec-1.log"),
-                log_tail="last line", junit=None)
+    args = dict(
+        returncode=0,
+        seconds=1.0,
+        timed_out=False,
+        timeout_s=60,
+        log_path=Path("/r/exec-1.log"),
+        log_tail="last line",
+        junit=None,
+    )
     return uc.evaluate(CMD, **{**args, **kw})
 
 
@@ -184,14 +206,19 @@ def test_junit_summary_and_merge_into_ours(tmp_path):
 
     check = verdict(returncode=1, junit=s)
     check.name = "exec[0]"
-    r = ConfigResult(name="1x1", shape="s", connector="nixl", platform="cpu", checks=[check],
-                     run_dir=str(tmp_path))
+    r = ConfigResult(
+        name="1x1", shape="s", connector="nixl", platform="cpu", checks=[check], run_dir=str(tmp_path)
+    )
     r.decide(["exec[0]"])
     path = write_junit([r], tmp_path / "junit.xml", suite="sw", expected_checks=["exec[0]"])
     root = ET.parse(path).getroot()
     cases = {(c.get("classname"), c.get("name")): c for c in root.iter("testcase")}
-    assert set(cases) == {("sw.1x1", "exec[0]"), ("sw.1x1.exec[0].t.mod", "test_ok"),
-                          ("sw.1x1.exec[0].t.mod", "test_bad"), ("sw.1x1.exec[0].t.mod", "test_skip")}
+    assert set(cases) == {
+        ("sw.1x1", "exec[0]"),
+        ("sw.1x1.exec[0].t.mod", "test_ok"),
+        ("sw.1x1.exec[0].t.mod", "test_bad"),
+        ("sw.1x1.exec[0].t.mod", "test_skip"),
+    }
     assert "router said 'x'" in cases[("sw.1x1.exec[0].t.mod", "test_bad")].find("failure").get("message")
     suite = root.find("testsuite")
     assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("4", "2", "1")
@@ -206,20 +233,28 @@ def test_plugin_cluster_spec():
 
 # --- the CLI refuses before launching -------------------------------------------------------
 
+
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "pd_sessions", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "pd_sessions", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
 
 
-@pytest.mark.parametrize("args,needle", [
-    (("sweep", "mooncake_sweep", "--dry-run", "--exec", "echo hi"), "--dry-run launches none"),
-    (("sweep", "mooncake_sweep", "--exec", "no-such-tool-xyz"), "executable 'no-such-tool-xyz' not found"),
-    (("sweep", "mooncake_sweep", "--exec", ""), "empty command"),
-    (("sweep", "mooncake_sweep", "--pytest", "tests/no_such_test.py"), "no such file or directory"),
-    (("sweep", "mooncake_sweep", "--exec", "echo", "--exec-timeout", "0"), "--exec-timeout: got 0"),
-    (("serve", "mooncake_sweep"), "serve starts one config: name it with --only"),
-    (("serve", "mooncake_sweep", "--exec", "echo"), "unrecognized arguments: --exec"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (("sweep", "mooncake_sweep", "--dry-run", "--exec", "echo hi"), "--dry-run launches none"),
+        (
+            ("sweep", "mooncake_sweep", "--exec", "no-such-tool-xyz"),
+            "executable 'no-such-tool-xyz' not found",
+        ),
+        (("sweep", "mooncake_sweep", "--exec", ""), "empty command"),
+        (("sweep", "mooncake_sweep", "--pytest", "tests/no_such_test.py"), "no such file or directory"),
+        (("sweep", "mooncake_sweep", "--exec", "echo", "--exec-timeout", "0"), "--exec-timeout: got 0"),
+        (("serve", "mooncake_sweep"), "serve starts one config: name it with --only"),
+        (("serve", "mooncake_sweep", "--exec", "echo"), "unrecognized arguments: --exec"),
+    ],
+)
 def test_bad_input_exits_2_before_launch(args, needle):
     r = cli(*args)
     assert r.returncode == 2, r.stdout + r.stderr
@@ -229,12 +264,15 @@ def test_bad_input_exits_2_before_launch(args, needle):
 
 # --- live, against the fake stack ------------------------------------------------------------
 
+
 @LIVE
 def test_hanging_command_is_stopped_at_the_timeout_with_its_children(tmp_path):
-    hang = (f"{sys.executable} -c \"import subprocess, sys, time; "
-            f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
-            f"open('{tmp_path}/child', 'w').write(str(p.pid)); print('hanging', flush=True); "
-            "time.sleep(600)\"")
+    hang = (
+        f'{sys.executable} -c "import subprocess, sys, time; '
+        f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+        f"open('{tmp_path}/child', 'w').write(str(p.pid)); print('hanging', flush=True); "
+        'time.sleep(600)"'
+    )
     r = Run(tmp_path, args=("--exec", hang, "--exec-timeout", "2"))
     assert r.wait(60) == 1, r.text
     checks = json.loads((r.run_dir / "result.json").read_text())["checks"]
@@ -242,8 +280,10 @@ def test_hanging_command_is_stopped_at_the_timeout_with_its_children(tmp_path):
     assert check["verdict"] == "fail" and "did not finish within 2 s (--exec-timeout)" in check["message"]
     assert 2 <= check["seconds"] < 2 + 2 + 3  # timeout + grace + slack
     assert "hanging" in r.text  # its log was tailed
-    assert not psutil.pid_exists(int((tmp_path / "child").read_text())) or \
-        psutil.Process(int((tmp_path / "child").read_text())).status() == psutil.STATUS_ZOMBIE
+    assert (
+        not psutil.pid_exists(int((tmp_path / "child").read_text()))
+        or psutil.Process(int((tmp_path / "child").read_text())).status() == psutil.STATUS_ZOMBIE
+    )
     assert_nothing_left(r.run_dir)
 
 
@@ -283,10 +323,28 @@ def _fake_env():
 def _serve(tmp_path, env=None):
     toml = tmp_path / "sweep.toml"
     toml.write_text(SWEEP.format(connector="nixl", extra="", top=""))
-    return subprocess.Popen([sys.executable, "-m", "pd_sessions", "serve", str(toml), "--only", "1x1",
-                             "--platform", "cpu", "--grace", "2", "--results-dir", str(tmp_path / "r")],
-                            cwd=ROOT, env={**_fake_env(), **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pd_sessions",
+            "serve",
+            str(toml),
+            "--only",
+            "1x1",
+            "--platform",
+            "cpu",
+            "--grace",
+            "2",
+            "--results-dir",
+            str(tmp_path / "r"),
+        ],
+        cwd=ROOT,
+        env={**_fake_env(), **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 @LIVE
@@ -298,10 +356,11 @@ def test_serve_prints_env_answers_and_stops_cleanly_on_sigterm(tmp_path):
         if line.startswith("serving until Ctrl-C"):
             break
     env = dict(re.findall(r"^export (\w+)=(\S+)$", "".join(lines), re.M))
-    req = urllib.request.Request(f"http://{env['PROXY_HOST']}:{env['PROXY_PORT']}/v1/completions",
-                                 data=json.dumps({"model": env["TEST_MODEL"], "prompt": "hi",
-                                                  "max_tokens": 3}).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://{env['PROXY_HOST']}:{env['PROXY_PORT']}/v1/completions",
+        data=json.dumps({"model": env["TEST_MODEL"], "prompt": "hi", "max_tokens": 3}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     assert json.loads(opener.open(req, timeout=10).read())["usage"]["completion_tokens"] == 3
     cluster = json.loads(Path(env["PD_SESSIONS_CLUSTER"]).read_text())
@@ -336,9 +395,23 @@ def test_two_must_not_run_against_a_dead_cluster(pd_cluster):
 def _plugin_argv(tmp_path, *files):
     toml = tmp_path / "sweep.toml"
     toml.write_text(SWEEP.format(connector="mooncake", extra="", top=""))
-    return [sys.executable, "-m", "pytest", "-p", "pd_sessions.pytest_plugin", "-v", "-p", "no:cacheprovider",
-            *map(str, files), "--pd-cluster", f"{toml}:1x1", "--pd-platform", "cpu",
-            "--pd-results-dir", str(tmp_path / "r")]
+    return [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "pd_sessions.pytest_plugin",
+        "-v",
+        "-p",
+        "no:cacheprovider",
+        *map(str, files),
+        "--pd-cluster",
+        f"{toml}:1x1",
+        "--pd-platform",
+        "cpu",
+        "--pd-results-dir",
+        str(tmp_path / "r"),
+    ]
 
 
 def _plugin_env():
@@ -346,8 +419,14 @@ def _plugin_env():
 
 
 def _plugin_pytest(tmp_path, *files):
-    return subprocess.run(_plugin_argv(tmp_path, *files), cwd=tmp_path, env=_plugin_env(), capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        _plugin_argv(tmp_path, *files),
+        cwd=tmp_path,
+        env=_plugin_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @LIVE
@@ -365,8 +444,11 @@ def test_plugin_fails_the_next_test_fast_when_a_server_died(tmp_path):
     r = _plugin_pytest(tmp_path, f)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "1 passed, 1 error" in r.stdout
-    assert re.search(r"decode-0 \(http://127.0.0.1:\d+\) exited with status -9 \(SIGKILL\) before "
-                     r".*test_two_must_not_run", r.stdout)
+    assert re.search(
+        r"decode-0 \(http://127.0.0.1:\d+\) exited with status -9 \(SIGKILL\) before "
+        r".*test_two_must_not_run",
+        r.stdout,
+    )
     assert "--- last lines of its log ---" in r.stdout
     assert_nothing_left(tmp_path / "r" / "sweep" / "1x1")
 
@@ -383,8 +465,14 @@ def test_waits(pd_cluster):
 def test_sigterm_to_pytest_tears_the_fixture_cluster_down(tmp_path):
     f = tmp_path / "slow.py"
     f.write_text(SLOW)
-    p = subprocess.Popen(_plugin_argv(tmp_path, f), cwd=tmp_path, env=_plugin_env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(
+        _plugin_argv(tmp_path, f),
+        cwd=tmp_path,
+        env=_plugin_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     end = time.monotonic() + 60
     while not (tmp_path / "started").exists():  # the test runs: the cluster is up
         assert time.monotonic() < end and p.poll() is None
@@ -399,9 +487,25 @@ def test_sigterm_to_pytest_tears_the_fixture_cluster_down(tmp_path):
 def test_plugin_without_the_fixture_starts_nothing(tmp_path):
     f = tmp_path / "test_plain.py"
     f.write_text("def test_plain():\n    pass\n")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "pd_sessions.pytest_plugin", "-v", str(f),
-                        "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "base")], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "pd_sessions.pytest_plugin",
+            "-v",
+            str(f),
+            "-p",
+            "no:cacheprovider",
+            "--basetemp",
+            str(tmp_path / "base"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0 and "1 passed" in r.stdout and "[pd_cluster]" not in r.stdout
     assert not list((tmp_path / "base").glob("pd_cluster*"))  # no cluster was even planned
 
@@ -410,8 +514,9 @@ def test_junit_stays_well_formed_with_control_characters_in_messages_and_logs(tm
     (tmp_path / "exec-0.log").write_text("pytest diff: + \x1b[31mred\x1b[0m \x00 \ufffd done\n")
     check = verdict(returncode=1)
     check.name, check.message = "exec[0]", "router said '\x0c\x1b'"
-    r = ConfigResult(name="1x1", shape="s", connector="nixl", platform="cpu", checks=[check],
-                     run_dir=str(tmp_path))
+    r = ConfigResult(
+        name="1x1", shape="s", connector="nixl", platform="cpu", checks=[check], run_dir=str(tmp_path)
+    )
     r.decide(["exec[0]"])
     path = write_junit([r], tmp_path / "junit.xml", suite="sw", expected_checks=["exec[0]"])
     failure = ET.parse(path).getroot().find("testsuite/testcase/failure")

@@ -21,13 +21,18 @@ CPU = wh.Target("3.12", None)
 
 # ------------------------------------------------------------------ target
 
+
 def test_pip_platforms_list_every_manylinux_tag_newest_first():
     plats = wh.Target("3.12", 13, "manylinux_2_28_x86_64").pip_platforms()
     assert plats[0] == "manylinux_2_28_x86_64"
-    assert "manylinux_2_17_x86_64" in plats and "manylinux2014_x86_64" in plats and "manylinux1_x86_64" in plats
+    assert (
+        "manylinux_2_17_x86_64" in plats and "manylinux2014_x86_64" in plats and "manylinux1_x86_64" in plats
+    )
     assert "manylinux_2_31_x86_64" not in plats
-    assert wh.Target("3.12", 13, "manylinux_2_12_x86_64").pip_platforms()[-2:] == \
-        ["manylinux2010_x86_64", "manylinux1_x86_64"]
+    assert wh.Target("3.12", 13, "manylinux_2_12_x86_64").pip_platforms()[-2:] == [
+        "manylinux2010_x86_64",
+        "manylinux1_x86_64",
+    ]
 
 
 def test_uv_platform():
@@ -35,28 +40,34 @@ def test_uv_platform():
     assert wh.Target("3.11", None, "manylinux_2_28_aarch64").uv_platform() == "aarch64-manylinux_2_28"
 
 
-@pytest.mark.parametrize("filename, ok", [
-    ("vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl", True),
-    ("nixl_cu13-1.5.1-cp312-cp312-manylinux_2_28_x86_64.whl", True),
-    ("pyelftools-0.33-py3-none-any.whl", True),
-    ("nvidia_cuda_nvdisasm-13.4.92-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl", True),
-    ("cryptography-50.0.2-cp311-abi3-manylinux_2_34_x86_64.whl", True),
-    ("nixl_cu13-1.5.1-cp311-cp311-manylinux_2_28_x86_64.whl", False),      # other interpreter
-    ("x-1.0-cp312-cp312-manylinux_2_40_x86_64.whl", False),                 # newer glibc
-    ("x-1.0-cp312-cp312-manylinux_2_28_aarch64.whl", False),                # other arch
-    ("x-1.0-cp312-cp312-macosx_11_0_arm64.whl", False),
-    ("x-1.0-cp313-abi3-manylinux_2_28_x86_64.whl", False),                  # abi3 from a newer minimum
-])
+@pytest.mark.parametrize(
+    "filename, ok",
+    [
+        ("vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl", True),
+        ("nixl_cu13-1.5.1-cp312-cp312-manylinux_2_28_x86_64.whl", True),
+        ("pyelftools-0.33-py3-none-any.whl", True),
+        ("nvidia_cuda_nvdisasm-13.4.92-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl", True),
+        ("cryptography-50.0.2-cp311-abi3-manylinux_2_34_x86_64.whl", True),
+        ("nixl_cu13-1.5.1-cp311-cp311-manylinux_2_28_x86_64.whl", False),  # other interpreter
+        ("x-1.0-cp312-cp312-manylinux_2_40_x86_64.whl", False),  # newer glibc
+        ("x-1.0-cp312-cp312-manylinux_2_28_aarch64.whl", False),  # other arch
+        ("x-1.0-cp312-cp312-macosx_11_0_arm64.whl", False),
+        ("x-1.0-cp313-abi3-manylinux_2_28_x86_64.whl", False),  # abi3 from a newer minimum
+    ],
+)
 def test_wheel_supported(filename, ok):
     assert wh.wheel_supported(filename, CUDA13) is ok
 
 
-@pytest.mark.parametrize("bad, call", [
-    ("12.8", lambda v: wh.parse_cuda(v)),
-    ("11", lambda v: wh.parse_cuda(v)),
-    ("312", lambda v: wh.parse_python(v)),
-    ("linux_x86_64", lambda v: wh.parse_platform_tag(v)),
-])
+@pytest.mark.parametrize(
+    "bad, call",
+    [
+        ("12.8", lambda v: wh.parse_cuda(v)),
+        ("11", lambda v: wh.parse_cuda(v)),
+        ("312", lambda v: wh.parse_python(v)),
+        ("linux_x86_64", lambda v: wh.parse_platform_tag(v)),
+    ],
+)
 def test_bad_target_values_are_usage_errors(bad, call):
     with pytest.raises(UsageError, match="--"):
         call(bad)
@@ -67,6 +78,7 @@ def test_parse_cuda_none_means_cpu():
 
 
 # ------------------------------------------------------------------ requirements
+
 
 def names(reqs):
     return [r.split("==")[0].split(">=")[0].split("[")[0] for r in reqs]
@@ -79,7 +91,7 @@ def test_cuda13_requirements_name_the_cuda13_variants_and_everything_a_session_n
     assert "mooncake-transfer-engine-cuda13>=0.3.12" in reqs
     assert "nixl==1.5.1" in reqs and "nixl-cu13==1.5.1" in reqs
     assert {"nox", "pyelftools", "psutil", "prometheus_client", "packaging"} <= set(names(reqs))
-    assert len(set(names(reqs))) == len(reqs)        # each package once
+    assert len(set(names(reqs))) == len(reqs)  # each package once
 
 
 def test_vllm_spec_is_an_option():
@@ -99,16 +111,19 @@ def test_cpu_requirements_use_the_cpu_lane():
     assert "mooncake-transfer-engine-non-cuda>=0.3.12" in reqs and "nixl-cu12==1.5.1" in reqs
 
 
-@pytest.mark.parametrize("name, cuda13, cuda12, cpu", [
-    ("mooncake-transfer-engine", True, False, True),
-    ("mooncake-transfer-engine-cuda13", False, True, True),
-    ("mooncake_transfer_engine_non_cuda", True, True, False),
-    ("nixl-cu12", True, False, False),
-    ("nvidia-cutlass-dsl-libs-cu12", True, False, False),
-    ("nixl-cu13", False, True, True),
-    ("vllm", False, False, False),
-    ("nvidia-cudnn-cu13", False, True, True),
-])
+@pytest.mark.parametrize(
+    "name, cuda13, cuda12, cpu",
+    [
+        ("mooncake-transfer-engine", True, False, True),
+        ("mooncake-transfer-engine-cuda13", False, True, True),
+        ("mooncake_transfer_engine_non_cuda", True, True, False),
+        ("nixl-cu12", True, False, False),
+        ("nvidia-cutlass-dsl-libs-cu12", True, False, False),
+        ("nixl-cu13", False, True, True),
+        ("vllm", False, False, False),
+        ("nvidia-cudnn-cu13", False, True, True),
+    ],
+)
 def test_other_variant(name, cuda13, cuda12, cpu):
     assert wh.other_variant(name, CUDA13) is cuda13
     assert wh.other_variant(name, wh.Target("3.12", 12)) is cuda12
@@ -132,29 +147,44 @@ def test_read_freeze():
 
 
 def test_read_pins():
-    assert wh.read_pins("vllm==0.26.0\nPyYAML==6.0.3 ; python_version >= '3'\n# x\n") == \
-        {"vllm": "0.26.0", "pyyaml": "6.0.3"}
+    assert wh.read_pins("vllm==0.26.0\nPyYAML==6.0.3 ; python_version >= '3'\n# x\n") == {
+        "vllm": "0.26.0",
+        "pyyaml": "6.0.3",
+    }
     with pytest.raises(InstallError, match="single pin"):
         wh.read_pins("vllm>=0.26\n")
 
 
 def test_unmet_reports_missing_and_outside_the_spec_for_the_target_only():
-    requires = {"vllm==0.26.0": ["numba==0.65.0", "numpy<2.5", "tilelang>=0.1", "torch==2.11.0",
-                                 "pywin32; sys_platform == 'win32'", "ray; extra == 'ray'",
-                                 "tomli; python_version < '3.11'", "transformers"]}
+    requires = {
+        "vllm==0.26.0": [
+            "numba==0.65.0",
+            "numpy<2.5",
+            "tilelang>=0.1",
+            "torch==2.11.0",
+            "pywin32; sys_platform == 'win32'",
+            "ray; extra == 'ray'",
+            "tomli; python_version < '3.11'",
+            "transformers",
+        ]
+    }
     have = {"numba": None, "numpy": "2.5.2", "torch": "2.11.0", "transformers": "5.17.0"}
-    assert wh.unmet(requires, have, CUDA13) == ["vllm==0.26.0 needs numpy<2.5 (has 2.5.2)",
-                                                "vllm==0.26.0 needs tilelang>=0.1 (missing)"]
+    assert wh.unmet(requires, have, CUDA13) == [
+        "vllm==0.26.0 needs numpy<2.5 (has 2.5.2)",
+        "vllm==0.26.0 needs tilelang>=0.1 (missing)",
+    ]
 
 
 def test_size_table_largest_first_with_total():
-    rows = wh.size_table([{"name": "a", "version": "1", "size": 2**20},
-                          {"name": "b", "version": "2", "size": 3 * 2**20}])
+    rows = wh.size_table(
+        [{"name": "a", "version": "1", "size": 2**20}, {"name": "b", "version": "2", "size": 3 * 2**20}]
+    )
     assert rows[0].strip() == "3.0 MiB  b==2" and rows[1].strip() == "1.0 MiB  a==1"
     assert rows[2].strip() == "4.0 MiB  total, 2 wheels"
 
 
 # ------------------------------------------------------------------ consuming side
+
 
 def test_find_builder():
     same = f"{sys.version_info[0]}.{sys.version_info[1]}"
@@ -167,8 +197,10 @@ def test_find_builder():
 
 # ------------------------------------------------------------------ build with a fake runner
 
-def make_wheel(folder: Path, name: str, version: str, tag: str = "py3-none-any",
-               requires: tuple[str, ...] = ()) -> Path:
+
+def make_wheel(
+    folder: Path, name: str, version: str, tag: str = "py3-none-any", requires: tuple[str, ...] = ()
+) -> Path:
     dist = f"{name.replace('-', '_')}-{version}"
     path = folder / f"{dist}-{tag}.whl"
     reqs = "".join(f"Requires-Dist: {r}\n" for r in requires)
@@ -206,28 +238,48 @@ class FakeTools:
             return ok
         if "wheel" in cmd:
             sdist = Path(cmd[-1])
-            name, version = sdist.name[:-len(".tar.gz")].rsplit("-", 1)
+            name, version = sdist.name[: -len(".tar.gz")].rsplit("-", 1)
             make_wheel(Path(cmd[cmd.index("--wheel-dir") + 1]), name, version)
             return ok
         raise AssertionError(f"unexpected command {cmd}")
 
 
 def test_build_downloads_what_the_target_lacks_and_writes_the_manifest(tmp_path):
-    resolved = ("vllm==0.26.0\nnumpy==2.4.0\nnixl-cu12==1.5.1\nnixl-cu13==1.5.1\ntilelang==0.1.9\n"
-                "sqlitedict==2.1.0\n")
-    tools = FakeTools(resolved, {"vllm": ("cp38-abi3-manylinux_2_28_x86_64", ("numpy<2.5", "tilelang")),
-                                 "nixl-cu13": ("cp312-cp312-manylinux_2_28_x86_64", ())},
-                      sdist_only={"sqlitedict"})
+    resolved = (
+        "vllm==0.26.0\nnumpy==2.4.0\nnixl-cu12==1.5.1\nnixl-cu13==1.5.1\ntilelang==0.1.9\nsqlitedict==2.1.0\n"
+    )
+    tools = FakeTools(
+        resolved,
+        {
+            "vllm": ("cp38-abi3-manylinux_2_28_x86_64", ("numpy<2.5", "tilelang")),
+            "nixl-cu13": ("cp312-cp312-manylinux_2_28_x86_64", ()),
+        },
+        sdist_only={"sqlitedict"},
+    )
     out = tmp_path / "wh"
     said = []
-    result = wh.build(CUDA13, out, requirements=["vllm==0.26.0"], installed={"numpy": "2.5.2"},
-                      skip=wh.LAZY, run=tools, environ={}, builder=sys.executable, say=said.append)
+    result = wh.build(
+        CUDA13,
+        out,
+        requirements=["vllm==0.26.0"],
+        installed={"numpy": "2.5.2"},
+        skip=wh.LAZY,
+        run=tools,
+        environ={},
+        builder=sys.executable,
+        say=said.append,
+    )
     assert [w["name"] for w in result.wheels] == ["nixl-cu13", "sqlitedict", "vllm"]
-    assert result.skipped == {"numpy==2.4.0": "installed on the target (2.5.2)",
-                              "nixl-cu12==1.5.1": "variant for another CUDA major",
-                              "tilelang==0.1.9": "skipped (--skip)"}
+    assert result.skipped == {
+        "numpy==2.4.0": "installed on the target (2.5.2)",
+        "nixl-cu12==1.5.1": "variant for another CUDA major",
+        "tilelang==0.1.9": "skipped (--skip)",
+    }
     assert result.built == ["sqlitedict==2.1.0"]
-    assert result.unmet == ["vllm==0.26.0 needs numpy<2.5 (has 2.5.2)", "vllm==0.26.0 needs tilelang (missing)"]
+    assert result.unmet == [
+        "vllm==0.26.0 needs numpy<2.5 (has 2.5.2)",
+        "vllm==0.26.0 needs tilelang (missing)",
+    ]
     compile_call = tools.calls[0]
     overrides = compile_call[compile_call.index("--overrides") + 1]
     assert compile_call[compile_call.index("--python-platform") + 1] == "x86_64-manylinux_2_39"
@@ -237,31 +289,59 @@ def test_build_downloads_what_the_target_lacks_and_writes_the_manifest(tmp_path)
     for w in manifest["wheels"]:
         data = (out / w["file"]).read_bytes()
         assert w["sha256"] == hashlib.sha256(data).hexdigest() and w["size"] == len(data)
-    assert (out / "requirements.lock").read_text().splitlines() == \
-        ["nixl-cu13==1.5.1", "sqlitedict==2.1.0", "vllm==0.26.0"]
+    assert (out / "requirements.lock").read_text().splitlines() == [
+        "nixl-cu13==1.5.1",
+        "sqlitedict==2.1.0",
+        "vllm==0.26.0",
+    ]
     assert len((out / "SHA256SUMS").read_text().splitlines()) == 3
 
 
 def test_build_refuses_a_wheel_the_target_cannot_install(tmp_path):
     tools = FakeTools("x==1.0\n", {"x": ("cp311-cp311-manylinux_2_28_x86_64", ())})
     with pytest.raises(InstallError, match="does not install on cp312"):
-        wh.build(CUDA13, tmp_path, requirements=["x"], installed={}, skip=[], run=tools, environ={},
-                 say=lambda s: None)
+        wh.build(
+            CUDA13,
+            tmp_path,
+            requirements=["x"],
+            installed={},
+            skip=[],
+            run=tools,
+            environ={},
+            say=lambda s: None,
+        )
 
 
 def test_build_reports_stale_wheels(tmp_path):
     make_wheel(tmp_path, "old", "0.1")
-    result = wh.build(CUDA13, tmp_path, requirements=["x"], installed={}, skip=[],
-                      run=FakeTools("x==1.0\n", {}), environ={}, say=lambda s: None)
+    result = wh.build(
+        CUDA13,
+        tmp_path,
+        requirements=["x"],
+        installed={},
+        skip=[],
+        run=FakeTools("x==1.0\n", {}),
+        environ={},
+        say=lambda s: None,
+    )
     assert result.stale == ["old-0.1-py3-none-any.whl"]
 
 
 def test_failing_resolution_names_the_tool(tmp_path):
     def run(cmd, env):
         return subprocess.CompletedProcess(cmd, 1, "", "No solution found: vllm==9 does not exist")
+
     with pytest.raises(InstallError, match=r"uv pip compile.*\n.*No solution"):
-        wh.build(CUDA13, tmp_path, requirements=["vllm==9"], installed={}, skip=[], run=run, environ={},
-                 say=lambda s: None)
+        wh.build(
+            CUDA13,
+            tmp_path,
+            requirements=["vllm==9"],
+            installed={},
+            skip=[],
+            run=run,
+            environ={},
+            say=lambda s: None,
+        )
 
 
 def test_cli_bad_cuda_exits_2(capsys, tmp_path):
@@ -271,18 +351,26 @@ def test_cli_bad_cuda_exits_2(capsys, tmp_path):
 
 # ------------------------------------------------------------------ real: PyPI
 
+
 @pytest.mark.timeout(300)
 def test_real_download_of_pyelftools_for_cp312_manylinux(tmp_path):
     """uv resolves and pip downloads from PyPI for a target that is not this interpreter."""
     for tool in ([sys.executable, "-m", "pip", "--version"], ["uv", "--version"]):
-        assert subprocess.run(tool, capture_output=True, check=False).returncode == 0, \
+        assert subprocess.run(tool, capture_output=True, check=False).returncode == 0, (
             f"{' '.join(tool)} failed: requirements/test.txt installs pip and uv"
+        )
     target = wh.Target("3.12", 13, "manylinux_2_28_x86_64")
-    result = wh.build(target, tmp_path, requirements=["pyelftools==0.32", "psutil==7.0.0"],
-                      installed={}, skip=[], say=lambda s: None)
+    result = wh.build(
+        target,
+        tmp_path,
+        requirements=["pyelftools==0.32", "psutil==7.0.0"],
+        installed={},
+        skip=[],
+        say=lambda s: None,
+    )
     files = {w["name"]: w["file"] for w in result.wheels}
     assert files["pyelftools"] == "pyelftools-0.32-py3-none-any.whl"
-    assert files["psutil"].startswith("psutil-7.0.0-cp36-abi3-manylinux")   # a platform wheel, x86_64
+    assert files["psutil"].startswith("psutil-7.0.0-cp36-abi3-manylinux")  # a platform wheel, x86_64
     assert files["psutil"].endswith("x86_64.whl")
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     for w in manifest["wheels"]:

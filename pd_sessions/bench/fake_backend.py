@@ -30,19 +30,29 @@ def make_app(model: str, role: str) -> web.Application:
         body = await request.json()
         n = max(1, int(body.get("max_tokens") or 1))
         kv_in = body.get("kv_transfer_params") or {}
-        out = {"id": f"cmpl-{role}-{next(ids)}", "object": "text_completion", "model": model,
-               "choices": [{"index": 0, "text": "x" * n, "finish_reason": "length",
-                            "logprobs": None}],
-               "usage": {"prompt_tokens": 4, "completion_tokens": n, "total_tokens": 4 + n}}
+        out = {
+            "id": f"cmpl-{role}-{next(ids)}",
+            "object": "text_completion",
+            "model": model,
+            "choices": [{"index": 0, "text": "x" * n, "finish_reason": "length", "logprobs": None}],
+            "usage": {"prompt_tokens": 4, "completion_tokens": n, "total_tokens": 4 + n},
+        }
         if kv_in.get("do_remote_decode"):
-            out["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False,
-                                         "remote_engine_id": f"fake-{role}", "remote_block_ids": [0],
-                                         "remote_host": "127.0.0.1", "remote_port": 1, "tp_size": 1}
+            out["kv_transfer_params"] = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": f"fake-{role}",
+                "remote_block_ids": [0],
+                "remote_host": "127.0.0.1",
+                "remote_port": 1,
+                "tp_size": 1,
+            }
         return web.json_response(out)
 
     app = web.Application()
-    app.add_routes([web.get("/health", health), web.get("/v1/models", models),
-                    web.post("/v1/completions", completions)])
+    app.add_routes(
+        [web.get("/health", health), web.get("/v1/models", models), web.post("/v1/completions", completions)]
+    )
     return app
 
 
@@ -53,8 +63,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="fake")
     ap.add_argument("--role", default="backend")
     args = ap.parse_args(argv)
-    web.run_app(make_app(args.model, args.role), host=args.host, port=args.port,
-                access_log=None, print=lambda *_: None)
+    web.run_app(
+        make_app(args.model, args.role),
+        host=args.host,
+        port=args.port,
+        access_log=None,
+        print=lambda *_: None,
+    )
 
 
 if __name__ == "__main__":

@@ -24,8 +24,7 @@ class HealthProber:
         self._threads: list[threading.Thread] = []
 
     def watch(self, name: str, url: str) -> None:
-        th = threading.Thread(target=self._probe, args=(name, url), name=f"probe-{name}",
-                              daemon=True)
+        th = threading.Thread(target=self._probe, args=(name, url), name=f"probe-{name}", daemon=True)
         th.start()
         self._threads.append(th)
 

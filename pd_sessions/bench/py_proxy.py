@@ -18,8 +18,14 @@ import uuid
 import aiohttp
 from aiohttp import web
 
-PREFILL_KV = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-              "remote_block_ids": None, "remote_host": None, "remote_port": None}
+PREFILL_KV = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 def make_app(prefill: str, decode: str) -> web.Application:
@@ -43,10 +49,10 @@ def make_app(prefill: str, decode: str) -> web.Application:
             if r.status != 200:
                 return web.Response(status=r.status, body=await r.read())
             kv = (await r.json()).get("kv_transfer_params")
-        async with client.post(f"{decode}/v1/completions", json={**body, "kv_transfer_params": kv},
-                               headers=headers) as r:
-            return web.Response(status=r.status, body=await r.read(),
-                                content_type="application/json")
+        async with client.post(
+            f"{decode}/v1/completions", json={**body, "kv_transfer_params": kv}, headers=headers
+        ) as r:
+            return web.Response(status=r.status, body=await r.read(), content_type="application/json")
 
     app.on_startup.append(start)
     app.on_cleanup.append(close)
@@ -61,8 +67,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefill", required=True)
     ap.add_argument("--decode", required=True)
     args = ap.parse_args(argv)
-    web.run_app(make_app(args.prefill.rstrip("/"), args.decode.rstrip("/")), host=args.host,
-                port=args.port, access_log=None, print=lambda *_: None)
+    web.run_app(
+        make_app(args.prefill.rstrip("/"), args.decode.rstrip("/")),
+        host=args.host,
+        port=args.port,
+        access_log=None,
+        print=lambda *_: None,
+    )
 
 
 if __name__ == "__main__":

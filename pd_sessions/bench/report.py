@@ -17,8 +17,11 @@ from pd_sessions.bench.stats import Goal, ratio, summary
 
 PHASES = ("prepare", "instances", "router", "checks", "teardown")
 OVERHEAD_PARTS = ("prepare", "noticing", "router", "teardown", "other")
-DRIVER_LABEL = {"pd_sessions": "pd_sessions", "upstream": "upstream-style bash flow",
-                "single": "one instance alone"}
+DRIVER_LABEL = {
+    "pd_sessions": "pd_sessions",
+    "upstream": "upstream-style bash flow",
+    "single": "one instance alone",
+}
 OVERHEAD_GOAL = 0.02
 NOTICE_GOAL_S = 0.25
 TEARDOWN_GOAL_S = 5.0
@@ -38,34 +41,44 @@ def summarize_clusters(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             ok = _ok(runs, driver, config)
             d: dict[str, Any] = {
                 "runs": len([r for r in runs if r["driver"] == driver and r["config"] == config]),
-                "ok": len(ok), "wall_s": summary([r["wall_s"] for r in ok]),
-                "phases_s": {p: summary([r["phases"][p] for r in ok if p in r["phases"]])
-                             for p in PHASES},
-                "slowest_own_startup_s": summary([max(r["own_startup_s"].values()) for r in ok
-                                                  if r["own_startup_s"]]),
-                "noticed_s": summary([v for r in ok for v in r["noticed_s"].values()])}
+                "ok": len(ok),
+                "wall_s": summary([r["wall_s"] for r in ok]),
+                "phases_s": {p: summary([r["phases"][p] for r in ok if p in r["phases"]]) for p in PHASES},
+                "slowest_own_startup_s": summary(
+                    [max(r["own_startup_s"].values()) for r in ok if r["own_startup_s"]]
+                ),
+                "noticed_s": summary([v for r in ok for v in r["noticed_s"].values()]),
+            }
             if driver != "single":
                 over = [r["overhead"] for r in ok if r["overhead"]]
                 d["overhead_s"] = summary([o["overhead_s"] for o in over])
                 d["overhead_fraction"] = summary([o["overhead_fraction"] for o in over], digits=4)
-                d["overhead_parts_s"] = {k: summary([o[f"{k}_s"] for o in over if f"{k}_s" in o])
-                                         for k in OVERHEAD_PARTS}
+                d["overhead_parts_s"] = {
+                    k: summary([o[f"{k}_s"] for o in over if f"{k}_s" in o]) for k in OVERHEAD_PARTS
+                }
                 own = [o["prepare_s"] + o["noticing_s"] + o["other_s"] for o in over if "other_s" in o]
                 d["own_code_s"] = summary(own)
                 d["own_code_fraction"] = summary([v / o["wall_s"] for v, o in zip(own, over)], digits=4)
             c[driver] = d
         pair = c["pd_sessions"]["phases_s"]["instances"]["median"]
         single = c["single"]["phases_s"]["instances"]["median"]
-        c["parallel_start"] = {"pair_ready_s": pair, "single_ready_s": single,
-                               "ratio": _round(ratio(pair, single))}
+        c["parallel_start"] = {
+            "pair_ready_s": pair,
+            "single_ready_s": single,
+            "ratio": _round(ratio(pair, single)),
+        }
         up, pd = c["upstream"]["wall_s"]["median"], c["pd_sessions"]["wall_s"]["median"]
         up_o, pd_o = c["upstream"]["overhead_s"]["median"], c["pd_sessions"]["overhead_s"]["median"]
         c["upstream_vs_pd_sessions"] = {
-            "upstream_wall_s": up, "pd_sessions_wall_s": pd, "ratio": _round(ratio(up, pd)),
+            "upstream_wall_s": up,
+            "pd_sessions_wall_s": pd,
+            "ratio": _round(ratio(up, pd)),
             # the same comparison without the instances' own startup (noisy on a shared VM)
-            "upstream_overhead_s": up_o, "pd_sessions_overhead_s": pd_o,
+            "upstream_overhead_s": up_o,
+            "pd_sessions_overhead_s": pd_o,
             "overhead_ratio": _round(ratio(up_o, pd_o)),
-            "saved_s": None if up_o is None or pd_o is None else round(up_o - pd_o, 2)}
+            "saved_s": None if up_o is None or pd_o is None else round(up_o - pd_o, 2),
+        }
         out[config] = c
     return out
 
@@ -79,20 +92,44 @@ def goals(doc: dict[str, Any]) -> list[Goal]:
     gs: list[Goal] = []
     for name, c in doc.get("clusters", {}).items():
         pd = c["pd_sessions"]
-        gs.append(Goal(f"{name}: harness overhead", OVERHEAD_GOAL, "fraction of wall time",
-                       pd["overhead_fraction"]["median"],
-                       "(wall - slowest instance's own startup - checks) / wall"))
-        gs.append(Goal(f"{name}: readiness noticed after /health 200", NOTICE_GOAL_S, "s",
-                       pd["noticed_s"]["median"],
-                       "harness marks an instance ready minus its /health first 200 (prober)"))
-        gs.append(Goal(f"{name}: teardown, healthy cluster", TEARDOWN_GOAL_S, "s",
-                       pd["phases_s"]["teardown"]["median"],
-                       "router + instances stopped and every PID verified gone"))
+        gs.append(
+            Goal(
+                f"{name}: harness overhead",
+                OVERHEAD_GOAL,
+                "fraction of wall time",
+                pd["overhead_fraction"]["median"],
+                "(wall - slowest instance's own startup - checks) / wall",
+            )
+        )
+        gs.append(
+            Goal(
+                f"{name}: readiness noticed after /health 200",
+                NOTICE_GOAL_S,
+                "s",
+                pd["noticed_s"]["median"],
+                "harness marks an instance ready minus its /health first 200 (prober)",
+            )
+        )
+        gs.append(
+            Goal(
+                f"{name}: teardown, healthy cluster",
+                TEARDOWN_GOAL_S,
+                "s",
+                pd["phases_s"]["teardown"]["median"],
+                "router + instances stopped and every PID verified gone",
+            )
+        )
     td = doc.get("teardown")
     if td:
-        gs.append(Goal("teardown, a child ignores SIGTERM", td["grace_s"] + TEARDOWN_SLACK_S, "s",
-                       td["ignores_sigterm"]["median"], f"grace {td['grace_s']:g} s + "
-                       f"{TEARDOWN_SLACK_S:g} s; SIGKILL after the grace, verified gone"))
+        gs.append(
+            Goal(
+                "teardown, a child ignores SIGTERM",
+                td["grace_s"] + TEARDOWN_SLACK_S,
+                "s",
+                td["ignores_sigterm"]["median"],
+                f"grace {td['grace_s']:g} s + {TEARDOWN_SLACK_S:g} s; SIGKILL after the grace, verified gone",
+            )
+        )
     return gs
 
 
@@ -113,79 +150,120 @@ def _v(value: float | None) -> str:
 def markdown(doc: dict[str, Any]) -> str:
     m = doc["machine"]
     st = doc["settings"]
-    lines = [f"# pd-sessions benchmark ({doc['started_at']})", "",
-             *([f"**INTERRUPTED** ({doc['interrupted']}): partial results.", ""]
-               if doc.get("interrupted") else []),
-             f"Machine: {m['cpu_model']}, {m['cores']} cores, {m['memory_gib']} GiB, "
-             f"{m['platform']}, Python {m['python']}, lane **{st['platform']}**, "
-             f"vLLM {m.get('vllm') or '-'}, vllm-router {m.get('vllm_router') or '-'}; "
-             f"load average {m['load_before']} before, {m['load_after']} after. "
-             f"Whole run: {doc['duration_s'] / 60:.1f} min.", "",
-             f"Each value: median (min-max) of {st['repeats']} runs unless said otherwise. "
-             f"Checks run per config: {', '.join(st['checks'])}.", ""]
+    lines = [
+        f"# pd-sessions benchmark ({doc['started_at']})",
+        "",
+        *(
+            [f"**INTERRUPTED** ({doc['interrupted']}): partial results.", ""]
+            if doc.get("interrupted")
+            else []
+        ),
+        f"Machine: {m['cpu_model']}, {m['cores']} cores, {m['memory_gib']} GiB, "
+        f"{m['platform']}, Python {m['python']}, lane **{st['platform']}**, "
+        f"vLLM {m.get('vllm') or '-'}, vllm-router {m.get('vllm_router') or '-'}; "
+        f"load average {m['load_before']} before, {m['load_after']} after. "
+        f"Whole run: {doc['duration_s'] / 60:.1f} min.",
+        "",
+        f"Each value: median (min-max) of {st['repeats']} runs unless said otherwise. "
+        f"Checks run per config: {', '.join(st['checks'])}.",
+        "",
+    ]
     gs = doc.get("goals", [])
     if gs:
         lines += ["## Goals", "", "| goal | limit | measured (median) | met |", "| --- | --- | --- | --- |"]
         for g in gs:
-            meas = "-" if g["measured"] is None else (
-                f"{g['measured'] * 100:.2f} %" if g["unit"].startswith("fraction")
-                else f"{g['measured']:.3f} s")
+            meas = (
+                "-"
+                if g["measured"] is None
+                else (
+                    f"{g['measured'] * 100:.2f} %"
+                    if g["unit"].startswith("fraction")
+                    else f"{g['measured']:.3f} s"
+                )
+            )
             lim = f"{g['limit'] * 100:g} %" if g["unit"].startswith("fraction") else f"{g['limit']:g} s"
-            lines.append(f"| {g['name']} | <= {lim} | {meas} | "
-                         f"{'yes' if g['met'] else 'no' if g['met'] is False else '-'} |")
+            lines.append(
+                f"| {g['name']} | <= {lim} | {meas} | "
+                f"{'yes' if g['met'] else 'no' if g['met'] is False else '-'} |"
+            )
         lines.append("")
     for name, c in doc.get("clusters", {}).items():
-        lines += [f"## Config {name}: phases (s)", "",
-                  "| driver | ok | prepare | instances ready | router ready | checks | teardown "
-                  "| wall | slowest own startup | overhead | overhead % |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            f"## Config {name}: phases (s)",
+            "",
+            "| driver | ok | prepare | instances ready | router ready | checks | teardown "
+            "| wall | slowest own startup | overhead | overhead % |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for driver in ("pd_sessions", "upstream", "single"):
             d = c[driver]
             ph = d["phases_s"]
-            lines.append(f"| {DRIVER_LABEL[driver]} | {d['ok']}/{d['runs']} | "
-                         + " | ".join(_fmt(ph[p]) for p in PHASES) + f" | {_fmt(d['wall_s'])} | "
-                         f"{_fmt(d['slowest_own_startup_s'])} | {_fmt(d.get('overhead_s'))} | "
-                         f"{_fmt(d.get('overhead_fraction'), scale=100)} |")
+            lines.append(
+                f"| {DRIVER_LABEL[driver]} | {d['ok']}/{d['runs']} | "
+                + " | ".join(_fmt(ph[p]) for p in PHASES)
+                + f" | {_fmt(d['wall_s'])} | "
+                f"{_fmt(d['slowest_own_startup_s'])} | {_fmt(d.get('overhead_s'))} | "
+                f"{_fmt(d.get('overhead_fraction'), scale=100)} |"
+            )
         ps, uv = c["parallel_start"], c["upstream_vs_pd_sessions"]
         lines.append("")
         for driver in ("pd_sessions", "upstream"):
             parts = c[driver].get("overhead_parts_s", {})
-            lines.append(f"- overhead of {DRIVER_LABEL[driver]}, by part (median s): " + ", ".join(
-                f"{k} {_fmt(parts.get(k), digits=3)}" for k in OVERHEAD_PARTS))
+            lines.append(
+                f"- overhead of {DRIVER_LABEL[driver]}, by part (median s): "
+                + ", ".join(f"{k} {_fmt(parts.get(k), digits=3)}" for k in OVERHEAD_PARTS)
+            )
         own = c["pd_sessions"].get("own_code_s", {})
-        lines.append(f"- of which pd_sessions' own code (prepare + noticing + other; the router part is "
-                     f"vllm-router's 1 s worker poll and the first P/D request, teardown is the "
-                     f"processes' own exit after SIGTERM): {_fmt(own, ' s', digits=3)}, "
-                     f"{_fmt(c['pd_sessions'].get('own_code_fraction'), ' %', scale=100)} of wall")
-        lines += [f"- readiness noticed after /health 200 (all instances, pd_sessions): "
-                      f"{_fmt(c['pd_sessions']['noticed_s'], ' s', digits=3)}; upstream's 1 s curl "
-                      f"loop: {_fmt(c['upstream']['noticed_s'], ' s', digits=3)}",
-                  f"- parallel start: pair ready {_v(ps['pair_ready_s'])} s / one instance alone "
-                  f"{_v(ps['single_ready_s'])} s = **{_v(ps['ratio'])}** (1.0: no cost for starting "
-                  f"them together; 2.0: as slow as one after the other)",
-                  f"- upstream-style flow / pd_sessions: wall time **{_v(uv['ratio'])}**; "
-                  f"overhead (what the driver adds) {_v(uv['upstream_overhead_s'])} s / "
-                  f"{_v(uv['pd_sessions_overhead_s'])} s = **{_v(uv['overhead_ratio'])}**, "
-                  f"{_v(uv['saved_s'])} s saved per config", ""]
+        lines.append(
+            f"- of which pd_sessions' own code (prepare + noticing + other; the router part is "
+            f"vllm-router's 1 s worker poll and the first P/D request, teardown is the "
+            f"processes' own exit after SIGTERM): {_fmt(own, ' s', digits=3)}, "
+            f"{_fmt(c['pd_sessions'].get('own_code_fraction'), ' %', scale=100)} of wall"
+        )
+        lines += [
+            f"- readiness noticed after /health 200 (all instances, pd_sessions): "
+            f"{_fmt(c['pd_sessions']['noticed_s'], ' s', digits=3)}; upstream's 1 s curl "
+            f"loop: {_fmt(c['upstream']['noticed_s'], ' s', digits=3)}",
+            f"- parallel start: pair ready {_v(ps['pair_ready_s'])} s / one instance alone "
+            f"{_v(ps['single_ready_s'])} s = **{_v(ps['ratio'])}** (1.0: no cost for starting "
+            f"them together; 2.0: as slow as one after the other)",
+            f"- upstream-style flow / pd_sessions: wall time **{_v(uv['ratio'])}**; "
+            f"overhead (what the driver adds) {_v(uv['upstream_overhead_s'])} s / "
+            f"{_v(uv['pd_sessions_overhead_s'])} s = **{_v(uv['overhead_ratio'])}**, "
+            f"{_v(uv['saved_s'])} s saved per config",
+            "",
+        ]
     td = doc.get("teardown")
     if td:
-        lines += ["## Teardown on throwaway process trees (s)", "",
-                  f"{td['what']}; grace {td['grace_s']:g} s.", "",
-                  f"- healthy: {_fmt(td['healthy'], digits=3)}",
-                  f"- a child ignores SIGTERM: {_fmt(td['ignores_sigterm'], digits=3)}", ""]
+        lines += [
+            "## Teardown on throwaway process trees (s)",
+            "",
+            f"{td['what']}; grace {td['grace_s']:g} s.",
+            "",
+            f"- healthy: {_fmt(td['healthy'], digits=3)}",
+            f"- a child ignores SIGTERM: {_fmt(td['ignores_sigterm'], digits=3)}",
+            "",
+        ]
     rb = doc.get("router")
     if rb:
-        lines += ["## vllm-router vs a minimal Python proxy", "",
-                  f"Backends: {rb['backend']}. Hop: {rb['hop']}. max_tokens {rb['max_tokens']}. "
-                  f"Latency: all single requests of {rb['rounds']} rounds; throughput: median "
-                  f"(min-max) of the rounds at concurrency {rb['concurrency']}. Client, proxies and "
-                  "backends share this host's cores.", "",
-                  "| target | p50 ms | p99 ms | added p50 ms | added p99 ms | req/s at "
-                  f"{rb['concurrency']} concurrent | errors |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "## vllm-router vs a minimal Python proxy",
+            "",
+            f"Backends: {rb['backend']}. Hop: {rb['hop']}. max_tokens {rb['max_tokens']}. "
+            f"Latency: all single requests of {rb['rounds']} rounds; throughput: median "
+            f"(min-max) of the rounds at concurrency {rb['concurrency']}. Client, proxies and "
+            "backends share this host's cores.",
+            "",
+            "| target | p50 ms | p99 ms | added p50 ms | added p99 ms | req/s at "
+            f"{rb['concurrency']} concurrent | errors |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for t, r in rb["targets"].items():
-            lines.append(f"| {t} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | "
-                         f"{r.get('added_p50_ms', '-')} | {r.get('added_p99_ms', '-')} | "
-                         f"{_fmt(r['throughput_rps'], digits=0)} | {r['errors']} |")
+            lines.append(
+                f"| {t} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | "
+                f"{r.get('added_p50_ms', '-')} | {r.get('added_p99_ms', '-')} | "
+                f"{_fmt(r['throughput_rps'], digits=0)} | {r['errors']} |"
+            )
         lines.append("")
     failed = [r for r in doc.get("runs", []) if not r["ok"]]
     if failed:
@@ -202,8 +280,11 @@ def chart(doc: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [(f"{name}\n{DRIVER_LABEL[d]}", c[d]["phases_s"], c[d]["wall_s"]["median"])
-            for name, c in doc.get("clusters", {}).items() for d in ("pd_sessions", "upstream", "single")]
+    rows = [
+        (f"{name}\n{DRIVER_LABEL[d]}", c[d]["phases_s"], c[d]["wall_s"]["median"])
+        for name, c in doc.get("clusters", {}).items()
+        for d in ("pd_sessions", "upstream", "single")
+    ]
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.9 * max(1, len(rows))))
     colors = dict(zip(PHASES, ("#9e9e9e", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")))
     for i, (label, phases, wall) in enumerate(rows):
@@ -217,8 +298,10 @@ def chart(doc: dict[str, Any], path: Path) -> None:
     ax.set_yticks(range(len(rows)), [r[0] for r in rows], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("seconds (medians)")
-    ax.set_title(f"P/D cluster phases, {doc['settings']['platform']} lane, "
-                 f"{doc['machine']['cores']} cores ({doc['started_at'][:10]})")
+    ax.set_title(
+        f"P/D cluster phases, {doc['settings']['platform']} lane, "
+        f"{doc['machine']['cores']} cores ({doc['started_at'][:10]})"
+    )
     ax.set_xlim(0, ax.get_xlim()[1] * 1.12)  # room for the wall-time labels
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=len(PHASES), fontsize=8)
     fig.tight_layout()

@@ -13,9 +13,13 @@ def summary(values: Sequence[float], digits: int = 3) -> dict[str, Any]:
     vals = [float(v) for v in values]
     if not vals:
         return {"n": 0, "median": None, "min": None, "max": None, "values": []}
-    return {"n": len(vals), "median": round(statistics.median(vals), digits),
-            "min": round(min(vals), digits), "max": round(max(vals), digits),
-            "values": [round(v, digits) for v in vals]}
+    return {
+        "n": len(vals),
+        "median": round(statistics.median(vals), digits),
+        "min": round(min(vals), digits),
+        "max": round(max(vals), digits),
+        "values": [round(v, digits) for v in vals],
+    }
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -29,8 +33,12 @@ def percentile(values: Sequence[float], q: float) -> float:
     return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
 
 
-def overhead(wall_s: float, own_startup_s: Mapping[str, float], checks_s: float,
-             phases: Mapping[str, float] | None = None) -> dict[str, float]:
+def overhead(
+    wall_s: float,
+    own_startup_s: Mapping[str, float],
+    checks_s: float,
+    phases: Mapping[str, float] | None = None,
+) -> dict[str, float]:
     """Harness overhead of one config run.
 
         overhead = wall time - slowest instance's own startup - check time
@@ -45,12 +53,20 @@ def overhead(wall_s: float, own_startup_s: Mapping[str, float], checks_s: float,
         raise ValueError("no instance startup measured")
     slowest = max(own_startup_s.values())
     over = wall_s - slowest - checks_s
-    out = {"wall_s": wall_s, "slowest_startup_s": slowest, "checks_s": checks_s,
-           "overhead_s": over, "overhead_fraction": over / wall_s if wall_s > 0 else 0.0}
+    out = {
+        "wall_s": wall_s,
+        "slowest_startup_s": slowest,
+        "checks_s": checks_s,
+        "overhead_s": over,
+        "overhead_fraction": over / wall_s if wall_s > 0 else 0.0,
+    }
     if phases is not None:
-        parts = {"prepare": phases.get("prepare", 0.0),
-                 "noticing": phases.get("instances", slowest) - slowest,
-                 "router": phases.get("router", 0.0), "teardown": phases.get("teardown", 0.0)}
+        parts = {
+            "prepare": phases.get("prepare", 0.0),
+            "noticing": phases.get("instances", slowest) - slowest,
+            "router": phases.get("router", 0.0),
+            "teardown": phases.get("teardown", 0.0),
+        }
         parts["other"] = over - sum(parts.values())
         out.update({f"{k}_s": v for k, v in parts.items()})
     return out
@@ -75,6 +91,11 @@ class Goal:
         return None if self.measured is None else self.measured <= self.limit
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "limit": self.limit, "unit": self.unit,
-                "measured": None if self.measured is None else round(self.measured, 4),
-                "met": self.met, "meaning": self.meaning}
+        return {
+            "name": self.name,
+            "limit": self.limit,
+            "unit": self.unit,
+            "measured": None if self.measured is None else round(self.measured, 4),
+            "met": self.met,
+            "meaning": self.meaning,
+        }

@@ -22,9 +22,9 @@ from pd_sessions.errors import BenchError
 READY = "child ready"
 # printed as a sum, so the marker is not already in the log's first line (the argv)
 _CHILD = "import signal, time\n{ignore}print('child' + ' ready', flush=True)\ntime.sleep(3600)\n"
-_LEADER = ("import subprocess, sys, time\n"
-           "subprocess.Popen([sys.executable, '-c', {child!r}])\n"
-           "time.sleep(3600)\n")
+_LEADER = (
+    "import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {child!r}])\ntime.sleep(3600)\n"
+)
 
 
 def _server(name: str, log_dir: Path, ignore_term: bool) -> process.Running:
@@ -36,8 +36,7 @@ def _server(name: str, log_dir: Path, ignore_term: bool) -> process.Running:
     while READY not in log.read_text():  # the child inherits the leader's output
         if time.monotonic() > end or r.poll() is not None:
             process.stop([r], grace_s=1)
-            raise BenchError(f"teardown bench: {name}'s child did not start within 10 s "
-                             f"(log: {log})")
+            raise BenchError(f"teardown bench: {name}'s child did not start within 10 s (log: {log})")
         time.sleep(0.01)
     return r
 
@@ -63,10 +62,14 @@ def measure(kind: str, log_dir: Path, grace_s: float) -> float:
 
 
 def run(log_dir: Path, *, repeats: int, grace_s: float) -> dict[str, Any]:
-    out: dict[str, Any] = {"grace_s": grace_s, "what": (
-        "3 throwaway process trees (leader + child, like an API server and its engine core) "
-        "stopped by pd_sessions' cluster teardown; in ignores_sigterm the decode's child "
-        "ignores SIGTERM")}
+    out: dict[str, Any] = {
+        "grace_s": grace_s,
+        "what": (
+            "3 throwaway process trees (leader + child, like an API server and its engine core) "
+            "stopped by pd_sessions' cluster teardown; in ignores_sigterm the decode's child "
+            "ignores SIGTERM"
+        ),
+    }
     for kind in ("healthy", "ignores_sigterm"):
         out[kind] = summary([measure(kind, log_dir / f"{kind}-{i}", grace_s) for i in range(repeats)])
     return out

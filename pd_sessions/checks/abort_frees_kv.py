@@ -27,9 +27,9 @@ POLL_S = 0.2
 def settled(idle: Mapping[str, float], now: Mapping[str, float]) -> str | None:
     """None when one instance's gauges are back to idle, else what is still held.
 
-        running requests > 0                      -> "N requests still running"
-        kv usage > idle usage + slack             -> "KV cache usage U (idle I)"
-        a gauge missing from the scrape           -> "metric M not exposed"
+    running requests > 0                      -> "N requests still running"
+    kv usage > idle usage + slack             -> "KV cache usage U (idle I)"
+    a gauge missing from the scrape           -> "metric M not exposed"
     """
     for name in (RUNNING, KV_USAGE):
         if name not in now:
@@ -41,33 +41,69 @@ def settled(idle: Mapping[str, float], now: Mapping[str, float]) -> str | None:
     return None
 
 
-def evaluate(aborted: int, requests: int, stream_errors: list[str], held: Mapping[str, str | None],
-             *, bound_s: float, waited_s: float, last: Mapping[str, Mapping[str, float]]) -> CheckResult:
+def evaluate(
+    aborted: int,
+    requests: int,
+    stream_errors: list[str],
+    held: Mapping[str, str | None],
+    *,
+    bound_s: float,
+    waited_s: float,
+    last: Mapping[str, Mapping[str, float]],
+) -> CheckResult:
     """Verdict after the wait: ``held`` is instance -> what it still held at the end (None = idle)."""
-    details: dict[str, Any] = {"requests": requests, "aborted_after_first_tokens": aborted,
-                               "stream_errors": stream_errors, "bound_s": bound_s,
-                               "waited_s": round(waited_s, 3), "held": dict(held),
-                               "last_gauges": {k: dict(v) for k, v in last.items()}}
+    details: dict[str, Any] = {
+        "requests": requests,
+        "aborted_after_first_tokens": aborted,
+        "stream_errors": stream_errors,
+        "bound_s": bound_s,
+        "waited_s": round(waited_s, 3),
+        "held": dict(held),
+        "last_gauges": {k: dict(v) for k, v in last.items()},
+    }
     if aborted < requests:
-        return CheckResult("abort_frees_kv", FAIL, f"only {aborted}/{requests} streams produced a first "
-                           f"token before the disconnect: {'; '.join(stream_errors[:2])}", details)
+        return CheckResult(
+            "abort_frees_kv",
+            FAIL,
+            f"only {aborted}/{requests} streams produced a first "
+            f"token before the disconnect: {'; '.join(stream_errors[:2])}",
+            details,
+        )
     still = {n: h for n, h in held.items() if h is not None}
     if still:
-        return CheckResult("abort_frees_kv", FAIL, f"{bound_s:g} s after {requests} clients disconnected: "
-                           + "; ".join(f"{n}: {h}" for n, h in still.items()), details)
-    return CheckResult("abort_frees_kv", PASS, f"{requests} streams aborted after their first tokens; every "
-                       f"instance idle again after {waited_s:.1f} s (no running request, KV usage at idle)",
-                       details)
+        return CheckResult(
+            "abort_frees_kv",
+            FAIL,
+            f"{bound_s:g} s after {requests} clients disconnected: "
+            + "; ".join(f"{n}: {h}" for n, h in still.items()),
+            details,
+        )
+    return CheckResult(
+        "abort_frees_kv",
+        PASS,
+        f"{requests} streams aborted after their first tokens; every "
+        f"instance idle again after {waited_s:.1f} s (no running request, KV usage at idle)",
+        details,
+    )
 
 
-def stream_then_disconnect(base_url: str, model: str, prompt: str, *, max_tokens: int = 512,
-                           timeout: float = 60.0) -> str:
+def stream_then_disconnect(
+    base_url: str, model: str, prompt: str, *, max_tokens: int = 512, timeout: float = 60.0
+) -> str:
     """Start a streaming completion, read until the first token's chunk arrives, close the socket.
     Returns its text; raises pdhttp.HttpError when none arrived."""
     u = urllib.parse.urlsplit(base_url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                       "ignore_eos": True, "stream": True})
+    body = json.dumps(
+        {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    )
     try:
         conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
         resp = conn.getresponse()
@@ -96,8 +132,9 @@ def run(cluster: Any, options: Mapping[str, Any]) -> CheckResult:
 
     def one(i: int) -> None:
         t = time.monotonic()
-        stream_then_disconnect(plan.router.url, plan.served_model_name,
-                               f"Abort test {i}: a long story about the sea begins")
+        stream_then_disconnect(
+            plan.router.url, plan.served_model_name, f"Abort test {i}: a long story about the sea begins"
+        )
         first_token_s.append(round(time.monotonic() - t, 3))
 
     with ThreadPoolExecutor(max_workers=n) as pool:

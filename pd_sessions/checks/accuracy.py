@@ -32,12 +32,12 @@ MODES = ("enforce", "warn")
 
 @dataclass(frozen=True)
 class AccuracyOptions:
-    mode: str = "enforce"              # enforce | warn (exploratory runs; said in the summary)
-    rule: str = "tolerance"            # tolerance | wilson
-    task: str = "gsm8k"                # GPU lanes; the CPU lane uses the offline task
-    limit: int | None = None           # sample limit; must match the baseline's unless allowed
+    mode: str = "enforce"  # enforce | warn (exploratory runs; said in the summary)
+    rule: str = "tolerance"  # tolerance | wilson
+    task: str = "gsm8k"  # GPU lanes; the CPU lane uses the offline task
+    limit: int | None = None  # sample limit; must match the baseline's unless allowed
     allow_sample_mismatch: bool = False
-    record_baseline: bool = False      # measure and write the baseline entry instead of comparing
+    record_baseline: bool = False  # measure and write the baseline entry instead of comparing
     num_concurrent: int = 100
     baselines: Path = BASELINES
 
@@ -49,9 +49,9 @@ class Baseline:
     value: float
     metric: str = "exact_match"
     filter: str = "strict-match"
-    samples: int | None = None      # None = the task's full set
+    samples: int | None = None  # None = the task's full set
     num_fewshot: int = 5
-    endpoint: str = "completions"   # completions | chat
+    endpoint: str = "completions"  # completions | chat
     rtol: float = 0.05
     source: str = ""
 
@@ -76,10 +76,12 @@ def find_baseline(baselines: Sequence[Baseline], model: str, task: str) -> Basel
 
 
 def missing_baseline_message(model: str, task: str, path: Path = BASELINES) -> str:
-    return (f"no accuracy baseline for model {model!r} on task {task!r} in {path}: the check "
-            "cannot pass without one. Record it from a trusted run with `--record-baseline` "
-            "(writes value, sample count, date and command), or run exploratory sweeps with "
-            "`--accuracy=warn`")
+    return (
+        f"no accuracy baseline for model {model!r} on task {task!r} in {path}: the check "
+        "cannot pass without one. Record it from a trusted run with `--record-baseline` "
+        "(writes value, sample count, date and command), or run exploratory sweeps with "
+        "`--accuracy=warn`"
+    )
 
 
 def wilson_lower(successes: float, n: int, z: float = 1.96) -> float:
@@ -93,18 +95,37 @@ def wilson_lower(successes: float, n: int, z: float = 1.96) -> float:
     return max(0.0, (centre - margin) / denom)
 
 
-def compare(measured: float, n: int, baseline: Baseline, *, rule: str = "tolerance",
-            allow_sample_mismatch: bool = False, mode: str = "enforce") -> CheckResult:
+def compare(
+    measured: float,
+    n: int,
+    baseline: Baseline,
+    *,
+    rule: str = "tolerance",
+    allow_sample_mismatch: bool = False,
+    mode: str = "enforce",
+) -> CheckResult:
     """Verdict of a measured value against its baseline."""
     if rule not in RULES:
         raise ConfigError("--accuracy-rule", f"got {rule!r}; allowed: {', '.join(RULES)}")
-    details: dict[str, Any] = {"measured": measured, "samples": n, "baseline": baseline.value,
-                               "baseline_samples": baseline.samples, "rule": rule, "rtol": baseline.rtol,
-                               "metric": baseline.key, "source": baseline.source}
+    details: dict[str, Any] = {
+        "measured": measured,
+        "samples": n,
+        "baseline": baseline.value,
+        "baseline_samples": baseline.samples,
+        "rule": rule,
+        "rtol": baseline.rtol,
+        "metric": baseline.key,
+        "source": baseline.source,
+    }
     if baseline.samples is not None and n != baseline.samples and not allow_sample_mismatch:
-        return CheckResult("accuracy", FAIL, f"refused: measured on {n} samples but the baseline "
-                           f"was set on {baseline.samples}; thresholds do not carry across sample "
-                           "sizes (allow explicitly with --allow-sample-mismatch)", details)
+        return CheckResult(
+            "accuracy",
+            FAIL,
+            f"refused: measured on {n} samples but the baseline "
+            f"was set on {baseline.samples}; thresholds do not carry across sample "
+            "sizes (allow explicitly with --allow-sample-mismatch)",
+            details,
+        )
     if rule == "tolerance":
         lo, hi = baseline.value * (1 - baseline.rtol), baseline.value * (1 + baseline.rtol)
         ok = lo <= measured <= hi
@@ -115,21 +136,34 @@ def compare(measured: float, n: int, baseline: Baseline, *, rule: str = "toleran
         need = baseline.value * (1 - baseline.rtol)
         ok = bound >= need
         details.update(wilson_lower=bound, required=need)
-        how = (f"{measured:.4f} on {n} samples: Wilson lower bound {bound:.4f} vs required "
-               f"{need:.4f} (baseline {baseline.value})")
+        how = (
+            f"{measured:.4f} on {n} samples: Wilson lower bound {bound:.4f} vs required "
+            f"{need:.4f} (baseline {baseline.value})"
+        )
     verdict = PASS if ok or mode == "warn" else FAIL
     prefix = "" if ok else ("WARNING (--accuracy=warn): " if mode == "warn" else "")
     details["verdict_without_warn"] = PASS if ok else FAIL
     return CheckResult("accuracy", verdict, f"{prefix}{baseline.task} {baseline.key} {how}", details)
 
 
-def model_args(*, model: str, base_url: str, endpoint: str = "completions", num_concurrent: int = 100,
-               tokenizer: str | None = None, trust_remote_code: bool = False,
-               revision: str | None = None) -> str:
+def model_args(
+    *,
+    model: str,
+    base_url: str,
+    endpoint: str = "completions",
+    num_concurrent: int = 100,
+    tokenizer: str | None = None,
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+) -> str:
     """lm_eval's model_args string for the router's OpenAI endpoint."""
     path = "chat/completions" if endpoint == "chat" else "completions"
-    args = [f"model={model}", f"base_url={base_url}/v1/{path}", f"num_concurrent={num_concurrent}",
-            "tokenized_requests=False"]
+    args = [
+        f"model={model}",
+        f"base_url={base_url}/v1/{path}",
+        f"num_concurrent={num_concurrent}",
+        "tokenized_requests=False",
+    ]
     if endpoint == "chat":
         args.append("tokenizer_backend=huggingface")
     if tokenizer:
@@ -166,23 +200,47 @@ def compare_samples(pd: Mapping[int, Any], base: Mapping[int, Any], *, baseline:
     """Per-sample identity of two greedy runs (the CPU lane's accuracy rule)."""
     details: dict[str, Any] = {"samples": len(pd), "baseline": baseline}
     if not pd or set(pd) != set(base):
-        return CheckResult("accuracy", FAIL, f"sample sets differ or are empty ({len(pd)} via router, "
-                           f"{len(base)} via {baseline})", details)
+        return CheckResult(
+            "accuracy",
+            FAIL,
+            f"sample sets differ or are empty ({len(pd)} via router, {len(base)} via {baseline})",
+            details,
+        )
     diff = sorted(d for d in pd if pd[d] != base[d])
     details["differing_doc_ids"] = diff[:50]
     if diff:
         d = diff[0]
-        return CheckResult("accuracy", FAIL, f"{len(diff)}/{len(pd)} samples differ between the P/D "
-                           f"router and {baseline} (first: doc {d}: {str(pd[d])[:80]!r} vs "
-                           f"{str(base[d])[:80]!r})", details)
-    return CheckResult("accuracy", PASS, f"{len(pd)}/{len(pd)} lm_eval samples identical through the "
-                       f"P/D router and {baseline} (greedy)", details)
+        return CheckResult(
+            "accuracy",
+            FAIL,
+            f"{len(diff)}/{len(pd)} samples differ between the P/D "
+            f"router and {baseline} (first: doc {d}: {str(pd[d])[:80]!r} vs "
+            f"{str(base[d])[:80]!r})",
+            details,
+        )
+    return CheckResult(
+        "accuracy",
+        PASS,
+        f"{len(pd)}/{len(pd)} lm_eval samples identical through the P/D router and {baseline} (greedy)",
+        details,
+    )
 
 
-def run_lm_eval(*, model: str, base_url: str, task: str, include_path: Path | None = None,
-                endpoint: str = "completions", tokenizer: str | None = None, num_concurrent: int = 100,
-                limit: int | None = None, num_fewshot: int | None = None, trust_remote_code: bool = False,
-                revision: str | None = None, log_samples: bool = False) -> dict[str, Any]:
+def run_lm_eval(
+    *,
+    model: str,
+    base_url: str,
+    task: str,
+    include_path: Path | None = None,
+    endpoint: str = "completions",
+    tokenizer: str | None = None,
+    num_concurrent: int = 100,
+    limit: int | None = None,
+    num_fewshot: int | None = None,
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+    log_samples: bool = False,
+) -> dict[str, Any]:
     """lm_eval.simple_evaluate against an OpenAI-compatible endpoint (imported lazily)."""
     import os
 
@@ -197,23 +255,45 @@ def run_lm_eval(*, model: str, base_url: str, task: str, include_path: Path | No
         kwargs["apply_chat_template"] = True
     return lm_eval.simple_evaluate(
         model=lm_eval_model(endpoint),
-        model_args=model_args(model=model, base_url=base_url, endpoint=endpoint,
-                              num_concurrent=num_concurrent, tokenizer=tokenizer,
-                              trust_remote_code=trust_remote_code, revision=revision),
-        tasks=[task], task_manager=tm, limit=limit, num_fewshot=num_fewshot,
-        log_samples=log_samples, **kwargs)
+        model_args=model_args(
+            model=model,
+            base_url=base_url,
+            endpoint=endpoint,
+            num_concurrent=num_concurrent,
+            tokenizer=tokenizer,
+            trust_remote_code=trust_remote_code,
+            revision=revision,
+        ),
+        tasks=[task],
+        task_manager=tm,
+        limit=limit,
+        num_fewshot=num_fewshot,
+        log_samples=log_samples,
+        **kwargs,
+    )
 
 
 def record_baseline(path: Path, b: Baseline, *, command: str, date: str) -> None:
     """Append ``b`` to the baselines file with how and when it was measured."""
     if find_baseline(load_baselines(path), b.model, b.task) is not None:
-        raise ConfigError("--record-baseline", f"{path} already has a baseline for {b.model} on "
-                          f"{b.task}; remove it first to re-record")
+        raise ConfigError(
+            "--record-baseline",
+            f"{path} already has a baseline for {b.model} on {b.task}; remove it first to re-record",
+        )
     import tomli_w  # only here: a TOML writer, never string formatting
 
-    entry = {"model": b.model, "task": b.task, "value": round(b.value, 4), "metric": b.metric,
-             "filter": b.filter, "samples": b.samples, "num_fewshot": b.num_fewshot,
-             "endpoint": b.endpoint, "rtol": b.rtol, "source": f"recorded {date} by: {command}"}
+    entry = {
+        "model": b.model,
+        "task": b.task,
+        "value": round(b.value, 4),
+        "metric": b.metric,
+        "filter": b.filter,
+        "samples": b.samples,
+        "num_fewshot": b.num_fewshot,
+        "endpoint": b.endpoint,
+        "rtol": b.rtol,
+        "source": f"recorded {date} by: {command}",
+    }
     entry = {k: v for k, v in entry.items() if v is not None}  # TOML has no null: absent = default
     with open(path, "a") as f:
         f.write("\n" + tomli_w.dumps({"baseline": [entry]}))

@@ -23,22 +23,35 @@ from pd_sessions.checks.instances import REQUEST_TIMEOUT_S
 def prompts(n: int) -> list[str]:
     """Distinct prompts with distinct first words, so none hits another's cached prefix."""
     animals = ("otter", "heron", "lynx", "bison", "crane", "gecko", "moose", "panda")
-    return [f"{i} {animals[i % len(animals)]}s crossed burst bridge number {i * 7 + 3} while the "
-            f"{animals[(i + 3) % len(animals)]} counted to" for i in range(n)]
+    return [
+        f"{i} {animals[i % len(animals)]}s crossed burst bridge number {i * 7 + 3} while the "
+        f"{animals[(i + 3) % len(animals)]} counted to"
+        for i in range(n)
+    ]
 
 
-def evaluate(pairs: Sequence[tuple[str, Completion | None, Completion]], errors: Sequence[str],
-             kv: CheckResult, *, requests: int, seconds: float) -> CheckResult:
+def evaluate(
+    pairs: Sequence[tuple[str, Completion | None, Completion]],
+    errors: Sequence[str],
+    kv: CheckResult,
+    *,
+    requests: int,
+    seconds: float,
+) -> CheckResult:
     """Verdict: no request failed, every pair identical, and the KV proof over the burst passed.
 
     ``pairs`` holds (prompt, P/D completion or None when it failed, prefill-direct completion).
     """
     ok_pairs = [(p, pd, base) for p, pd, base in pairs if pd is not None]
     parity = evaluate_exact(ok_pairs, baseline="prefill-direct, alone") if ok_pairs else None
-    details: dict[str, Any] = {"requests": requests, "failed": list(errors),
-                               "burst_seconds": round(seconds, 3),
-                               "parity": parity.details if parity else None, "kv": kv.details,
-                               "kv_verdict": kv.verdict}
+    details: dict[str, Any] = {
+        "requests": requests,
+        "failed": list(errors),
+        "burst_seconds": round(seconds, 3),
+        "parity": parity.details if parity else None,
+        "kv": kv.details,
+        "kv_verdict": kv.verdict,
+    }
     problems = []
     if errors:
         problems.append(f"{len(errors)}/{requests} requests failed (first: {errors[0]})")
@@ -50,9 +63,14 @@ def evaluate(pairs: Sequence[tuple[str, Completion | None, Completion]], errors:
         problems.append(f"KV proof: {kv.message}")
     if problems:
         return CheckResult("burst", FAIL, f"{requests} concurrent requests: " + "; ".join(problems), details)
-    return CheckResult("burst", PASS, f"{requests}/{requests} concurrent requests succeeded in "
-                       f"{seconds:.1f} s, "
-                       f"each identical to prefill-direct alone; {kv.message}", details)
+    return CheckResult(
+        "burst",
+        PASS,
+        f"{requests}/{requests} concurrent requests succeeded in "
+        f"{seconds:.1f} s, "
+        f"each identical to prefill-direct alone; {kv.message}",
+        details,
+    )
 
 
 def run(cluster: Any, options: Mapping[str, Any]) -> CheckResult:
@@ -65,8 +83,9 @@ def run(cluster: Any, options: Mapping[str, Any]) -> CheckResult:
         return {s.name: kv_transfer.external_tokens(http.get_text(f"{s.url}/metrics")) for s in plan.decode}
 
     def one(url: str, prompt: str) -> Completion:
-        return Completion.from_response(http.completion(url, model, prompt, max_tokens=max_tokens,
-                                                        timeout=REQUEST_TIMEOUT_S))
+        return Completion.from_response(
+            http.completion(url, model, prompt, max_tokens=max_tokens, timeout=REQUEST_TIMEOUT_S)
+        )
 
     before = scrape()
     window = kv_transfer.Window.for_cluster(cluster, http.get_text)
@@ -85,10 +104,20 @@ def run(cluster: Any, options: Mapping[str, Any]) -> CheckResult:
     seconds = time.monotonic() - t0
     after = scrape()
     ok = [c for c in results if c is not None]
-    kv = kv_transfer.evaluate(before, after, router_prompt_tokens=sum(c.prompt_tokens for c in ok),
-                              router_requests=len(ok), evidence=window.close(router_requests=len(ok)))
-    kv = per_instance.apply(kv, served_before, per_instance.scrape(plan), requests=len(ok),
-                            roles={"prefill": len(plan.prefill), "decode": len(plan.decode)})
+    kv = kv_transfer.evaluate(
+        before,
+        after,
+        router_prompt_tokens=sum(c.prompt_tokens for c in ok),
+        router_requests=len(ok),
+        evidence=window.close(router_requests=len(ok)),
+    )
+    kv = per_instance.apply(
+        kv,
+        served_before,
+        per_instance.scrape(plan),
+        requests=len(ok),
+        roles={"prefill": len(plan.prefill), "decode": len(plan.decode)},
+    )
     p0 = plan.prefill[0]
     # one at a time: each request alone on prefill-0
     pairs = [(p, c, one(p0.url, p)) for p, c in zip(texts, results) if c is not None]

@@ -25,17 +25,29 @@ from pd_sessions.checks.parity import evaluate_exact
 from pd_sessions.checks.instances import REQUEST_TIMEOUT_S, block_size, tokenize
 
 # One word per token in every tokenizer we have met (the space is part of the word).
-WORDS = (" apple", " river", " stone", " cloud", " green", " table", " seven", " north",
-         " light", " paper", " horse", " water")
+WORDS = (
+    " apple",
+    " river",
+    " stone",
+    " cloud",
+    " green",
+    " table",
+    " seven",
+    " north",
+    " light",
+    " paper",
+    " horse",
+    " water",
+)
 LEAD = {"short": "Short:", "primed": "Primed cache:"}
 
 
 @dataclass(frozen=True)
 class Situation:
-    name: str             # short | primed | partial
+    name: str  # short | primed | partial
     prompt_tokens: int
     block_size: int
-    baseline: str         # which direct instance the output must equal
+    baseline: str  # which direct instance the output must equal
     pd: Completion
     base: Completion
 
@@ -43,17 +55,18 @@ class Situation:
 def lengths(block: int) -> dict[str, int]:
     """Target prompt lengths in tokens for each situation.
 
-        short   : block // 2            (< one block: nothing to cache)
-        primed  : 2 * block + block // 2 (two full blocks cached on decode, a partial third)
-        partial : primed + block + block // 2 (the primed blocks hit, the rest is new)
+    short   : block // 2            (< one block: nothing to cache)
+    primed  : 2 * block + block // 2 (two full blocks cached on decode, a partial third)
+    partial : primed + block + block // 2 (the primed blocks hit, the rest is new)
     """
     half = max(1, block // 2)
     primed = 2 * block + half
     return {"short": half, "primed": primed, "partial": primed + block + half}
 
 
-def situation_errors(name: str, tokens: int, block: int, *, primed_tokens: int | None = None,
-                     prefix_ok: bool = True) -> list[str]:
+def situation_errors(
+    name: str, tokens: int, block: int, *, primed_tokens: int | None = None, prefix_ok: bool = True
+) -> list[str]:
     """Why a built prompt would not make its situation arise (empty = it does)."""
     errors = []
     if name == "short" and not 0 < tokens < block:
@@ -62,8 +75,9 @@ def situation_errors(name: str, tokens: int, block: int, *, primed_tokens: int |
         errors.append(f"primed prompt has {tokens} tokens, fewer than two blocks ({2 * block})")
     if name == "partial":
         if primed_tokens is None or tokens < primed_tokens + block:
-            errors.append(f"partial prompt has {tokens} tokens, not a block more than the primed "
-                          f"one ({primed_tokens})")
+            errors.append(
+                f"partial prompt has {tokens} tokens, not a block more than the primed one ({primed_tokens})"
+            )
         if not prefix_ok:
             errors.append("partial prompt's tokens do not start with the primed prompt's tokens")
     return errors
@@ -71,28 +85,46 @@ def situation_errors(name: str, tokens: int, block: int, *, primed_tokens: int |
 
 def evaluate(situations: Sequence[Situation], build_errors: Sequence[str] = ()) -> CheckResult:
     """Every situation arose and its P/D output equals its direct baseline, token for token."""
-    details: dict[str, Any] = {"situations": [
-        {"name": s.name, "prompt_tokens": s.prompt_tokens, "block_size": s.block_size,
-         "baseline": s.baseline, "same": s.pd.token_ids == s.base.token_ids and bool(s.pd.token_ids),
-         "pd_token_ids": list(s.pd.token_ids or ()), "baseline_token_ids": list(s.base.token_ids or ())}
-        for s in situations], "build_errors": list(build_errors)}
+    details: dict[str, Any] = {
+        "situations": [
+            {
+                "name": s.name,
+                "prompt_tokens": s.prompt_tokens,
+                "block_size": s.block_size,
+                "baseline": s.baseline,
+                "same": s.pd.token_ids == s.base.token_ids and bool(s.pd.token_ids),
+                "pd_token_ids": list(s.pd.token_ids or ()),
+                "baseline_token_ids": list(s.base.token_ids or ()),
+            }
+            for s in situations
+        ],
+        "build_errors": list(build_errors),
+    }
     if build_errors:
-        return CheckResult("cache_paths", FAIL, "could not build the situations: "
-                           + "; ".join(build_errors), details)
+        return CheckResult(
+            "cache_paths", FAIL, "could not build the situations: " + "; ".join(build_errors), details
+        )
     if {s.name for s in situations} != {"short", "primed", "partial"}:
-        return CheckResult("cache_paths", FAIL, f"ran {[s.name for s in situations]}, not all of "
-                           "short, primed, partial", details)
+        return CheckResult(
+            "cache_paths",
+            FAIL,
+            f"ran {[s.name for s in situations]}, not all of short, primed, partial",
+            details,
+        )
     bad = []
     for s in situations:
         r = evaluate_exact([(s.name, s.pd, s.base)], baseline=s.baseline)
         if not r.passed:
             bad.append(f"{s.name} ({s.prompt_tokens} tokens, block {s.block_size}): {r.message}")
     if bad:
-        return CheckResult("cache_paths", FAIL, f"{len(bad)}/3 situations differ: " + "; ".join(bad),
-                           details)
+        return CheckResult("cache_paths", FAIL, f"{len(bad)}/3 situations differ: " + "; ".join(bad), details)
     parts = ", ".join(f"{s.name} {s.prompt_tokens} tok" for s in situations)
-    return CheckResult("cache_paths", PASS, f"3/3 prefix-cache situations identical token for token "
-                       f"(block {situations[0].block_size}: {parts})", details)
+    return CheckResult(
+        "cache_paths",
+        PASS,
+        f"3/3 prefix-cache situations identical token for token (block {situations[0].block_size}: {parts})",
+        details,
+    )
 
 
 def _text(lead: str, n_words: int, offset: int = 0) -> str:
@@ -105,8 +137,9 @@ def _rate(url: str, model: str) -> float:
     return max(1.0, len(tokenize(url, model, _text("", sample)).tokens) / sample)
 
 
-def _fit(url: str, model: str, lead: str, target: int, rate: float, *,
-         offset: int = 0) -> tuple[str, tuple[int, ...]]:
+def _fit(
+    url: str, model: str, lead: str, target: int, rate: float, *, offset: int = 0
+) -> tuple[str, tuple[int, ...]]:
     """``lead`` + words, with a token count from ``target`` to a few words' worth above it."""
     base = len(tokenize(url, model, lead).tokens)
     words = max(1, round((target - base) / rate))
@@ -129,26 +162,58 @@ def run(cluster: Any, options: Mapping[str, Any]) -> CheckResult:
     p0, d0 = plan.prefill[0], plan.decode[0]
 
     def complete(url: str, prompt: str) -> Completion:
-        return Completion.from_response(http.completion(url, model, prompt, max_tokens=MAX_TOKENS,
-                                                        timeout=REQUEST_TIMEOUT_S))
+        return Completion.from_response(
+            http.completion(url, model, prompt, max_tokens=MAX_TOKENS, timeout=REQUEST_TIMEOUT_S)
+        )
 
     rate = _rate(p0.url, model)
     short, short_t = _fit(p0.url, model, LEAD["short"], want["short"], rate)
     primed, primed_t = _fit(p0.url, model, LEAD["primed"], want["primed"], rate)
     half = want["partial"] - want["primed"]  # a block and a half more than the primed prompt
     partial, partial_t = _fit(p0.url, model, primed, len(primed_t) + half, rate, offset=3)
-    errors = (situation_errors("short", len(short_t), block)
-              + situation_errors("primed", len(primed_t), block)
-              + situation_errors("partial", len(partial_t), block, primed_tokens=len(primed_t),
-                                 prefix_ok=partial_t[:len(primed_t)] == primed_t))
+    errors = (
+        situation_errors("short", len(short_t), block)
+        + situation_errors("primed", len(primed_t), block)
+        + situation_errors(
+            "partial",
+            len(partial_t),
+            block,
+            primed_tokens=len(primed_t),
+            prefix_ok=partial_t[: len(primed_t)] == primed_t,
+        )
+    )
     if errors:
         return evaluate([], errors)
-    out = [Situation("short", len(short_t), block, f"{p0.name} direct",
-                     complete(plan.router.url, short), complete(p0.url, short))]
+    out = [
+        Situation(
+            "short",
+            len(short_t),
+            block,
+            f"{p0.name} direct",
+            complete(plan.router.url, short),
+            complete(p0.url, short),
+        )
+    ]
     # prime every decode (the router may pick any of them); decode-0's answer is the baseline
     primes = {d.name: complete(d.url, primed) for d in plan.decode}
-    out.append(Situation("primed", len(primed_t), block, f"{d0.name} direct",
-                         complete(plan.router.url, primed), primes[d0.name]))
-    out.append(Situation("partial", len(partial_t), block, f"{p0.name} direct",
-                         complete(plan.router.url, partial), complete(p0.url, partial)))
+    out.append(
+        Situation(
+            "primed",
+            len(primed_t),
+            block,
+            f"{d0.name} direct",
+            complete(plan.router.url, primed),
+            primes[d0.name],
+        )
+    )
+    out.append(
+        Situation(
+            "partial",
+            len(partial_t),
+            block,
+            f"{p0.name} direct",
+            complete(plan.router.url, partial),
+            complete(p0.url, partial),
+        )
+    )
     return evaluate(out)

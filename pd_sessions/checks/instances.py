@@ -46,8 +46,9 @@ def gauges(metrics_text: str, names: Sequence[str]) -> dict[str, float]:
     return sample_sums(metrics_text, names)
 
 
-def scrape_gauges(spec: ProcessSpec, names: Sequence[str] = (RUNNING, WAITING, KV_USAGE),
-                  timeout: float = 5.0) -> dict[str, float]:
+def scrape_gauges(
+    spec: ProcessSpec, names: Sequence[str] = (RUNNING, WAITING, KV_USAGE), timeout: float = 5.0
+) -> dict[str, float]:
     return gauges(http.get_text(f"{spec.url}/metrics", timeout=timeout), names)
 
 
@@ -61,5 +62,3 @@ def health(specs: Sequence[ProcessSpec], timeout: float = 5.0) -> dict[str, str]
         except http.HttpError as e:
             out[s.name] = e.reason
     return out
-
-

@@ -53,12 +53,12 @@ NIXL_METRICS = (NIXL_SUCCESS_COUNT, NIXL_SUCCESS_BYTES, *NIXL_FAILURES)
 # Lines of an instance log that mean a transfer failed (vLLM 0.26/0.32 NIXL and Mooncake
 # connectors). Matched case-sensitively, anywhere in the line.
 FAILURE_PATTERNS: tuple[str, ...] = (
-    r"NIXL transfer failure",                    # nixl base_worker._log_failure (all kinds)
+    r"NIXL transfer failure",  # nixl base_worker._log_failure (all kinds)
     r"handshake_setup_failed",
-    r"is not divisible by remote block size",    # the handshake's block-size check
-    r"pulling kv_caches for .* failed",          # mooncake decode
+    r"is not divisible by remote block size",  # the handshake's block-size check
+    r"pulling kv_caches for .* failed",  # mooncake decode
     r"Mooncake transfer engine returned",
-    r"Sending to \S+ failed \(ret=",             # mooncake prefill
+    r"Sending to \S+ failed \(ret=",  # mooncake prefill
     r"Error in Mooncake sender thread",
     r"Error processing Mooncake xfer request",
 )
@@ -81,10 +81,13 @@ def external_tokens(metrics_text: str) -> float:
                 total += s.value
                 seen = True
     if not seen:
-        names = sorted({f.name for f in text_string_to_metric_families(metrics_text)
-                        if "prompt_tokens" in f.name})
-        raise MetricMissing(f"{METRIC}{{source=\"{SOURCE}\"}} not exposed (prompt-token metrics seen: "
-                            f"{', '.join(names) or 'none'})")
+        names = sorted(
+            {f.name for f in text_string_to_metric_families(metrics_text) if "prompt_tokens" in f.name}
+        )
+        raise MetricMissing(
+            f'{METRIC}{{source="{SOURCE}"}} not exposed (prompt-token metrics seen: '
+            f"{', '.join(names) or 'none'})"
+        )
     return total
 
 
@@ -132,7 +135,7 @@ def transfer_stats(log_text: str) -> dict[str, float]:
 class Evidence:
     """What the gatherer saw besides the scheduling-time counter (all over the window)."""
 
-    connector: str                                     # "nixl" | "mooncake"
+    connector: str  # "nixl" | "mooncake"
     # decode name -> {sample name: value} before/after (NIXL_METRICS; empty for mooncake)
     metrics_before: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     metrics_after: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
@@ -154,16 +157,16 @@ def _deltas(ev: Evidence) -> dict[str, float]:
 def success_verdict(ev: Evidence, *, router_requests: int) -> tuple[str | None, dict[str, Any]]:
     """(failure reason or None, details) from the success evidence alone.
 
-        log failure lines in the window                  -> fail, naming the first lines
-        nixl: metrics absent from decode /metrics        -> fail (cannot prove success)
-        nixl: a failure counter rose                     -> fail
-        nixl: xfer count rose < router_requests, or
-              bytes transferred did not rise             -> fail (scheduled, not transferred)
-        mooncake: no "KV Transfer metrics" line          -> fail (cannot prove success; the
-                                                            line needs log stats on)
-        mooncake: failed transfers/recvs > 0             -> fail
-        mooncake: successful transfers < 1               -> fail
-        otherwise                                        -> None (pass)
+    log failure lines in the window                  -> fail, naming the first lines
+    nixl: metrics absent from decode /metrics        -> fail (cannot prove success)
+    nixl: a failure counter rose                     -> fail
+    nixl: xfer count rose < router_requests, or
+          bytes transferred did not rise             -> fail (scheduled, not transferred)
+    mooncake: no "KV Transfer metrics" line          -> fail (cannot prove success; the
+                                                        line needs log stats on)
+    mooncake: failed transfers/recvs > 0             -> fail
+    mooncake: successful transfers < 1               -> fail
+    otherwise                                        -> None (pass)
     """
     details: dict[str, Any] = {"connector": ev.connector}
     bad_logs = {n: list(lines) for n, lines in ev.log_failures.items() if lines}
@@ -171,48 +174,63 @@ def success_verdict(ev: Evidence, *, router_requests: int) -> tuple[str | None, 
     if bad_logs:
         shown = [f"{n}: {line}" for n, lines in bad_logs.items() for line in lines][:MAX_LOG_LINES_SHOWN]
         total = sum(len(v) for v in bad_logs.values())
-        return (f"{total} connector failure line(s) in the instance logs: "
-                + " | ".join(s[:300] for s in shown)), details
+        return (
+            f"{total} connector failure line(s) in the instance logs: " + " | ".join(s[:300] for s in shown)
+        ), details
     if ev.connector == "nixl":
         d = _deltas(ev)
         details["nixl_before"] = {k: dict(v) for k, v in ev.metrics_before.items()}
         details["nixl_after"] = {k: dict(v) for k, v in ev.metrics_after.items()}
         details["nixl_delta"] = d
         if NIXL_SUCCESS_COUNT not in d or NIXL_SUCCESS_BYTES not in d:
-            return (f"decode /metrics has no {NIXL_SUCCESS_COUNT} / {NIXL_SUCCESS_BYTES}: the NIXL "
-                    "connector's success cannot be proven (is the decode a NIXL consumer?)"), details
+            return (
+                f"decode /metrics has no {NIXL_SUCCESS_COUNT} / {NIXL_SUCCESS_BYTES}: the NIXL "
+                "connector's success cannot be proven (is the decode a NIXL consumer?)"
+            ), details
         failed = {k: d[k] for k in NIXL_FAILURES if d.get(k, 0) > 0}
         if failed:
             return f"NIXL failure counters rose: {failed}", details
         count, nbytes = d[NIXL_SUCCESS_COUNT], d[NIXL_SUCCESS_BYTES]
         if count < router_requests or nbytes <= 0:
-            return (f"NIXL completed {count:g} transfers ({nbytes:g} bytes) for {router_requests} "
-                    f"router requests: requests were scheduled for KV transfer but the transfers "
-                    f"did not complete"), details
+            return (
+                f"NIXL completed {count:g} transfers ({nbytes:g} bytes) for {router_requests} "
+                f"router requests: requests were scheduled for KV transfer but the transfers "
+                f"did not complete"
+            ), details
         return None, details
     if ev.connector == "mooncake":
         details["mooncake_log_stats"] = {k: dict(v) for k, v in ev.log_stats.items()}
         if not ev.log_stats:
-            return ("no prefill logged \"KV Transfer metrics\" in the window: Mooncake's success "
-                    "cannot be proven (vLLM exposes no Mooncake metrics; its stats line needs log "
-                    "stats on, i.e. no --disable-log-stats)"), details
+            return (
+                'no prefill logged "KV Transfer metrics" in the window: Mooncake\'s success '
+                "cannot be proven (vLLM exposes no Mooncake metrics; its stats line needs log "
+                "stats on, i.e. no --disable-log-stats)"
+            ), details
         ok = sum(s.get("Num successful transfers", 0) for s in ev.log_stats.values())
-        failed = sum(s.get("Num failed transfers", 0) + s.get("Num failed recvs", 0)
-                     for s in ev.log_stats.values())
+        failed = sum(
+            s.get("Num failed transfers", 0) + s.get("Num failed recvs", 0) for s in ev.log_stats.values()
+        )
         details["mooncake_successful_transfers"] = ok
         details["mooncake_failed_transfers"] = failed
         if failed > 0:
             return f"Mooncake logged {failed:g} failed transfers/recvs in the window", details
         if ok < 1:
-            return (f"Mooncake logged {ok:g} successful transfers for {router_requests} router "
-                    "requests"), details
+            return (
+                f"Mooncake logged {ok:g} successful transfers for {router_requests} router requests"
+            ), details
         return None, details
     return f"no success evidence rule for connector {ev.connector!r}", details
 
 
-def evaluate(before: Mapping[str, float], after: Mapping[str, float], *, router_prompt_tokens: int,
-             router_requests: int, control: tuple[str, float, float] | None = None,
-             evidence: Evidence | None = None) -> CheckResult:
+def evaluate(
+    before: Mapping[str, float],
+    after: Mapping[str, float],
+    *,
+    router_prompt_tokens: int,
+    router_requests: int,
+    control: tuple[str, float, float] | None = None,
+    evidence: Evidence | None = None,
+) -> CheckResult:
     """Verdict on the decode instances' external-KV counter deltas and the success evidence.
 
     before/after: decode name -> counter value. ``control`` is an optional
@@ -225,41 +243,71 @@ def evaluate(before: Mapping[str, float], after: Mapping[str, float], *, router_
     total = sum(deltas.values())
     need = router_prompt_tokens - SLACK_PER_REQUEST * router_requests
     details: dict[str, Any] = {
-        "metric": f'{METRIC}{{source="{SOURCE}"}}', "before": dict(before), "after": dict(after),
-        "delta_by_decode": deltas, "delta": total, "router_requests": router_requests,
-        "router_prompt_tokens": router_prompt_tokens, "required": need}
+        "metric": f'{METRIC}{{source="{SOURCE}"}}',
+        "before": dict(before),
+        "after": dict(after),
+        "delta_by_decode": deltas,
+        "delta": total,
+        "router_requests": router_requests,
+        "router_prompt_tokens": router_prompt_tokens,
+        "required": need,
+    }
     if router_requests <= 0 or router_prompt_tokens <= 0:
         return CheckResult("kv_transfer", FAIL, "no router requests were made in the window", details)
     if total < need or total <= 0:
-        return CheckResult("kv_transfer", FAIL,
-                           f"decode instances received {total:g} prompt tokens by KV transfer, but "
-                           f"{router_requests} router requests carried {router_prompt_tokens} prompt "
-                           f"tokens (need >= {need}): KV did not move, the decode recomputed it "
-                           f"(deltas {deltas})", details)
-    msg = (f"decode received {total:g} prompt tokens by KV transfer for {router_requests} router "
-           f"requests of {router_prompt_tokens} prompt tokens")
+        return CheckResult(
+            "kv_transfer",
+            FAIL,
+            f"decode instances received {total:g} prompt tokens by KV transfer, but "
+            f"{router_requests} router requests carried {router_prompt_tokens} prompt "
+            f"tokens (need >= {need}): KV did not move, the decode recomputed it "
+            f"(deltas {deltas})",
+            details,
+        )
+    msg = (
+        f"decode received {total:g} prompt tokens by KV transfer for {router_requests} router "
+        f"requests of {router_prompt_tokens} prompt tokens"
+    )
     if evidence is None:
-        return CheckResult("kv_transfer", FAIL, msg + ", but no success evidence was gathered: the "
-                           "counter counts at scheduling time, not on success", details)
+        return CheckResult(
+            "kv_transfer",
+            FAIL,
+            msg + ", but no success evidence was gathered: the "
+            "counter counts at scheduling time, not on success",
+            details,
+        )
     reason, ev_details = success_verdict(evidence, router_requests=router_requests)
     details["success"] = ev_details
     if reason:
-        return CheckResult("kv_transfer", FAIL, f"{reason} (the scheduling-time counter rose by "
-                           f"{total:g} of {router_prompt_tokens} prompt tokens)", details)
+        return CheckResult(
+            "kv_transfer",
+            FAIL,
+            f"{reason} (the scheduling-time counter rose by "
+            f"{total:g} of {router_prompt_tokens} prompt tokens)",
+            details,
+        )
     if evidence.connector == "nixl":
         d = ev_details["nixl_delta"]
-        msg += (f"; NIXL completed {d[NIXL_SUCCESS_COUNT]:g} transfers of {d[NIXL_SUCCESS_BYTES]:.0f} "
-                "bytes, no failures")
+        msg += (
+            f"; NIXL completed {d[NIXL_SUCCESS_COUNT]:g} transfers of {d[NIXL_SUCCESS_BYTES]:.0f} "
+            "bytes, no failures"
+        )
     else:
-        msg += (f"; Mooncake logged {ev_details['mooncake_successful_transfers']:g} successful "
-                "transfers, none failed")
+        msg += (
+            f"; Mooncake logged {ev_details['mooncake_successful_transfers']:g} successful "
+            "transfers, none failed"
+        )
     if control is not None:
         name, c0, c1 = control
         details["control"] = {"decode": name, "before": c0, "after": c1}
         if c1 != c0:
-            return CheckResult("kv_transfer", FAIL,
-                               f"a request sent straight to {name} moved the external-KV counter by "
-                               f"{c1 - c0:g}: the counter does not tell transfers apart", details)
+            return CheckResult(
+                "kv_transfer",
+                FAIL,
+                f"a request sent straight to {name} moved the external-KV counter by "
+                f"{c1 - c0:g}: the counter does not tell transfers apart",
+                details,
+            )
         msg += f"; a direct request to {name} left it unchanged"
     return CheckResult("kv_transfer", PASS, msg, details)
 
@@ -277,11 +325,10 @@ class Window:
     start; :meth:`close` reads the stats added since and the failure lines of whole logs. ``scrape(url) -> metrics text`` and the log
     paths are passed in, so tests can drive it with recorded data."""
 
-    def __init__(self, connector: str, decode_urls: Mapping[str, str], logs: Mapping[str, Any],
-                 scrape: Any):
+    def __init__(self, connector: str, decode_urls: Mapping[str, str], logs: Mapping[str, Any], scrape: Any):
         self.connector = connector
         self.decode_urls = dict(decode_urls)
-        self.logs = dict(logs)              # instance name -> Path of its log
+        self.logs = dict(logs)  # instance name -> Path of its log
         self.scrape = scrape
         self.offsets = {n: _size(p) for n, p in self.logs.items()}
         self.before = self._metrics()
@@ -290,8 +337,12 @@ class Window:
     def for_cluster(cls, cluster: Any, scrape: Any) -> Window:
         """A window over a running cluster's decode metrics and instance logs."""
         plan = cluster.plan
-        return cls(plan.config.connector, {s.name: s.url + "/metrics" for s in plan.decode},
-                   {s.name: cluster.run_dir / s.log_name for s in plan.instances}, scrape)
+        return cls(
+            plan.config.connector,
+            {s.name: s.url + "/metrics" for s in plan.decode},
+            {s.name: cluster.run_dir / s.log_name for s in plan.instances},
+            scrape,
+        )
 
     def _metrics(self) -> dict[str, dict[str, float]]:
         if self.connector != "nixl":
@@ -309,8 +360,9 @@ class Window:
                 out[n] = ""
         return out
 
-    def close(self, *, router_requests: int, wait_s: float = EVIDENCE_WAIT_S,
-              clock: Any = None, sleep: Any = None) -> Evidence:
+    def close(
+        self, *, router_requests: int, wait_s: float = EVIDENCE_WAIT_S, clock: Any = None, sleep: Any = None
+    ) -> Evidence:
         """Read the evidence, polling until it suffices or ``wait_s`` passed (stats are flushed
         on an interval); a failure line ends the wait at once."""
         import time
@@ -322,10 +374,13 @@ class Window:
             # Failure lines count from each log's start: the router's readiness probe before
             # the window was a P/D request too (a failed handshake may be logged only then).
             whole, window = self._log_text(since_window=False), self._log_text(since_window=True)
-            ev = Evidence(connector=self.connector, metrics_before=self.before,
-                          metrics_after=self._metrics(),
-                          log_failures={n: failure_lines(t) for n, t in whole.items()},
-                          log_stats={n: s for n, t in window.items() if (s := transfer_stats(t))})
+            ev = Evidence(
+                connector=self.connector,
+                metrics_before=self.before,
+                metrics_after=self._metrics(),
+                log_failures={n: failure_lines(t) for n, t in whole.items()},
+                log_stats={n: s for n, t in window.items() if (s := transfer_stats(t))},
+            )
             reason, _ = success_verdict(ev, router_requests=router_requests)
             if reason is None or any(ev.log_failures.values()) or clock() >= end:
                 return ev

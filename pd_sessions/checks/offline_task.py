@@ -16,7 +16,6 @@ NAMES = ("Ava", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goran", "Hana", "Ivo", 
 ITEMS = ("apples", "books", "coins", "marbles", "pencils", "shells", "stamps", "tickets")
 
 
-
 def task_doc(data: Path) -> dict[str, Any]:
     """The lm_eval task definition (written with yaml.safe_dump: no hand-escaped templates)."""
     return {
@@ -27,13 +26,30 @@ def task_doc(data: Path) -> dict[str, Any]:
         "output_type": "generate_until",
         "doc_to_text": "Question: {{question}}\nAnswer:",
         "doc_to_target": "{{answer}}",
-        "generation_kwargs": {"until": ["Question:", "\n\n"], "do_sample": False, "temperature": 0.0,
-                              "max_gen_toks": 24},
-        "filter_list": [{"name": "strict-match",
-                         "filter": [{"function": "regex", "regex_pattern": r"#### (\-?[0-9\.\,]+)"},
-                                    {"function": "take_first"}]}],
-        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
-                         "ignore_case": True, "ignore_punctuation": False}],
+        "generation_kwargs": {
+            "until": ["Question:", "\n\n"],
+            "do_sample": False,
+            "temperature": 0.0,
+            "max_gen_toks": 24,
+        },
+        "filter_list": [
+            {
+                "name": "strict-match",
+                "filter": [
+                    {"function": "regex", "regex_pattern": r"#### (\-?[0-9\.\,]+)"},
+                    {"function": "take_first"},
+                ],
+            }
+        ],
+        "metric_list": [
+            {
+                "metric": "exact_match",
+                "aggregation": "mean",
+                "higher_is_better": True,
+                "ignore_case": True,
+                "ignore_punctuation": False,
+            }
+        ],
         "num_fewshot": 0,
         "metadata": {"version": 1.0},
     }
@@ -46,8 +62,10 @@ def problems(n: int = 24, seed: int = 0) -> list[dict[str, str]]:
         who, item = rng.choice(NAMES), rng.choice(ITEMS)
         a, b, c = rng.randint(2, 40), rng.randint(2, 40), rng.randint(1, 9)
         total = a + b - c
-        q = (f"{who} has {a} {item} and finds {b} more, then gives {c} away. "
-             f"How many {item} does {who} have now?")
+        q = (
+            f"{who} has {a} {item} and finds {b} more, then gives {c} away. "
+            f"How many {item} does {who} have now?"
+        )
         ans = f"{who} has {a} + {b} = {a + b} {item}, then {a + b} - {c} = {total}.\n#### {total}"
         out.append({"question": q, "answer": ans})
     return out

@@ -38,7 +38,8 @@ DEFAULT_MARGIN_EVIDENCE = (
     "of two such moves (0.65), and the one flip seen was 0.016. 1.0 nat covers that with room; tokens "
     "a model does not choose sit nats below its top-1: a CPU-lane decode with other weights (vLLM 0.32, "
     "tiny Llama) diverged at position 0 of every prompt by 2.5 to 4.1 nats. Tighten when GPU runs' "
-    "recorded max_gap allow")
+    "recorded max_gap allow"
+)
 
 
 @dataclass(frozen=True)
@@ -51,24 +52,30 @@ class Layout:
     dtype: str
 
     def __str__(self) -> str:
-        return f"TP{self.tp}" + (f" DP{self.dp}" if self.dp > 1 else "") + (" EP" if self.ep else "") + \
-            f" {self.dtype}"
+        return (
+            f"TP{self.tp}"
+            + (f" DP{self.dp}" if self.dp > 1 else "")
+            + (" EP" if self.ep else "")
+            + f" {self.dtype}"
+        )
 
 
 def layouts(config: Any) -> tuple[Layout, Layout]:
     """(reference = prefill-0's layout, decode's layout) of a ClusterConfig."""
     dtype = config.dtype or "auto"
-    return (Layout(config.prefill_tp, 1, False, dtype),
-            Layout(config.decode_tp, config.decode_dp, bool(config.expert_parallel), dtype))
+    return (
+        Layout(config.prefill_tp, 1, False, dtype),
+        Layout(config.decode_tp, config.decode_dp, bool(config.expert_parallel), dtype),
+    )
 
 
 def choose_mode(config: Any) -> tuple[str, str]:
     """(mode, why) for a ClusterConfig.
 
-        parity_mode = "exact"      -> exact  (forced by the config)
-        parity_mode = "margin"     -> margin (forced by the config)
-        auto, same layout          -> exact  (same TP, DP, EP and dtype on both sides)
-        auto, layouts differ       -> margin (rounding of another layout may flip near-ties)
+    parity_mode = "exact"      -> exact  (forced by the config)
+    parity_mode = "margin"     -> margin (forced by the config)
+    auto, same layout          -> exact  (same TP, DP, EP and dtype on both sides)
+    auto, layouts differ       -> margin (rounding of another layout may flip near-ties)
     """
     mode = getattr(config, "parity_mode", "auto")
     ref, dec = layouts(config)
@@ -76,11 +83,14 @@ def choose_mode(config: Any) -> tuple[str, str]:
         return mode, f"parity_mode = {mode!r} in the config (reference {ref}, decode {dec})"
     if ref == dec:
         return "exact", f"reference (prefill-0) and decode share one numeric layout ({ref})"
-    return "margin", (f"numeric layouts differ: reference (prefill-0) {ref} vs decode {dec}; rounding "
-                      "may flip near-tied tokens without anything being broken")
+    return "margin", (
+        f"numeric layouts differ: reference (prefill-0) {ref} vs decode {dec}; rounding "
+        "may flip near-tied tokens without anything being broken"
+    )
 
 
 # ---------------------------------------------------------------- exact
+
 
 def _first_diff(a: Sequence[Any], b: Sequence[Any]) -> int:
     for i, (x, y) in enumerate(zip(a, b)):
@@ -89,8 +99,9 @@ def _first_diff(a: Sequence[Any], b: Sequence[Any]) -> int:
     return min(len(a), len(b))
 
 
-def evaluate_exact(pairs: Sequence[tuple[str, Completion, Completion]], *, baseline: str,
-                   why: str = "") -> CheckResult:
+def evaluate_exact(
+    pairs: Sequence[tuple[str, Completion, Completion]], *, baseline: str, why: str = ""
+) -> CheckResult:
     """Token-for-token equality of (prompt, P/D completion, baseline completion) pairs.
 
     Compares token ids when both sides have them, else text.
@@ -104,27 +115,47 @@ def evaluate_exact(pairs: Sequence[tuple[str, Completion, Completion]], *, basel
         a = pd.token_ids if use_ids else pd.text
         b = base.token_ids if use_ids else base.text
         same = a == b and len(a or ()) > 0
-        rows.append({"prompt": prompt[:60], "same": same, "pd_text": pd.text, "baseline_text": base.text,
-                     "pd_token_ids": list(pd.token_ids or ()), "baseline_token_ids": list(base.token_ids or ())})
+        rows.append(
+            {
+                "prompt": prompt[:60],
+                "same": same,
+                "pd_text": pd.text,
+                "baseline_text": base.text,
+                "pd_token_ids": list(pd.token_ids or ()),
+                "baseline_token_ids": list(base.token_ids or ()),
+            }
+        )
         if not same:
             at = _first_diff(a or (), b or ())
-            mismatches.append(f"prompt {prompt[:40]!r}: differ at {'token' if use_ids else 'char'} {at} "
-                              f"(P/D {pd.text!r} vs {baseline} {base.text!r})")
+            mismatches.append(
+                f"prompt {prompt[:40]!r}: differ at {'token' if use_ids else 'char'} {at} "
+                f"(P/D {pd.text!r} vs {baseline} {base.text!r})"
+            )
     details = {"mode": "exact", "mode_reason": why, "baseline": baseline, "prompts": rows}
     if mismatches:
-        return CheckResult("parity", FAIL, f"{len(mismatches)}/{len(pairs)} prompts differ: "
-                           + "; ".join(mismatches), details)
-    return CheckResult("parity", PASS, f"{len(pairs)}/{len(pairs)} prompts identical token for token "
-                       f"(P/D via router vs {baseline}; exact mode: {why})", details)
+        return CheckResult(
+            "parity",
+            FAIL,
+            f"{len(mismatches)}/{len(pairs)} prompts differ: " + "; ".join(mismatches),
+            details,
+        )
+    return CheckResult(
+        "parity",
+        PASS,
+        f"{len(pairs)}/{len(pairs)} prompts identical token for token "
+        f"(P/D via router vs {baseline}; exact mode: {why})",
+        details,
+    )
 
 
 # ---------------------------------------------------------------- margin
+
 
 @dataclass(frozen=True)
 class ForcedToken:
     """One P/D token as the reference scored it when teacher-forced."""
 
-    position: int           # index in the P/D completion
+    position: int  # index in the P/D completion
     token: int
     logprob: float
     rank: int
@@ -141,8 +172,13 @@ class ForcedToken:
 def teacher_force_payload(model: str, prompt_ids: Sequence[int], pd_ids: Sequence[int]) -> dict[str, Any]:
     """The /v1/completions request that scores ``pd_ids`` after ``prompt_ids`` on the reference
     (vLLM's ``prompt_logprobs`` extension: the forced token and the top-1 at every position)."""
-    return {"model": model, "prompt": [*prompt_ids, *pd_ids], "max_tokens": 1, "temperature": 0.0,
-            "prompt_logprobs": 1}
+    return {
+        "model": model,
+        "prompt": [*prompt_ids, *pd_ids],
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "prompt_logprobs": 1,
+    }
 
 
 def forced_tokens(resp: Mapping[str, Any], n_prompt: int, pd_ids: Sequence[int]) -> list[ForcedToken]:
@@ -151,8 +187,10 @@ def forced_tokens(resp: Mapping[str, Any], n_prompt: int, pd_ids: Sequence[int])
     choice = (resp.get("choices") or [{}])[0]
     plp = choice.get("prompt_logprobs")
     if not isinstance(plp, list) or len(plp) < n_prompt + len(pd_ids):
-        raise ValueError(f"reference returned no prompt_logprobs for {n_prompt + len(pd_ids)} tokens "
-                         f"(got {type(plp).__name__} of {len(plp) if isinstance(plp, list) else 0})")
+        raise ValueError(
+            f"reference returned no prompt_logprobs for {n_prompt + len(pd_ids)} tokens "
+            f"(got {type(plp).__name__} of {len(plp) if isinstance(plp, list) else 0})"
+        )
     out = []
     for j, tok in enumerate(pd_ids):
         entry = plp[n_prompt + j] or {}
@@ -161,23 +199,44 @@ def forced_tokens(resp: Mapping[str, Any], n_prompt: int, pd_ids: Sequence[int])
             raise ValueError(f"prompt_logprobs at position {n_prompt + j} lack the forced token {tok}")
         top_id, top = min(scored.items(), key=lambda kv: (kv[1].get("rank") or 10**9, -kv[1]["logprob"]))
         own = scored[tok]
-        out.append(ForcedToken(position=j, token=tok, logprob=float(own["logprob"]), rank=int(own.get("rank") or 0),
-                               text=str(own.get("decoded_token", "")), top_token=top_id,
-                               top_logprob=float(top["logprob"]), top_text=str(top.get("decoded_token", ""))))
+        out.append(
+            ForcedToken(
+                position=j,
+                token=tok,
+                logprob=float(own["logprob"]),
+                rank=int(own.get("rank") or 0),
+                text=str(own.get("decoded_token", "")),
+                top_token=top_id,
+                top_logprob=float(top["logprob"]),
+                top_text=str(top.get("decoded_token", "")),
+            )
+        )
     return out
 
 
-def evaluate_margin(rows: Sequence[tuple[str, Sequence[ForcedToken]]], *, margin: float, baseline: str,
-                    why: str = "", margin_evidence: str = "") -> CheckResult:
+def evaluate_margin(
+    rows: Sequence[tuple[str, Sequence[ForcedToken]]],
+    *,
+    margin: float,
+    baseline: str,
+    why: str = "",
+    margin_evidence: str = "",
+) -> CheckResult:
     """Every P/D token must be the reference's top-1 or within ``margin`` nats of it.
 
-        no prompts, or a prompt with no P/D tokens  -> fail
-        any token with gap > margin                 -> fail, naming prompt, position, both
-                                                       tokens and their logprobs (first per prompt)
-        otherwise                                   -> pass; near-ties (0 < gap <= margin) counted
+    no prompts, or a prompt with no P/D tokens  -> fail
+    any token with gap > margin                 -> fail, naming prompt, position, both
+                                                   tokens and their logprobs (first per prompt)
+    otherwise                                   -> pass; near-ties (0 < gap <= margin) counted
     """
-    details: dict[str, Any] = {"mode": "margin", "mode_reason": why, "margin": margin,
-                               "margin_evidence": margin_evidence, "baseline": baseline, "prompts": []}
+    details: dict[str, Any] = {
+        "mode": "margin",
+        "mode_reason": why,
+        "margin": margin,
+        "margin_evidence": margin_evidence,
+        "baseline": baseline,
+        "prompts": [],
+    }
     if not rows:
         return CheckResult("parity", FAIL, "no prompts were compared", details)
     failures, near, total, max_gap = [], 0, 0, 0.0
@@ -187,24 +246,53 @@ def evaluate_margin(rows: Sequence[tuple[str, Sequence[ForcedToken]]], *, margin
         near += sum(1 for t in toks if t.token != t.top_token and t.gap <= margin)
         total += len(toks)
         max_gap = max([max_gap, *gaps])
-        details["prompts"].append({
-            "prompt": prompt[:60], "tokens": len(toks), "max_gap": max(gaps, default=None),
-            "not_top1": [{"position": t.position, "pd_token": t.token, "pd_text": t.text, "pd_logprob": t.logprob,
-                          "pd_rank": t.rank, "ref_token": t.top_token, "ref_text": t.top_text,
-                          "ref_logprob": t.top_logprob, "gap": t.gap} for t in toks if t.token != t.top_token],
-            "same": not beyond and bool(toks)})
+        details["prompts"].append(
+            {
+                "prompt": prompt[:60],
+                "tokens": len(toks),
+                "max_gap": max(gaps, default=None),
+                "not_top1": [
+                    {
+                        "position": t.position,
+                        "pd_token": t.token,
+                        "pd_text": t.text,
+                        "pd_logprob": t.logprob,
+                        "pd_rank": t.rank,
+                        "ref_token": t.top_token,
+                        "ref_text": t.top_text,
+                        "ref_logprob": t.top_logprob,
+                        "gap": t.gap,
+                    }
+                    for t in toks
+                    if t.token != t.top_token
+                ],
+                "same": not beyond and bool(toks),
+            }
+        )
         if not toks:
             failures.append(f"prompt {prompt[:40]!r}: the P/D completion had no tokens")
         elif beyond:
             t = beyond[0]
-            failures.append(f"prompt {prompt[:40]!r} position {t.position}: P/D token {t.token} {t.text!r} "
-                            f"(logprob {t.logprob:.4f}, rank {t.rank}) vs reference top-1 {t.top_token} "
-                            f"{t.top_text!r} (logprob {t.top_logprob:.4f}): gap {t.gap:.4f} > margin {margin:g}"
-                            + (f" (+{len(beyond) - 1} more beyond the margin)" if len(beyond) > 1 else ""))
+            failures.append(
+                f"prompt {prompt[:40]!r} position {t.position}: P/D token {t.token} {t.text!r} "
+                f"(logprob {t.logprob:.4f}, rank {t.rank}) vs reference top-1 {t.top_token} "
+                f"{t.top_text!r} (logprob {t.top_logprob:.4f}): gap {t.gap:.4f} > margin {margin:g}"
+                + (f" (+{len(beyond) - 1} more beyond the margin)" if len(beyond) > 1 else "")
+            )
     details.update(tokens=total, near_ties=near, max_gap=max_gap)
     if failures:
-        return CheckResult("parity", FAIL, f"{len(failures)}/{len(rows)} prompts diverge from {baseline} beyond "
-                           f"the margin: " + "; ".join(failures), details)
-    return CheckResult("parity", PASS, f"{len(rows)}/{len(rows)} prompts: all {total} P/D tokens are {baseline}'s "
-                       f"top-1 or within {margin:g} nats of it ({near} near-ties, largest gap {max_gap:.4f}; "
-                       f"margin mode: {why})", details)
+        return CheckResult(
+            "parity",
+            FAIL,
+            f"{len(failures)}/{len(rows)} prompts diverge from {baseline} beyond "
+            f"the margin: " + "; ".join(failures),
+            details,
+        )
+    return CheckResult(
+        "parity",
+        PASS,
+        f"{len(rows)}/{len(rows)} prompts: all {total} P/D tokens are {baseline}'s "
+        f"top-1 or within {margin:g} nats of it ({near} near-ties, largest gap {max_gap:.4f}; "
+        f"margin mode: {why})",
+        details,
+    )

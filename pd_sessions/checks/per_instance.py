@@ -19,20 +19,29 @@ PREFILL_METRIC = "vllm:prompt_tokens_total"
 
 def prefill_tokens(metrics_text: str) -> float:
     """Sum of PREFILL_METRIC over engines in one scrape (0 when absent)."""
-    return sum(s.value for f in text_string_to_metric_families(metrics_text) for s in f.samples
-               if s.name == PREFILL_METRIC)
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(metrics_text)
+        for s in f.samples
+        if s.name == PREFILL_METRIC
+    )
 
 
 def scrape(plan) -> dict[str, float]:  # type: ignore[no-untyped-def]
     """name -> the counter that grows when that instance serves a P/D request."""
     out = {p.name: prefill_tokens(http.get_text(f"{p.url}/metrics")) for p in plan.prefill}
-    out.update({d.name: kv_transfer.external_tokens(http.get_text(f"{d.url}/metrics"))
-                for d in plan.decode})
+    out.update({d.name: kv_transfer.external_tokens(http.get_text(f"{d.url}/metrics")) for d in plan.decode})
     return out
 
 
-def idle_instances(before: Mapping[str, float], after: Mapping[str, float], *, requests: int,
-                   roles: Mapping[str, int], direct: Mapping[str, float] | None = None) -> list[str]:
+def idle_instances(
+    before: Mapping[str, float],
+    after: Mapping[str, float],
+    *,
+    requests: int,
+    roles: Mapping[str, int],
+    direct: Mapping[str, float] | None = None,
+) -> list[str]:
     """Instances whose counter did not move over ``requests`` router requests, not counting
     ``direct`` (tokens sent straight to an instance in the window, e.g. parity's baselines).
 
@@ -50,15 +59,28 @@ def idle_instances(before: Mapping[str, float], after: Mapping[str, float], *, r
     return idle
 
 
-def apply(result: CheckResult, before: Mapping[str, float], after: Mapping[str, float], *, requests: int,
-          roles: Mapping[str, int], direct: Mapping[str, float] | None = None) -> CheckResult:
+def apply(
+    result: CheckResult,
+    before: Mapping[str, float],
+    after: Mapping[str, float],
+    *,
+    requests: int,
+    roles: Mapping[str, int],
+    direct: Mapping[str, float] | None = None,
+) -> CheckResult:
     """``result`` with the per-instance counts added; a pass becomes a fail when an instance idled."""
     direct = direct or {}
-    result.details["served_by_instance"] = {n: after.get(n, 0.0) - before[n] - direct.get(n, 0.0)
-                                            for n in before}
+    result.details["served_by_instance"] = {
+        n: after.get(n, 0.0) - before[n] - direct.get(n, 0.0) for n in before
+    }
     idle = idle_instances(before, after, requests=requests, roles=roles, direct=direct)
     if idle and result.passed:
-        return CheckResult(result.name, FAIL, f"{', '.join(idle)} served none of {requests} router "
-                           f"requests (counter unchanged: {PREFILL_METRIC} on prefills, external KV "
-                           f"tokens on decodes): the router ignores it; {result.message}", result.details)
+        return CheckResult(
+            result.name,
+            FAIL,
+            f"{', '.join(idle)} served none of {requests} router "
+            f"requests (counter unchanged: {PREFILL_METRIC} on prefills, external KV "
+            f"tokens on decodes): the router ignores it; {result.message}",
+            result.details,
+        )
     return result

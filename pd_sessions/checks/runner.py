@@ -31,7 +31,13 @@ from pd_sessions import http, stuck
 from pd_sessions.checks import accuracy as acc
 from pd_sessions.checks import kv_transfer, parity, per_instance, registry
 from pd_sessions.checks.base import FAIL, PASS, CheckResult, crashed
-from pd_sessions.checks.completions import MAX_TOKENS, PARITY_PROMPTS, SMOKE_PROMPT, Completion, evaluate_smoke
+from pd_sessions.checks.completions import (
+    MAX_TOKENS,
+    PARITY_PROMPTS,
+    SMOKE_PROMPT,
+    Completion,
+    evaluate_smoke,
+)
 from pd_sessions.checks.instances import REQUEST_TIMEOUT_S
 from pd_sessions.checks.offline_task import TASK as OFFLINE_TASK
 from pd_sessions.checks.offline_task import write_task
@@ -48,8 +54,9 @@ CHECK_REQUEST_TIMEOUT_S = REQUEST_TIMEOUT_S
 
 
 def _complete(base_url: str, model: str, prompt: str) -> Completion:
-    return Completion.from_response(http.completion(base_url, model, prompt, max_tokens=MAX_TOKENS,
-                                                    timeout=CHECK_REQUEST_TIMEOUT_S))
+    return Completion.from_response(
+        http.completion(base_url, model, prompt, max_tokens=MAX_TOKENS, timeout=CHECK_REQUEST_TIMEOUT_S)
+    )
 
 
 def _timed(name: str, results: list[CheckResult], fn: Callable[[], CheckResult]) -> None:
@@ -66,10 +73,14 @@ def _timed(name: str, results: list[CheckResult], fn: Callable[[], CheckResult])
     results.append(r)
 
 
-def run_checks(cluster: Cluster, results: list[CheckResult],
-               accuracy: acc.AccuracyOptions | None = None, skip: tuple[str, ...] = (),
-               selected: Sequence[str] = registry.DEFAULTS,
-               options: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+def run_checks(
+    cluster: Cluster,
+    results: list[CheckResult],
+    accuracy: acc.AccuracyOptions | None = None,
+    skip: tuple[str, ...] = (),
+    selected: Sequence[str] = registry.DEFAULTS,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+) -> None:
     """Run the ``selected`` checks in the registry's order, except those named in ``skip``
     (the caller records why). ``options``: check -> its options (registry defaults fill gaps)."""
     wanted = {n for n in selected if n not in skip}
@@ -87,6 +98,7 @@ def run_checks(cluster: Cluster, results: list[CheckResult],
             r.message += f"; stuck: {diagnosis}"
             r.details["stuck"] = diagnosis
             stuck_in.append(f"{name} got no answer within {CHECK_REQUEST_TIMEOUT_S:g} s: {diagnosis}")
+
     plan = cluster.plan
     model = plan.served_model_name
     router = plan.router.url
@@ -100,8 +112,7 @@ def run_checks(cluster: Cluster, results: list[CheckResult],
         return c
 
     def scrape() -> dict[str, float]:
-        return {s.name: kv_transfer.external_tokens(http.get_text(f"{s.url}/metrics"))
-                for s in plan.decode}
+        return {s.name: kv_transfer.external_tokens(http.get_text(f"{s.url}/metrics")) for s in plan.decode}
 
     before_err: list[str] = []
     window: kv_transfer.Window | None = None
@@ -139,21 +150,38 @@ def run_checks(cluster: Cluster, results: list[CheckResult],
                 pd = via_router(p)
                 ids = pd.token_ids or ()
                 if pd.prompt_token_ids is None:
-                    return CheckResult("parity", FAIL, "could not run: the router's answer carries no "
-                                       "prompt_token_ids (return_token_ids unsupported?)")
+                    return CheckResult(
+                        "parity",
+                        FAIL,
+                        "could not run: the router's answer carries no "
+                        "prompt_token_ids (return_token_ids unsupported?)",
+                    )
                 sent += len(pd.prompt_token_ids) + len(ids)  # the forced prompt goes to the baseline
-                resp = http.post_json(f"{baseline.url}/v1/completions",
-                                      parity.teacher_force_payload(model, pd.prompt_token_ids, ids),
-                                      timeout=CHECK_REQUEST_TIMEOUT_S)
+                resp = http.post_json(
+                    f"{baseline.url}/v1/completions",
+                    parity.teacher_force_payload(model, pd.prompt_token_ids, ids),
+                    timeout=CHECK_REQUEST_TIMEOUT_S,
+                )
                 try:
                     rows.append((p, parity.forced_tokens(resp, len(pd.prompt_token_ids), ids)))
                 except ValueError as e:
                     return CheckResult("parity", FAIL, f"could not run: {e}")
-            r = parity.evaluate_margin(rows, margin=plan.config.parity_margin, baseline=label, why=why,
-                                       margin_evidence=parity.DEFAULT_MARGIN_EVIDENCE)
+            r = parity.evaluate_margin(
+                rows,
+                margin=plan.config.parity_margin,
+                baseline=label,
+                why=why,
+                margin_evidence=parity.DEFAULT_MARGIN_EVIDENCE,
+            )
         direct[baseline.name] += sent
-        return per_instance.apply(r, p_before, per_instance.scrape(plan), requests=len(PARITY_PROMPTS),
-                                  roles=roles, direct={baseline.name: sent})
+        return per_instance.apply(
+            r,
+            p_before,
+            per_instance.scrape(plan),
+            requests=len(PARITY_PROMPTS),
+            roles=roles,
+            direct={baseline.name: sent},
+        )
 
     if "parity" in wanted:
         timed("parity", parity_check)
@@ -166,13 +194,19 @@ def run_checks(cluster: Cluster, results: list[CheckResult],
         d0 = plan.decode[0]
         _complete(d0.url, model, CONTROL_PROMPT)
         control_after = scrape()[d0.name]
-        r = kv_transfer.evaluate(before, after, router_prompt_tokens=ledger["tokens"],
-                                 router_requests=ledger["requests"],
-                                 control=(d0.name, after[d0.name], control_after), evidence=evidence)
+        r = kv_transfer.evaluate(
+            before,
+            after,
+            router_prompt_tokens=ledger["tokens"],
+            router_requests=ledger["requests"],
+            control=(d0.name, after[d0.name], control_after),
+            evidence=evidence,
+        )
         # the control request went to decode-0 only, after the window: compare up to `after`
         served_after = {**per_instance.scrape(plan), **after}
-        return per_instance.apply(r, served_before, served_after, requests=ledger["requests"], roles=roles,
-                                  direct=direct)
+        return per_instance.apply(
+            r, served_before, served_after, requests=ledger["requests"], roles=roles, direct=direct
+        )
 
     if "kv_transfer" in wanted:
         timed("kv_transfer", kv)
@@ -190,39 +224,69 @@ def run_checks(cluster: Cluster, results: list[CheckResult],
 def accuracy_check(cluster: Cluster, opts: acc.AccuracyOptions) -> CheckResult:
     plan = cluster.plan
     cfg = plan.config
-    common = dict(model=plan.served_model_name, num_concurrent=opts.num_concurrent,
-                  trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
+    common = dict(
+        model=plan.served_model_name,
+        num_concurrent=opts.num_concurrent,
+        trust_remote_code=cfg.trust_remote_code,
+        revision=cfg.revision,
+    )
     try:
         import lm_eval  # noqa: F401
     except ImportError as e:
-        return CheckResult("accuracy", FAIL, f"could not run: lm_eval is not installed ({e}); "
-                           "install 'lm-eval[api]==0.4.13' or skip it with --skip-check accuracy")
+        return CheckResult(
+            "accuracy",
+            FAIL,
+            f"could not run: lm_eval is not installed ({e}); "
+            "install 'lm-eval[api]==0.4.13' or skip it with --skip-check accuracy",
+        )
     if cfg.model in TINY_MODELS:
         # Absolute accuracy of a random tiny model means nothing: require greedy identity.
         include = write_task(cluster.run_dir / "lm_eval_task")
         runs = {}
         for label, url in (("router", plan.router.url), (plan.prefill[0].name, plan.prefill[0].url)):
-            res = acc.run_lm_eval(base_url=url, task=OFFLINE_TASK, include_path=include,
-                                  tokenizer=plan.model, log_samples=True, **common)
+            res = acc.run_lm_eval(
+                base_url=url,
+                task=OFFLINE_TASK,
+                include_path=include,
+                tokenizer=plan.model,
+                log_samples=True,
+                **common,
+            )
             runs[label] = acc.responses(res, OFFLINE_TASK)
-        return acc.compare_samples(runs["router"], runs[plan.prefill[0].name],
-                                   baseline=f"{plan.prefill[0].name} direct")
+        return acc.compare_samples(
+            runs["router"], runs[plan.prefill[0].name], baseline=f"{plan.prefill[0].name} direct"
+        )
     baseline = acc.find_baseline(acc.load_baselines(opts.baselines), cfg.model, opts.task)
     if baseline is None and not opts.record_baseline:
         msg = acc.missing_baseline_message(cfg.model, opts.task, opts.baselines)
-        return CheckResult("accuracy", PASS if opts.mode == "warn" else FAIL,
-                           ("WARNING (--accuracy=warn): " if opts.mode == "warn" else "") + msg)
+        return CheckResult(
+            "accuracy",
+            PASS if opts.mode == "warn" else FAIL,
+            ("WARNING (--accuracy=warn): " if opts.mode == "warn" else "") + msg,
+        )
     endpoint = baseline.endpoint if baseline else "completions"
-    res = acc.run_lm_eval(base_url=plan.router.url, task=opts.task, endpoint=endpoint,
-                          limit=opts.limit, num_fewshot=baseline.num_fewshot if baseline else 5,
-                          tokenizer=None, **common)
+    res = acc.run_lm_eval(
+        base_url=plan.router.url,
+        task=opts.task,
+        endpoint=endpoint,
+        limit=opts.limit,
+        num_fewshot=baseline.num_fewshot if baseline else 5,
+        tokenizer=None,
+        **common,
+    )
     key = baseline.key if baseline else "exact_match,strict-match"
     value, n = acc.read_result(res, opts.task, key)
     if opts.record_baseline:
         new = acc.Baseline(model=cfg.model, task=opts.task, value=value, samples=n, endpoint=endpoint)
-        acc.record_baseline(opts.baselines, new, command=shlex.join(sys.argv),
-                            date=datetime.date.today().isoformat())
-        return CheckResult("accuracy", PASS, f"recorded baseline {cfg.model}/{opts.task} = {value:.4f} "
-                           f"on {n} samples in {opts.baselines}", {"measured": value, "samples": n})
-    return acc.compare(value, n, baseline, rule=opts.rule, mode=opts.mode,
-                       allow_sample_mismatch=opts.allow_sample_mismatch)
+        acc.record_baseline(
+            opts.baselines, new, command=shlex.join(sys.argv), date=datetime.date.today().isoformat()
+        )
+        return CheckResult(
+            "accuracy",
+            PASS,
+            f"recorded baseline {cfg.model}/{opts.task} = {value:.4f} on {n} samples in {opts.baselines}",
+            {"measured": value, "samples": n},
+        )
+    return acc.compare(
+        value, n, baseline, rule=opts.rule, mode=opts.mode, allow_sample_mismatch=opts.allow_sample_mismatch
+    )

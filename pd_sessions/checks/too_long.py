@@ -24,53 +24,95 @@ WORD = " hello"
 class Answer:
     """What the router did with the too-long prompt."""
 
-    status: int | None      # HTTP status; None = no answer (timeout or connection error)
+    status: int | None  # HTTP status; None = no answer (timeout or connection error)
     seconds: float
-    body: str = ""          # the error body (first 300 characters) or why there was none
+    body: str = ""  # the error body (first 300 characters) or why there was none
 
 
-def evaluate(answer: Answer, *, bound_s: float, prompt_tokens: int, max_model_len: int,
-             health_after: Mapping[str, str], followup: str | None) -> CheckResult:
+def evaluate(
+    answer: Answer,
+    *,
+    bound_s: float,
+    prompt_tokens: int,
+    max_model_len: int,
+    health_after: Mapping[str, str],
+    followup: str | None,
+) -> CheckResult:
     """Verdict.
 
-        no answer within bound_s           -> fail: a hang (names the bound)
-        answered after bound_s             -> fail: too slow
-        2xx                                -> fail: a too-long prompt was accepted
-        5xx or another non-4xx status      -> fail: the wrong kind of error
-        4xx within the bound, but a process
-          unhealthy afterwards             -> fail naming it
-        ... or the follow-up request failed -> fail with its error
-        4xx within the bound, all healthy,
-          follow-up ok                     -> pass
+    no answer within bound_s           -> fail: a hang (names the bound)
+    answered after bound_s             -> fail: too slow
+    2xx                                -> fail: a too-long prompt was accepted
+    5xx or another non-4xx status      -> fail: the wrong kind of error
+    4xx within the bound, but a process
+      unhealthy afterwards             -> fail naming it
+    ... or the follow-up request failed -> fail with its error
+    4xx within the bound, all healthy,
+      follow-up ok                     -> pass
     """
-    details: dict[str, Any] = {"status": answer.status, "seconds": round(answer.seconds, 3),
-                               "bound_s": bound_s, "body": answer.body, "prompt_tokens": prompt_tokens,
-                               "max_model_len": max_model_len, "health_after": dict(health_after),
-                               "followup_error": followup}
+    details: dict[str, Any] = {
+        "status": answer.status,
+        "seconds": round(answer.seconds, 3),
+        "bound_s": bound_s,
+        "body": answer.body,
+        "prompt_tokens": prompt_tokens,
+        "max_model_len": max_model_len,
+        "health_after": dict(health_after),
+        "followup_error": followup,
+    }
     what = f"a {prompt_tokens}-token prompt (max_model_len {max_model_len})"
     if answer.status is None:
-        return CheckResult("too_long", FAIL, f"{what} through the router got no answer within "
-                           f"{bound_s:g} s ({answer.body}): the P/D path hangs on a prompt the "
-                           "prefill rejects", details)
+        return CheckResult(
+            "too_long",
+            FAIL,
+            f"{what} through the router got no answer within "
+            f"{bound_s:g} s ({answer.body}): the P/D path hangs on a prompt the "
+            "prefill rejects",
+            details,
+        )
     if answer.seconds > bound_s:
-        return CheckResult("too_long", FAIL, f"{what} got HTTP {answer.status} only after "
-                           f"{answer.seconds:.1f} s (bound {bound_s:g} s)", details)
+        return CheckResult(
+            "too_long",
+            FAIL,
+            f"{what} got HTTP {answer.status} only after {answer.seconds:.1f} s (bound {bound_s:g} s)",
+            details,
+        )
     if 200 <= answer.status < 300:
-        return CheckResult("too_long", FAIL, f"{what} was accepted (HTTP {answer.status}); "
-                           "expected a 4xx error", details)
+        return CheckResult(
+            "too_long", FAIL, f"{what} was accepted (HTTP {answer.status}); expected a 4xx error", details
+        )
     if not 400 <= answer.status < 500:
-        return CheckResult("too_long", FAIL, f"{what} got HTTP {answer.status}, expected a 4xx "
-                           f"error: {answer.body[:200]}", details)
+        return CheckResult(
+            "too_long",
+            FAIL,
+            f"{what} got HTTP {answer.status}, expected a 4xx error: {answer.body[:200]}",
+            details,
+        )
     sick = {n: h for n, h in health_after.items() if h != "ok"}
     if sick:
-        return CheckResult("too_long", FAIL, f"{what} got HTTP {answer.status}, but afterwards "
-                           + ", ".join(f"{n} /health: {h}" for n, h in sick.items()), details)
+        return CheckResult(
+            "too_long",
+            FAIL,
+            f"{what} got HTTP {answer.status}, but afterwards "
+            + ", ".join(f"{n} /health: {h}" for n, h in sick.items()),
+            details,
+        )
     if followup is not None:
-        return CheckResult("too_long", FAIL, f"{what} got HTTP {answer.status}, but a normal request "
-                           f"through the router then failed: {followup}", details)
-    return CheckResult("too_long", PASS, f"{what} got HTTP {answer.status} through the router in "
-                       f"{answer.seconds:.2f} s; every process healthy and a normal request "
-                       "succeeded afterwards", details)
+        return CheckResult(
+            "too_long",
+            FAIL,
+            f"{what} got HTTP {answer.status}, but a normal request "
+            f"through the router then failed: {followup}",
+            details,
+        )
+    return CheckResult(
+        "too_long",
+        PASS,
+        f"{what} got HTTP {answer.status} through the router in "
+        f"{answer.seconds:.2f} s; every process healthy and a normal request "
+        "succeeded afterwards",
+        details,
+    )
 
 
 def run(cluster: Any, options: Mapping[str, Any]) -> CheckResult:
@@ -83,8 +125,12 @@ def run(cluster: Any, options: Mapping[str, Any]) -> CheckResult:
     prompt = WORD * n_words
     counted = len(tokenize(plan.prefill[0].url, model, prompt).tokens)
     if counted <= probe.max_model_len:
-        return CheckResult("too_long", FAIL, f"could not run: a prompt of {n_words} words is only "
-                           f"{counted} tokens, not over max_model_len {probe.max_model_len}")
+        return CheckResult(
+            "too_long",
+            FAIL,
+            f"could not run: a prompt of {n_words} words is only "
+            f"{counted} tokens, not over max_model_len {probe.max_model_len}",
+        )
     t0 = time.monotonic()
     try:
         http.completion(plan.router.url, model, prompt, max_tokens=4, timeout=bound)
@@ -93,9 +139,20 @@ def run(cluster: Any, options: Mapping[str, Any]) -> CheckResult:
         answer = Answer(e.status, time.monotonic() - t0, e.reason[:300])
     followup = None
     try:
-        http.completion(plan.router.url, model, "After the long prompt, a short one:", max_tokens=2,
-                        timeout=REQUEST_TIMEOUT_S)
+        http.completion(
+            plan.router.url,
+            model,
+            "After the long prompt, a short one:",
+            max_tokens=2,
+            timeout=REQUEST_TIMEOUT_S,
+        )
     except http.HttpError as e:
         followup = str(e)
-    return evaluate(answer, bound_s=bound, prompt_tokens=counted, max_model_len=probe.max_model_len,
-                    health_after=health(plan.processes), followup=followup)
+    return evaluate(
+        answer,
+        bound_s=bound,
+        prompt_tokens=counted,
+        max_model_len=probe.max_model_len,
+        health_after=health(plan.processes),
+        followup=followup,
+    )
