@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -133,7 +134,8 @@ def _router_completion_probe(
             )
         try:
             cluster.guard(
-                lambda: http.completion(
+                partial(
+                    http.completion,
                     plan.router.url,
                     plan.served_model_name,
                     ROUTER_PROBE_PROMPT,
@@ -197,7 +199,7 @@ def running_cluster(
         )
         targets = [
             Target(r, [health_probe(s.health_url), models_probe(s.url, plan.served_model_name)])
-            for r, s in zip(cluster.instances, plan.instances)
+            for r, s in zip(cluster.instances, plan.instances, strict=True)
         ]
         wait_ready(targets, deadline=deadline, also_alive=[cluster.router], progress=say, tick=tick)
         for t in targets:

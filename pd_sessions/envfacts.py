@@ -76,7 +76,7 @@ def module_facts(name: str, providers: dict[str, list[str]] | None = None) -> di
     if spec is None:
         return None
     if spec.submodule_search_locations:
-        location = str(Path(list(spec.submodule_search_locations)[0]))
+        location = str(Path(next(iter(spec.submodule_search_locations))))
     else:
         location = str(spec.origin)
     out: dict[str, Any] = {"location": location, "dist": None, "version": None, "editable": None}

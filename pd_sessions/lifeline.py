@@ -37,6 +37,7 @@ Standard library only at import: the noxfile imports :func:`nox_run_options`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -212,10 +213,8 @@ class Reaper:
         """End the pipe; the reaper stops anything still recorded (nothing, after a clean
         teardown) and exits."""
         if self.proc.stdin is not None:
-            try:
+            with contextlib.suppress(OSError):
                 self.proc.stdin.close()
-            except OSError:
-                pass
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:

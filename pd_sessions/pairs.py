@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -201,7 +202,7 @@ def warm_pairs(
                     prefill_errors=log_errors(logs.get(pair.prefill.name)),
                 )
             try:
-                guard(lambda: warm(plan, pair, timeout=min(remaining, HOP_TIMEOUT_S)))
+                guard(partial(warm, plan, pair, timeout=min(remaining, HOP_TIMEOUT_S)))
                 break
             except http.HttpError as e:
                 if stuck.is_timeout(e) and not held:

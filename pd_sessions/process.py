@@ -201,16 +201,12 @@ def _signal_all(groups: Sequence[int], procs: list[psutil.Process], sig: int) ->
     for pgid in groups:
         # Only while a process of ours is still in the group, so a recycled id is never hit.
         if any(_alive(p) and _pgid(p) == pgid for p in procs):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, sig)
-            except ProcessLookupError:
-                pass
     for p in procs:
         if _alive(p):
-            try:
+            with contextlib.suppress(psutil.Error):
                 p.send_signal(sig)
-            except psutil.Error:
-                pass
 
 
 def _pgid(p: psutil.Process) -> int | None:

@@ -12,12 +12,12 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from pd_sessions import tiny_model, unfinished, user_commands
-from pd_sessions.checks.accuracy import AccuracyOptions
 from pd_sessions.checks import registry
+from pd_sessions.checks.accuracy import AccuracyOptions
 from pd_sessions.checks.base import CheckResult
 from pd_sessions.checks.runner import run_checks
 from pd_sessions.cluster import DEFAULT_DEADLINE_S, DEFAULT_GRACE_S, Event, running_cluster
@@ -43,7 +43,7 @@ class SweepOptions:
     model_cache: Path | None = None
     allow_unpinned: bool = False
     share_gpus: bool = False
-    accuracy: AccuracyOptions = AccuracyOptions()
+    accuracy: AccuracyOptions = field(default_factory=AccuracyOptions)
     # Checks not run, by explicit request (printed in the banner, recorded in the results).
     skip_checks: tuple[str, ...] = ()
     # The command line's overrides, described (already applied to the configs; recorded).

@@ -15,7 +15,6 @@ Pure decisions first; the two writers at the end.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import traceback

@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from pd_sessions import process
-from pd_sessions.cliargs import EXEC_TIMEOUT_S
 from pd_sessions.checks.base import FAIL, PASS, CheckResult
+from pd_sessions.cliargs import EXEC_TIMEOUT_S
 from pd_sessions.errors import ProcessExited, UsageError
 from pd_sessions.plan import ClusterPlan, ProcessSpec
 
@@ -448,5 +448,6 @@ def run_commands(
                 results.append(r)
                 if not r.passed:
                     say(
-                        f"{plan.config.name}: {cmd.name} FAILED; last {TAIL_LINES} lines of {log_path}:\n{tail}"
+                        f"{plan.config.name}: {cmd.name} FAILED; "
+                        f"last {TAIL_LINES} lines of {log_path}:\n{tail}"
                     )

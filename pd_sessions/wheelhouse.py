@@ -10,7 +10,8 @@ pd-sessions' own runtime dependencies -- are resolved for the target interpreter
 ``uv pip compile --python-version --python-platform``, then each pinned requirement is downloaded
 with one ``pip download --no-deps --python-version --platform ...`` call. Packages with no wheel for
 the target (sqlitedict, rouge-score, word2number for lm-eval) come as sdists and are built with
-``pip wheel --no-deps`` on a Python of the target's version (``--builder``). What the target already has (``--exclude-installed``: ``pip freeze`` lines,
+``pip wheel --no-deps`` on a Python of the target's version (``--builder``). What the target
+already has (``--exclude-installed``: ``pip freeze`` lines,
 ``name==version`` or a bare ``name`` when the version is unknown) is kept at its version: those
 lines are resolver *overrides* (the target installs with ``--no-deps``, so a pin of another package,
 e.g. vLLM's ``numba==0.65.0``, must not replace what is there) and are not downloaded; every
@@ -51,7 +52,6 @@ from packaging.version import Version
 from pd_sessions.errors import InstallError, UsageError
 from pd_sessions.install import MOONCAKE, NIXL_BACKENDS, ROOT, index_env, kv_requirements
 from pd_sessions.installed import FIND_LINKS_ENV, offline_args
-
 
 # vLLM for a CUDA major when --vllm is not given. PyPI's default vLLM wheels are CUDA 13 builds
 # since 0.20; 0.26.0 is the newest pinned to torch 2.11.0 and needs no flashinfer-cubin.
@@ -543,7 +543,8 @@ def build(
                 _build_sdist(target, f"{name}=={version}", sdist, out, tmp, run=run, env=env, builder=builder)
                 result.built.append(f"{name}=={version}")
                 say(
-                    f"wheelhouse: {name}=={version} has no wheel for {target.describe()}: built one from its sdist"
+                    f"wheelhouse: {name}=={version} has no wheel for {target.describe()}: "
+                    "built one from its sdist"
                 )
     files = {}
     for path in sorted(out.glob("*.whl")):

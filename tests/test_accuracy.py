@@ -3,8 +3,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import FIXTURES
+
 from pd_sessions.checks import accuracy as acc
 from pd_sessions.errors import ConfigError
 

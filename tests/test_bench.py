@@ -17,10 +17,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import psutil
 import pytest
-
 from conftest import FIXTURES, ROOT, heavy
+
 from pd_sessions.bench import report, teardown
-from pd_sessions.bench.clusters import RunRecord, UPSTREAM_PROXY_SLEEP_S
+from pd_sessions.bench.clusters import UPSTREAM_PROXY_SLEEP_S, RunRecord
 from pd_sessions.bench.prober import HealthProber
 from pd_sessions.bench.stats import Goal, overhead, percentile, summary
 
@@ -160,7 +160,7 @@ def test_prober_records_when_health_turned_200():
     turn_at = time.monotonic() + 0.5
 
     class H(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             self.send_response(200 if time.monotonic() >= turn_at else 503)
             self.send_header("Content-Length", "0")
             self.end_headers()

@@ -3,8 +3,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import FIXTURES
+
 from pd_sessions.checks import kv_transfer
 from pd_sessions.checks.completions import Completion, evaluate_smoke
 from pd_sessions.checks.parity import evaluate_exact as evaluate_parity

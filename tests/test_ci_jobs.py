@@ -10,8 +10,8 @@ import sys
 import jsonschema
 import pytest
 import yaml
-
 from conftest import ROOT
+
 from pd_sessions import ci_jobs
 
 SCHEMA = ROOT / "pd_sessions" / "data" / "buildkite-pipeline-schema.json"

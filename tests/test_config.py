@@ -120,7 +120,7 @@ def test_loader_platform_override_and_lists(tmp_path):
 
 def test_select_decision_table():
     s = builtin_sweep("mooncake_sweep")
-    names = lambda es: [e.config.name for e in es]  # noqa: E731
+    names = lambda es: [e.config.name for e in es]
     sel, left = select(s.entries("cpu"), "cpu")
     opt_in = ["2x2", "1x2", "2x1", "2p1d", "1p2d"]
     assert names(sel) == ["1x1"] and names(left) == opt_in

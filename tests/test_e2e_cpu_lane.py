@@ -15,7 +15,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from conftest import ROOT, heavy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
@@ -128,7 +127,7 @@ def test_sweep_1x1_passes_all_checks_and_leaves_nothing(tmp_path, sweep):
     assert [checks[n]["verdict"] for n in ("smoke", "parity", "kv_transfer", "accuracy")] == ["pass"] * 4
     # the edge checks (issue 17), default in both sweeps
     edge = ("cache_paths", "too_long", "burst", "abort_frees_kv")
-    assert {n: checks[n]["verdict"] for n in edge} == {n: "pass" for n in edge}, {
+    assert {n: checks[n]["verdict"] for n in edge} == dict.fromkeys(edge, "pass"), {
         n: checks[n]["message"] for n in edge
     }
     situations = {s["name"]: s for s in checks["cache_paths"]["details"]["situations"]}

@@ -16,7 +16,6 @@ import xml.etree.ElementTree as ET
 
 import psutil
 import pytest
-
 from conftest import FIXTURES, ROOT, heavy
 from test_e2e_cpu_lane import Cli, plan_ports, processes_using
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from conftest import FIXTURES
+
 from pd_sessions.checks import abort_frees_kv, burst, cache_paths, registry, too_long
 from pd_sessions.checks.base import FAIL, PASS, CheckResult
 from pd_sessions.checks.completions import Completion

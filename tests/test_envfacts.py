@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from conftest import ROOT
+
 from pd_sessions.envfacts import describe_module, summary_lines
 
 

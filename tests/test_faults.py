@@ -22,7 +22,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from conftest import FIXTURES, ROOT
 
 FAKE = FIXTURES / "fake_stack"

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
-from pd_sessions.install import Action
+
 from pd_sessions.errors import UsageError
+from pd_sessions.install import Action
 from pd_sessions.installed import (
     FIND_LINKS_ENV,
     action_argv,

@@ -12,11 +12,11 @@ import time
 
 import psutil
 import pytest
-
 from conftest import ROOT
+from test_process import FAMILY, IGNORES_TERM, _session_members, _wait_for
+
 from pd_sessions import lifeline, process
 from pd_sessions.cluster import teardown
-from test_process import FAMILY, IGNORES_TERM, _session_members, _wait_for
 
 
 def _gone(pids, timeout: float) -> bool:
@@ -197,16 +197,15 @@ def test_a_signal_while_spawning_is_acted_on_once_the_process_is_recorded(tmp_pa
     recorded: list[process.Running] = []
     old = signal.signal(signal.SIGTERM, handler)
     try:
-        with process.observed(SignalsMidSpawn()), pytest.raises(Boom):
-            with process.signals_deferred():
-                recorded.append(
-                    process.spawn(
-                        "s",
-                        [sys.executable, "-c", "import time; time.sleep(600)"],
-                        env=os.environ,
-                        log_path=tmp_path / "s.log",
-                    )
+        with process.observed(SignalsMidSpawn()), pytest.raises(Boom), process.signals_deferred():
+            recorded.append(
+                process.spawn(
+                    "s",
+                    [sys.executable, "-c", "import time; time.sleep(600)"],
+                    env=os.environ,
+                    log_path=tmp_path / "s.log",
                 )
+            )
     finally:
         signal.signal(signal.SIGTERM, old)
     assert len(recorded) == 1

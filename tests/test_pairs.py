@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import FIXTURES, ROOT
+
 from pd_sessions import http, pairs
 from pd_sessions.cluster import running_cluster
 from pd_sessions.config import ClusterConfig
@@ -115,9 +115,11 @@ def test_fake_cluster_whose_pd_path_fails_ends_readiness_within_the_budget(tmp_p
         "FAKE_DECODE_BEHAVIOR": "fail_kv",
     }
     t0 = time.monotonic()
-    with pytest.raises(pairs.PdPathFailed) as e:
-        with running_cluster(plan, tmp_path / "run", base_env=env, pd_path_budget_s=3.0, grace_s=2):
-            pytest.fail("the cluster must not become ready")
+    with (
+        pytest.raises(pairs.PdPathFailed) as e,
+        running_cluster(plan, tmp_path / "run", base_env=env, pd_path_budget_s=3.0, grace_s=2),
+    ):
+        pytest.fail("the cluster must not become ready")
     took = time.monotonic() - t0
     assert took < 15, took
     msg = str(e.value)
@@ -132,15 +134,17 @@ def _fake_env(**behaviors):
 def test_a_stuck_kv_pull_at_readiness_names_the_decode_and_what_it_waits_for(tmp_path):
     plan = _plan(tmp_path, num_prefill=1, num_decode=1, connector="mooncake")
     t0 = time.monotonic()
-    with pytest.raises(pairs.PdPathFailed) as e:
-        with running_cluster(
+    with (
+        pytest.raises(pairs.PdPathFailed) as e,
+        running_cluster(
             plan,
             tmp_path / "run",
             base_env=_fake_env(FAKE_DECODE_BEHAVIOR="stuck_pull:0"),
             pd_path_budget_s=3.0,
             grace_s=2,
-        ):
-            pytest.fail("the cluster must not become ready")
+        ),
+    ):
+        pytest.fail("the cluster must not become ready")
     assert time.monotonic() - t0 < 15
     msg = str(e.value)
     boot = f"bootstrap http://127.0.0.1:{plan.prefill[0].bootstrap_port}"
@@ -176,15 +180,17 @@ def test_a_router_whose_pd_hop_keeps_failing_ends_readiness_with_its_answer(tmp_
     readiness ends after the budget with the router's answer and the decode's error lines."""
     plan = _plan(tmp_path, num_prefill=1, num_decode=1, connector="nixl")
     t0 = time.monotonic()
-    with pytest.raises(pairs.PdPathFailed) as e:
-        with running_cluster(
+    with (
+        pytest.raises(pairs.PdPathFailed) as e,
+        running_cluster(
             plan,
             tmp_path / "run",
             base_env=_fake_env(FAKE_ROUTER_BEHAVIOR="fail_pd"),
             pd_path_budget_s=3.0,
             grace_s=2,
-        ):
-            pytest.fail("the cluster must not become ready")
+        ),
+    ):
+        pytest.fail("the cluster must not become ready")
     assert time.monotonic() - t0 < 15
     msg = str(e.value)
     assert msg.startswith(f"router ({plan.router.url}): the P/D path kept failing for 3 s")

@@ -46,11 +46,11 @@ def test_mode_reason_names_both_layouts():
 
 
 def test_config_rejects_bad_parity_fields():
-    with pytest.raises(ConfigError, match="parity_mode.*allowed: auto, exact, margin"):
+    with pytest.raises(ConfigError, match=r"parity_mode.*allowed: auto, exact, margin"):
         cfg(parity_mode="loose")
     with pytest.raises(ConfigError, match="parity_margin"):
         cfg(parity_margin=-1)
-    with pytest.raises(ConfigError, match="decode_weights_seed.*only for the generated tiny models"):
+    with pytest.raises(ConfigError, match=r"decode_weights_seed.*only for the generated tiny models"):
         ClusterConfig(name="c", model="Qwen/Qwen3-0.6B", decode_weights_seed=1)
 
 

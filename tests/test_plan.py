@@ -91,7 +91,7 @@ def test_every_port_unique_and_named():
 
 
 def test_colliding_port_source_is_caught():
-    with pytest.raises(PlanError, match="already used by prefill-0.http"):
+    with pytest.raises(PlanError, match=r"already used by prefill-0\.http"):
         plan(cfg(), ports=FakePorts(repeat=41000))
 
 
@@ -235,7 +235,7 @@ def test_decode_dp_ep_placement_and_args():
 
 def test_dp_ep_gpu_shortage():
     inv = Inventory(gpus=("0", "1", "2"), cpus=(0,), gpu_source="nvidia-smi")
-    with pytest.raises(PlanError, match="needs 4 GPUs .* 3 visible: 0,1,2"):
+    with pytest.raises(PlanError, match=r"needs 4 GPUs .* 3 visible: 0,1,2"):
         plan(cfg(prefill_tp=2, decode_dp=2, expert_parallel=True, moe=True), inv)
 
 
@@ -281,7 +281,7 @@ ONE = Inventory(gpus=("0",), cpus=(0,), gpu_source="nvidia-smi")
 
 
 def test_one_gpu_without_share_is_the_shortage_error():
-    with pytest.raises(PlanError, match="needs 2 GPUs .* 1 visible: 0.*--share-gpus"):
+    with pytest.raises(PlanError, match=r"needs 2 GPUs .* 1 visible: 0.*--share-gpus"):
         plan(cfg(), ONE)
 
 

@@ -72,7 +72,7 @@ def _unused(args, warned):
 
 
 def test_hybrid_over_nixl_needs_an_explicit_block_size():
-    with pytest.raises(PlanError, match="block_size.*hybrid.*set block_size"):
+    with pytest.raises(PlanError, match=r"block_size.*hybrid.*set block_size"):
         plan(kimi(block_size=None))
     assert hybrid_block_size(kimi(block_size=None, connector="mooncake")) is None
     assert hybrid_block_size(ClusterConfig(name="l", model="tiny-llama", connector="nixl")) is None

@@ -18,7 +18,7 @@ from pd_sessions.readiness import Target, guarded, health_probe, models_probe, w
 class _Handler(http.server.BaseHTTPRequestHandler):
     healthy = threading.Event()
 
-    def do_GET(self):  # noqa: N802
+    def do_GET(self):
         if self.path == "/health":
             code, body = (200, b"") if self.healthy.is_set() else (503, b"starting")
         elif self.path == "/v1/models":
@@ -110,7 +110,7 @@ def test_progress_lines(server, sleeper):
 def test_guarded_fails_when_watched_process_dies(sleeper):
     victim = sleeper("router", "import time; time.sleep(0.3)")
     t0 = time.monotonic()
-    with pytest.raises(ProcessExited, match="router .* while checks ran"):
+    with pytest.raises(ProcessExited, match=r"router .* while checks ran"):
         guarded(lambda: time.sleep(30), watch=[victim], when="while checks ran")
     assert time.monotonic() - t0 < 2.0
 
@@ -125,5 +125,5 @@ def test_guarded_returns_and_reraises(sleeper):
 def test_guarded_reports_a_death_even_when_the_call_returns_first(sleeper):
     victim = sleeper("decode-0", "import sys; sys.exit(5)")
     victim.popen.wait(10)
-    with pytest.raises(ProcessExited, match="decode-0 .* status 5 while checks ran"):
+    with pytest.raises(ProcessExited, match=r"decode-0 .* status 5 while checks ran"):
         guarded(lambda: "checks finished (failing fast)", watch=[victim], when="while checks ran")

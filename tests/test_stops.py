@@ -12,6 +12,7 @@ Buildkite agent; the servers, as always, in sessions of their own.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -25,7 +26,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from conftest import ROOT
 from test_faults import FAKE, assert_nothing_left, bystander  # noqa: F401 (a fixture)
 
@@ -68,10 +68,8 @@ def family(root: psutil.Process) -> list[psutil.Process]:
         procs[c.pid] = c
     sids = set()
     for p in list(procs.values()):
-        try:
+        with contextlib.suppress(OSError):
             sids.add(os.getsid(p.pid))
-        except OSError:
-            pass
     sids.discard(os.getsid(0))
     for p in psutil.process_iter():
         try:
@@ -222,7 +220,8 @@ def _start(tmp_path, **kw) -> tuple[NoxRun, psutil.Process, list[psutil.Process]
         ("hup_group", "stopped by SIGHUP", "stopped by SIGHUP"),
     ],
 )
-def test_each_way_of_stopping_leaves_nothing_and_records_the_cancel(tmp_path, bystander, how, cause, said):
+@pytest.mark.usefixtures("bystander")
+def test_each_way_of_stopping_leaves_nothing_and_records_the_cancel(tmp_path, how, cause, said):
     run, harness, procs = _start(tmp_path)
     pgid = run.proc.pid
     t0 = time.monotonic()
@@ -243,17 +242,16 @@ def test_each_way_of_stopping_leaves_nothing_and_records_the_cancel(tmp_path, by
     print(f"{how}: everything gone {took:.2f} s after the stop")
 
 
-def test_buildkite_cancel_healthy_teardown_fits_well_inside_its_10s_grace(tmp_path, bystander):
+@pytest.mark.usefixtures("bystander")
+def test_buildkite_cancel_healthy_teardown_fits_well_inside_its_10s_grace(tmp_path):
     """The agent's cancel: SIGTERM to the group, SIGKILL to the group 10 s later. Everything,
     results included, is done long before the SIGKILL."""
-    run, harness, procs = _start(tmp_path, grace=10.0)
+    run, _harness, procs = _start(tmp_path, grace=10.0)
     t0 = time.monotonic()
     os.killpg(run.proc.pid, signal.SIGTERM)
     took = run.all_gone_within(procs, t0, 10.0)
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(run.proc.pid, signal.SIGKILL)  # the agent's SIGKILL: nothing alive is left for it
-    except ProcessLookupError:
-        pass
     assert took < 5.0, f"teardown took {took:.2f} s of Buildkite's 10 s grace"
     assert run.wait(10) != 0
     run.reader.join(5)
@@ -262,7 +260,8 @@ def test_buildkite_cancel_healthy_teardown_fits_well_inside_its_10s_grace(tmp_pa
     print(f"buildkite cancel (fake stack): everything gone and recorded {took:.2f} s after SIGTERM")
 
 
-def test_buildkite_sigkill_mid_teardown_the_reaper_finishes_it(tmp_path, bystander):
+@pytest.mark.usefixtures("bystander")
+def test_buildkite_sigkill_mid_teardown_the_reaper_finishes_it(tmp_path):
     """The agent's SIGKILL lands while a child ignores SIGTERM and the harness waits out its
     grace (here 1 s after the SIGTERM, grace 3 s): the harness dies at once; the reaper
     SIGKILLs the stubborn child when the harness's grace ends, so all is gone within grace + 2 s,
@@ -287,7 +286,8 @@ def test_buildkite_sigkill_mid_teardown_the_reaper_finishes_it(tmp_path, bystand
     print(f"SIGKILL mid-teardown: the reaper had everything gone {took:.2f} s after SIGTERM")
 
 
-def test_a_check_that_crashes_fails_that_check_and_the_sweep_goes_on(tmp_path, bystander):
+@pytest.mark.usefixtures("bystander")
+def test_a_check_that_crashes_fails_that_check_and_the_sweep_goes_on(tmp_path):
     run = NoxRun(tmp_path, env={"FAKE_DECODE_BEHAVIOR": "bad_usage"})
     assert run.wait(60) == 1, run.text
     run.reader.join(5)

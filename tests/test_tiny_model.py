@@ -18,7 +18,8 @@ from pd_sessions.config import TINY_MODELS
 HERE = Path(__file__).parent
 
 # The config.json that served on one H200 with vLLM 0.26 (docs: the gpu-x2 notes).
-SERVED_ON_H200 = json.loads("""{"architectures":["KimiLinearForCausalLM"],"model_type":"kimi_linear","vocab_size":1024,
+SERVED_ON_H200 = json.loads("""{"architectures":["KimiLinearForCausalLM"],"model_type":"kimi_linear",
+  "vocab_size":1024,
   "bos_token_id":0,"eos_token_id":1,"pad_token_id":2,"tie_word_embeddings":false,
   "max_position_embeddings":8192,"hidden_size":256,"intermediate_size":512,"hidden_act":"silu",
   "rms_norm_eps":1e-05,"num_hidden_layers":4,"num_attention_heads":4,"num_key_value_heads":4,

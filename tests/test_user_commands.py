@@ -17,9 +17,13 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from conftest import FIXTURES, ROOT
-from pd_sessions import serve, user_commands as uc
+from test_faults import FAKE, SWEEP, Run, assert_nothing_left
+from test_faults import bystander as bystander  # the fixture: a stranger named vllm must survive
+from test_plan import FakePorts
+
+from pd_sessions import serve
+from pd_sessions import user_commands as uc
 from pd_sessions.checks.base import FAIL, PASS
 from pd_sessions.config import ClusterConfig
 from pd_sessions.errors import UsageError
@@ -27,9 +31,6 @@ from pd_sessions.hosts import Inventory
 from pd_sessions.plan import plan_cluster
 from pd_sessions.pytest_plugin import parse_spec
 from pd_sessions.report import ConfigResult, write_junit
-from test_faults import FAKE, SWEEP, Run, assert_nothing_left
-from test_faults import bystander as bystander  # the fixture: a stranger named vllm must survive
-from test_plan import FakePorts
 
 USER = FIXTURES / "user_tests"
 LIVE = pytest.mark.usefixtures("bystander")
@@ -161,15 +162,15 @@ CMD = uc.UserCommand(index=1, argv=("pytest", "x.py"), given="pytest x.py")
 
 
 def verdict(**kw):
-    args = dict(
-        returncode=0,
-        seconds=1.0,
-        timed_out=False,
-        timeout_s=60,
-        log_path=Path("/r/exec-1.log"),
-        log_tail="last line",
-        junit=None,
-    )
+    args = {
+        "returncode": 0,
+        "seconds": 1.0,
+        "timed_out": False,
+        "timeout_s": 60,
+        "log_path": Path("/r/exec-1.log"),
+        "log_tail": "last line",
+        "junit": None,
+    }
     return uc.evaluate(CMD, **{**args, **kw})
 
 

@@ -13,11 +13,11 @@ os.environ.setdefault("VLLM_KIMI_K3_GEMM_AR", "0")
 os.environ.setdefault("VLLM_ENABLE_GEMM_RS", "0")
 import torch
 from safetensors.torch import load_file
-
-path, port = sys.argv[1], sys.argv[2]
 from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config
 from vllm.distributed import init_distributed_environment, initialize_model_parallel
 from vllm.model_executor.models.registry import ModelRegistry
+
+path, port = sys.argv[1], sys.argv[2]
 
 mc = ModelConfig(
     model=path,

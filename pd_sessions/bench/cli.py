@@ -23,8 +23,7 @@ from pd_sessions import hosts
 from pd_sessions.bench import clusters, report, routers, teardown
 from pd_sessions.checks.accuracy import AccuracyOptions
 from pd_sessions.cli import install_signal_handlers, run_command, say
-from pd_sessions.config import load
-from pd_sessions.config import ClusterConfig, select
+from pd_sessions.config import ClusterConfig, load, select
 from pd_sessions.preflight import preflight
 from pd_sessions.sweep import CHECKS, SweepOptions
 

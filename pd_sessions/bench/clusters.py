@@ -62,7 +62,7 @@ class RunRecord:
         return overhead(self.wall_s, self.own_startup_s, self.checks_s, self.phases)
 
     def to_dict(self) -> dict[str, Any]:
-        r = lambda d: {k: round(v, 4) for k, v in d.items()}  # noqa: E731
+        r = lambda d: {k: round(v, 4) for k, v in d.items()}
         over = self.overhead()
         return {
             "driver": self.driver,

@@ -1,6 +1,7 @@
 """A small, fast OpenAI-compatible backend for the router benchmark (never used to claim P/D works).
 
-    python -m pd_sessions.bench.fake_backend --port P [--host 127.0.0.1] [--model NAME] [--role prefill|decode]
+    python -m pd_sessions.bench.fake_backend --port P [--host 127.0.0.1] [--model NAME]
+        [--role prefill|decode]
 
 Answers /health, /v1/models and /v1/completions at once with ``max_tokens`` dummy
 tokens, so that what a benchmark in front of it measures is the proxy, not the

@@ -56,9 +56,12 @@ def summarize_clusters(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 d["overhead_parts_s"] = {
                     k: summary([o[f"{k}_s"] for o in over if f"{k}_s" in o]) for k in OVERHEAD_PARTS
                 }
-                own = [o["prepare_s"] + o["noticing_s"] + o["other_s"] for o in over if "other_s" in o]
+                parted = [o for o in over if "other_s" in o]
+                own = [o["prepare_s"] + o["noticing_s"] + o["other_s"] for o in parted]
                 d["own_code_s"] = summary(own)
-                d["own_code_fraction"] = summary([v / o["wall_s"] for v, o in zip(own, over)], digits=4)
+                d["own_code_fraction"] = summary(
+                    [v / o["wall_s"] for v, o in zip(own, parted, strict=True)], digits=4
+                )
             c[driver] = d
         pair = c["pd_sessions"]["phases_s"]["instances"]["median"]
         single = c["single"]["phases_s"]["instances"]["median"]
@@ -137,7 +140,7 @@ def _fmt(s: dict[str, Any] | None, unit: str = "", scale: float = 1.0, digits: i
     """'median (min-max)' of a summary."""
     if not s or s.get("median") is None:
         return "-"
-    f = lambda v: f"{v * scale:.{digits}f}"  # noqa: E731
+    f = lambda v: f"{v * scale:.{digits}f}"
     if s["n"] == 1:
         return f"{f(s['median'])}{unit}"
     return f"{f(s['median'])}{unit} ({f(s['min'])}-{f(s['max'])})"
@@ -286,8 +289,8 @@ def chart(doc: dict[str, Any], path: Path) -> None:
         for d in ("pd_sessions", "upstream", "single")
     ]
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.9 * max(1, len(rows))))
-    colors = dict(zip(PHASES, ("#9e9e9e", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")))
-    for i, (label, phases, wall) in enumerate(rows):
+    colors = dict(zip(PHASES, ("#9e9e9e", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"), strict=True))
+    for i, (_label, phases, wall) in enumerate(rows):
         left = 0.0
         for p in PHASES:
             v = phases[p]["median"] or 0.0

@@ -48,7 +48,7 @@ def _start(python: str, log_dir: Path, host: str) -> tuple[dict[str, str], list[
         )
     finally:
         ports.release()
-    url = lambda p: f"http://{host}:{p}"  # noqa: E731
+    url = lambda p: f"http://{host}:{p}"
     urls = {"prefill": url(pp), "decode": url(dp), "vllm-router": url(rp), "python-proxy": url(yp)}
     specs = [
         (
@@ -159,7 +159,7 @@ async def _measure(
     lat: dict[str, list[float]] = {t: [] for t in TARGETS}
     round_p50: dict[str, list[float]] = {t: [] for t in TARGETS}
     rps: dict[str, list[float]] = {t: [] for t in TARGETS}
-    errors: dict[str, int] = {t: 0 for t in TARGETS}
+    errors: dict[str, int] = dict.fromkeys(TARGETS, 0)
     conn = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=conn, trust_env=False) as session:
         for t in TARGETS:  # warm-up: connections, caches
@@ -176,10 +176,10 @@ async def _measure(
                 todo = iter(range(concurrent_requests))
 
                 async def worker(target: str = t) -> None:
-                    for _ in todo:
+                    for _ in todo:  # noqa: B023 (shared by this round's workers, all awaited below)
                         try:
                             await _one(session, target, urls, body)
-                        except (aiohttp.ClientError, BenchError, asyncio.TimeoutError):
+                        except (TimeoutError, aiohttp.ClientError, BenchError):
                             errors[target] += 1
 
                 start = time.perf_counter()
@@ -230,7 +230,7 @@ def run(
                 break
             except http.HttpError as e:
                 if time.monotonic() > end:
-                    raise BenchError(f"router bench: vllm-router never completed a request: {e}")
+                    raise BenchError(f"router bench: vllm-router never completed a request: {e}") from e
                 time.sleep(0.1)
         progress(
             f"router bench: fake backends, vllm-router and python proxy up; "

@@ -16,8 +16,8 @@ from pd_sessions import http
 from pd_sessions.checks import kv_transfer, per_instance
 from pd_sessions.checks.base import FAIL, PASS, CheckResult
 from pd_sessions.checks.completions import Completion
-from pd_sessions.checks.parity import evaluate_exact
 from pd_sessions.checks.instances import REQUEST_TIMEOUT_S
+from pd_sessions.checks.parity import evaluate_exact
 
 
 def prompts(n: int) -> list[str]:
@@ -95,7 +95,7 @@ def run(cluster: Any, options: Mapping[str, Any]) -> CheckResult:
     errors: list[str] = []
     with ThreadPoolExecutor(max_workers=n) as pool:
         futures = [pool.submit(one, plan.router.url, p) for p in texts]
-        for p, f in zip(texts, futures):
+        for p, f in zip(texts, futures, strict=True):
             try:
                 results.append(f.result())
             except http.HttpError as e:
@@ -120,5 +120,5 @@ def run(cluster: Any, options: Mapping[str, Any]) -> CheckResult:
     )
     p0 = plan.prefill[0]
     # one at a time: each request alone on prefill-0
-    pairs = [(p, c, one(p0.url, p)) for p, c in zip(texts, results) if c is not None]
+    pairs = [(p, c, one(p0.url, p)) for p, c in zip(texts, results, strict=True) if c is not None]
     return evaluate(pairs, errors, kv, requests=n, seconds=seconds)

@@ -22,9 +22,9 @@ every prompt token. So the proof also requires success evidence:
   each stats interval. Over the window at least one transfer must have succeeded and
   none failed (several small requests may share one logged transfer batch).
 - Every connector: no line of any instance's log (from its start: the router's readiness
-  probe is a P/D request too) may match the connectors' failure messages (:data:`FAILURE_PATTERNS`); the first ones are named in
-  the verdict (e.g. NIXL's "handshake_setup_failed ... Local block size 240 is not
-  divisible by remote block size 128").
+  probe is a P/D request too) may match the connectors' failure messages
+  (:data:`FAILURE_PATTERNS`); the first ones are named in the verdict (e.g. NIXL's
+  "handshake_setup_failed ... Local block size 240 is not divisible by remote block size 128").
 """
 
 from __future__ import annotations
@@ -322,8 +322,9 @@ EVIDENCE_POLL_S = 0.5
 
 class Window:
     """The success evidence of one check window: log offsets and connector metrics at its
-    start; :meth:`close` reads the stats added since and the failure lines of whole logs. ``scrape(url) -> metrics text`` and the log
-    paths are passed in, so tests can drive it with recorded data."""
+    start; :meth:`close` reads the stats added since and the failure lines of whole logs.
+    ``scrape(url) -> metrics text`` and the log paths are passed in, so tests can drive it with
+    recorded data."""
 
     def __init__(self, connector: str, decode_urls: Mapping[str, str], logs: Mapping[str, Any], scrape: Any):
         self.connector = connector

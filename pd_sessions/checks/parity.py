@@ -93,7 +93,7 @@ def choose_mode(config: Any) -> tuple[str, str]:
 
 
 def _first_diff(a: Sequence[Any], b: Sequence[Any]) -> int:
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):  # lengths may differ
         if x != y:
             return i
     return min(len(a), len(b))

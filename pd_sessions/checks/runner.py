@@ -19,13 +19,12 @@ dying process still reports the checks that finished.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
-
 import datetime
 import shlex
 import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from pd_sessions import http, stuck
 from pd_sessions.checks import accuracy as acc
@@ -215,7 +214,7 @@ def run_checks(
         if info.gatherer is None or info.name not in wanted:
             continue
         opts = {**info.options, **(options or {}).get(info.name, {})}
-        timed(info.name, lambda: info.load()(cluster, opts))
+        timed(info.name, lambda: info.load()(cluster, opts))  # noqa: B023 (timed calls it at once)
 
     if "accuracy" in wanted:
         timed("accuracy", lambda: accuracy_check(cluster, accuracy or acc.AccuracyOptions()))
@@ -224,12 +223,12 @@ def run_checks(
 def accuracy_check(cluster: Cluster, opts: acc.AccuracyOptions) -> CheckResult:
     plan = cluster.plan
     cfg = plan.config
-    common = dict(
-        model=plan.served_model_name,
-        num_concurrent=opts.num_concurrent,
-        trust_remote_code=cfg.trust_remote_code,
-        revision=cfg.revision,
-    )
+    common = {
+        "model": plan.served_model_name,
+        "num_concurrent": opts.num_concurrent,
+        "trust_remote_code": cfg.trust_remote_code,
+        "revision": cfg.revision,
+    }
     try:
         import lm_eval  # noqa: F401
     except ImportError as e:
