@@ -30,6 +30,7 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pd_sessions.envfacts import canonical
 
@@ -222,11 +223,11 @@ def read_elf(path: Path) -> tuple[list[str], list[str]]:
                 continue
             for tag in section.iter_tags():
                 if tag.entry.d_tag == "DT_NEEDED":
-                    needed.append(tag.needed)
+                    needed.append(tag.needed)  # type: ignore[attr-defined]  # set per tag type
                 elif tag.entry.d_tag == "DT_RPATH":
-                    paths += tag.rpath.split(":")
+                    paths += tag.rpath.split(":")  # type: ignore[attr-defined]  # set per tag type
                 elif tag.entry.d_tag == "DT_RUNPATH":
-                    paths += tag.runpath.split(":")
+                    paths += tag.runpath.split(":")  # type: ignore[attr-defined]  # set per tag type
     origin = str(path.parent)
     return needed, [p.replace("$ORIGIN", origin).replace("${ORIGIN}", origin) for p in paths if p]
 
@@ -236,7 +237,7 @@ def ldconfig_cache() -> dict[str, str]:
         out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, check=False).stdout
     except OSError:
         return {}
-    cache = {}
+    cache: dict[str, str] = {}
     for line in out.splitlines()[1:]:
         parts = line.strip().split(" => ")
         if len(parts) == 2:
@@ -268,7 +269,8 @@ def resolve(
 def installed_distributions() -> dict[str, str]:
     out = {}
     for dist in md.distributions():
-        name = dist.metadata.get("Name")
+        meta: Any = dist.metadata  # an email Message: .get is not in the PackageMetadata protocol
+        name = meta.get("Name")
         if name:
             out[canonical(name)] = dist.version
     return out

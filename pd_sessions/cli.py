@@ -29,7 +29,7 @@ from pd_sessions.envfacts import facts, summary_lines
 from pd_sessions.errors import ConfigError, PdError, PlanError, UsageError
 from pd_sessions.ports import PortAllocator
 from pd_sessions.preflight import preflight, rdma_problem
-from pd_sessions.report import annotate, table, write_junit, write_summary
+from pd_sessions.report import ConfigResult, annotate, table, write_junit, write_summary
 from pd_sessions.sweep import SweepOptions, make_plan, run_sweep
 
 log = logging.getLogger("pd_sessions")
@@ -226,17 +226,19 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         shown = [(c, "") for c in configs] + [
             (e.config, "  (left out of this run)") for e in left_out if not only
         ]
-        for c, mark in shown:
-            with PortAllocator(c.host) as ports:
+        for shown_config, mark in shown:
+            with PortAllocator(shown_config.host) as ports:
                 print(
-                    make_plan(c, inv, ports, opts, create_model=False).render().replace("\n", mark + "\n", 1)
+                    make_plan(shown_config, inv, ports, opts, create_model=False)
+                    .render()
+                    .replace("\n", mark + "\n", 1)
                 )
         say(f"dry run: {len(shown)} plans, nothing was launched")
         return 0
 
     unfinished.check_writable(results_dir)  # exit 2 before anything starts
     say(f"results and logs: {results_dir}")
-    results = []
+    results: list[ConfigResult] = []
     provisional = unfinished.Provisional(
         configs,
         results_dir,

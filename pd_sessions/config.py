@@ -19,15 +19,21 @@ import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from pd_sessions.checks import registry
 from pd_sessions.errors import ConfigError, did_you_mean
 
-CONNECTORS = ("mooncake", "nixl")
-MOONCAKE_PROTOCOLS = ("rdma", "tcp")
-DTYPES = ("auto", "float32", "float16", "bfloat16")
-PLATFORMS = ("cpu", "cuda")
+# The closed choices: the Literal types for mypy, the tuples (the same values) for the runtime checks
+# that name the field and the allowed values when a TOML file or a --set override gets one wrong.
+Connector = Literal["mooncake", "nixl"]
+MooncakeProtocol = Literal["rdma", "tcp"]
+Dtype = Literal["auto", "float32", "float16", "bfloat16"]
+Platform = Literal["cpu", "cuda"]
+CONNECTORS: tuple[Connector, ...] = get_args(Connector)
+MOONCAKE_PROTOCOLS: tuple[MooncakeProtocol, ...] = get_args(MooncakeProtocol)
+DTYPES: tuple[Dtype, ...] = get_args(Dtype)
+PLATFORMS: tuple[Platform, ...] = get_args(Platform)
 PARITY_MODES = ("auto", "exact", "margin")
 # Model values that ask for one of the project's own generated tiny models.
 TINY_MODELS = ("tiny-llama", "tiny-mixtral", "tiny-kimi-linear", "tiny-llama-remote")
@@ -44,7 +50,7 @@ class ClusterConfig:
     # Hub id or local path of the model, or "tiny-llama" for the generated model.
     model: str
     # KV connector: "mooncake" (now) or "nixl".
-    connector: str = "mooncake"
+    connector: Connector = "mooncake"
     # How many prefill and decode vLLM instances to start.
     num_prefill: int = 1
     num_decode: int = 1
@@ -72,7 +78,7 @@ class ClusterConfig:
     # --max-model-len; None = the model's own limit.
     max_model_len: int | None = None
     # --dtype; None = platform default (auto on GPU, float32 on CPU: bf16 SIGILLs there).
-    dtype: str | None = None
+    dtype: Dtype | None = None
     # Extra `vllm serve` arguments, one list element per argv element (never a string to split).
     extra_args: tuple[str, ...] = ()
     # Extra environment for every vLLM instance, as (name, value) pairs.
@@ -80,7 +86,7 @@ class ClusterConfig:
     # VLLM_ATTENTION_BACKEND / --attention-backend value; None = vLLM chooses.
     attention_backend: str | None = None
     # Mooncake transport: "rdma" or "tcp" (the CPU lane always uses tcp).
-    mooncake_protocol: str = "rdma"
+    mooncake_protocol: MooncakeProtocol = "rdma"
     # Mooncake RDMA device (HCA) allow-list, e.g. "mlx5_12"; "" = let Mooncake choose.
     mooncake_device_name: str = ""
     # Explicit ports; None/() = allocate free ones on the host. Honoured and checked.
@@ -427,7 +433,8 @@ def select(
             raise ConfigError(
                 "--only", f"no config named {o!r}{did_you_mean(o, names)}; known: {', '.join(names)}"
             )
-    selected, left = [], []
+    selected: list[SweepEntry] = []
+    left: list[SweepEntry] = []
     for e in entries:
         if only:
             (selected if e.config.name in only else left).append(e)

@@ -24,7 +24,7 @@ import importlib.util
 import json
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +66,7 @@ def _editable_source(dist: md.Distribution) -> str | None:
     return None
 
 
-def module_facts(name: str, providers: dict[str, list[str]] | None = None) -> dict[str, Any] | None:
+def module_facts(name: str, providers: Mapping[str, list[str]] | None = None) -> dict[str, Any] | None:
     """Where ``name`` would be imported from, and which distribution provides it (the known
     providers first; ``providers`` -- packages_distributions() -- for anything else)."""
     try:
@@ -135,10 +135,15 @@ def facts(*, import_torch: bool = True, full: bool = True) -> dict[str, Any]:
         "modules": {m: module_facts(m, providers) for m in MODULES},
     }
     if full:
-        doc["installed"] = {
-            canonical(d.metadata["Name"]): d.version for d in md.distributions() if d.metadata.get("Name")
-        }
+        doc["installed"] = {canonical(name): d.version for d in md.distributions() if (name := dist_name(d))}
     return doc
+
+
+def dist_name(d: md.Distribution) -> str | None:
+    """The distribution's Name field; None for a broken one that has none."""
+    meta: Any = d.metadata  # an email Message: its .get is not in the PackageMetadata protocol
+    name = meta.get("Name")
+    return str(name) if name else None
 
 
 def describe_module(name: str, found: dict[str, Any] | None) -> str:

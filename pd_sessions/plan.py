@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pd_sessions import connector_support
-from pd_sessions.config import TINY_MODELS, ClusterConfig
+from pd_sessions.config import PLATFORMS, TINY_MODELS, ClusterConfig, Dtype, Platform
 from pd_sessions.errors import PlanError
 from pd_sessions.hosts import Inventory
 from pd_sessions.ports import PortSource
@@ -74,7 +74,7 @@ class ProcessSpec:
 @dataclass(frozen=True)
 class ClusterPlan:
     config: ClusterConfig
-    platform: str
+    platform: Platform
     model: str  # what --model gets (path or hub id)
     served_model_name: str  # what requests name
     prefill: tuple[ProcessSpec, ...]
@@ -256,7 +256,7 @@ def _core_list(cores: list[int]) -> str:
     return ",".join(str(c) for c in cores)
 
 
-def _cpu_dtype_and_block(config: ClusterConfig) -> tuple[str, int]:
+def _cpu_dtype_and_block(config: ClusterConfig) -> tuple[Dtype, int]:
     if config.dtype not in (None, "auto", "float32"):
         raise PlanError(
             "dtype",
@@ -429,7 +429,7 @@ def plan_cluster(
     (e.g. the path of the generated tiny model); requests use ``config.model``.
     ``decode_model`` overrides it for decode instances only (parity's fault injection).
     ``passthrough_env``: the harness's values of GPU_PASSTHROUGH_ENV (cuda only)."""
-    if platform not in ("cpu", "cuda"):
+    if platform not in PLATFORMS:
         raise PlanError("platform", f"got {platform!r}; allowed: cpu, cuda")
     connector_support.check(config)  # before anything else: names the connector and the pair
     remote_args, remote_warning = remote_code_args(config, allow_unpinned=allow_unpinned)

@@ -74,7 +74,7 @@ class PortAllocator:
     def take(self, label: str) -> int:
         s = _bind(self.host, 0)
         self._held.append(s)
-        port = s.getsockname()[1]
+        port: int = s.getsockname()[1]
         self._ports.add(port)
         return port
 

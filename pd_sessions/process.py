@@ -240,8 +240,8 @@ def signals_deferred() -> Iterator[None]:
         for s, handler in old.items():
             if handler is not None:  # None: installed outside Python, cannot be restored
                 signal.signal(s, handler)
-        for s in dict.fromkeys(pending):
-            signal.raise_signal(s)
+        for signum in dict.fromkeys(pending):
+            signal.raise_signal(signum)
 
 
 def stop(running: Sequence[Running], *, grace_s: float = 10.0, kill_wait_s: float = 5.0) -> StopReport:

@@ -34,5 +34,5 @@ def register() -> None:
         return original()
 
     acc.current_device_index = current_device_index
-    acc._pd_sessions_cpu_shim = True  # type: ignore[attr-defined]
+    acc._pd_sessions_cpu_shim = True
     log.info("pd_sessions: no accelerator: torch.accelerator.current_device_index() -> 0 (Mooncake CPU shim)")

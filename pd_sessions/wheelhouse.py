@@ -122,7 +122,7 @@ class Target:
         ) | set(compatible_tags((major, minor), interpreter=f"cp{self.nodot}", platforms=plats))
 
     def marker_env(self) -> dict[str, str]:
-        env = dict(default_environment())
+        env: dict[str, str] = {k: str(v) for k, v in default_environment().items()}
         env.update(
             python_version=self.python,
             python_full_version=f"{self.python}.0",
@@ -277,7 +277,7 @@ def skip_reason(
 
 def read_pins(text: str) -> dict[str, str]:
     """``uv pip compile`` output -> {canonical name: version}."""
-    out = {}
+    out: dict[str, str] = {}
     for raw in text.splitlines():
         line = raw.split("#", 1)[0].strip()
         if not line or line.startswith("-"):
@@ -315,7 +315,7 @@ def unmet(requires: Mapping[str, Sequence[str]], have: Mapping[str, str | None],
             name = canonicalize_name(req.name)
             if name not in have:
                 out.append(f"{owner} needs {req} (missing)")
-            elif have[name] is not None and not req.specifier.contains(Version(have[name]), prereleases=True):
+            elif (v := have[name]) is not None and not req.specifier.contains(Version(v), prereleases=True):
                 out.append(f"{owner} needs {req} (has {have[name]})")
     return out
 
@@ -548,9 +548,9 @@ def build(
                 )
     files = {}
     for path in sorted(out.glob("*.whl")):
-        name, version, _, _ = parse_wheel_filename(path.name)
+        name, wheel_version, _, _ = parse_wheel_filename(path.name)
         key = canonicalize_name(name)
-        if wanted.get(key) == str(version) or (key in wanted and Version(wanted[key]) == version):
+        if wanted.get(key) == str(wheel_version) or (key in wanted and Version(wanted[key]) == wheel_version):
             if not wheel_supported(path.name, target):
                 raise InstallError(
                     f"{path.name} does not install on {target.describe()} (its tags are not "
@@ -623,11 +623,15 @@ def write_outputs(out: Path, result: Result) -> None:
     (out / "SHA256SUMS").write_text("".join(f"{w['sha256']}  {w['file']}\n" for w in result.wheels))
 
 
+def _size(w: Mapping[str, object]) -> int:
+    return int(str(w["size"]))
+
+
 def size_table(wheels: Sequence[Mapping[str, object]]) -> list[str]:
     """``  289.6 MiB  vllm==0.26.0`` lines, largest first, then the total."""
-    rows = sorted(wheels, key=lambda w: -int(w["size"]))  # type: ignore[call-overload]
-    total = sum(int(w["size"]) for w in rows)  # type: ignore[call-overload]
-    return [f"{int(w['size']) / 2**20:9.1f} MiB  {w['name']}=={w['version']}" for w in rows] + [
+    rows = sorted(wheels, key=lambda w: -_size(w))
+    total = sum(_size(w) for w in rows)
+    return [f"{_size(w) / 2**20:9.1f} MiB  {w['name']}=={w['version']}" for w in rows] + [
         f"{total / 2**20:9.1f} MiB  total, {len(rows)} wheels"
     ]
 

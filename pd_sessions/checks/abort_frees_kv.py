@@ -93,7 +93,7 @@ def stream_then_disconnect(
     """Start a streaming completion, read until the first token's chunk arrives, close the socket.
     Returns its text; raises pdhttp.HttpError when none arrived."""
     u = urllib.parse.urlsplit(base_url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=timeout)
     body = json.dumps(
         {
             "model": model,

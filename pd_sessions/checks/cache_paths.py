@@ -143,7 +143,8 @@ def _fit(
     """``lead`` + words, with a token count from ``target`` to a few words' worth above it."""
     base = len(tokenize(url, model, lead).tokens)
     words = max(1, round((target - base) / rate))
-    text, toks = lead, ()
+    text = lead
+    toks: tuple[int, ...] = ()
     for _ in range(8):
         text = _text(lead, words, offset)
         toks = tokenize(url, model, text).tokens

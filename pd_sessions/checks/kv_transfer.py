@@ -207,13 +207,13 @@ def success_verdict(ev: Evidence, *, router_requests: int) -> tuple[str | None, 
                 "stats on, i.e. no --disable-log-stats)"
             ), details
         ok = sum(s.get("Num successful transfers", 0) for s in ev.log_stats.values())
-        failed = sum(
+        failed_n = sum(
             s.get("Num failed transfers", 0) + s.get("Num failed recvs", 0) for s in ev.log_stats.values()
         )
         details["mooncake_successful_transfers"] = ok
-        details["mooncake_failed_transfers"] = failed
-        if failed > 0:
-            return f"Mooncake logged {failed:g} failed transfers/recvs in the window", details
+        details["mooncake_failed_transfers"] = failed_n
+        if failed_n > 0:
+            return f"Mooncake logged {failed_n:g} failed transfers/recvs in the window", details
         if ok < 1:
             return (
                 f"Mooncake logged {ok:g} successful transfers for {router_requests} router requests"

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pd_sessions import http
 from pd_sessions.checks import kv_transfer
 from pd_sessions.checks.base import FAIL, CheckResult
+from pd_sessions.plan import ClusterPlan
 
 PREFILL_METRIC = "vllm:prompt_tokens_total"
 
@@ -27,7 +28,7 @@ def prefill_tokens(metrics_text: str) -> float:
     )
 
 
-def scrape(plan) -> dict[str, float]:  # type: ignore[no-untyped-def]
+def scrape(plan: ClusterPlan) -> dict[str, float]:
     """name -> the counter that grows when that instance serves a P/D request."""
     out = {p.name: prefill_tokens(http.get_text(f"{p.url}/metrics")) for p in plan.prefill}
     out.update({d.name: kv_transfer.external_tokens(http.get_text(f"{d.url}/metrics")) for d in plan.decode})

@@ -223,7 +223,7 @@ def run_checks(
 def accuracy_check(cluster: Cluster, opts: acc.AccuracyOptions) -> CheckResult:
     plan = cluster.plan
     cfg = plan.config
-    common = {
+    common: dict[str, Any] = {
         "model": plan.served_model_name,
         "num_concurrent": opts.num_concurrent,
         "trust_remote_code": cfg.trust_remote_code,
@@ -286,6 +286,7 @@ def accuracy_check(cluster: Cluster, opts: acc.AccuracyOptions) -> CheckResult:
             f"recorded baseline {cfg.model}/{opts.task} = {value:.4f} on {n} samples in {opts.baselines}",
             {"measured": value, "samples": n},
         )
+    assert baseline is not None  # both ways without one returned above
     return acc.compare(
         value, n, baseline, rule=opts.rule, mode=opts.mode, allow_sample_mismatch=opts.allow_sample_mismatch
     )
