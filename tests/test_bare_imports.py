@@ -1,0 +1,89 @@
+"""The modules noxfile.py imports load in an interpreter without the project's dependencies.
+
+nox imports the noxfile with nox's own interpreter, before any session has installed anything:
+a module it imports that needs psutil, prometheus_client, pyelftools, torch or vLLM breaks
+``nox -l``, ``--help`` and every session on a bare host. So those modules (found here by reading
+noxfile.py's imports, at top level and inside the session functions) must import with the
+standard library alone, plus ``packaging``.
+
+``packaging`` is allowed, by choice: nox itself depends on it (checked below against nox's
+metadata), so wherever the noxfile runs, packaging is there; install.py and installed.py use it
+for version and requirement parsing rather than re-implementing PEP 440 and PEP 508.
+
+The bare interpreter is this Python started with ``-S -E`` (no site-packages, no PYTHONPATH) with
+only the checkout and a copy of packaging on its path; that psutil is out of its reach is checked
+too, so the test cannot pass by accident on a full environment.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata as md
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import packaging
+from conftest import ROOT
+from packaging.requirements import Requirement
+
+ALLOWED = {"packaging"}
+
+
+def noxfile_modules() -> list[str]:
+    """Every pd_sessions module noxfile.py imports, wherever in the file the import is."""
+    tree = ast.parse((ROOT / "noxfile.py").read_text())
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "pd_sessions":
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                path = ROOT / Path(*sub.split("."))
+                found.add(sub if path.with_suffix(".py").exists() or path.is_dir() else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "pd_sessions")
+    return sorted(found)
+
+
+def bare_python(tmp_path: Path, code: str) -> subprocess.CompletedProcess[str]:
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    if not (site / "packaging").exists():
+        shutil.copytree(Path(packaging.__file__).parent, site / "packaging")
+    prologue = f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(site)!r}]\n"
+    return subprocess.run(
+        [sys.executable, "-S", "-E", "-c", prologue + code], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_the_noxfile_imports_what_this_test_expects():
+    modules = noxfile_modules()
+    for m in ("pd_sessions.cliargs", "pd_sessions.config", "pd_sessions.errors", "pd_sessions.preflight"):
+        assert m in modules, modules
+    assert "pd_sessions.envfacts" in modules  # imported inside a session function: still found
+
+
+def test_noxfile_modules_import_without_the_project_dependencies(tmp_path):
+    modules = [*noxfile_modules(), "pd_sessions.checks.registry"]  # the last through config
+    probe = bare_python(tmp_path, "import psutil")
+    assert probe.returncode != 0 and "No module named 'psutil'" in probe.stderr, (
+        "the bare interpreter must not reach the project's dependencies"
+    )
+    code = (
+        "import importlib, sys\n"
+        "before = set(sys.modules)\n"
+        f"for m in {modules!r}:\n"
+        "    importlib.import_module(m)\n"
+        "print(sorted({n.split('.')[0] for n in set(sys.modules) - before}))\n"
+    )
+    r = bare_python(tmp_path, code)
+    assert r.returncode == 0, f"a module the noxfile imports needs a dependency:\n{r.stderr}"
+    loaded = set(ast.literal_eval(r.stdout.strip().splitlines()[-1]))
+    third_party = {n for n in loaded if n not in sys.stdlib_module_names and n != "pd_sessions"}
+    assert third_party <= ALLOWED, f"beyond the standard library and packaging: {sorted(third_party)}"
+
+
+def test_packaging_is_allowed_because_nox_depends_on_it():
+    names = {Requirement(r).name.lower() for r in md.requires("nox") or () if "extra ==" not in r}
+    assert names >= ALLOWED, f"nox no longer depends on {sorted(ALLOWED - names)}: drop it from ALLOWED"
