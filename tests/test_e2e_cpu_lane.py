@@ -277,6 +277,8 @@ def test_accuracy_identity_fails_against_a_model_with_another_seed(tmp_path):
 
 
 RECOMPUTE_SWEEP = """name = "recompute"
+# the edge checks are covered by the sweep e2e tests: here only what this test proves
+checks = ["smoke", "parity", "kv_transfer", "accuracy"]
 [defaults]
 model = "tiny-llama"
 connector = "mooncake"

@@ -17,6 +17,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 # exact), and the point here is that margin mode fails a decode with other weights.
 OTHER_WEIGHTS = """
 name = "other_weights"
+checks = ["smoke", "parity", "kv_transfer", "accuracy"]
 [defaults]
 model = "tiny-llama"
 connector = "mooncake"
@@ -28,6 +29,8 @@ name = "1x1"
 
 REMOTE_CODE = """
 name = "remote_code"
+# the edge checks are covered by the sweep e2e tests: here only what this test proves
+checks = ["smoke", "parity", "kv_transfer", "accuracy"]
 [defaults]
 model = "tiny-llama-remote"
 trust_remote_code = true
