@@ -29,8 +29,11 @@ from pd_sessions.plan import ClusterPlan, ProcessSpec
 
 # Once every instance is healthy, how long a P/D path may keep failing before the wait ends.
 PD_PATH_BUDGET_S = 60.0
-# One hop's HTTP timeout: a decode stuck on a KV pull never answers on its own.
-HOP_TIMEOUT_S = 30.0
+# One hop's HTTP timeout: a decode stuck on a KV pull never answers on its own. As long as the
+# whole budget: abandoning a slow first transfer and retrying made it worse (NIXL on a loaded
+# 2-core host: the abandoned request's pull completed ~50 s later, after the prefill had
+# released its blocks, and the retry stalled too); answered failures still retry at once.
+HOP_TIMEOUT_S = PD_PATH_BUDGET_S
 WARM_PROMPT = "Warm the pair"
 ERROR_MARKERS = ("ERROR", "Error", "error", "failed", "Traceback", "timed out", "Timeout")
 
