@@ -2,7 +2,9 @@
 must equal, token for token, the same request sent alone to prefill-direct, and the KV proof
 (decode instances' external-KV counters over the burst) must count every one of them.
 Outputs correct for one request can be wrong under concurrency (batching, block reuse, a
-transfer mixed up between requests).
+transfer mixed up between requests). Comparisons follow the parity check's mode
+(checks/parity.py): where prefill and decode have different numeric layouts, each P/D output is
+teacher-forced through prefill-0 and must stay within the margin of its top-1.
 """
 
 from __future__ import annotations
@@ -13,11 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pd_sessions import http
-from pd_sessions.checks import kv_transfer, per_instance
+from pd_sessions.checks import kv_transfer, parity, per_instance
 from pd_sessions.checks.base import FAIL, PASS, CheckResult
 from pd_sessions.checks.completions import Completion
 from pd_sessions.checks.instances import REQUEST_TIMEOUT_S
-from pd_sessions.checks.parity import evaluate_exact
 
 
 def prompts(n: int) -> list[str]:
@@ -31,32 +32,36 @@ def prompts(n: int) -> list[str]:
 
 
 def evaluate(
-    pairs: Sequence[tuple[str, Completion | None, Completion]],
+    pairs: Sequence[tuple[str, Completion | None, parity.Reference]],
     errors: Sequence[str],
     kv: CheckResult,
     *,
     requests: int,
     seconds: float,
+    judge: parity.Judge | None = None,
 ) -> CheckResult:
-    """Verdict: no request failed, every pair identical, and the KV proof over the burst passed.
+    """Verdict: no request failed, every pair matches (``judge``'s mode; exact by default), and
+    the KV proof over the burst passed.
 
-    ``pairs`` holds (prompt, P/D completion or None when it failed, prefill-direct completion).
+    ``pairs`` holds (prompt, P/D completion or None when it failed, prefill-direct's side: its
+    completion alone in exact mode, its scores of the P/D tokens in margin mode).
     """
+    j = judge or parity.Judge("exact", "same numeric layout", parity.DEFAULT_MARGIN)
     ok_pairs = [(p, pd, base) for p, pd, base in pairs if pd is not None]
-    parity = evaluate_exact(ok_pairs, baseline="prefill-direct, alone") if ok_pairs else None
+    verdict = parity.judge(j, ok_pairs, baseline="prefill-direct, alone") if ok_pairs else None
     details: dict[str, Any] = {
         "requests": requests,
         "failed": list(errors),
         "burst_seconds": round(seconds, 3),
-        "parity": parity.details if parity else None,
+        "parity": verdict.details if verdict else None,
         "kv": kv.details,
         "kv_verdict": kv.verdict,
     }
     problems = []
     if errors:
         problems.append(f"{len(errors)}/{requests} requests failed (first: {errors[0]})")
-    if parity is not None and not parity.passed:
-        problems.append(parity.message)
+    if verdict is not None and not verdict.passed:
+        problems.append(verdict.message)
     if not ok_pairs:
         problems.append("no request succeeded")
     if not kv.passed:
@@ -68,7 +73,12 @@ def evaluate(
         PASS,
         f"{requests}/{requests} concurrent requests succeeded in "
         f"{seconds:.1f} s, "
-        f"each identical to prefill-direct alone; {kv.message}",
+        + (
+            "each identical to prefill-direct alone"
+            if j.mode == "exact"
+            else f"each within {j.margin:g} nats of prefill-direct's top-1 (margin mode: {j.why})"
+        )
+        + f"; {kv.message}",
         details,
     )
 
@@ -119,6 +129,16 @@ def run(cluster: Any, options: Mapping[str, Any]) -> CheckResult:
         roles={"prefill": len(plan.prefill), "decode": len(plan.decode)},
     )
     p0 = plan.prefill[0]
+    j = parity.Judge.for_config(plan.config)
     # one at a time: each request alone on prefill-0
-    pairs = [(p, c, one(p0.url, p)) for p, c in zip(texts, results, strict=True) if c is not None]
-    return evaluate(pairs, errors, kv, requests=n, seconds=seconds)
+    pairs: list[tuple[str, Completion | None, parity.Reference]] = []
+    for p, c in zip(texts, results, strict=True):
+        if c is None:
+            continue
+        try:
+            ref = parity.reference(j, p0.url, model, p, c, max_tokens=max_tokens, timeout=REQUEST_TIMEOUT_S)
+        except ValueError as e:
+            errors.append(f"{p[:30]!r}: could not score the P/D tokens: {e}")
+            continue
+        pairs.append((p, c, ref))
+    return evaluate(pairs, errors, kv, requests=n, seconds=seconds, judge=j)

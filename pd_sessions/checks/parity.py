@@ -14,7 +14,9 @@ The reference is prefill-0 served directly (no disaggregation). Two modes:
   reference ranks clearly below its top-1 (lost or corrupted KV, other weights) still fails.
 
 Pure parts: :func:`choose_mode`, :func:`forced_tokens`, :func:`evaluate_exact`,
-:func:`evaluate_margin`. :func:`teacher_force` is the request.
+:func:`evaluate_margin`, :func:`judge`. :func:`teacher_force` and :func:`reference` are the
+requests. Other checks that compare P/D outputs with a direct instance (cache_paths, burst)
+use :class:`Judge`, :func:`reference` and :func:`judge`, so they follow the same mode.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pd_sessions import http
 from pd_sessions.checks.base import FAIL, PASS, CheckResult
 from pd_sessions.checks.completions import Completion
 
@@ -296,3 +299,82 @@ def evaluate_margin(
         f"margin mode: {why})",
         details,
     )
+
+
+# ---------------------------------------------------------------- shared by other checks
+
+
+@dataclass(frozen=True)
+class Judge:
+    """How P/D outputs are compared with a direct instance in one config (see choose_mode)."""
+
+    mode: str  # exact | margin
+    why: str
+    margin: float
+
+    @classmethod
+    def for_config(cls, config: Any) -> Judge:
+        mode, why = choose_mode(config)
+        return cls(mode, why, float(getattr(config, "parity_margin", DEFAULT_MARGIN)))
+
+
+# What a direct instance said about one prompt: its own greedy completion (exact mode) or its
+# scores of the P/D tokens, teacher-forced (margin mode).
+Reference = Completion | tuple[ForcedToken, ...]
+
+
+def teacher_force(url: str, model: str, pd: Completion, *, timeout: float) -> tuple[ForcedToken, ...]:
+    """Score ``pd``'s tokens on the instance at ``url``. Raises ValueError when ``pd`` lacks the
+    token ids this needs or the answer lacks prompt_logprobs; http.HttpError on HTTP failure."""
+    if pd.prompt_token_ids is None or pd.token_ids is None:
+        raise ValueError(
+            "the P/D answer carries no prompt_token_ids/token_ids (return_token_ids unsupported?)"
+        )
+    resp = http.post_json(
+        f"{url}/v1/completions",
+        teacher_force_payload(model, pd.prompt_token_ids, pd.token_ids),
+        timeout=timeout,
+    )
+    return tuple(forced_tokens(resp, len(pd.prompt_token_ids), pd.token_ids))
+
+
+def reference(
+    j: Judge, url: str, model: str, prompt: str, pd: Completion, *, max_tokens: int, timeout: float
+) -> Reference:
+    """The direct instance's side of one comparison, in ``j``'s mode."""
+    if j.mode == "margin":
+        return teacher_force(url, model, pd, timeout=timeout)
+    return Completion.from_response(
+        http.completion(url, model, prompt, max_tokens=max_tokens, timeout=timeout)
+    )
+
+
+def prompt_tokens_sent(pd: Completion, ref: Reference) -> int:
+    """Prompt tokens the reference request put on the direct instance (for per-instance counts)."""
+    if isinstance(ref, Completion):
+        return ref.prompt_tokens
+    return len(pd.prompt_token_ids or ()) + len(pd.token_ids or ())
+
+
+def judge(j: Judge, rows: Sequence[tuple[str, Completion, Reference]], *, baseline: str) -> CheckResult:
+    """evaluate_exact or evaluate_margin of (label, P/D completion, reference) rows, by ``j.mode``.
+
+    exact  : every reference must be a Completion (the direct instance's own greedy output)
+    margin : every reference must be the P/D tokens' forced scores (from :func:`reference`)
+    A reference of the other kind is a programming error (TypeError), not a verdict.
+    """
+    if j.mode == "margin":
+        scored = []
+        for label, _pd, ref in rows:
+            if isinstance(ref, Completion):
+                raise TypeError(f"{label}: margin mode needs forced scores, got a Completion")
+            scored.append((label, ref))
+        return evaluate_margin(
+            scored, margin=j.margin, baseline=baseline, why=j.why, margin_evidence=DEFAULT_MARGIN_EVIDENCE
+        )
+    pairs = []
+    for label, pd, ref in rows:
+        if not isinstance(ref, Completion):
+            raise TypeError(f"{label}: exact mode needs the reference's completion, got forced scores")
+        pairs.append((label, pd, ref))
+    return evaluate_exact(pairs, baseline=baseline, why=j.why)

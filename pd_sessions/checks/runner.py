@@ -137,41 +137,20 @@ def run_checks(
 
     def parity_check() -> CheckResult:
         p_before = per_instance.scrape(plan)
-        mode, why = parity.choose_mode(plan.config)
-        label = f"{baseline.name} direct (no disaggregation)"
-        if mode == "exact":
-            pairs = [(p, via_router(p), _complete(baseline.url, model, p)) for p in PARITY_PROMPTS]
-            sent = float(sum(base.prompt_tokens for _, _, base in pairs))
-            r = parity.evaluate_exact(pairs, baseline=label, why=why)
-        else:
-            rows, sent = [], 0.0
-            for p in PARITY_PROMPTS:
-                pd = via_router(p)
-                ids = pd.token_ids or ()
-                if pd.prompt_token_ids is None:
-                    return CheckResult(
-                        "parity",
-                        FAIL,
-                        "could not run: the router's answer carries no "
-                        "prompt_token_ids (return_token_ids unsupported?)",
-                    )
-                sent += len(pd.prompt_token_ids) + len(ids)  # the forced prompt goes to the baseline
-                resp = http.post_json(
-                    f"{baseline.url}/v1/completions",
-                    parity.teacher_force_payload(model, pd.prompt_token_ids, ids),
-                    timeout=CHECK_REQUEST_TIMEOUT_S,
+        j = parity.Judge.for_config(plan.config)
+        rows: list[tuple[str, Completion, parity.Reference]] = []
+        sent = 0.0
+        for p in PARITY_PROMPTS:
+            pd = via_router(p)
+            try:
+                ref = parity.reference(
+                    j, baseline.url, model, p, pd, max_tokens=MAX_TOKENS, timeout=CHECK_REQUEST_TIMEOUT_S
                 )
-                try:
-                    rows.append((p, parity.forced_tokens(resp, len(pd.prompt_token_ids), ids)))
-                except ValueError as e:
-                    return CheckResult("parity", FAIL, f"could not run: {e}")
-            r = parity.evaluate_margin(
-                rows,
-                margin=plan.config.parity_margin,
-                baseline=label,
-                why=why,
-                margin_evidence=parity.DEFAULT_MARGIN_EVIDENCE,
-            )
+            except ValueError as e:
+                return CheckResult("parity", FAIL, f"could not run: {e}")
+            sent += parity.prompt_tokens_sent(pd, ref)
+            rows.append((p, pd, ref))
+        r = parity.judge(j, rows, baseline=f"{baseline.name} direct (no disaggregation)")
         direct[baseline.name] += sent
         return per_instance.apply(
             r,
