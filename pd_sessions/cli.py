@@ -21,7 +21,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from pd_sessions import __version__, hosts, lifeline, process, unfinished, user_commands
+from pd_sessions import __version__, connector_support, hosts, lifeline, process, unfinished, user_commands
 from pd_sessions.checks.accuracy import AccuracyOptions
 from pd_sessions.cliargs import add_common_options, add_sweep_options
 from pd_sessions.config import ClusterConfig, Overrides, Sweep, SweepEntry, load, make_overrides, select
@@ -132,6 +132,40 @@ class Selection:
     env: dict[str, Any]
 
 
+def _model_config(model: str) -> dict[str, Any] | None:
+    """config.json of a local model directory, else None (hub names are not looked up)."""
+    path = Path(model).expanduser() / "config.json"
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def _refuse_before_launch(sel: Selection, *, dry_run: bool) -> None:
+    """What this host or this vLLM cannot run: PlanError before anything starts (a warning
+    with --dry-run, so the plans can still be read)."""
+    vllm = (sel.env.get("modules") or {}).get("vllm") or {}
+    problems = [
+        ("mooncake_protocol", rdma_problem(sel.configs, sel.platform, sel.inv)),
+        *(
+            (
+                "prefill_tp",
+                connector_support.vllm_problem(
+                    c,
+                    vllm.get("version"),
+                    hybrid_mla=connector_support.is_hybrid_mla(c, _model_config(c.model)),
+                ),
+            )
+            for c in sel.configs
+        ),
+    ]
+    for field, problem in problems:
+        if problem and not dry_run:
+            raise PlanError(field, problem)
+        if problem:
+            say(f"WARNING: {problem}")
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     commands = user_commands.from_cli(
         args.user_commands,
@@ -191,11 +225,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         say(note)
     for line in over.describe():
         say(f"override (command line): {line}")
-    rdma = rdma_problem(configs, platform, inv)
-    if rdma and not args.dry_run:
-        raise PlanError("mooncake_protocol", rdma)
-    if rdma:
-        say(f"WARNING: {rdma}")
+    _refuse_before_launch(sel, dry_run=args.dry_run)
     if args.skip_check:
         say(
             f"checks skipped by request (--skip-check): {', '.join(args.skip_check)}; "
@@ -323,6 +353,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         say(note)
     for line in sel.over.describe():
         say(f"override (command line): {line}")
+    _refuse_before_launch(sel, dry_run=args.dry_run)
     if args.dry_run:
         with PortAllocator(config.host) as ports:
             print(make_plan(config, inv, ports, opts, create_model=False).render())

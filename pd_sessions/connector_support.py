@@ -9,6 +9,11 @@ prefill and several decode instances behind one router.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+from packaging.version import InvalidVersion, Version
+
 from pd_sessions.config import ClusterConfig
 from pd_sessions.errors import PlanError
 
@@ -54,3 +59,54 @@ def check(config: ClusterConfig) -> None:
             f"{c.name}: connector {c.connector} does not support several instances per "
             f"role ({c.num_prefill}P{c.num_decode}D)",
         )
+
+
+# Models with linear-attention (SSM) layers beside MLA layers, like Kimi-Linear. A local model
+# directory is recognised by its config.json (see :func:`is_hybrid_mla`).
+HYBRID_MLA_MODELS = frozenset({"moonshotai/Kimi-Linear-48B-A3B-Instruct", "tiny-kimi-linear"})
+
+# vLLM < 0.27.0 cannot feed a lower-TP decode rank from a higher-TP prefill for such a model
+# over NIXL: the pull worker asserts one source rank for MLA (``assert len(read_specs) == 1`` in
+# nixl/pull_worker.py ``_read_blocks_for_req``), while the SSM state needs one read per prefill
+# rank. Seen on the lent H200 x2 with vLLM 0.26.0 (docs/gpu-verification.md): the first
+# transfer killed the decode's worker (EngineDeadError, HTTP 500). Fixed upstream by
+# vllm-project/vllm#49297 (the assert skips hybrid models); 0.27.0's wheel has the fix.
+HYBRID_MLA_HETERO_TP_FIXED_IN = Version("0.27.0")
+
+
+def is_hybrid_mla(config: ClusterConfig, model_config: Mapping[str, Any] | None = None) -> bool:
+    """A hybrid model whose full-attention layers are MLA: a known name, or a config.json
+    (``model_config``) with both ``linear_attn_config`` and an MLA ``kv_lora_rank``."""
+    if config.model in HYBRID_MLA_MODELS:
+        return True
+    mc = model_config or {}
+    return bool(config.hybrid and mc.get("linear_attn_config") and mc.get("kv_lora_rank"))
+
+
+def vllm_problem(config: ClusterConfig, vllm_version: str | None, *, hybrid_mla: bool) -> str | None:
+    """Why this vLLM cannot serve ``config``'s pair, or None. Checked before launch, where the
+    installed vLLM is known.
+
+        connector not nixl, or not hybrid MLA               -> None
+        prefill TP <= decode TP (per decode rank)           -> None
+        vLLM version unknown or not a version               -> None (vLLM itself will say)
+        vLLM >= 0.27.0                                      -> None (fixed upstream)
+        otherwise                                           -> the pair, the version, the upstream
+                                                               assert and fix, and what to change
+    """
+    c = config
+    if c.connector != "nixl" or not hybrid_mla or c.prefill_tp <= c.decode_tp or not vllm_version:
+        return None
+    try:
+        if Version(vllm_version) >= HYBRID_MLA_HETERO_TP_FIXED_IN:
+            return None
+    except InvalidVersion:
+        return None
+    return (
+        f"{c.name}: vLLM {vllm_version} cannot pull KV over NIXL from prefill TP{c.prefill_tp} into "
+        f"decode TP{c.decode_tp} ranks for {c.model} (SSM + MLA layers): its pull worker asserts a "
+        "single source rank for MLA (`assert len(read_specs) == 1`, nixl/pull_worker.py) and the "
+        "first transfer kills the decode's engine. Fixed in vLLM "
+        f">= {HYBRID_MLA_HETERO_TP_FIXED_IN} (vllm-project/vllm#49297); with this vLLM use "
+        f"--set prefill_tp={c.decode_tp}"
+    )

@@ -76,3 +76,69 @@ def test_xpyd_plan_gives_every_prefill_its_bootstrap_port_in_the_router_argv():
         i = argv.index(p.url)
         assert argv[i - 1] == "--prefill" and argv[i + 1] == str(p.bootstrap_port)
     assert [argv[i + 1] for i, a in enumerate(argv) if a == "--decode"] == [d.url for d in plan.decode]
+
+
+# ---------------------------------------------------------------- known limits of a vLLM release
+
+KIMI = {"name": "kimi", "model": "tiny-kimi-linear", "hybrid": True, "moe": True, "connector": "nixl"}
+
+
+@pytest.mark.parametrize(
+    "kw, version, refused",
+    [
+        ({"prefill_tp": 2, "decode_tp": 1, "decode_dp": 2}, "0.26.0", True),  # the nightly's shape
+        ({"prefill_tp": 2, "decode_tp": 1}, "0.26.0", True),
+        ({"prefill_tp": 2, "decode_tp": 1}, "0.27.0", False),  # fixed upstream
+        ({"prefill_tp": 2, "decode_tp": 1}, "0.32.0", False),
+        ({"prefill_tp": 2, "decode_tp": 1}, "0.27.0rc1.dev5+g1234", True),  # before the release
+        ({"prefill_tp": 1, "decode_tp": 1, "decode_dp": 2}, "0.26.0", False),  # ran on the H200s
+        ({"prefill_tp": 1, "decode_tp": 2}, "0.26.0", False),
+        ({"prefill_tp": 2, "decode_tp": 1, "connector": "mooncake"}, "0.26.0", False),
+        ({"prefill_tp": 2, "decode_tp": 1}, None, False),  # unknown: vLLM will say
+        ({"prefill_tp": 2, "decode_tp": 1}, "not-a-version", False),
+    ],
+)
+def test_hybrid_mla_higher_prefill_tp_is_refused_on_vllm_before_0_27(kw, version, refused):
+    c = cfg(**{**KIMI, **kw})
+    problem = connector_support.vllm_problem(c, version, hybrid_mla=connector_support.is_hybrid_mla(c))
+    assert bool(problem) is refused
+    if refused:
+        assert problem is not None
+        assert f"vLLM {version}" in problem and "prefill TP2 into decode TP1" in problem
+        assert "vllm-project/vllm#49297" in problem and "--set prefill_tp=1" in problem
+
+
+def test_hybrid_mla_is_a_known_name_or_a_kimi_linear_style_config():
+    assert connector_support.is_hybrid_mla(cfg(model="moonshotai/Kimi-Linear-48B-A3B-Instruct"))
+    local = {"linear_attn_config": {"kda_layers": [1]}, "kv_lora_rank": 512}
+    assert connector_support.is_hybrid_mla(cfg(model="/models/k", hybrid=True), local)
+    assert not connector_support.is_hybrid_mla(cfg(model="/models/k", hybrid=False), local)
+    # a hybrid without MLA (GDN + ordinary attention, e.g. Qwen3-Next) reads per rank already
+    assert not connector_support.is_hybrid_mla(
+        cfg(model="/models/q", hybrid=True), {"linear_attn_config": {}, "num_key_value_heads": 2}
+    )
+    assert not connector_support.is_hybrid_mla(cfg(model="tiny-llama"))
+
+
+def test_the_cli_refuses_before_launch_and_only_warns_on_a_dry_run(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from pd_sessions import cli
+
+    model = tmp_path / "kimi"
+    model.mkdir()
+    (model / "config.json").write_text('{"linear_attn_config": {"kda_layers": [1]}, "kv_lora_rank": 512}')
+    c = cfg(name="k", model=str(model), hybrid=True, moe=True, connector="nixl", prefill_tp=2, decode_dp=2)
+    sel = SimpleNamespace(
+        configs=[c],
+        platform="cuda",
+        inv=Inventory(gpus=("0", "1"), cpus=(0, 1), gpu_source="test"),
+        env={"modules": {"vllm": {"version": "0.26.0"}}},
+    )
+    with pytest.raises(PlanError) as e:
+        cli._refuse_before_launch(sel, dry_run=False)  # type: ignore[arg-type]
+    assert e.value.field == "prefill_tp" and "vLLM 0.26.0 cannot pull KV over NIXL" in str(e.value)
+    cli._refuse_before_launch(sel, dry_run=True)  # type: ignore[arg-type]
+    assert "WARNING: k: vLLM 0.26.0 cannot pull KV" in capsys.readouterr().out
+    sel.env = {"modules": {"vllm": {"version": "0.32.0"}}}
+    cli._refuse_before_launch(sel, dry_run=False)  # type: ignore[arg-type]
