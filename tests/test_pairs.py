@@ -109,20 +109,7 @@ def test_fake_cluster_whose_pd_path_fails_ends_readiness_within_the_budget(tmp_p
     readiness ends after the P/D budget (not the 1200 s deadline), naming the pair, the answer
     and the decode's error lines; then everything is torn down."""
     plan = _plan(tmp_path, num_prefill=1, num_decode=1, connector=connector)
-    env = {
-        **os.environ,
-        "PYTHONPATH": f"{FIXTURES / 'fake_stack'}{os.pathsep}{ROOT}",
-        "FAKE_DECODE_BEHAVIOR": "fail_kv",
-    }
-    t0 = time.monotonic()
-    with (
-        pytest.raises(pairs.PdPathFailed) as e,
-        running_cluster(plan, tmp_path / "run", base_env=env, pd_path_budget_s=3.0, grace_s=2),
-    ):
-        pytest.fail("the cluster must not become ready")
-    took = time.monotonic() - t0
-    assert took < 15, took
-    msg = str(e.value)
+    msg = _readiness_failure(plan, tmp_path, FAKE_DECODE_BEHAVIOR="fail_kv")
     assert "pair prefill-0 -> decode-0" in msg and "HTTP 500" in msg and "kept failing for 3 s" in msg
     assert "ERROR fake decode: handshake_setup_failed" in msg
 
@@ -131,22 +118,25 @@ def _fake_env(**behaviors):
     return {**os.environ, "PYTHONPATH": f"{FIXTURES / 'fake_stack'}{os.pathsep}{ROOT}", **behaviors}
 
 
-def test_a_stuck_kv_pull_at_readiness_names_the_decode_and_what_it_waits_for(tmp_path):
-    plan = _plan(tmp_path, num_prefill=1, num_decode=1, connector="mooncake")
+def _readiness_failure(plan, tmp_path, **behaviors) -> str:
+    """Start ``plan`` on the fake stack with a 3 s P/D budget; readiness must fail within 15 s
+    (not the 1200 s deadline): its message."""
     t0 = time.monotonic()
     with (
         pytest.raises(pairs.PdPathFailed) as e,
         running_cluster(
-            plan,
-            tmp_path / "run",
-            base_env=_fake_env(FAKE_DECODE_BEHAVIOR="stuck_pull:0"),
-            pd_path_budget_s=3.0,
-            grace_s=2,
+            plan, tmp_path / "run", base_env=_fake_env(**behaviors), pd_path_budget_s=3.0, grace_s=2
         ),
     ):
         pytest.fail("the cluster must not become ready")
-    assert time.monotonic() - t0 < 15
-    msg = str(e.value)
+    took = time.monotonic() - t0
+    assert took < 15, took
+    return str(e.value)
+
+
+def test_a_stuck_kv_pull_at_readiness_names_the_decode_and_what_it_waits_for(tmp_path):
+    plan = _plan(tmp_path, num_prefill=1, num_decode=1, connector="mooncake")
+    msg = _readiness_failure(plan, tmp_path, FAKE_DECODE_BEHAVIOR="stuck_pull:0")
     boot = f"bootstrap http://127.0.0.1:{plan.prefill[0].bootstrap_port}"
     assert "pair prefill-0 -> decode-0" in msg and "no answer within" in msg
     assert f"stuck: decode-0 waits for KV from prefill-0 ({boot}) (1 deferred" in msg
@@ -179,20 +169,7 @@ def test_a_router_whose_pd_hop_keeps_failing_ends_readiness_with_its_answer(tmp_
     """The pairs warm (direct hops work), but every completion through the router gets HTTP 500:
     readiness ends after the budget with the router's answer and the decode's error lines."""
     plan = _plan(tmp_path, num_prefill=1, num_decode=1, connector="nixl")
-    t0 = time.monotonic()
-    with (
-        pytest.raises(pairs.PdPathFailed) as e,
-        running_cluster(
-            plan,
-            tmp_path / "run",
-            base_env=_fake_env(FAKE_ROUTER_BEHAVIOR="fail_pd"),
-            pd_path_budget_s=3.0,
-            grace_s=2,
-        ),
-    ):
-        pytest.fail("the cluster must not become ready")
-    assert time.monotonic() - t0 < 15
-    msg = str(e.value)
+    msg = _readiness_failure(plan, tmp_path, FAKE_ROUTER_BEHAVIOR="fail_pd")
     assert msg.startswith(f"router ({plan.router.url}): the P/D path kept failing for 3 s")
     assert "router's answer to a 1-token completion:" in msg and "HTTP 500" in msg
     assert "decode hop failed: KV transfer error" in msg and "--- decode-0's error lines" in msg

@@ -42,6 +42,12 @@ def plan(c, **kw):
     )
 
 
+def cpu_plan(c, **kw):
+    return plan_cluster(
+        c, Inventory(gpus=(), cpus=(0, 1)), FakePorts(), platform="cpu", python="/py", model="/m", **kw
+    )
+
+
 def test_mamba_cache_mode_without_prefix_caching_is_warned_in_the_plan():
     p = plan(kimi())
     (w,) = [w for w in p.warnings if "--mamba-cache-mode" in w]
@@ -65,10 +71,6 @@ def test_flag_warning_table(args, warned):
 
 def test_hybrid_tiny_model_marked_not_hybrid_is_warned():
     assert "hybrid = false" in flag_warnings(kimi(hybrid=False, extra_args=()))[0]
-
-
-def _unused(args, warned):
-    assert bool(flag_warnings(kimi(extra_args=args))) is warned
 
 
 def test_hybrid_over_nixl_needs_an_explicit_block_size():
@@ -104,29 +106,13 @@ def test_gpu_env_table():
 
 def test_cpu_lane_passes_no_gpu_env():
     c = ClusterConfig(name="l", model="tiny-llama", connector="nixl")
-    p = plan_cluster(
-        c,
-        Inventory(gpus=(), cpus=(0, 1)),
-        FakePorts(),
-        platform="cpu",
-        python="/py",
-        model="/m",
-        passthrough_env=HOST_ENV,
-    )
+    p = cpu_plan(c, passthrough_env=HOST_ENV)
     assert not any(k in dict(s.env) for s in p.instances for k in GPU_PASSTHROUGH_ENV)
 
 
 def test_decode_with_other_weights_is_planned_and_warned():
     c = ClusterConfig(name="l", model="tiny-llama", decode_weights_seed=7)
-    p = plan_cluster(
-        c,
-        Inventory(gpus=(), cpus=(0, 1)),
-        FakePorts(),
-        platform="cpu",
-        python="/py",
-        model="/m",
-        decode_model="/other",
-    )
+    p = cpu_plan(c, decode_model="/other")
     assert p.prefill[0].argv[p.prefill[0].argv.index("--model") + 1] == "/m"
     assert p.decode[0].argv[p.decode[0].argv.index("--model") + 1] == "/other"
     assert any("fault injection" in w and "parity must fail" in w for w in p.warnings)
@@ -134,26 +120,11 @@ def test_decode_with_other_weights_is_planned_and_warned():
 
 def test_other_weights_over_nixl_let_the_handshake_through():
     c = ClusterConfig(name="l", model="tiny-llama", connector="nixl", decode_weights_seed=7)
-    p = plan_cluster(
-        c,
-        Inventory(gpus=(), cpus=(0, 1)),
-        FakePorts(),
-        platform="cpu",
-        python="/py",
-        model="/m",
-        decode_model="/other",
-    )
+    p = cpu_plan(c, decode_model="/other")
     for s in p.instances:
         kv = json.loads(s.argv[s.argv.index("--kv-transfer-config") + 1])
         assert kv["kv_connector_extra_config"] == {"enforce_handshake_compat": False}
-    plain = plan_cluster(
-        ClusterConfig(name="l", model="tiny-llama", connector="nixl"),
-        Inventory(gpus=(), cpus=(0, 1)),
-        FakePorts(),
-        platform="cpu",
-        python="/py",
-        model="/m",
-    )
+    plain = cpu_plan(ClusterConfig(name="l", model="tiny-llama", connector="nixl"))
     assert (
         "kv_connector_extra_config"
         not in plain.prefill[0].argv[plain.prefill[0].argv.index("--kv-transfer-config") + 1]
