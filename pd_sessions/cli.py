@@ -269,6 +269,19 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     unfinished.check_writable(results_dir)  # exit 2 before anything starts
     say(f"results and logs: {results_dir}")
     results: list[ConfigResult] = []
+    meta = {
+        "sweep": sweep.name,
+        "platform": platform,
+        "pd_sessions": __version__,
+        "allow_unpinned_remote_code": args.allow_unpinned_remote_code,
+        "accuracy_mode": args.accuracy,
+        "skipped_checks": list(args.skip_check),
+        "gpus": list(inv.gpus),
+        "cpus": len(inv.cpus),
+        "overrides": over.describe(),
+        "environment": env,
+        "left_out": [{"name": e.config.name, "reason": e.opt_in_reason} for e in left_out],
+    }
     provisional = unfinished.Provisional(
         configs,
         results_dir,
@@ -276,6 +289,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         platform=platform,
         checks=opts.checks,
         skipped=opts.skip_checks,
+        meta=meta,
     )
     try:  # the lifeline: see lifeline.py (parent death, the reaper)
         with (
@@ -287,19 +301,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         results = unfinished.complete(configs, results, platform=platform, cause=unfinished.stop_cause(e))
         raise
     finally:
-        meta = {
-            "sweep": sweep.name,
-            "platform": platform,
-            "pd_sessions": __version__,
-            "allow_unpinned_remote_code": args.allow_unpinned_remote_code,
-            "accuracy_mode": args.accuracy,
-            "skipped_checks": list(args.skip_check),
-            "gpus": list(inv.gpus),
-            "cpus": len(inv.cpus),
-            "overrides": over.describe(),
-            "environment": env,
-            "left_out": [{"name": e.config.name, "reason": e.opt_in_reason} for e in left_out],
-        }
         if results:
             write_summary(results, results_dir, meta)
             write_junit(

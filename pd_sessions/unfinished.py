@@ -18,8 +18,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from pd_sessions.cliargs import positive_seconds  # noqa: F401  (the sweep's --deadline/--grace type)
 from pd_sessions.config import ClusterConfig
@@ -144,10 +145,13 @@ class Provisional:
         platform: str,
         checks: Sequence[str],
         skipped: Sequence[str],
+        meta: Mapping[str, Any] | None = None,
     ):
+        """``meta``: what the final summary records (overrides, environment...); kept here too."""
         self.configs = list(configs)
         self.results_dir = results_dir
         self.meta = {
+            **(meta or {}),
             "sweep": suite,
             "platform": platform,
             "provisional": "written while the sweep ran; the sweep did not finish",

@@ -84,12 +84,18 @@ def test_check_writable(tmp_path):
 
 
 def test_provisional_summary_says_the_sweep_did_not_finish(tmp_path):
+    meta = {
+        "overrides": ["model = 'tiny-llama'"],
+        "environment": {"modules": {"vllm": {"version": "0.32.0"}}},
+    }
     write = unfinished.Provisional(
-        [cfg("a"), cfg("b")], tmp_path, suite="s", platform="cpu", checks=("smoke",), skipped=()
+        [cfg("a"), cfg("b")], tmp_path, suite="s", platform="cpu", checks=("smoke",), skipped=(), meta=meta
     )
     write([res("a", RUNNING)])
     doc = json.loads((tmp_path / "summary.json").read_text())
     assert doc["provisional"] and doc["passed"] is False
+    # what the final summary records is there already: a killed sweep still says what it ran on
+    assert doc["overrides"] == meta["overrides"] and doc["environment"] == meta["environment"]
     a, b = doc["configs"]
     assert a["outcome"] == CANCELLED and "killed with SIGKILL?" in a["error"]
     assert b["outcome"] == NOT_RUN and "killed with SIGKILL?" in b["error"]
