@@ -186,19 +186,15 @@ def _installed_env(
     )
     if not steps:
         return
-    prefix = installed.installer(doc, shutil.which("uv"))
-    if not prefix:
+    inst = installed.installer(doc, shutil.which("uv"))
+    if inst is None:
         _fail(session, f"{plan.python} has no pip and uv is not on PATH: cannot make {'; '.join(steps)}", 1)
     for a in plan.actions:
         session.log(f"pd-sessions install: {a}")
-        session.run(
-            *installed.action_argv(prefix, a, python=plan.python, find_links=target.find_links), external=True
-        )
+        session.run(*installed.action_argv(inst, a, find_links=target.find_links), external=True)
     if plan.install_harness:
         session.log(f"pd-sessions install: pd-sessions (editable, from {ROOT})")
-        session.run(
-            *installed.harness_argv(prefix, python=plan.python, find_links=target.find_links), external=True
-        )
+        session.run(*installed.harness_argv(inst, find_links=target.find_links), external=True)
 
 
 def _dry_run_install(session: nox.Session, target: Target, platform: str, connectors: list[str]) -> None:

@@ -18,7 +18,7 @@ import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from packaging.requirements import Requirement
 
@@ -180,19 +180,35 @@ def plan_installed(
     )
 
 
-def installer(doc: Mapping[str, Any], uv: str | None) -> list[str]:
-    """The command prefix that installs into ``doc``'s interpreter: its own pip, else uv.
+@dataclass(frozen=True)
+class Installer:
+    """How to install into one interpreter: its own pip, or uv pointed at it (``--python``)."""
 
-    pip installed there  -> [python, -m, pip]
-    no pip, uv on PATH   -> [uv, pip]   (with --python PYTHON per command)
-    neither              -> []          (nothing can be installed; the caller says so)
+    tool: Literal["pip", "uv"]
+    python: str
+    uv: str = "uv"  # the uv executable, when tool == "uv"
+
+    def argv(self, verb: str) -> list[str]:
+        """The command up to and including its target: ``python -m pip VERB`` or
+        ``uv pip VERB --python PYTHON``."""
+        if self.tool == "uv":
+            return [self.uv, "pip", verb, "--python", self.python]
+        return [self.python, "-m", "pip", verb]
+
+
+def installer(doc: Mapping[str, Any], uv: str | None) -> Installer | None:
+    """What installs into ``doc``'s interpreter: its own pip, else uv.
+
+    pip installed there  -> Installer("pip")   (python -m pip ...)
+    no pip, uv on PATH   -> Installer("uv")    (uv pip ... --python PYTHON)
+    neither              -> None               (nothing can be installed; the caller says so)
     """
     python = str(doc["python"]["executable"])
     if "pip" in {canonical(k) for k in (doc.get("installed") or {})}:
-        return [python, "-m", "pip"]
+        return Installer("pip", python)
     if uv:
-        return [uv, "pip"]
-    return []
+        return Installer("uv", python, uv)
+    return None
 
 
 FIND_LINKS_ENV = "PD_SESSIONS_FIND_LINKS"
@@ -226,28 +242,21 @@ def offline_args(find_links: str | None) -> list[str]:
     return ["--no-index", "--find-links", find_links] if find_links else []
 
 
-def action_argv(
-    prefix: Sequence[str], action: Action, *, python: str, find_links: str | None = None
-) -> list[str]:
-    """The argv of one install action through ``prefix`` (see :func:`installer`)."""
-    uv = len(prefix) == 2 and prefix[1] == "pip" and prefix[0] != python
-    target = ["--python", python] if uv else []
+def action_argv(inst: Installer, action: Action, *, find_links: str | None = None) -> list[str]:
+    """The argv of one install action (see :func:`installer`)."""
     if action.op == "uninstall":
-        return [*prefix, "uninstall", *target, *([] if uv else ["-y"]), action.dist]
+        return [*inst.argv("uninstall"), *(["-y"] if inst.tool == "pip" else []), action.dist]
     return [
-        *prefix,
-        "install",
-        *target,
+        *inst.argv("install"),
         *(["--no-deps"] if action.no_deps else []),
         *offline_args(find_links),
         f"{action.dist}{action.spec}",
     ]
 
 
-def harness_argv(prefix: Sequence[str], *, python: str, find_links: str | None = None) -> list[str]:
+def harness_argv(inst: Installer, *, find_links: str | None = None) -> list[str]:
     """Install pd-sessions itself (editable; the installer adds only missing dependencies).
     Offline (``find_links``), it builds with the interpreter's own setuptools instead of
     fetching a build environment."""
-    uv = len(prefix) == 2 and prefix[1] == "pip" and prefix[0] != python
     offline = [*offline_args(find_links), "--no-build-isolation"] if find_links else []
-    return [*prefix, "install", *(["--python", python] if uv else []), *offline, "-e", str(ROOT)]
+    return [*inst.argv("install"), *offline, "-e", str(ROOT)]

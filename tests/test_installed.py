@@ -16,6 +16,7 @@ from pd_sessions.errors import UsageError
 from pd_sessions.install import Action
 from pd_sessions.installed import (
     FIND_LINKS_ENV,
+    Installer,
     action_argv,
     find_links_folder,
     harness_argv,
@@ -144,11 +145,13 @@ def test_the_harness_itself_is_installed_unless_no_install():
 
 def test_installer_and_argv():
     d = doc()
-    assert installer(d, "/usr/bin/uv") == [PY, "-m", "pip"]
+    pip = installer(d, "/usr/bin/uv")
+    assert pip == Installer("pip", PY)
     del d["installed"]["pip"]
-    assert installer(d, "/usr/bin/uv") == ["/usr/bin/uv", "pip"] and installer(d, None) == []
+    uv = installer(d, "/usr/bin/uv")
+    assert uv == Installer("uv", PY, "/usr/bin/uv") and installer(d, None) is None
     swap = Action("install", "nixl-cu13", "==1.5.1", no_deps=True)
-    assert action_argv([PY, "-m", "pip"], swap, python=PY, find_links="/wh") == [
+    assert action_argv(pip, swap, find_links="/wh") == [
         PY,
         "-m",
         "pip",
@@ -159,20 +162,29 @@ def test_installer_and_argv():
         "/wh",
         "nixl-cu13==1.5.1",
     ]
-    assert action_argv(["uv", "pip"], Action("uninstall", "nixl-cu12"), python=PY) == [
-        "uv",
+    assert action_argv(uv, swap) == [
+        "/usr/bin/uv",
+        "pip",
+        "install",
+        "--python",
+        PY,
+        "--no-deps",
+        "nixl-cu13==1.5.1",
+    ]
+    assert action_argv(uv, Action("uninstall", "nixl-cu12")) == [
+        "/usr/bin/uv",
         "pip",
         "uninstall",
         "--python",
         PY,
         "nixl-cu12",
     ]
-    assert action_argv([PY, "-m", "pip"], Action("uninstall", "nixl-cu12"), python=PY)[-2:] == [
-        "-y",
-        "nixl-cu12",
-    ]
-    assert harness_argv(["uv", "pip"], python=PY) == ["uv", "pip", "install", "--python", PY, "-e", str(ROOT)]
-    assert harness_argv([PY, "-m", "pip"], python=PY, find_links="/wh") == [
+    assert action_argv(pip, Action("uninstall", "nixl-cu12"))[-2:] == ["-y", "nixl-cu12"]
+    # an interpreter named like a tool is still itself: the kind is said, not guessed from the argv
+    odd = Installer("pip", "/opt/uv")
+    assert action_argv(odd, Action("uninstall", "x")) == ["/opt/uv", "-m", "pip", "uninstall", "-y", "x"]
+    assert harness_argv(uv) == ["/usr/bin/uv", "pip", "install", "--python", PY, "-e", str(ROOT)]
+    assert harness_argv(pip, find_links="/wh") == [
         PY,
         "-m",
         "pip",
