@@ -346,7 +346,7 @@ def tests(session: nox.Session) -> None:
 def buildkite(session: nox.Session) -> None:
     """Render .buildkite/ (pipeline + vLLM test_areas) from pd_sessions/ci_jobs.py."""
     session.install("-e", str(ROOT), "-r", str(ROOT / "requirements" / "buildkite.txt"))
-    session.run("python", "-m", "pd_sessions.ci_jobs")
+    session.run("python", "-m", "pd_sessions", "buildkite")
 
 
 @nox.session(python=PYTHON, reuse_venv=True, tags=["ci"])
@@ -404,7 +404,7 @@ def bench(session: nox.Session) -> None:
             )
     else:
         target.venv_install("-r", str(ROOT / "requirements" / "bench.txt"))
-    target.run("-m", "pd_sessions.bench", *args)
+    target.run("-m", "pd_sessions", "bench", *args)
 
 
 @nox.session(python=PYTHON, reuse_venv=True, tags=["gpu"])
@@ -412,4 +412,4 @@ def wheelhouse(session: nox.Session) -> None:
     """Wheels for an offline host (no index there): `nox -s wheelhouse -- --python 3.12 --cuda 13 --out DIR
     [--exclude-installed FREEZE_FILE]`; sessions then install with PD_SESSIONS_FIND_LINKS=DIR."""
     session.install("pip", "uv", "packaging")
-    session.run("python", "-m", "pd_sessions.wheelhouse", *session.posargs, env={"PYTHONPATH": str(ROOT)})
+    session.run("python", "-m", "pd_sessions", "wheelhouse", *session.posargs, env={"PYTHONPATH": str(ROOT)})

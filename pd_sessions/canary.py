@@ -15,6 +15,10 @@ so a crash in native code ends the canary, not the session. It checks, in order:
 
 Prints a short report, then one JSON line; exits 1 on any failure.
 The checks are pure functions over facts, so tests can give them any facts.
+
+Why ``python -m`` (not a ``pd-sessions`` subcommand): a process boundary. It runs in the target
+interpreter (the noxfile starts it there after installing), in a process of its own, so that a
+connector whose native code crashes takes the canary down, not the session.
 """
 
 from __future__ import annotations

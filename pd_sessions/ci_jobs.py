@@ -199,8 +199,3 @@ def write(root: Path = ROOT) -> list[Path]:
         path.write_text(text)
         written.append(rel)
     return written
-
-
-if __name__ == "__main__":
-    for rel in write():
-        print(f"wrote {rel}")

@@ -1,4 +1,9 @@
-"""Command line: ``python -m pd_sessions <command>``. The only module that prints.
+"""Command line: ``pd-sessions <command>`` (or ``python -m pd_sessions <command>``), the one way in.
+
+Commands: sweep, serve, tiny-model, inventory, bench, bench-report, wheelhouse, buildkite. The
+other ``python -m pd_sessions.X`` entries are process boundaries (envfacts, canary, the lifeline
+reaper, the bench's fake servers); each module's docstring says why. Only the entry points print
+(this module, pd_sessions.console, and the modules a command hands its command line to).
 
 Exit status: 0 all passed; 1 a config failed; 2 bad config or arguments
 (nothing launched); 128+N when stopped by signal N (teardown still ran).
@@ -12,55 +17,28 @@ import dataclasses
 import importlib.util
 import json
 import logging
-import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
-from pd_sessions import __version__, connector_support, hosts, lifeline, process, unfinished, user_commands
+# Only modules that import with the standard library alone (+ packaging) at the top, so that
+# `--help` works on a bare interpreter (tests/test_bare_imports.py); the ones that need psutil
+# (process, user_commands, sweep) are imported by the command that uses them.
+from pd_sessions import __version__, hosts, lifeline, unfinished
 from pd_sessions.checks.accuracy import AccuracyOptions
 from pd_sessions.cliargs import add_common_options, add_sweep_options
 from pd_sessions.config import ClusterConfig, Overrides, Sweep, SweepEntry, load, make_overrides, select
+from pd_sessions.console import Stopped, install_signal_handlers, run_command, say
 from pd_sessions.envfacts import facts, summary_lines
-from pd_sessions.errors import ConfigError, PdError, PlanError, UsageError
+from pd_sessions.errors import PlanError, UsageError
 from pd_sessions.ports import PortAllocator
 from pd_sessions.preflight import preflight, rdma_problem
 from pd_sessions.report import ConfigResult, annotate, table, write_junit, write_summary
-from pd_sessions.sweep import SweepOptions, make_plan, run_sweep
 
 log = logging.getLogger("pd_sessions")
-
-
-class Stopped(BaseException):
-    """Raised in the main thread when SIGTERM arrives (SIGINT raises KeyboardInterrupt)."""
-
-    def __init__(self, signum: int):
-        self.signum = signum
-        super().__init__(f"stopped by {signal.Signals(signum).name}{lifeline.parent_note()}")
-
-
-_T0 = time.monotonic()
-
-
-def say(msg: str) -> None:
-    print(f"[pd-sessions {time.monotonic() - _T0:7.1f}s] {msg}", flush=True)
-
-
-def install_signal_handlers() -> None:
-    def handler(signum: int, frame: FrameType | None) -> None:
-        # Later signals are ignored so they cannot cut the teardown short.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
-        raise Stopped(signum)
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGHUP, handler)  # the terminal closed
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -83,7 +61,32 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--cache-dir", type=Path, default=None)
 
     sub.add_parser("inventory", help="print the detected host inventory as JSON")
+
+    _passthrough(
+        sub,
+        "bench",
+        "measure the harness's overhead next to what users run today; writes bench/ "
+        "(pd-sessions bench --help lists its options)",
+    )
+    r = sub.add_parser(
+        "bench-report", help="render bench results (table, goals, chart) again from results.json"
+    )
+    r.add_argument("results_json", type=Path, metavar="RESULTS_JSON", help="e.g. bench/results.json")
+    _passthrough(
+        sub,
+        "wheelhouse",
+        "download every wheel a session needs, for an offline host (pd-sessions wheelhouse --help)",
+    )
+    sub.add_parser("buildkite", help="render .buildkite/ from the job registry in pd_sessions/ci_jobs.py")
     return p
+
+
+def _passthrough(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, help: str) -> None:
+    """A subcommand whose own parser lives in its module, imported only when it runs (so that
+    `pd-sessions --help` needs none of its dependencies): everything after its name is handed
+    over as is. argparse takes no option here: no argument starts with the NUL prefix char."""
+    s = sub.add_parser(name, help=help, add_help=False, prefix_chars="\0")
+    s.add_argument("rest", nargs=argparse.REMAINDER)
 
 
 def overrides(args: argparse.Namespace) -> Overrides:
@@ -144,6 +147,8 @@ def _model_config(model: str) -> dict[str, Any] | None:
 def _refuse_before_launch(sel: Selection, *, dry_run: bool) -> None:
     """What this host or this vLLM cannot run: PlanError before anything starts (a warning
     with --dry-run, so the plans can still be read)."""
+    from pd_sessions import connector_support  # packaging: not needed for --help
+
     vllm = (sel.env.get("modules") or {}).get("vllm") or {}
     problems = [
         ("mooncake_protocol", rdma_problem(sel.configs, sel.platform, sel.inv)),
@@ -167,6 +172,9 @@ def _refuse_before_launch(sel: Selection, *, dry_run: bool) -> None:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
+    from pd_sessions import process, user_commands
+    from pd_sessions.sweep import SweepOptions, make_plan, run_sweep
+
     commands = user_commands.from_cli(
         args.user_commands,
         python=sys.executable,
@@ -323,6 +331,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from pd_sessions import serve
+    from pd_sessions.sweep import SweepOptions, make_plan
 
     sel = _selection(args)
     sweep, platform, inv, note, configs, only = (
@@ -394,6 +403,39 @@ def cmd_inventory(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pd_sessions.bench import cli as bench_cli
+
+    return bench_cli.main(args.rest)
+
+
+def cmd_bench_report(args: argparse.Namespace) -> int:
+    from pd_sessions.bench import report as bench_report
+
+    if not args.results_json.is_file():
+        raise UsageError(
+            f"{args.results_json}: no such file; give the results.json a bench run wrote "
+            "(pd-sessions bench --out DIR writes DIR/results.json; default bench/results.json)"
+        )
+    for path in bench_report.rerender(args.results_json).values():
+        print(path)
+    return 0
+
+
+def cmd_wheelhouse(args: argparse.Namespace) -> int:
+    from pd_sessions import wheelhouse
+
+    return wheelhouse.main(args.rest)
+
+
+def cmd_buildkite(args: argparse.Namespace) -> int:
+    from pd_sessions import ci_jobs
+
+    for rel in ci_jobs.write():
+        print(f"wrote {rel}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -407,24 +449,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "serve": cmd_serve,
         "tiny-model": cmd_tiny_model,
         "inventory": cmd_inventory,
+        "bench": cmd_bench,
+        "bench-report": cmd_bench_report,
+        "wheelhouse": cmd_wheelhouse,
+        "buildkite": cmd_buildkite,
     }
     return run_command(lambda: commands[args.command](args), prog="pd-sessions")
-
-
-def run_command(command: Callable[[], int], *, prog: str) -> int:
-    """Run an entry point's command: our errors and signals become exit statuses
-    (2 config/usage, 1 other errors, 128+N on signal N after teardown)."""
-    try:
-        return command()
-    except ConfigError as e:
-        print(f"{prog}: config error: {e}", file=sys.stderr)
-        return e.exit_status
-    except PdError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return e.exit_status
-    except Stopped as e:
-        say(f"{e}: teardown done")
-        return 128 + e.signum
-    except KeyboardInterrupt:
-        say("interrupted (SIGINT): teardown done")
-        return 128 + signal.SIGINT

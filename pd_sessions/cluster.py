@@ -64,9 +64,6 @@ class Cluster:
     def processes(self) -> list[Running]:
         return self.instances + ([self.router] if self.router else [])
 
-    def instance(self, name: str) -> Running:
-        return next(r for r in self.instances if r.name == name)
-
     @property
     def router_url(self) -> str:
         return self.plan.router.url

@@ -270,7 +270,6 @@ def validate_cluster(c: ClusterConfig) -> None:
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ClusterConfig)}
 _TUPLE_FIELDS = {"extra_args", "prefill_ports", "decode_ports"}
-_ENTRY_KEYS = {"default_on", "opt_in_reason"}
 
 
 def _coerce(raw: dict[str, Any], *, where: str) -> dict[str, Any]:

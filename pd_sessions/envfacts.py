@@ -14,6 +14,10 @@ stderr -- a torch warning, say -- can corrupt it):
 
 Only torch is imported (its build is not readable otherwise); the rest is located with
 ``importlib.util.find_spec`` and read from distribution metadata.
+
+Why ``python -m`` (not a ``pd-sessions`` subcommand): a process boundary. It describes the
+interpreter it runs in, which is not nox's (a session venv, or the installed environment), and it
+runs there before pd-sessions' own dependencies are installed: the noxfile starts it.
 """
 
 from __future__ import annotations

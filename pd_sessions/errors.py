@@ -106,6 +106,27 @@ class BenchError(PdError):
     """A benchmark measurement could not be made (says which and why)."""
 
 
+class HttpError(PdError):
+    """A request to one of our own servers failed: connection error, timeout or non-2xx status
+    (raised by pd_sessions.http; ``status`` is the HTTP status when there was one)."""
+
+    def __init__(self, url: str, message: str, status: int | None = None):
+        self.url = url
+        self.status = status
+        self.reason = message
+        super().__init__(f"{url}: {message}")
+
+
+class GuardTimeout(PdError):
+    """A call run under ``readiness.guarded(timeout=...)`` did not return in time (the
+    processes it watched were alive throughout; the call's thread is abandoned)."""
+
+    def __init__(self, when: str, timeout_s: float):
+        self.when = when
+        self.timeout_s = timeout_s
+        super().__init__(f"{when}: no answer within {timeout_s:.0f} s")
+
+
 def with_tail(message: str, log_tail: str) -> str:
     """``message`` followed by the process's log tail, when there is one."""
     return message + ("\n--- last lines of its log ---\n" + log_tail if log_tail else "")

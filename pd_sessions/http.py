@@ -11,17 +11,10 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+# Re-exported: callers catch ``http.HttpError``; it lives with the rest of the family in errors.py.
+from pd_sessions.errors import HttpError as HttpError
+
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-class HttpError(Exception):
-    """A request failed: connection error, timeout or non-2xx status."""
-
-    def __init__(self, url: str, message: str, status: int | None = None):
-        self.url = url
-        self.status = status
-        self.reason = message
-        super().__init__(f"{url}: {message}")
 
 
 def request(url: str, *, payload: dict[str, Any] | None = None, timeout: float = 5.0) -> tuple[int, bytes]:

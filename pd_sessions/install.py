@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Protocol
 
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from pd_sessions.envfacts import canonical
 from pd_sessions.errors import InstallError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -222,7 +222,7 @@ def connector_actions(
     NIXL: ``nixl`` (meta) plus ``nixl-cuN`` for torch's CUDA major (nixl-cu12 with
     --no-deps on CPU, whose DRAM backend works without a GPU); other backends uninstalled.
     """
-    inst = {canonical(k): v for k, v in installed.items()}
+    inst: dict[str, str] = {canonicalize_name(k): v for k, v in installed.items()}
     if platform.kind == "rocm":
         raise InstallError(
             "ROCm is not supported yet by pd-sessions' connector install "

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
-from pd_sessions.envfacts import canonical
 from pd_sessions.errors import UsageError
 from pd_sessions.install import (
     MOONCAKE,
@@ -72,7 +72,7 @@ def lane_pin(lane: str, dist: str, requirements: Path = REQUIREMENTS) -> str:
     """The requirement line for ``dist`` in requirements/<lane>.txt, e.g. 'vllm-router==0.1.17'."""
     for line in (requirements / f"{lane}.txt").read_text().splitlines():
         line = line.split("#", 1)[0].strip()
-        if line and canonical(Requirement(line).name) == canonical(dist):
+        if line and canonicalize_name(Requirement(line).name) == canonicalize_name(dist):
             return line
     return dist
 
@@ -111,7 +111,7 @@ def plan_installed(
     """
     python = str(doc["python"]["executable"])
     modules = doc.get("modules") or {}
-    installed = {canonical(k): v for k, v in (doc.get("installed") or {}).items()}
+    installed: dict[str, str] = {canonicalize_name(k): v for k, v in (doc.get("installed") or {}).items()}
     platform, _ = facts_from_json(doc)
     missing: list[Missing] = []
     has_pip = "pip" in installed
@@ -162,7 +162,7 @@ def plan_installed(
     install_harness = (
         harness is None
         or harness.get("dist") is None
-        or any(canonical(Requirement(r).name) not in installed for r in harness_requirements())
+        or any(canonicalize_name(Requirement(r).name) not in installed for r in harness_requirements())
     )
     if install_harness and no_install:
         missing.append(
@@ -204,7 +204,7 @@ def installer(doc: Mapping[str, Any], uv: str | None) -> Installer | None:
     neither              -> None               (nothing can be installed; the caller says so)
     """
     python = str(doc["python"]["executable"])
-    if "pip" in {canonical(k) for k in (doc.get("installed") or {})}:
+    if "pip" in {canonicalize_name(k) for k in (doc.get("installed") or {})}:
         return Installer("pip", python)
     if uv:
         return Installer("uv", python, uv)

@@ -32,6 +32,10 @@ signal to our group reaches them: only the harness, or the reaper, stops them.
   microseconds between fork and recording it) still hears that the harness is gone.
 
 Standard library only at import: the noxfile imports :func:`nox_run_options`.
+
+Why ``python -m`` (not a ``pd-sessions`` subcommand): a process boundary. The reaper is a process
+of its own, in a session of its own, that must outlive the harness; the harness starts it, never
+a user.
 """
 
 from __future__ import annotations

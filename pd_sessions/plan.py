@@ -160,10 +160,6 @@ class _Ports:
         return base
 
 
-def served_name(config: ClusterConfig) -> str:
-    return config.model
-
-
 def kv_transfer_config(config: ClusterConfig, role: str, platform: str) -> dict[str, object]:
     """The --kv-transfer-config value for an instance of ``role``."""
     kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
@@ -321,11 +317,6 @@ GPU_PASSTHROUGH_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 HYBRID_TINY_MODELS = ("tiny-kimi-linear",)
 
 
-def is_hybrid(config: ClusterConfig) -> bool:
-    """The config's word (``hybrid``); :func:`flag_warnings` flags a known hybrid model without it."""
-    return config.hybrid
-
-
 def _flag_value(args: Sequence[str], flag: str) -> str | None:
     """The value of ``flag`` in an argv list (``--f v`` or ``--f=v``), or None when absent."""
     for i, a in enumerate(args):
@@ -372,7 +363,8 @@ def hybrid_block_size(config: ClusterConfig) -> str | None:
     halves under TP2: on an H200, prefill TP2 chose 128 and decode DP2 240, and every NIXL
     handshake failed ("Local block size 240 is not divisible by remote block size 128").
     """
-    if not is_hybrid(config) or config.connector != "nixl":
+    # the config's word (``hybrid``); flag_warnings flags a known hybrid model without it
+    if not config.hybrid or config.connector != "nixl":
         return None
     if config.block_size is None:
         raise PlanError(
@@ -514,7 +506,7 @@ def plan_cluster(
             "--model",
             decode_model if role == "decode" and decode_model else model_arg,
             "--served-model-name",
-            served_name(config),
+            config.model,
             "--host",
             host,
             "--port",
@@ -620,7 +612,7 @@ def plan_cluster(
         config=config,
         platform=platform,
         model=model_arg,
-        served_model_name=served_name(config),
+        served_model_name=config.model,
         prefill=prefill,
         decode=decode,
         router=router,

@@ -17,7 +17,6 @@ import signal
 import subprocess
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ import psutil
 
 from pd_sessions import lifeline
 from pd_sessions.errors import StopError
+from pd_sessions.logtail import log_tail
 
 log = logging.getLogger(__name__)
 
@@ -90,18 +90,6 @@ class Running:
     @property
     def leader(self) -> Leader:
         return Leader(self.name, self.pid, self.create_time)
-
-
-def log_tail(path: Path, lines: int = 40) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - 64 * 1024))
-            data = f.read().decode("utf-8", errors="replace")
-    except OSError as e:
-        return f"(log unreadable: {e})"
-    return "\n".join(deque(data.splitlines(), maxlen=lines))
 
 
 def spawn(

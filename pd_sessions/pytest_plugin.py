@@ -207,8 +207,7 @@ def pd_cluster(
         yield _attach(os.environ[ENV_CLUSTER])
         return
     from pd_sessions import hosts, serve, user_commands
-    from pd_sessions.cli import load
-    from pd_sessions.config import select
+    from pd_sessions.config import load, select
     from pd_sessions.preflight import preflight
     from pd_sessions.sweep import SweepOptions
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from pd_sessions import http
-from pd_sessions.errors import ProcessExited, ReadinessTimeout
+from pd_sessions.errors import GuardTimeout, ProcessExited, ReadinessTimeout
 from pd_sessions.process import Running
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,8 @@ def guarded(
 
     A death raises ProcessExited at once (the caller's teardown then kills the
     servers, which ends the thread's pending request). ``timeout`` bounds the
-    whole call; ``heartbeat`` is called every ``heartbeat_every`` seconds meanwhile.
+    whole call (GuardTimeout, a PdError, when it runs out); ``heartbeat`` is called every
+    ``heartbeat_every`` seconds meanwhile.
     """
     result: list[T] = []
     error: list[BaseException] = []
@@ -158,13 +159,13 @@ def guarded(
 
     th = threading.Thread(target=target, name="pd-guarded", daemon=True)
     th.start()
-    end = None if timeout is None else time.monotonic() + timeout
-    beat = time.monotonic() + heartbeat_every
+    start = time.monotonic()
+    beat = start + heartbeat_every
     while th.is_alive():
         check_alive(watch, when)
         now = time.monotonic()
-        if end is not None and now > end:
-            raise TimeoutError(f"{when}: no answer within {timeout:.0f} s")
+        if timeout is not None and now > start + timeout:
+            raise GuardTimeout(when, timeout)
         if heartbeat is not None and now >= beat:
             heartbeat()
             beat = now + heartbeat_every

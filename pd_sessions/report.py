@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pd_sessions.checks.base import CheckResult
-from pd_sessions.process import log_tail
+from pd_sessions.logtail import log_tail
 
 PASSED, FAILED, ERROR = "passed", "failed", "error"
 # A config a stop cut short; one never started; one under way (only ever seen in a provisional

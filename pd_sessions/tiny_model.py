@@ -65,7 +65,6 @@ class TinySpec:
 
 _KEY_OPTIONAL = ("weights_seed", "remote_code")
 _DEFAULTS = {"weights_seed": None, "remote_code": False}
-ARCHITECTURES = ("llama", "mixtral", "kimi_linear")
 
 # Model values of a config that name a generated model, and their specs.
 SPECS: dict[str, TinySpec] = {

@@ -34,7 +34,7 @@ from typing import Any
 from pd_sessions import process
 from pd_sessions.checks.base import FAIL, PASS, CheckResult
 from pd_sessions.cliargs import EXEC_TIMEOUT_S
-from pd_sessions.errors import ProcessExited, UsageError
+from pd_sessions.errors import GuardTimeout, ProcessExited, UsageError
 from pd_sessions.plan import ClusterPlan, ProcessSpec
 
 JUNIT_PLACEHOLDER = "{junitxml}"
@@ -424,7 +424,7 @@ def run_commands(
                         f"{time.monotonic() - t0:.0f} s (timeout {timeout_s:g} s)"
                     ),
                 )
-            except TimeoutError:
+            except GuardTimeout:
                 timed_out = True
             except ProcessExited as e:
                 dead = str(e).splitlines()[0]

@@ -1,7 +1,7 @@
 """Offline installs: download every wheel a session needs for another machine, and install from them.
 
     nox -s wheelhouse -- --python 3.12 --cuda 13 --out DIR [--exclude-installed FREEZE_FILE]
-    python -m pd_sessions.wheelhouse --python 3.12 --cuda none --out DIR
+    pd-sessions wheelhouse --python 3.12 --cuda none --out DIR
 
 Build side (this module's CLI): the requirements of a GPU (or CPU) session -- vLLM, vllm-router,
 the connector wheels in the variant for the target's CUDA major (``install.MOONCAKE`` /
@@ -726,7 +726,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.out / 'requirements.lock'}` or set {FIND_LINKS_ENV}={args.out}"
     )
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 import packaging
+import pytest
 from conftest import ROOT
 from packaging.requirements import Requirement
 
@@ -87,3 +88,32 @@ def test_noxfile_modules_import_without_the_project_dependencies(tmp_path):
 def test_packaging_is_allowed_because_nox_depends_on_it():
     names = {Requirement(r).name.lower() for r in md.requires("nox") or () if "extra ==" not in r}
     assert names >= ALLOWED, f"nox no longer depends on {sorted(ALLOWED - names)}: drop it from ALLOWED"
+
+
+@pytest.mark.parametrize("args", [["--help"], ["sweep", "--help"], ["serve", "--help"]], ids=" ".join)
+def test_cli_help_runs_on_a_bare_interpreter(args):
+    """`python -m pd_sessions [sweep] --help` needs nothing but the standard library (not even
+    packaging): the CLI imports what needs psutil, prometheus_client or vLLM only in the command
+    that uses it."""
+    r = subprocess.run(
+        [sys.executable, "-S", "-E", "-m", "pd_sessions", *args],
+        cwd=ROOT,  # -m puts the working directory first on the path; -S -E: nothing else
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, f"`python -m pd_sessions {' '.join(args)}` on a bare interpreter:\n{r.stderr}"
+    assert r.stdout.startswith(f"usage: pd-sessions {args[0] if len(args) > 1 else ''}".rstrip())
+
+
+def test_wheelhouse_runs_where_nox_runs_it(tmp_path):
+    """nox -s wheelhouse runs `python -m pd_sessions wheelhouse` in a venv holding only pip, uv
+    and packaging, with this checkout on PYTHONPATH."""
+    code = (
+        "import runpy\n"
+        "sys.argv = ['pd-sessions', 'wheelhouse', '--help']\n"
+        "runpy.run_module('pd_sessions', run_name='__main__', alter_sys=True)\n"
+    )
+    r = bare_python(tmp_path, code)
+    assert r.returncode == 0, r.stderr
+    assert "--exclude-installed" in r.stdout

@@ -191,14 +191,14 @@ def test_teardown_measure_waits_out_the_grace_only_for_a_stubborn_child(tmp_path
 
 def test_bench_refuses_unknown_part(tmp_path):
     p = subprocess.run(
-        [sys.executable, "-m", "pd_sessions.bench", "--parts", "clusters,speed", "--out", str(tmp_path)],
+        [sys.executable, "-m", "pd_sessions", "bench", "--parts", "clusters,speed", "--out", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
     )
     assert p.returncode == 2 and "--parts takes router, teardown, clusters (got speed)" in p.stderr
     p = subprocess.run(
-        [sys.executable, "-m", "pd_sessions.bench", "--repeats", "0", "--out", str(tmp_path)],
+        [sys.executable, "-m", "pd_sessions", "bench", "--repeats", "0", "--out", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -242,7 +242,8 @@ def test_cluster_drivers_on_the_fake_stack(tmp_path):
         [
             sys.executable,
             "-m",
-            "pd_sessions.bench",
+            "pd_sessions",
+            "bench",
             "--sweep",
             str(tmp_path / "sweep.toml"),
             "--platform",

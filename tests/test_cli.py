@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -174,3 +175,41 @@ def test_the_generic_sweep_session_takes_a_name_or_a_toml(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert "plan 1x1" in r.stdout and "--kv-connector nixl" in r.stdout
+
+
+def test_commands_with_their_own_parser_get_the_rest_of_the_line():
+    """bench and wheelhouse parse their options in their own module (imported when they run)."""
+    r = cli("bench", "--help")
+    assert r.returncode == 0 and "--parts" in r.stdout and "--router-requests" in r.stdout, r.stderr
+    r = cli("bench", "--parts", "nope", "--repeats", "1")
+    assert r.returncode == 2 and "--parts takes router, teardown, clusters (got nope)" in r.stderr
+    r = cli("wheelhouse", "--help")
+    assert r.returncode == 0 and "--exclude-installed" in r.stdout, r.stderr
+    assert "bench-report" in cli("--help").stdout
+
+
+def test_bench_report_renders_a_results_json_again(tmp_path):
+    doc = {
+        "started_at": "2026-11-29T00:00:00+00:00",
+        "duration_s": 1.0,
+        "machine": {
+            "cpu_model": "cpu",
+            "cores": 2,
+            "memory_gib": 24,
+            "platform": "linux",
+            "python": "3.11",
+            "load_before": "0",
+            "load_after": "0",
+        },
+        "settings": {"platform": "cpu", "repeats": 1, "checks": []},
+    }
+    (tmp_path / "results.json").write_text(json.dumps(doc))
+    r = cli("bench-report", str(tmp_path / "results.json"))
+    assert r.returncode == 0, r.stderr
+    assert str(tmp_path / "results.md") in r.stdout.splitlines()
+    assert (tmp_path / "results.md").read_text().startswith("# pd-sessions benchmark (2026-11-29")
+
+
+def test_bench_report_names_a_missing_file(tmp_path):
+    r = cli("bench-report", str(tmp_path / "nope.json"))
+    assert r.returncode == 2 and f"{tmp_path / 'nope.json'}: no such file" in r.stderr

@@ -13,7 +13,8 @@ import time
 import psutil
 import pytest
 
-from pd_sessions.process import log_tail, spawn, stop
+from pd_sessions.logtail import log_tail
+from pd_sessions.process import spawn, stop
 
 # A parent that starts a grandchild (same session) and a detached-from-tree orphan
 # (double fork, still in our session), then sleeps.

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from pd_sessions.errors import ProcessExited, ReadinessTimeout
+from pd_sessions.errors import GuardTimeout, PdError, ProcessExited, ReadinessTimeout
 from pd_sessions.process import spawn, stop
 from pd_sessions.readiness import Target, guarded, health_probe, models_probe, wait_ready
 
@@ -120,6 +120,16 @@ def test_guarded_returns_and_reraises(sleeper):
     assert guarded(lambda: 42, watch=[r], when="x") == 42
     with pytest.raises(ZeroDivisionError):
         guarded(lambda: 1 / 0, watch=[r], when="x")
+
+
+def test_guarded_timeout_is_a_pd_error_naming_the_wait(sleeper):
+    r = sleeper()
+    t0 = time.monotonic()
+    with pytest.raises(PdError, match=r"while my command ran: no answer within 0 s") as info:
+        guarded(lambda: time.sleep(30), watch=[r], when="while my command ran", timeout=0.3)
+    assert isinstance(info.value, GuardTimeout) and info.value.timeout_s == 0.3
+    assert not isinstance(info.value, TimeoutError)  # one family: callers catch GuardTimeout or PdError
+    assert time.monotonic() - t0 < 2.0
 
 
 def test_guarded_reports_a_death_even_when_the_call_returns_first(sleeper):

@@ -385,8 +385,9 @@ def test_serve_exits_non_zero_naming_a_server_that_dies(tmp_path):
 KILLS_ITS_DECODE = """import os, signal
 
 def test_one_kills_the_decode(pd_cluster):
-    os.kill(pd_cluster.cluster.instance("decode-0").pid, signal.SIGKILL)
-    pd_cluster.cluster.instance("decode-0").popen.wait()
+    (decode,) = [r for r in pd_cluster.cluster.instances if r.name == "decode-0"]
+    os.kill(decode.pid, signal.SIGKILL)
+    decode.popen.wait()
 
 def test_two_must_not_run_against_a_dead_cluster(pd_cluster):
     pass

@@ -22,8 +22,8 @@ import psutil
 from pd_sessions import hosts
 from pd_sessions.bench import clusters, report, routers, teardown
 from pd_sessions.checks.accuracy import AccuracyOptions
-from pd_sessions.cli import install_signal_handlers, run_command, say
 from pd_sessions.config import ClusterConfig, load, select
+from pd_sessions.console import install_signal_handlers, run_command, say
 from pd_sessions.preflight import preflight
 from pd_sessions.sweep import CHECKS, SweepOptions
 

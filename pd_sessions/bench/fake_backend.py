@@ -8,6 +8,9 @@ tokens, so that what a benchmark in front of it measures is the proxy, not the
 backend. A prefill request (``kv_transfer_params.do_remote_decode``) is answered
 with the ``kv_transfer_params`` a decode instance would be handed, as vLLM's
 NIXL connector does.
+
+Why ``python -m`` (not a ``pd-sessions`` subcommand): a process boundary. The router benchmark
+(pd_sessions.bench.routers) starts it as a server process of its own, never a user.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ prefill instance with ``max_tokens=1`` and ``kv_transfer_params.do_remote_decode
 then to the decode instance with the original ``max_tokens`` and the
 ``kv_transfer_params`` the prefill answer carried; the decode answer is returned.
 One pooled client session, non-streaming only: just enough to compare.
+
+Why ``python -m`` (not a ``pd-sessions`` subcommand): a process boundary. The router benchmark
+(pd_sessions.bench.routers) starts it as a server process of its own, never a user.
 """
 
 from __future__ import annotations

@@ -330,10 +330,3 @@ def rerender(results_json: Path) -> dict[str, Path]:
         doc["clusters"] = summarize_clusters(doc["runs"])
     doc["goals"] = [g.to_dict() for g in goals(doc)]
     return write(doc, results_json.parent)
-
-
-if __name__ == "__main__":  # python -m pd_sessions.bench.report bench/results.json
-    import sys
-
-    for path in rerender(Path(sys.argv[1])).values():
-        print(path)

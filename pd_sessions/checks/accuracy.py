@@ -27,7 +27,6 @@ from pd_sessions.errors import ConfigError
 
 BASELINES = Path(__file__).resolve().parent.parent / "configs" / "baselines.toml"
 RULES = ("tolerance", "wilson")
-MODES = ("enforce", "warn")
 
 
 @dataclass(frozen=True)

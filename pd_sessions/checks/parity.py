@@ -29,7 +29,6 @@ from pd_sessions import http
 from pd_sessions.checks.base import FAIL, PASS, CheckResult
 from pd_sessions.checks.completions import Completion
 
-MODES = ("auto", "exact", "margin")
 # Default margin in nats (logprob of the reference's top-1 minus that of the P/D token).
 # Results record the margin, this evidence and the largest gap each run saw.
 DEFAULT_MARGIN = 1.0

@@ -1,0 +1,255 @@
+"""House rules read from the source (AST): the layering between modules, one way in, no dead code.
+
+Each rule says why it exists; each was broken once (issue 19). ruff's banned-api (TID251, in
+pyproject.toml) also keeps pd_sessions.cli from being imported back and sys.argv from being
+parsed by hand; the import rules here are the ones a per-project ban cannot say.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from functools import cache
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+PKG = ROOT / "pd_sessions"
+
+
+def _name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+@cache
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
+def _with_parents(names: set[str]) -> set[str]:
+    return {".".join(n.split(".")[:i]) for n in names for i in range(1, len(n.split(".")) + 1)}
+
+
+def _imports(module: str, *, at_import_time: bool) -> set[str]:
+    """What ``module`` imports (absolute names, with their parent packages): only what runs when it
+    is imported (module level, not under ``if TYPE_CHECKING``), or every import in the file."""
+    found: set[str] = set()
+
+    def add(node: ast.stmt) -> None:
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(
+                f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in MODULES
+            )
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            add(node)
+            if isinstance(node, ast.If) and not (
+                isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+            ):
+                visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+
+    tree = _tree(MODULES[module])
+    if at_import_time:
+        visit(tree.body)
+    else:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.stmt):
+                add(node)
+    return _with_parents(found)
+
+
+def reached(module: str) -> set[str]:
+    """Every module importing ``module`` imports too (pd_sessions' and others', transitively)."""
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            if m in MODULES:
+                todo.extend(_imports(m, at_import_time=True))
+    return seen - {module}
+
+
+# ------------------------------------------------------------------ layering
+
+PURE_CORE = (
+    "pd_sessions.config",
+    "pd_sessions.plan",
+    "pd_sessions.ports",
+    "pd_sessions.report",
+    "pd_sessions.install",
+    "pd_sessions.installed",
+    "pd_sessions.cliargs",
+    "pd_sessions.envfacts",
+    "pd_sessions.preflight",
+    "pd_sessions.hosts",
+    "pd_sessions.logtail",
+    "pd_sessions.console",
+)
+
+
+@pytest.mark.parametrize("module", PURE_CORE)
+def test_the_pure_core_does_not_reach_the_process_edge(module):
+    """The core decides and renders; spawning, signalling and psutil are the edge's (process.py).
+    (report once imported process for log_tail, which now lives in logtail.py.)"""
+    edge = reached(module) & {"pd_sessions.process", "psutil"}
+    assert not edge, f"{module} imports {sorted(edge)} (directly or through another module)"
+
+
+@pytest.mark.parametrize(
+    "module,forbidden,why",
+    [
+        ("pd_sessions.install", "pd_sessions.canary", "names are canonicalised with packaging.utils"),
+        ("pd_sessions.installed", "pd_sessions.canary", "names are canonicalised with packaging.utils"),
+        ("pd_sessions.bench.cli", "pd_sessions.cli", "entry-point helpers live in pd_sessions.console"),
+    ],
+)
+def test_cross_imports_stay_out(module, forbidden, why):
+    assert forbidden not in reached(module), f"{module} must not import {forbidden}: {why}"
+
+
+def test_nothing_imports_the_cli_back():
+    """The CLI is the top layer: it parses and dispatches; what others need is in console.py."""
+    importers = [
+        m
+        for m in MODULES
+        if m != "pd_sessions.__main__" and "pd_sessions.cli" in _imports(m, at_import_time=False)
+    ]
+    assert importers == []
+
+
+# ------------------------------------------------------------------ one way in
+
+# Modules run with `python -m` besides the CLI itself: each is a process boundary.
+PROCESS_BOUNDARIES = {
+    "pd_sessions.envfacts",  # describes another interpreter, from inside it
+    "pd_sessions.canary",  # imports connectors in a process of its own (a native crash ends it alone)
+    "pd_sessions.lifeline",  # the reaper, which must outlive the harness
+    "pd_sessions.bench.fake_backend",  # servers the router benchmark starts
+    "pd_sessions.bench.py_proxy",
+}
+
+
+def _runnable(module: str) -> bool:
+    if module.endswith(".__main__"):
+        return True
+    for node in _tree(MODULES[module]).body:
+        if (
+            isinstance(node, ast.If)
+            and "__main__" in ast.unparse(node.test)
+            and "__name__" in ast.unparse(node.test)
+        ):
+            return True
+    return False
+
+
+def test_one_way_in():
+    """Commands are pd-sessions subcommands (cli.py); `python -m pd_sessions.X` exists only where a
+    process boundary needs it, and its docstring says why."""
+    runnable = {m for m in MODULES if _runnable(m)}
+    assert runnable == {"pd_sessions.__main__"} | PROCESS_BOUNDARIES
+    for m in sorted(PROCESS_BOUNDARIES):
+        doc = ast.get_docstring(_tree(MODULES[m])) or ""
+        assert "Why ``python -m``" in doc, f"{m}: say in the docstring why it is a `python -m` entry"
+
+
+def test_entry_points_parse_with_argparse():
+    """Every module that can be run builds an argparse parser (none reads sys.argv by hand)."""
+    for m in PROCESS_BOUNDARIES:
+        assert "argparse.ArgumentParser(" in MODULES[m].read_text(), m
+
+
+# ------------------------------------------------------------------ dead code
+
+# Defined but referenced by nothing in the package, the noxfile or pyproject.toml, and why that is right.
+NOT_DEAD = {
+    "pytest_addoption": "a pytest hook (pytest_plugin)",
+    "pytest_runtest_setup": "a pytest hook (pytest_plugin)",
+    "pytest_runtest_makereport": "a pytest hook (pytest_plugin)",
+    "kv_delta": "the pd_cluster fixture's API for users' tests (README)",
+}
+
+
+def _references() -> set[str]:
+    """Every name the package, the noxfile and pyproject.toml use (loads, attributes, imports and
+    identifier strings such as getattr names)."""
+    used = set(re.findall(r"\w+", (ROOT / "pyproject.toml").read_text()))
+    for path in [*MODULES.values(), ROOT / "noxfile.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Store):
+                used.add(node.id)
+            elif isinstance(node, ast.Attribute) and not isinstance(node.ctx, ast.Store):
+                used.add(node.attr)
+            elif isinstance(node, ast.alias):
+                used.add(node.name.split(".")[-1])
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+                used.add(node.value)
+    return used
+
+
+def _definitions():
+    for module, path in MODULES.items():
+        tree = _tree(path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                yield module, node.name, node.lineno
+        for node in tree.body:
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            for t in targets:
+                if isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(t, ast.Name):
+                    yield module, t.id, node.lineno
+
+
+def test_no_dead_code():
+    """A function, class or module constant that nothing uses (tests do not count: code kept only
+    for a test is dead too). This found Cluster.instance, TINY_MODEL and friends."""
+    used = _references()
+    dead = [
+        f"{m}:{line} {name}"
+        for m, name, line in _definitions()
+        if name not in used and name not in NOT_DEAD and not (name.startswith("__") and name.endswith("__"))
+    ]
+    assert dead == [], "unused (remove it, or say in NOT_DEAD why it must stay):\n" + "\n".join(dead)
+
+
+def test_no_one_line_aliases():
+    """A module function whose whole body returns its argument's attribute (``served_name(c)`` was
+    ``return c.model``) only hides the attribute: use the attribute."""
+    aliases = []
+    for m, path in MODULES.items():
+        for node in _tree(path).body:
+            if isinstance(node, ast.FunctionDef):
+                body = [
+                    s
+                    for s in node.body
+                    if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))
+                ]
+                if (
+                    len(body) == 1
+                    and isinstance(body[0], ast.Return)
+                    and isinstance(body[0].value, ast.Attribute)
+                    and isinstance(body[0].value.value, ast.Name)
+                    and body[0].value.value.id in {a.arg for a in node.args.args}
+                ):
+                    aliases.append(f"{m}:{node.lineno} {node.name}: {ast.unparse(body[0])}")
+    assert aliases == []
+
+
+def test_the_rules_see_the_package():
+    """The rules above would pass on nothing: make sure they read the real package."""
+    assert len(MODULES) > 40 and "pd_sessions.cli" in MODULES
+    assert "pd_sessions.process" in reached("pd_sessions.cluster")
+    assert "psutil" in reached("pd_sessions.sweep")
