@@ -6,6 +6,7 @@ within the budget, with the answer and the decode's error lines."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -170,6 +171,8 @@ def test_a_router_whose_pd_hop_keeps_failing_ends_readiness_with_its_answer(tmp_
     readiness ends after the budget with the router's answer and the decode's error lines."""
     plan = _plan(tmp_path, num_prefill=1, num_decode=1, connector="nixl")
     msg = _readiness_failure(plan, tmp_path, FAKE_ROUTER_BEHAVIOR="fail_pd")
-    assert msg.startswith(f"router ({plan.router.url}): the P/D path kept failing for 3 s")
+    # the budget is shared with the pair warm-up before it: under load the router phase gets less
+    head = rf"router \({re.escape(plan.router.url)}\): the P/D path kept failing for \d+ s"
+    assert re.match(head, msg), msg
     assert "router's answer to a 1-token completion:" in msg and "HTTP 500" in msg
     assert "decode hop failed: KV transfer error" in msg and "--- decode-0's error lines" in msg
