@@ -1,13 +1,21 @@
 from __future__ import annotations
 
+import json
 import os
+import re
+import subprocess
 import sys
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).parent / "fixtures"
+USER = FIXTURES / "user_tests"
 
 
 def heavy(module: str):
@@ -22,3 +30,209 @@ def heavy(module: str):
 @pytest.fixture
 def python() -> str:
     return sys.executable
+
+
+# --- end to end: running the harness on real vLLM ---------------------------------------------
+
+
+def plan_ports(run_dir: Path) -> dict[str, int]:
+    """name -> HTTP port, read from the plan the harness wrote before launching."""
+    text = (run_dir / "plan.txt").read_text()
+    return {
+        m.group(1): int(m.group(2)) for m in re.finditer(r"^  (\S+): http://127\.0\.0\.1:(\d+)", text, re.M)
+    }
+
+
+def processes_using(ports: dict[str, int]) -> list[str]:
+    """Processes still serving or started for any of ``ports`` (by argv or a listening socket)."""
+    import psutil
+
+    wanted = {str(p) for p in ports.values()}
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        argv = p.info["cmdline"] or []
+        for i, a in enumerate(argv[:-1]):
+            if a == "--port" and argv[i + 1] in wanted:
+                found.append(f"pid {p.pid}: {' '.join(argv)[:120]}")
+    for c in psutil.net_connections(kind="inet"):
+        if c.status == psutil.CONN_LISTEN and c.laddr and str(c.laddr.port) in wanted:
+            found.append(f"pid {c.pid} listens on {c.laddr.port}")
+    return found
+
+
+class Cli:
+    """The CLI (or ``argv``) in a subprocess, with each output line timestamped as it arrives."""
+
+    def __init__(self, *args: str, argv: list[str] | None = None):
+        self.lines: list[tuple[float, str]] = []
+        self.proc = subprocess.Popen(
+            argv or [sys.executable, "-m", "pd_sessions", *args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+            print(line, end="", flush=True)
+
+    def wait(self, timeout: float) -> int:
+        rc = self.proc.wait(timeout=timeout)
+        self._reader.join(10)
+        return rc
+
+    @property
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+
+def environment_facts(tmp_path: Path) -> dict:
+    out = tmp_path / "facts.json"
+    subprocess.run([sys.executable, "-m", "pd_sessions.envfacts", "--out", str(out)], check=True, cwd=ROOT)
+    return json.loads(out.read_text())
+
+
+@dataclass
+class SweepRun:
+    """One finished sweep of one config ("1x1") that several tests assert on: each e2e test
+    that only reads a sweep's results shares the run (and its cluster) with the others."""
+
+    rc: int
+    cli: Cli
+    results: Path
+    extra: dict[str, Any]  # what the run's fixture measured around it (e.g. installed packages)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.results / "1x1"
+
+    @property
+    def result(self) -> dict:
+        return json.loads((self.run_dir / "result.json").read_text())
+
+    @property
+    def checks(self) -> dict[str, dict]:
+        return {c["name"]: c for c in self.result["checks"]}
+
+    @property
+    def text(self) -> str:
+        return self.cli.text
+
+
+def _sweep_once(results: Path, *, argv: list[str] | None = None, args: tuple[str, ...] = ()) -> SweepRun:
+    cli = Cli(*args, argv=argv)
+    return SweepRun(rc=cli.wait(timeout=1400), cli=cli, results=results, extra={})
+
+
+@pytest.fixture(scope="session")
+def mooncake_sweep(tmp_path_factory) -> SweepRun:
+    """The built-in Mooncake sweep's 1x1, every default check, through `nox --no-venv` on this
+    (hand-prepared) environment as vLLM's CI runs it, with the user's passing test files
+    (`--pytest`: an env-style file and a pd_cluster-fixture file) against its cluster.
+    Shared by test_e2e_cpu_lane (all checks pass, nothing installed, nothing left) and
+    test_e2e_user_commands (the user's files pass against the sweep's cluster)."""
+    heavy("vllm")
+    heavy("mooncake.engine")
+    heavy("openai")
+    tmp = tmp_path_factory.mktemp("mooncake_nox")
+    results = tmp / "r"
+    before = environment_facts(tmp)["installed"]
+    run = _sweep_once(
+        results,
+        argv=[
+            sys.executable,
+            "-m",
+            "nox",
+            "-f",
+            str(ROOT / "noxfile.py"),
+            "--no-venv",
+            "-s",
+            "mooncake_sweep",
+            "--",
+            "--only",
+            "1x1",
+            "--platform",
+            "cpu",
+            "--results-dir",
+            str(results),
+            "--pytest",
+            str(USER / "pd_parity_env.py"),
+            str(USER / "pd_parity_fixture.py"),
+        ],
+    )
+    run.extra.update(installed_before=before, installed_after=environment_facts(tmp)["installed"])
+    return run
+
+
+@pytest.fixture(scope="session")
+def nixl_sweep(tmp_path_factory) -> SweepRun:
+    """The built-in NIXL sweep's 1x1, every default check, through the CLI, serving the
+    remote-code tiny model (trust_remote_code: vLLM and lm_eval load its own classes) with
+    margin-mode parity forced (auto would pick exact on the CPU lane; exact parity on a healthy
+    pair is the Mooncake sweep's). Shared by test_e2e_cpu_lane (all checks pass, nothing left)
+    and test_e2e_nightly (remote code, margin parity passes on a healthy pair, NIXL evidence)."""
+    heavy("vllm")
+    heavy("nixl._api")
+    results = tmp_path_factory.mktemp("nixl") / "r"
+    return _sweep_once(
+        results,
+        args=(
+            "sweep",
+            "nixl_sweep",
+            "--only",
+            "1x1",
+            "--platform",
+            "cpu",
+            "--model",
+            "tiny-llama-remote",
+            "--set",
+            "trust_remote_code=true",
+            "--set",
+            "parity_mode=margin",
+            "--results-dir",
+            str(results),
+        ),
+    )
+
+
+# Fault injection, one cluster for four must-fail facts: the decode instance is started WITHOUT
+# --kv-transfer-config (so it silently recomputes every prompt) and serves a tiny model with
+# other weights (seed 1); margin-mode parity is forced (on the CPU lane prefill and decode share
+# one layout, so auto would pick exact). What fails, each check for its own reason:
+# kv_transfer (no KV received), parity (the decode's tokens are another model's), accuracy
+# (lm_eval through the router = the seed-1 model vs prefill-0 direct), and the user's failing
+# --exec (its message must reach our JUnit). Smoke still passes: the router answers.
+FAULTY_SWEEP = """name = "faulty"
+checks = ["smoke", "parity", "kv_transfer", "accuracy"]
+[defaults]
+model = "tiny-llama"
+connector = "mooncake"
+parity_mode = "margin"
+decode_weights_seed = 1
+decode_kv_transfer = false
+[[config]]
+name = "1x1"
+"""
+
+
+@pytest.fixture(scope="session")
+def faulty_sweep(tmp_path_factory) -> SweepRun:
+    """FAULTY_SWEEP run once with a failing user command (`--exec` with {junitxml}); shared by
+    test_e2e_cpu_lane (silent recompute, accuracy vs another seed), test_e2e_nightly (margin
+    parity) and test_e2e_user_commands (a failing user command)."""
+    heavy("vllm")
+    heavy("mooncake.engine")
+    heavy("openai")
+    tmp = tmp_path_factory.mktemp("faulty")
+    toml = tmp / "faulty.toml"
+    toml.write_text(FAULTY_SWEEP)
+    failing = f"{sys.executable} -m pytest {USER / 'pd_fails_on_purpose.py'} --junitxml {{junitxml}}"
+    results = tmp / "r"
+    return _sweep_once(
+        results,
+        args=("sweep", str(toml), "--platform", "cpu", "--results-dir", str(results), "--exec", failing),
+    )

@@ -1,6 +1,7 @@
 """End to end on the CPU lane: the user's own tests against real P/D clusters (vLLM CPU build,
-vllm-router, the generated tiny model). Three clusters in all: one sweep running two user
-commands (one passing, one failing), one cluster started by the pd_cluster fixture, one serve.
+vllm-router, the generated tiny model). Two clusters of their own: one started by the pd_cluster
+fixture, one serve; the user commands run in sweeps shared with other e2e tests (conftest.py):
+the passing ones in the healthy Mooncake sweep, the failing one in the fault-injection sweep.
 """
 
 from __future__ import annotations
@@ -16,11 +17,9 @@ import xml.etree.ElementTree as ET
 
 import psutil
 import pytest
-from conftest import FIXTURES, ROOT, heavy
-from test_e2e_cpu_lane import Cli, plan_ports, processes_using
+from conftest import ROOT, USER, Cli, SweepRun, heavy, plan_ports, processes_using
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
-USER = FIXTURES / "user_tests"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -30,56 +29,60 @@ def _full_env():
     heavy("openai")
 
 
-def test_sweep_runs_a_passing_and_a_failing_user_command(tmp_path):
-    """--pytest (an env-style file and a pd_cluster-fixture file, attached to the sweep's cluster)
-    passes; --exec with {junitxml} running a failing test fails the config with its message."""
-    failing = f"{sys.executable} -m pytest {USER / 'pd_fails_on_purpose.py'} --junitxml {{junitxml}}"
-    cli = Cli(
-        "sweep",
-        "mooncake_sweep",
-        "--only",
-        "1x1",
-        "--skip-check",
-        "accuracy",
-        "--results-dir",
-        str(tmp_path),
-        "--pytest",
-        str(USER / "pd_parity_env.py"),
-        str(USER / "pd_parity_fixture.py"),
-        "--exec",
-        failing,
-    )
-    assert cli.wait(timeout=1100) == 1, cli.text[-3000:]
-    run_dir = tmp_path / "1x1"
-    result = json.loads((run_dir / "result.json").read_text())
-    checks = {c["name"]: c for c in result["checks"]}
+def _junit_cases(run: SweepRun, classname: str) -> tuple[dict, dict]:
+    """(our JUnit's cases of the config, the user's cases merged into it)."""
+    cases = {
+        (c.get("classname"), c.get("name")): c for c in ET.parse(run.results / "junit.xml").iter("testcase")
+    }
+    merged = {name: c for (cls, name), c in cases.items() if cls.startswith(f"{classname}.exec[")}
+    return cases, merged
+
+
+def test_sweep_runs_passing_user_commands_against_its_cluster(mooncake_sweep: SweepRun):
+    """--pytest (an env-style file and a pd_cluster-fixture file, attached to the sweep's
+    cluster) passes, its four tests merged into our JUnit. The run (through `nox --no-venv`) is
+    shared with test_e2e_cpu_lane's Mooncake sweep test."""
+    run = mooncake_sweep
+    assert run.rc == 0, run.text[-3000:]
+    checks = run.checks
     assert [checks[n]["verdict"] for n in ("smoke", "parity", "kv_transfer")] == ["pass"] * 3
     assert checks["exec[0]"]["verdict"] == "pass", checks["exec[0]"]["message"]
     assert checks["exec[0]"]["details"]["junit"]["tests"] == 4
-    assert checks["exec[1]"]["verdict"] == "fail" and result["outcome"] == "failed"
-    assert "deliberately failing external test: router said" in checks["exec[1]"]["message"]
-    assert "exit status 1" in checks["exec[1]"]["message"]
-    assert "exec[1] FAILED; last 30 lines" in cli.text  # its output tailed on failure
-    assert (run_dir / "exec-0.log").exists() and (run_dir / "exec-1.log").exists()
-    assert json.loads((run_dir / "cluster.json").read_text())["connector"] == "mooncake"
-
-    cases = {
-        (c.get("classname"), c.get("name")): c for c in ET.parse(tmp_path / "junit.xml").iter("testcase")
-    }
+    assert "exec[1]" not in checks
+    assert (run.run_dir / "exec-0.log").exists()
+    assert json.loads((run.run_dir / "cluster.json").read_text())["connector"] == "mooncake"
+    cases, merged = _junit_cases(run, "mooncake_sweep.1x1")
     assert cases[("mooncake_sweep.1x1", "exec[0]")].find("failure") is None
-    assert cases[("mooncake_sweep.1x1", "exec[1]")].find("failure") is not None
-    merged = {name: c for (cls, name), c in cases.items() if cls.startswith("mooncake_sweep.1x1.exec[")}
     assert {
         "test_router_matches_prefill_direct",
         "test_cluster_file_matches_the_variables",
         "test_router_matches_prefill_direct_and_kv_moved",
         "test_urls_and_environment",
-        "test_router_says_what_this_test_wrongly_expects",
     } == set(merged)
+    assert all(c.find("failure") is None for c in merged.values())
+    assert processes_using(plan_ports(run.run_dir)) == []
+
+
+def test_sweep_runs_a_failing_user_command(faulty_sweep: SweepRun):
+    """--exec with {junitxml} running a failing test fails its check with the test's message,
+    its output tailed and its failure merged into our JUnit. (The fake-stack tests in
+    test_user_commands.py prove a failing command alone fails a sweep whose checks pass.)"""
+    run = faulty_sweep
+    assert run.rc == 1, run.text[-3000:]
+    result = run.result
+    checks = run.checks
+    assert checks["exec[0]"]["verdict"] == "fail" and result["outcome"] == "failed"
+    assert "deliberately failing external test: router said" in checks["exec[0]"]["message"]
+    assert "exit status 1" in checks["exec[0]"]["message"]
+    assert "exec[0] FAILED; last 30 lines" in run.text  # its output tailed on failure
+    assert (run.run_dir / "exec-0.log").exists()
+    assert json.loads((run.run_dir / "cluster.json").read_text())["connector"] == "mooncake"
+    cases, merged = _junit_cases(run, "faulty.1x1")
+    assert cases[("faulty.1x1", "exec[0]")].find("failure") is not None
+    assert set(merged) == {"test_router_says_what_this_test_wrongly_expects"}
     failure = merged["test_router_says_what_this_test_wrongly_expects"].find("failure")
     assert "deliberately failing external test" in failure.get("message")
-    assert all(merged[n].find("failure") is None for n in merged if "wrongly" not in n)
-    assert processes_using(plan_ports(run_dir)) == []
+    assert processes_using(plan_ports(run.run_dir)) == []
 
 
 def test_pd_cluster_fixture_starts_checks_and_tears_down(tmp_path):
@@ -98,6 +101,8 @@ def test_pd_cluster_fixture_starts_checks_and_tears_down(tmp_path):
             str(USER / "pd_parity_fixture.py"),
             "--pd-cluster",
             "nixl_sweep:1x1",
+            "--pd-platform",
+            "cpu",
             "--pd-results-dir",
             str(tmp_path),
             "-p",
@@ -120,7 +125,7 @@ def test_pd_cluster_fixture_starts_checks_and_tears_down(tmp_path):
 def test_serve_prints_env_serves_requests_and_stops_on_sigterm(tmp_path):
     import openai
 
-    cli = Cli("serve", "mooncake_sweep", "--only", "1x1", "--results-dir", str(tmp_path))
+    cli = Cli("serve", "mooncake_sweep", "--only", "1x1", "--platform", "cpu", "--results-dir", str(tmp_path))
     end = time.monotonic() + 900
     while not any(line.startswith("serving until Ctrl-C") for _, line in cli.lines):
         assert time.monotonic() < end and cli.proc.poll() is None, cli.text[-3000:]
