@@ -382,20 +382,28 @@ def unit(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmark, not a test: harness overhead, readiness latency, parallel start, teardown,
     vllm-router vs a Python proxy, the upstream bash flow vs pd_sessions. Writes bench/.
-    [-- --repeats N --parts router,teardown,clusters --sweep NAME_OR_TOML --only CONFIG --out DIR]"""
+    [-- --repeats N --parts router,teardown,clusters,checks,startup --sweep NAME_OR_TOML --only CONFIG
+    --check-sweeps A,B --startup-session NAME --out DIR]"""
     target = Target(session)
     args = list(target.rest)
     name = args[args.index("--sweep") + 1] if "--sweep" in args[:-1] else "mooncake_sweep"
+    # the checks part runs these sweeps too (bench/cli.py CHECK_SWEEPS): their connectors as well
+    check_sweeps = (
+        args[args.index("--check-sweeps") + 1].split(",")
+        if "--check-sweeps" in args[:-1]
+        else ["mooncake_sweep", "nixl_sweep"]
+    )
     try:
         sweep = load(name)
         platform, _, _ = preflight(sweep, None, hosts.detect())
+        sweeps = [sweep, *(load(n) for n in check_sweeps if n)]
     except PdError as e:
         _fail(session, str(e), e.exit_status)
     _connectors(
         session,
         target,
         platform,
-        sorted({e.config.connector for e in sweep.entries(platform)}),
+        sorted({e.config.connector for s in sweeps for e in s.entries(platform)}),
         accuracy="--with-accuracy" in args,
     )
     if target.installed:
