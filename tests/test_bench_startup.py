@@ -77,6 +77,9 @@ def test_milestones_first_line_of_each_ansi_ignored():
         "spawned": 6.6,  # the first spawn, not the second config's
     }
     assert startup.milestones([(1.0, "nox > Session mooncake_sweep failed.")]) == {}
+    # nox 2026 says "Reusing"
+    reused = (0.3, "nox > Reusing existing virtual environment at /tmp/x/mooncake_sweep.")
+    assert startup.milestones([reused]) == {"venv_reused": 0.3}
 
 
 def _run(mode: str, spawned: float | None, repeat: int = 0) -> dict:

@@ -44,7 +44,10 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 MILESTONES: tuple[tuple[str, Callable[[str], bool]], ...] = (
     ("session", lambda line: line.startswith("nox > Running session")),
     ("venv_created", lambda line: line.startswith("nox > Creating virtual environment")),
-    ("venv_reused", lambda line: line.startswith("nox > Re-using existing virtual environment")),
+    (
+        "venv_reused",
+        lambda line: line.startswith(("nox > Reusing existing virtual environment", "nox > Re-using")),
+    ),
     ("canary", lambda line: line.startswith("nox > ") and "pd_sessions.canary" in line),
     ("cli", lambda line: line.startswith("nox > ") and "-m pd_sessions sweep" in line),
     ("spawned", lambda line: bool(SPAWNED.search(line))),
