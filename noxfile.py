@@ -5,7 +5,8 @@
     nox -s serve -- mooncake_sweep --only 1x1   # hold one cluster up (URLs, env, curl) until Ctrl-C
     nox -s tests        # unit + end-to-end (real vLLM on the CPU lane)
     nox -s unit         # unit tests only (no vLLM install)
-    nox -s bench        # measures (not a test): overhead, readiness, teardown, router; writes bench/
+    nox -s bench        # measures (not a test): overhead, readiness, teardown, router, each check's cost,
+                        # nox's second-run start-up; writes bench/
 
 Installed-environment mode: `nox --no-venv -s mooncake_sweep` (or the posarg `--installed`)
 runs on the current interpreter: vLLM, torch and the router are taken as found, only the
