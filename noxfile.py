@@ -5,7 +5,8 @@
     nox -s serve -- mooncake_sweep --only 1x1   # hold one cluster up (URLs, env, curl) until Ctrl-C
     nox -s tests        # unit + end-to-end (real vLLM on the CPU lane)
     nox -s unit         # unit tests only (no vLLM install)
-    nox -s bench        # measures (not a test): overhead, readiness, teardown, router; writes bench/
+    nox -s bench        # measures (not a test): overhead, readiness, teardown, router, each check's cost,
+                        # nox's second-run start-up; writes bench/
 
 Installed-environment mode: `nox --no-venv -s mooncake_sweep` (or the posarg `--installed`)
 runs on the current interpreter: vLLM, torch and the router are taken as found, only the
@@ -378,20 +379,28 @@ def unit(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmark, not a test: harness overhead, readiness latency, parallel start, teardown,
     vllm-router vs a Python proxy, the upstream bash flow vs pd_sessions. Writes bench/.
-    [-- --repeats N --parts router,teardown,clusters --sweep NAME_OR_TOML --only CONFIG --out DIR]"""
+    [-- --repeats N --parts router,teardown,clusters,checks,startup --sweep NAME_OR_TOML --only CONFIG
+    --check-sweeps A,B --startup-session NAME --out DIR]"""
     target = Target(session)
     args = list(target.rest)
     name = args[args.index("--sweep") + 1] if "--sweep" in args[:-1] else "mooncake_sweep"
+    # the checks part runs these sweeps too (bench/cli.py CHECK_SWEEPS): their connectors as well
+    check_sweeps = (
+        args[args.index("--check-sweeps") + 1].split(",")
+        if "--check-sweeps" in args[:-1]
+        else ["mooncake_sweep", "nixl_sweep"]
+    )
     try:
         sweep = load(name)
         platform, _, _ = preflight(sweep, None, hosts.detect())
+        sweeps = [sweep, *(load(n) for n in check_sweeps if n)]
     except PdError as e:
         _fail(session, str(e), e.exit_status)
     _connectors(
         session,
         target,
         platform,
-        sorted({e.config.connector for e in sweep.entries(platform)}),
+        sorted({e.config.connector for s in sweeps for e in s.entries(platform)}),
         accuracy="--with-accuracy" in args,
     )
     if target.installed:

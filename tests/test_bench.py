@@ -196,7 +196,8 @@ def test_bench_refuses_unknown_part(tmp_path):
         capture_output=True,
         text=True,
     )
-    assert p.returncode == 2 and "--parts takes router, teardown, clusters (got speed)" in p.stderr
+    assert p.returncode == 2
+    assert "--parts takes router, teardown, clusters, checks, startup (got speed)" in p.stderr
     p = subprocess.run(
         [sys.executable, "-m", "pd_sessions", "bench", "--repeats", "0", "--out", str(tmp_path)],
         cwd=ROOT,
@@ -249,7 +250,9 @@ def test_cluster_drivers_on_the_fake_stack(tmp_path):
             "--platform",
             "cpu",
             "--parts",
-            "clusters",
+            "clusters,checks",
+            "--check-sweeps",
+            str(tmp_path / "sweep.toml"),  # measured by the clusters part: not run again
             "--repeats",
             "1",
             "--grace",
@@ -284,6 +287,15 @@ def test_cluster_drivers_on_the_fake_stack(tmp_path):
         c["upstream"]["wall_s"]["median"] / c["pd_sessions"]["wall_s"]["median"], abs=0.001
     )
     assert (out / "phases.png").read_bytes()[:4] == b"\x89PNG"
+    # every check's own time, as the runner measured it; the same checks in both drivers
+    assert set(pd["check_s"]) == set(doc["settings"]["checks"]) == set(up["check_s"])
+    assert "accuracy" not in pd["check_s"] and pd["connector"] == "mooncake"
+    assert sum(pd["check_s"].values()) <= pd["checks_s"]
+    assert "measured by the clusters part" in p.stdout and doc["check_runs"] == []
+    cost = doc["checks_cost"]["fake:1x1"]
+    edge = sum(pd["check_s"][n] for n in report.EDGE_CHECKS)
+    assert cost["edge_s"]["median"] == pytest.approx(edge, abs=0.01)
+    assert "## What each check costs" in (out / "results.md").read_text()
     assert "## Config 1x1: phases (s)" in (out / "results.md").read_text()
     # every process the drivers started logged its argv first: none of their ports is in use
     started = [
@@ -327,3 +339,84 @@ def test_rerender_from_raw_samples(tmp_path):
     paths = report.rerender(tmp_path / "results.json")
     assert json.loads(paths["json"].read_text())["clusters"]["1x1"]["pd_sessions"]["ok"] == 3
     assert "## Config 1x1: phases (s)" in paths["markdown"].read_text()
+
+
+def _checked_run(sweep, connector, check_s, *, ok=True, driver="pd_sessions", repeat=0):
+    r = _run(driver, 100.0, 90.0, 89.0, ok=ok, repeat=repeat)
+    return {**r, "sweep": sweep, "connector": connector, "check_s": check_s}
+
+
+BASE = {"smoke": 0.5, "parity": 1.0, "kv_transfer": 0.5}
+
+
+def test_summarize_checks_per_connector_edge_sum_and_goal(tmp_path):
+    edge_fast = {"cache_paths": 1.0, "too_long": 0.5, "burst": 3.0, "abort_frees_kv": 1.5}  # 6 s
+    edge_slow = {"cache_paths": 2.0, "too_long": 30.5, "burst": 5.0, "abort_frees_kv": 22.5}  # 60 s
+    runs = [_checked_run("mooncake_sweep", "mooncake", {**BASE, **edge_fast}, repeat=i) for i in range(3)]
+    runs += [_checked_run("nixl_sweep", "nixl", {**BASE, **edge_slow}, repeat=i) for i in range(2)]
+    # a failed run counts as a run but not in the times; other drivers and untimed runs do not count
+    runs.append(_checked_run("nixl_sweep", "nixl", {**BASE, "too_long": 999.0}, ok=False, repeat=2))
+    runs.append(_checked_run("nixl_sweep", "nixl", {**BASE, "burst": 999.0}, driver="upstream"))
+    runs.append(_run("pd_sessions", 100.0, 90.0, 89.0))
+    cost = report.summarize_checks(runs)
+    assert list(cost) == ["mooncake_sweep:1x1", "nixl_sweep:1x1"]
+    moon, nixl = cost["mooncake_sweep:1x1"], cost["nixl_sweep:1x1"]
+    assert (moon["runs"], moon["ok"], nixl["runs"], nixl["ok"]) == (3, 3, 3, 2)
+    assert list(moon["check_s"]) == ["smoke", "parity", "kv_transfer", "cache_paths", "too_long", "burst"] + [
+        "abort_frees_kv"
+    ]  # in the registry's running order
+    assert moon["base_s"]["median"] == 2.0 and moon["edge_s"]["median"] == 6.0
+    assert nixl["edge_s"]["median"] == 60.0 and nixl["check_s"]["too_long"]["max"] == 30.5
+    assert nixl["connector"] == "nixl" and nixl["edge_checks"] == list(report.EDGE_CHECKS)
+    doc = _doc([r for r in runs if "check_s" not in r or r["driver"] != "pd_sessions"])
+    doc["checks_cost"] = cost
+    goals = {g.name: g for g in report.goals(doc)}
+    assert goals["1x1 over mooncake: the edge checks add"].met is True
+    assert goals["1x1 over nixl: the edge checks add"].met is False
+    assert goals["1x1 over nixl: the edge checks add"].limit == report.EDGE_CHECKS_GOAL_S == 15.0
+    md = report.markdown({**doc, "goals": [g.to_dict() for g in goals.values()]})
+    assert "## What each check costs (s, pd_sessions driver)" in md
+    assert "| nixl | 1x1 | 2/3 | 0.50 (0.50-0.50) |" in md and "| **60.00 (60.00-60.00)** |" in md
+    assert "| 1x1 over nixl: the edge checks add | <= 15 s | 60.000 s | no |" in md
+    assert "nixl_sweep" not in report.summarize_checks([runs[-2]])  # upstream driver: not counted
+
+
+def test_checks_cost_only_edge_checks_that_ran():
+    runs = [_checked_run("s", "nixl", {**BASE, "too_long": 0.3})]
+    c = report.summarize_checks(runs)["s:1x1"]
+    assert c["edge_checks"] == ["too_long"] and c["edge_s"]["median"] == 0.3
+    assert report.checks_markdown({}) == []
+
+
+def test_rerender_recomputes_checks_cost(tmp_path):
+    runs = [_checked_run("mooncake_sweep", "mooncake", {**BASE, "burst": 4.0})]
+    doc = _doc(runs, check_runs=[_checked_run("nixl_sweep", "nixl", {**BASE, "burst": 9.0})])
+    (tmp_path / "results.json").write_text(json.dumps(doc))
+    out = json.loads(report.rerender(tmp_path / "results.json")["json"].read_text())
+    assert {k: v["edge_s"]["median"] for k, v in out["checks_cost"].items()} == {
+        "mooncake_sweep:1x1": 4.0,
+        "nixl_sweep:1x1": 9.0,
+    }
+
+
+def test_checks_part_runs_each_check_sweep(tmp_path):
+    (tmp_path / "sweep.toml").write_text(SWEEP)
+    env = {**os.environ, "PYTHONPATH": f"{FIXTURES / 'fake_stack'}{os.pathsep}{ROOT}"}
+    out = tmp_path / "out"
+    p = subprocess.run(
+        [sys.executable, "-m", "pd_sessions", "bench", "--platform", "cpu", "--parts", "checks"]
+        + ["--check-sweeps", str(tmp_path / "sweep.toml"), "--repeats", "1", "--grace", "2"]
+        + ["--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = json.loads((out / "results.json").read_text())
+    assert "runs" not in doc and len(doc["check_runs"]) == 1
+    run = doc["check_runs"][0]
+    assert run["ok"] and run["sweep"] == "fake" and set(run["check_s"]) >= set(report.EDGE_CHECKS)
+    assert doc["checks_cost"]["fake:1x1"]["ok"] == 1
+    assert "edge checks" in p.stdout

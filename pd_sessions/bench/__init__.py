@@ -13,4 +13,8 @@ not be made (a run failed). Parts:
   ignores SIGTERM.
 - ``router``: vllm-router versus a minimal aiohttp proxy making the same P/D hop,
   both in front of the same small fake backends (the router is what is measured).
+- ``checks``: each check's own wall time per config over each connector (the edge
+  checks' sum against issue 17's 15 s goal).
+- ``startup``: from invoking nox to the first instance spawned, the session venv
+  rebuilt (``--reuse-venv=never``) versus reused.
 """

@@ -1,4 +1,4 @@
-"""``python -m pd_sessions.bench``: run the benchmark and write bench/results.{json,md} + phases.png.
+"""``pd-sessions bench`` (``nox -s bench``): run the benchmark and write bench/results.{json,md} + phases.png.
 
 Exit status: 0 when every measurement was made (goals met or not: it measures,
 it does not gate); 1 when a run failed; 2 bad arguments; 128+N on signal N.
@@ -20,19 +20,22 @@ from typing import Any
 import psutil
 
 from pd_sessions import hosts
-from pd_sessions.bench import clusters, report, routers, teardown
+from pd_sessions.bench import clusters, report, routers, startup, teardown
 from pd_sessions.checks.accuracy import AccuracyOptions
-from pd_sessions.config import ClusterConfig, load, select
+from pd_sessions.config import ClusterConfig, Sweep, load, select
 from pd_sessions.console import install_signal_handlers, run_command, say
 from pd_sessions.preflight import preflight
-from pd_sessions.sweep import CHECKS, SweepOptions
+from pd_sessions.sweep import SweepOptions
 
-PARTS = ("router", "teardown", "clusters")
+PARTS = ("router", "teardown", "clusters", "checks", "startup")
+# The checks part: what each check costs over each connector (the clusters part's pd_sessions
+# runs count for its own sweep, so that one is not run again).
+CHECK_SWEEPS = ("mooncake_sweep", "nixl_sweep")
 ORDER = ("single", "pd_sessions", "upstream")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pd-sessions-bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="pd-sessions bench", description=__doc__.splitlines()[0])
     p.add_argument(
         "--out",
         type=Path,
@@ -61,6 +64,18 @@ def _parser() -> argparse.ArgumentParser:
         "--with-accuracy",
         action="store_true",
         help="also run the accuracy check in every cluster run (slower)",
+    )
+    p.add_argument(
+        "--check-sweeps",
+        default=",".join(CHECK_SWEEPS),
+        help="checks part: the sweeps (one per connector) whose configs measure what each check "
+        f"costs (default {','.join(CHECK_SWEEPS)}; --only selects the configs)",
+    )
+    p.add_argument(
+        "--startup-session",
+        default="mooncake_sweep",
+        help="startup part: the nox session whose second-run start-up is measured, with "
+        "--only (first name given, default 1x1) and this lane's --platform (default mooncake_sweep)",
     )
     p.add_argument("--router-requests", type=int, default=600)
     p.add_argument("--router-concurrent-requests", type=int, default=2000)
@@ -104,10 +119,10 @@ def run(args: argparse.Namespace) -> int:
     parts = [p for p in args.parts.split(",") if p]
     bad = [p for p in parts if p not in PARTS]
     if bad:
-        print(f"pd-sessions-bench: --parts takes {', '.join(PARTS)} (got {', '.join(bad)})", file=sys.stderr)
+        print(f"pd-sessions bench: --parts takes {', '.join(PARTS)} (got {', '.join(bad)})", file=sys.stderr)
         return 2
     if args.repeats < 1:
-        print(f"pd-sessions-bench: --repeats must be at least 1 (got {args.repeats})", file=sys.stderr)
+        print(f"pd-sessions bench: --repeats must be at least 1 (got {args.repeats})", file=sys.stderr)
         return 2
     out = args.out.resolve()
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -118,13 +133,7 @@ def run(args: argparse.Namespace) -> int:
     only = tuple(o for item in args.only for o in item.split(",") if o)
     configs = [e.config for e in select(sweep.entries(plat), plat, only=only)[0]]
     skip = () if args.with_accuracy else ("accuracy",)
-    opts = SweepOptions(
-        platform=plat,
-        results_dir=logs / "clusters",
-        grace_s=args.grace,
-        accuracy=AccuracyOptions(),
-        skip_checks=skip,
-    )
+    opts = _options(sweep, plat, logs / "clusters", args.grace, skip)
     doc: dict[str, Any] = {
         "started_at": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": machine(),
@@ -135,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
             "repeats": args.repeats,
             "parts": parts,
             "grace_s": args.grace,
-            "checks": [c for c in CHECKS if c not in skip],
+            "checks": [c for c in sweep.checks if c not in skip],
+            "check_sweeps": [n for n in args.check_sweeps.split(",") if n] if "checks" in parts else [],
             "skipped_checks": list(skip),
             "logs": str(logs.relative_to(out)),
         },
@@ -147,12 +157,27 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         failed = _measure(doc, args, parts, configs, inv, opts, logs)
+        if "checks" in parts:
+            failed |= _measure_checks(doc, args, parts, plat, inv, logs, skip, only)
+        if "startup" in parts:
+            posargs = ["--only", only[0] if only else "1x1", "--platform", plat, "--grace", f"{args.grace:g}"]
+            say(f"startup part: nox -s {args.startup_session} -- {' '.join(posargs)}, venv rebuilt vs reused")
+            doc["startup"] = startup.run(
+                logs / "startup",
+                session=args.startup_session,
+                posargs=posargs,
+                repeats=args.repeats,
+                progress=say,
+            )
+            failed |= any(not r["ok"] for r in doc["startup"]["runs"])
     except BaseException as e:  # a cancel or an error: write what was measured, then go on out
         doc["interrupted"] = f"{type(e).__name__}: {e}"
         raise
     finally:
         if doc.get("runs"):
             doc["clusters"] = report.summarize_clusters(doc["runs"])
+        if doc.get("runs") or doc.get("check_runs"):
+            doc["checks_cost"] = report.summarize_checks(doc.get("runs", []) + doc.get("check_runs", []))
         doc["machine"]["load_after"] = _load()
         doc["duration_s"] = round(time.monotonic() - t0, 1)
         doc["goals"] = [g.to_dict() for g in report.goals(doc)]
@@ -197,7 +222,7 @@ def _measure(
                 for driver in order:
                     say(f"[{len(runs) + 1}/{total}] {config.name}: {driver} (repeat {rep + 1})")
                     rec = clusters.DRIVERS[driver](config, inv, opts, rep, say)
-                    runs.append(rec.to_dict())
+                    runs.append({**rec.to_dict(), "sweep": doc["settings"]["sweep"]})
                     over = rec.overhead()
                     say(
                         f"[{len(runs)}/{total}] {config.name}: {driver}: "
@@ -216,8 +241,57 @@ def _measure(
     return failed
 
 
+def _options(sweep: Sweep, plat: str, results_dir: Path, grace: float, skip: tuple[str, ...]) -> SweepOptions:
+    """The sweep's own check selection and options, as `pd-sessions sweep` runs them."""
+    return SweepOptions(
+        platform=plat,
+        results_dir=results_dir,
+        grace_s=grace,
+        accuracy=AccuracyOptions(),
+        skip_checks=skip,
+        selected_checks=sweep.checks,
+        check_options=sweep.check_options,
+    )
+
+
+def _measure_checks(
+    doc: dict[str, Any],
+    args: argparse.Namespace,
+    parts: list[str],
+    plat: str,
+    inv: hosts.Inventory,
+    logs: Path,
+    skip: tuple[str, ...],
+    only: tuple[str, ...],
+) -> bool:
+    """The checks part: each config of each sweep in --check-sweeps, --repeats times, through
+    pd_sessions' own sweep code; every check's wall time lands in doc["check_runs"]. True if a
+    run failed."""
+    failed = False
+    runs: list[dict[str, Any]] = doc.setdefault("check_runs", [])
+    for name in doc["settings"]["check_sweeps"]:
+        sweep = load(name)
+        if "clusters" in parts and sweep.name == doc["settings"]["sweep"]:
+            say(f"checks part: {sweep.name} is measured by the clusters part's pd_sessions runs")
+            continue
+        configs = [e.config for e in select(sweep.entries(plat), plat, only=only)[0]]
+        opts = _options(sweep, plat, logs / "checks" / sweep.name, args.grace, skip)
+        for rep in range(args.repeats):
+            for config in configs:
+                say(f"checks part: {sweep.name} {config.name} (repeat {rep + 1}/{args.repeats})")
+                rec = clusters.run_pd_sessions(config, inv, opts, rep, say)
+                runs.append({**rec.to_dict(), "sweep": sweep.name})
+                edge = sum(rec.extra.get("check_s", {}).get(n, 0.0) for n in report.EDGE_CHECKS)
+                say(
+                    f"checks part: {sweep.name} {config.name}: "
+                    + (f"edge checks {edge:.1f} s" if rec.ok else f"FAILED: {rec.error}")
+                )
+                failed |= not rec.ok
+    return failed
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_signal_handlers()
-    return run_command(lambda: run(args), prog="pd-sessions-bench")
+    return run_command(lambda: run(args), prog="pd-sessions bench")

@@ -114,12 +114,20 @@ def run_pd_sessions(
         "checks": res.phases.get("checks", 0.0),
         "teardown": t.get("teardown", 0.0),
     }
+    _record_checks(rec, config, res.checks)
     _fill_probe_times(rec, spawned, ready, prober.first_ok)
     if "router" in prober.first_ok and "router" in ready:
         rec.extra["router_health_to_ready_s"] = round(ready["router"] - prober.first_ok["router"], 4)
     starts = [at for name, at in spawned.items() if name != "router"]
     rec.extra["spawn_spread_s"] = round(max(starts) - min(starts), 4) if starts else None
     return rec
+
+
+def _record_checks(rec: RunRecord, config: ClusterConfig, checks: list[CheckResult]) -> None:
+    """Each check's own wall time and verdict (what the runner timed), and the connector."""
+    rec.extra["connector"] = config.connector
+    rec.extra["check_s"] = {c.name: round(c.seconds, 3) for c in checks}
+    rec.extra["check_verdicts"] = {c.name: c.verdict for c in checks}
 
 
 def _fill_probe_times(
@@ -217,9 +225,10 @@ def run_upstream(
         t3 = time.monotonic()
         rec.phases["router"] = t3 - t2
         checks: list[CheckResult] = []
-        run_checks(cluster, checks, opts.accuracy, opts.skip_checks)
+        run_checks(cluster, checks, opts.accuracy, opts.skip_checks, opts.selected_checks, opts.check_options)
         t4 = time.monotonic()
         rec.phases["checks"] = t4 - t3
+        _record_checks(rec, config, checks)
         failed = [f"{c.name}: {c.message}" for c in checks if not c.passed]
         process.terminate(cluster.instances)  # pkill -f "vllm serve" || true
         for s in UPSTREAM_CLEANUP_SLEEPS_S:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pd_sessions.bench.stats import Goal, ratio, summary
+from pd_sessions.checks.registry import NAMES as CHECK_ORDER
 
 PHASES = ("prepare", "instances", "router", "checks", "teardown")
 OVERHEAD_PARTS = ("prepare", "noticing", "router", "teardown", "other")
@@ -26,6 +27,10 @@ OVERHEAD_GOAL = 0.02
 NOTICE_GOAL_S = 0.25
 TEARDOWN_GOAL_S = 5.0
 TEARDOWN_SLACK_S = 2.0
+# The checks issue 17 added to every config's defaults, and what they ran on top of.
+EDGE_CHECKS = ("cache_paths", "too_long", "burst", "abort_frees_kv")
+BASE_CHECKS = ("smoke", "parity", "kv_transfer")
+EDGE_CHECKS_GOAL_S = 15.0  # what the edge checks may add per config on the CPU lane
 
 
 def _ok(runs: Sequence[dict[str, Any]], driver: str, config: str) -> list[dict[str, Any]]:
@@ -86,6 +91,38 @@ def summarize_clusters(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def summarize_checks(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """What each check costs, per sweep and config, from the pd_sessions driver's runs.
+
+    Only runs that carry per-check times (``check_s``) count; a run whose config did not
+    pass is counted in ``runs`` but left out of the times (a check that timed out would
+    say nothing about what the checks cost). Per run, ``base_s`` sums the BASE_CHECKS
+    that ran and ``edge_s`` the EDGE_CHECKS that ran; their medians are over runs.
+
+    key ``SWEEP:CONFIG`` -> {sweep, config, connector, runs, ok, check_s: name -> summary,
+                            base_s, edge_s (summaries), edge_checks (the ones that ran)}
+    """
+    out: dict[str, Any] = {}
+    timed = [r for r in runs if r["driver"] == "pd_sessions" and "check_s" in r]
+    for key in dict.fromkeys(f"{r.get('sweep', '-')}:{r['config']}" for r in timed):
+        mine = [r for r in timed if f"{r.get('sweep', '-')}:{r['config']}" == key]
+        ok = [r for r in mine if r["ok"]]
+        names = [n for n in CHECK_ORDER if any(n in r["check_s"] for r in mine)]
+        names += sorted({n for r in mine for n in r["check_s"]} - set(names))
+        out[key] = {
+            "sweep": mine[0].get("sweep"),
+            "config": mine[0]["config"],
+            "connector": mine[0].get("connector"),
+            "runs": len(mine),
+            "ok": len(ok),
+            "check_s": {n: summary([r["check_s"][n] for r in ok if n in r["check_s"]]) for n in names},
+            "base_s": summary([sum(r["check_s"].get(n, 0.0) for n in BASE_CHECKS) for r in ok]),
+            "edge_s": summary([sum(r["check_s"].get(n, 0.0) for n in EDGE_CHECKS) for r in ok]),
+            "edge_checks": [n for n in EDGE_CHECKS if n in names],
+        }
+    return out
+
+
 def _round(v: float | None, digits: int = 3) -> float | None:
     return None if v is None else round(v, digits)
 
@@ -120,6 +157,17 @@ def goals(doc: dict[str, Any]) -> list[Goal]:
                 "s",
                 pd["phases_s"]["teardown"]["median"],
                 "router + instances stopped and every PID verified gone",
+            )
+        )
+    for c in doc.get("checks_cost", {}).values():
+        gs.append(
+            Goal(
+                f"{c['config']} over {c['connector']}: the edge checks add",
+                EDGE_CHECKS_GOAL_S,
+                "s",
+                c["edge_s"]["median"],
+                f"wall time of {' + '.join(c['edge_checks']) or 'no edge check'} per config "
+                "(pd_sessions driver), on top of " + " + ".join(BASE_CHECKS),
             )
         )
     td = doc.get("teardown")
@@ -236,6 +284,8 @@ def markdown(doc: dict[str, Any]) -> str:
             f"{_v(uv['saved_s'])} s saved per config",
             "",
         ]
+    lines += checks_markdown(doc.get("checks_cost", {}))
+    lines += startup_markdown(doc.get("startup"))
     td = doc.get("teardown")
     if td:
         lines += [
@@ -268,12 +318,78 @@ def markdown(doc: dict[str, Any]) -> str:
                 f"{_fmt(r['throughput_rps'], digits=0)} | {r['errors']} |"
             )
         lines.append("")
-    failed = [r for r in doc.get("runs", []) if not r["ok"]]
+    failed = [r for r in doc.get("runs", []) + doc.get("check_runs", []) if not r["ok"]]
     if failed:
         lines += ["## Runs that failed (not in the medians)", ""]
         lines += [f"- {r['driver']} {r['config']} #{r['repeat']}: {r['error']}" for r in failed]
         lines.append("")
     return "\n".join(lines)
+
+
+def checks_markdown(cost: dict[str, Any]) -> list[str]:
+    """The per-check table: one row per sweep and config, one column per check that ran."""
+    if not cost:
+        return []
+    names = [n for n in CHECK_ORDER if any(n in c["check_s"] for c in cost.values())]
+    names += sorted({n for c in cost.values() for n in c["check_s"]} - set(names))
+    lines = [
+        "## What each check costs (s, pd_sessions driver)",
+        "",
+        "Each check's own wall time as the runner timed it, per config; the edge checks ("
+        + ", ".join(EDGE_CHECKS)
+        + ") are what issue 17 added on top of "
+        + ", ".join(BASE_CHECKS)
+        + f" (goal: they add under {EDGE_CHECKS_GOAL_S:g} s per config on the CPU lane).",
+        "",
+        "| connector | config | ok | "
+        + " | ".join(names)
+        + " | "
+        + " + ".join(BASE_CHECKS)
+        + " | edge checks |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- |",
+    ]
+    for c in cost.values():
+        lines.append(
+            f"| {c['connector']} | {c['config']} | {c['ok']}/{c['runs']} | "
+            + " | ".join(_fmt(c["check_s"].get(n)) for n in names)
+            + f" | {_fmt(c['base_s'])} | **{_fmt(c['edge_s'])}** |"
+        )
+    lines.append("")
+    return lines
+
+
+def startup_markdown(su: dict[str, Any] | None) -> list[str]:
+    """nox -> first instance spawned, venv rebuilt vs reused, with the milestones on the way."""
+    if not su:
+        return []
+    lines = [
+        "## Second-run start-up: `nox` to the first instance spawned (s)",
+        "",
+        f"`{su['command']}`: {su['what']}.",
+        "",
+        "Seconds after invoking nox at which each step began; the last column is the figure.",
+        "",
+        "| venv | ok | session | venv created / reused | import canary | sweep CLI "
+        "| first instance spawned |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for mode, label in (("rebuild", "rebuilt (--reuse-venv=never): before"), ("reuse", "reused: now")):
+        m = su[mode]
+        ms = m["milestones_s"]
+        venv = ms.get("venv_created") or ms.get("venv_reused")
+        lines.append(
+            f"| {label} | {m['ok']}/{m['runs']} | {_fmt(ms.get('session'))} | {_fmt(venv)} | "
+            f"{_fmt(ms.get('canary'))} | {_fmt(ms.get('cli'))} | **{_fmt(m['to_spawn_s'])}** |"
+        )
+    lines += [
+        "",
+        f"- a reused venv saves {_v(su['saved_s'])} s per call (rebuilt / reused = **{_v(su['ratio'])}**); "
+        "(the venv step includes installing the lane; a reused venv's installs find everything in place)",
+        "",
+    ]
+    bad = [r for r in su["runs"] if not r["ok"]]
+    lines += [f"- FAILED {r['mode']} #{r['repeat']}: {r['error']}" for r in bad]
+    return lines + ([""] if bad else [])
 
 
 def chart(doc: dict[str, Any], path: Path) -> None:
@@ -328,5 +444,7 @@ def rerender(results_json: Path) -> dict[str, Path]:
     doc = json.loads(results_json.read_text())
     if doc.get("runs"):
         doc["clusters"] = summarize_clusters(doc["runs"])
+    if doc.get("runs") or doc.get("check_runs"):
+        doc["checks_cost"] = summarize_checks(doc.get("runs", []) + doc.get("check_runs", []))
     doc["goals"] = [g.to_dict() for g in goals(doc)]
     return write(doc, results_json.parent)
