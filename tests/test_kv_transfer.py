@@ -167,3 +167,16 @@ def test_window_waits_for_success_and_reads_failures_of_whole_logs(tmp_path):
     w = kv.Window("nixl", {"decode-0": "u"}, {"decode-0": log}, lambda url: NIXL_BEFORE)
     ev = w.close(router_requests=1, clock=lambda: 0.0, sleep=lambda s: 1 / 0)
     assert ev.log_failures == {"decode-0": [HANDSHAKE_FAILED]}
+
+
+def test_evidence_is_waited_for_only_when_a_transfer_was_claimed():
+    from pd_sessions.checks.kv_transfer import EVIDENCE_WAIT_S, evidence_wait
+
+    assert evidence_wait({"decode-0": 10.0}, {"decode-0": 366.0}) == EVIDENCE_WAIT_S
+    assert (
+        evidence_wait({"decode-0": 0.0, "decode-1": 5.0}, {"decode-0": 0.0, "decode-1": 9.0})
+        == EVIDENCE_WAIT_S
+    )
+    # a decode that recomputes claims nothing: the proof fails on the counters, no stats will come
+    assert evidence_wait({"decode-0": 10.0}, {"decode-0": 10.0}) == 0.0
+    assert evidence_wait({}, {"decode-0": 0.0}) == 0.0

@@ -119,7 +119,7 @@ def run(cluster: Any, options: Mapping[str, Any]) -> CheckResult:
         after,
         router_prompt_tokens=sum(c.prompt_tokens for c in ok),
         router_requests=len(ok),
-        evidence=window.close(router_requests=len(ok)),
+        evidence=window.close(router_requests=len(ok), wait_s=kv_transfer.evidence_wait(before, after)),
     )
     kv = per_instance.apply(
         kv,

@@ -320,6 +320,18 @@ EVIDENCE_WAIT_S = 35.0
 EVIDENCE_POLL_S = 0.5
 
 
+def evidence_wait(before: Mapping[str, float], after: Mapping[str, float]) -> float:
+    """How long :meth:`Window.close` may wait for success evidence, given the decode instances'
+    external-KV counters around the window (they count at scheduling time, so they are current
+    when the requests have answered).
+
+    the counters rose         -> EVIDENCE_WAIT_S (a transfer was claimed: wait for its stats)
+    they did not (recompute)  -> 0 (the proof fails on the counters; no stats will come)
+    """
+    rose = sum(after.values()) > sum(before.get(k, 0.0) for k in after)
+    return EVIDENCE_WAIT_S if rose else 0.0
+
+
 class Window:
     """The success evidence of one check window: log offsets and connector metrics at its
     start; :meth:`close` reads the stats added since and the failure lines of whole logs.

@@ -167,8 +167,12 @@ def run_checks(
     def kv() -> CheckResult:
         if before_err:
             return CheckResult("kv_transfer", FAIL, f"could not read decode metrics: {before_err[0]}")
-        evidence = window.close(router_requests=ledger["requests"]) if window else None
         after = scrape()
+        evidence = (
+            window.close(router_requests=ledger["requests"], wait_s=kv_transfer.evidence_wait(before, after))
+            if window
+            else None
+        )
         d0 = plan.decode[0]
         _complete(d0.url, model, CONTROL_PROMPT)
         control_after = scrape()[d0.name]
