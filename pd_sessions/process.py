@@ -166,11 +166,32 @@ def _tracked(r: Running | Leader) -> list[psutil.Process]:
     return list(procs.values())
 
 
-def _alive(p: psutil.Process) -> bool:
+def alive(p: psutil.Process) -> bool:
+    """Running and not a zombie (a zombie has exited; only its parent's wait is missing)."""
     try:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def session_family(root: psutil.Process) -> list[psutil.Process]:
+    """``root``, its descendants and every member of their sessions (servers run in sessions
+    of their own; their engine cores are in those): everything a run started. The caller's
+    own session is left out."""
+    procs = {root.pid: root}
+    with contextlib.suppress(psutil.Error):
+        for c in root.children(recursive=True):
+            procs[c.pid] = c
+    sids = set()
+    for p in list(procs.values()):
+        with contextlib.suppress(OSError):
+            sids.add(os.getsid(p.pid))
+    sids.discard(os.getsid(0))
+    for p in psutil.process_iter():
+        with contextlib.suppress(OSError, psutil.Error):
+            if os.getsid(p.pid) in sids:
+                procs.setdefault(p.pid, p)
+    return list(procs.values())
 
 
 def _wait_gone(procs: Sequence[psutil.Process], timeout: float, poll: float = 0.01) -> list[psutil.Process]:
@@ -179,20 +200,20 @@ def _wait_gone(procs: Sequence[psutil.Process], timeout: float, poll: float = 0.
     (psutil.wait_procs), because orphans that exited stay zombies until init reaps them."""
     end = time.monotonic() + timeout
     while True:
-        alive = [p for p in procs if _alive(p)]
-        if not alive or time.monotonic() >= end:
-            return alive
+        left = [p for p in procs if alive(p)]
+        if not left or time.monotonic() >= end:
+            return left
         time.sleep(poll)
 
 
 def _signal_all(groups: Sequence[int], procs: list[psutil.Process], sig: int) -> None:
     for pgid in groups:
         # Only while a process of ours is still in the group, so a recycled id is never hit.
-        if any(_alive(p) and _pgid(p) == pgid for p in procs):
+        if any(alive(p) and _pgid(p) == pgid for p in procs):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, sig)
     for p in procs:
-        if _alive(p):
+        if alive(p):
             with contextlib.suppress(psutil.Error):
                 p.send_signal(sig)
 
@@ -264,15 +285,15 @@ def stop_leaders(leaders: Sequence[Leader], *, grace_s: float, kill_wait_s: floa
             procs.append(p)
     groups = list(dict.fromkeys(r.pid for r in leaders))  # in order: the router's first
     _signal_all(groups, procs, signal.SIGTERM)
-    alive = _wait_gone(procs, grace_s)
-    killed = sorted({owner[p.pid] for p in alive})
-    if alive:
+    left = _wait_gone(procs, grace_s)
+    killed = sorted({owner[p.pid] for p in left})
+    if left:
         log.warning(
-            "SIGKILL after %.0f s grace: %s", grace_s, ", ".join(f"{owner[p.pid]} pid {p.pid}" for p in alive)
+            "SIGKILL after %.0f s grace: %s", grace_s, ", ".join(f"{owner[p.pid]} pid {p.pid}" for p in left)
         )
-        _signal_all(groups, alive, signal.SIGKILL)
-        _wait_gone(alive, kill_wait_s)
-    survivors = [p for p in procs if _alive(p)]
+        _signal_all(groups, left, signal.SIGKILL)
+        _wait_gone(left, kill_wait_s)
+    survivors = [p for p in procs if alive(p)]
     if survivors:
         raise StopError(
             "processes survived SIGKILL: " + ", ".join(f"{owner[p.pid]} pid {p.pid}" for p in survivors)
@@ -292,4 +313,4 @@ def terminate(running: Sequence[Running]) -> None:
 
 def still_running(running: Sequence[Running]) -> list[str]:
     """'name pid N' for every tracked process of ``running`` that is still alive."""
-    return [f"{r.name} pid {p.pid}" for r in running for p in _tracked(r) if _alive(p)]
+    return [f"{r.name} pid {p.pid}" for r in running for p in _tracked(r) if alive(p)]

@@ -29,6 +29,9 @@ import pytest
 from conftest import ROOT
 from test_faults import FAKE, assert_nothing_left, bystander  # noqa: F401 (a fixture)
 
+from pd_sessions.process import alive
+from pd_sessions.process import session_family as family
+
 GRACE = 2.0
 SWEEP = """name = "fake"
 [defaults]
@@ -51,33 +54,6 @@ NOXFILE = textwrap.dedent("""
         session.run({python!r}, "-m", "pd_sessions", "sweep", *session.posargs, external=True,
                     **lifeline.nox_run_options(session.posargs))
 """)
-
-
-def alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def family(root: psutil.Process) -> list[psutil.Process]:
-    """``root``, its descendants, and every member of their sessions (the servers' engine
-    cores, the reaper): everything a run started."""
-    procs = {root.pid: root}
-    for c in root.children(recursive=True):
-        procs[c.pid] = c
-    sids = set()
-    for p in list(procs.values()):
-        with contextlib.suppress(OSError):
-            sids.add(os.getsid(p.pid))
-    sids.discard(os.getsid(0))
-    for p in psutil.process_iter():
-        try:
-            if os.getsid(p.pid) in sids:
-                procs.setdefault(p.pid, p)
-        except OSError:
-            pass
-    return list(procs.values())
 
 
 class NoxRun:

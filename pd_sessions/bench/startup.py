@@ -33,6 +33,7 @@ from typing import Any
 import psutil
 
 from pd_sessions.bench.stats import ratio, summary
+from pd_sessions.process import alive, session_family
 
 ROOT = Path(__file__).resolve().parents[2]
 MODES = ("rebuild", "reuse")
@@ -109,32 +110,6 @@ def summarize(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _family(root: psutil.Process) -> list[psutil.Process]:
-    """``root``, its descendants and every member of their sessions (servers run in sessions
-    of their own; their engine cores are in those): everything a run started."""
-    procs = {root.pid: root}
-    with contextlib.suppress(psutil.Error):
-        for c in root.children(recursive=True):
-            procs[c.pid] = c
-    sids = set()
-    for p in list(procs.values()):
-        with contextlib.suppress(OSError):
-            sids.add(os.getsid(p.pid))
-    sids.discard(os.getsid(0))
-    for p in psutil.process_iter():
-        with contextlib.suppress(OSError, psutil.Error):
-            if os.getsid(p.pid) in sids:
-                procs.setdefault(p.pid, p)
-    return list(procs.values())
-
-
 def measure_once(
     argv: Sequence[str],
     *,
@@ -180,7 +155,7 @@ def measure_once(
         while not spawned.is_set() and proc.poll() is None and time.monotonic() - t0 < timeout_s:
             spawned.wait(0.5)
         # what the run has started by now (looked up once: polling would load the host it measures)
-        family = {p.pid: p for p in (_family(root) if _alive(root) else [])}
+        family = {p.pid: p for p in (session_family(root) if alive(root) else [])}
         exited_early = proc.poll()
     finally:
         stop_at = time.monotonic()
@@ -190,9 +165,9 @@ def measure_once(
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=stop_slack_s * 4)
     end = time.monotonic() + stop_slack_s
-    while time.monotonic() < end and any(_alive(p) for p in family.values()):
+    while time.monotonic() < end and any(alive(p) for p in family.values()):
         time.sleep(0.1)
-    left = [p for p in family.values() if _alive(p)]
+    left = [p for p in family.values() if alive(p)]
     rec["stopped_in_s"] = round(time.monotonic() - stop_at, 3)
     rec["left"] = []
     for p in left:  # ours: report it, then make sure it is gone
