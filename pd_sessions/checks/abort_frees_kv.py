@@ -126,6 +126,7 @@ def stream_then_disconnect(
 def run(cluster: Any, options: Mapping[str, Any]) -> CheckResult:
     plan = cluster.plan
     n, bound = int(options["requests"]), float(options["bound_s"])
+    first_token_s_max = float(options["first_token_s"])
     idle = {s.name: scrape_gauges(s) for s in plan.instances}
     errors: list[str] = []
     first_token_s: list[float] = []
@@ -133,7 +134,10 @@ def run(cluster: Any, options: Mapping[str, Any]) -> CheckResult:
     def one(i: int) -> None:
         t = time.monotonic()
         stream_then_disconnect(
-            plan.router.url, plan.served_model_name, f"Abort test {i}: a long story about the sea begins"
+            plan.router.url,
+            plan.served_model_name,
+            f"Abort test {i}: a long story about the sea begins",
+            timeout=first_token_s_max,
         )
         first_token_s.append(round(time.monotonic() - t, 3))
 

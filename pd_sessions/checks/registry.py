@@ -68,7 +68,10 @@ CHECKS: tuple[CheckInfo, ...] = (
         "streaming requests whose client disconnects after the first tokens "
         "leave no running request and no held KV blocks on any instance",
         gatherer="pd_sessions.checks.abort_frees_kv:run",
-        options={"requests": 4, "bound_s": 15.0},
+        # first_token_s: how long a stream may wait for its first token. On the 2-core CPU lane
+        # NIXL decode hops can each wait out a prefill's 30 s KV lease, one after the other for
+        # concurrent streams (docs/cpu-lane.md, "What the 30 s stalls are"): 4 x 30 s + margin.
+        options={"requests": 4, "bound_s": 15.0, "first_token_s": 150.0},
     ),
     CheckInfo(
         "accuracy",
