@@ -18,6 +18,25 @@ FIXTURES = Path(__file__).parent / "fixtures"
 USER = FIXTURES / "user_tests"
 
 
+def nox_no_venv(python: str | Path, *posargs: str) -> list[str]:
+    """argv of `nox --no-venv -s mooncake_sweep -- --platform cpu POSARGS` run by ``python``:
+    the installed-environment mode on that interpreter."""
+    return [
+        str(python),
+        "-m",
+        "nox",
+        "-f",
+        str(ROOT / "noxfile.py"),
+        "--no-venv",
+        "-s",
+        "mooncake_sweep",
+        "--",
+        "--platform",
+        "cpu",
+        *posargs,
+    ]
+
+
 def heavy(module: str):
     """Import a heavy dependency (torch, vllm...). In the full environment that
     `nox -s tests` builds (PD_SESSIONS_FULL_ENV=1) a missing one is an error, never a skip;
@@ -143,26 +162,16 @@ def mooncake_sweep(tmp_path_factory) -> SweepRun:
     before = environment_facts(tmp)["installed"]
     run = _sweep_once(
         results,
-        argv=[
+        argv=nox_no_venv(
             sys.executable,
-            "-m",
-            "nox",
-            "-f",
-            str(ROOT / "noxfile.py"),
-            "--no-venv",
-            "-s",
-            "mooncake_sweep",
-            "--",
             "--only",
             "1x1",
-            "--platform",
-            "cpu",
             "--results-dir",
             str(results),
             "--pytest",
             str(USER / "pd_parity_env.py"),
             str(USER / "pd_parity_fixture.py"),
-        ],
+        ),
     )
     run.extra.update(installed_before=before, installed_after=environment_facts(tmp)["installed"])
     return run

@@ -235,31 +235,14 @@ name = "1x1"
 """
 
 
-def test_cluster_drivers_on_the_fake_stack(tmp_path):
+def _bench_on_fake_stack(tmp_path, *args: str) -> tuple[dict, str]:
+    """``pd-sessions bench ARGS`` on the fake stack with the fake sweep: its results.json, stdout."""
     (tmp_path / "sweep.toml").write_text(SWEEP)
     env = {**os.environ, "PYTHONPATH": f"{FIXTURES / 'fake_stack'}{os.pathsep}{ROOT}"}
     out = tmp_path / "out"
     p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pd_sessions",
-            "bench",
-            "--sweep",
-            str(tmp_path / "sweep.toml"),
-            "--platform",
-            "cpu",
-            "--parts",
-            "clusters,checks",
-            "--check-sweeps",
-            str(tmp_path / "sweep.toml"),  # measured by the clusters part: not run again
-            "--repeats",
-            "1",
-            "--grace",
-            "2",
-            "--out",
-            str(out),
-        ],
+        [sys.executable, "-m", "pd_sessions", "bench", "--platform", "cpu", *args]
+        + ["--repeats", "1", "--grace", "2", "--out", str(out)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -267,7 +250,16 @@ def test_cluster_drivers_on_the_fake_stack(tmp_path):
         timeout=300,
     )
     assert p.returncode == 0, p.stdout + p.stderr
-    doc = json.loads((out / "results.json").read_text())
+    return json.loads((out / "results.json").read_text()), p.stdout
+
+
+def test_cluster_drivers_on_the_fake_stack(tmp_path):
+    sweep = str(tmp_path / "sweep.toml")
+    # the check sweep is measured by the clusters part: not run again
+    doc, stdout = _bench_on_fake_stack(
+        tmp_path, "--sweep", sweep, "--parts", "clusters,checks", "--check-sweeps", sweep
+    )
+    out = tmp_path / "out"  # where the helper has the bench write
     runs = {r["driver"]: r for r in doc["runs"]}
     assert set(runs) == {"single", "pd_sessions", "upstream"} and all(r["ok"] for r in runs.values())
     pd, up = runs["pd_sessions"], runs["upstream"]
@@ -291,7 +283,7 @@ def test_cluster_drivers_on_the_fake_stack(tmp_path):
     assert set(pd["check_s"]) == set(doc["settings"]["checks"]) == set(up["check_s"])
     assert "accuracy" not in pd["check_s"] and pd["connector"] == "mooncake"
     assert sum(pd["check_s"].values()) <= pd["checks_s"]
-    assert "measured by the clusters part" in p.stdout and doc["check_runs"] == []
+    assert "measured by the clusters part" in stdout and doc["check_runs"] == []
     cost = doc["checks_cost"]["fake:1x1"]
     edge = sum(pd["check_s"][n] for n in report.EDGE_CHECKS)
     assert cost["edge_s"]["median"] == pytest.approx(edge, abs=0.01)
@@ -400,23 +392,11 @@ def test_rerender_recomputes_checks_cost(tmp_path):
 
 
 def test_checks_part_runs_each_check_sweep(tmp_path):
-    (tmp_path / "sweep.toml").write_text(SWEEP)
-    env = {**os.environ, "PYTHONPATH": f"{FIXTURES / 'fake_stack'}{os.pathsep}{ROOT}"}
-    out = tmp_path / "out"
-    p = subprocess.run(
-        [sys.executable, "-m", "pd_sessions", "bench", "--platform", "cpu", "--parts", "checks"]
-        + ["--check-sweeps", str(tmp_path / "sweep.toml"), "--repeats", "1", "--grace", "2"]
-        + ["--out", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    doc, stdout = _bench_on_fake_stack(
+        tmp_path, "--parts", "checks", "--check-sweeps", str(tmp_path / "sweep.toml")
     )
-    assert p.returncode == 0, p.stdout + p.stderr
-    doc = json.loads((out / "results.json").read_text())
     assert "runs" not in doc and len(doc["check_runs"]) == 1
     run = doc["check_runs"][0]
     assert run["ok"] and run["sweep"] == "fake" and set(run["check_s"]) >= set(report.EDGE_CHECKS)
     assert doc["checks_cost"]["fake:1x1"]["ok"] == 1
-    assert "edge checks" in p.stdout
+    assert "edge checks" in stdout

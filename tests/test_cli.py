@@ -192,20 +192,9 @@ def test_commands_with_their_own_parser_get_the_rest_of_the_line():
 
 
 def test_bench_report_renders_a_results_json_again(tmp_path):
-    doc = {
-        "started_at": "2026-11-29T00:00:00+00:00",
-        "duration_s": 1.0,
-        "machine": {
-            "cpu_model": "cpu",
-            "cores": 2,
-            "memory_gib": 24,
-            "platform": "linux",
-            "python": "3.11",
-            "load_before": "0",
-            "load_after": "0",
-        },
-        "settings": {"platform": "cpu", "repeats": 1, "checks": []},
-    }
+    from test_bench import _doc
+
+    doc = _doc([])
     (tmp_path / "results.json").write_text(json.dumps(doc))
     r = cli("bench-report", str(tmp_path / "results.json"))
     assert r.returncode == 0, r.stderr

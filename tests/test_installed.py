@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, nox_no_venv
 
 from pd_sessions.errors import UsageError
 from pd_sessions.install import Action
@@ -225,20 +225,7 @@ def _venv(tmp_path: Path, *packages: str) -> Path:
 
 def _nox_no_venv(python: Path, *posargs: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [
-            str(python),
-            "-m",
-            "nox",
-            "-f",
-            str(ROOT / "noxfile.py"),
-            "--no-venv",
-            "-s",
-            "mooncake_sweep",
-            "--",
-            "--platform",
-            "cpu",
-            *posargs,
-        ],
+        nox_no_venv(python, *posargs),
         capture_output=True,
         text=True,
         timeout=600,
