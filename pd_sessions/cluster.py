@@ -10,8 +10,9 @@ until every (prefill, decode) pair has served a request aimed at it (pd_sessions
 and until the router is: /health 200 and a 1-token completion through it succeeds. Once every
 instance is healthy, a P/D path that keeps failing ends the wait within PD_PATH_BUDGET_S.
 Every process must stay alive throughout. Teardown (on success, error, SIGINT or SIGTERM
-turned into exceptions by the CLI): the router and the instances together, under one
-grace: SIGTERM -> grace -> SIGKILL -> verified gone.
+turned into exceptions by the CLI): our own requests still open to the cluster are cut, then
+the router and the instances together, under one grace: SIGTERM -> grace -> SIGKILL ->
+verified gone; the router gets its SIGKILL after ROUTER_CUT_S already (see ``teardown``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 from pd_sessions import http, pairs, process
 from pd_sessions.errors import PdError, ReadinessTimeout
@@ -38,6 +40,9 @@ T = TypeVar("T")
 
 DEFAULT_DEADLINE_S = 1200.0
 DEFAULT_GRACE_S = 10.0
+# vllm-router exits at once on SIGTERM unless it is forwarding requests: then it waits for them,
+# while the instances behind it (stopping too) wait for its connections to close.
+ROUTER_CUT_S = 1.0
 ROUTER_PROBE_PROMPT = "Ready"
 
 
@@ -258,10 +263,30 @@ def teardown(
     Together, not one group after the other: a cancel gives the whole teardown one grace
     (Buildkite SIGKILLs 10 s after its SIGTERM), and a healthy cluster is gone in the time
     its slowest process takes to exit (~1.5 s for vLLM's API server on the CPU lane).
+
+    Requests still in flight would hold that up until the SIGKILL: vLLM's API server, once
+    stopping, aborts its engine but waits for its open connections, whose requests then never
+    end. So first our own connections to the cluster are cut (a check cancelled mid-request),
+    and the router, if it still forwards requests ``ROUTER_CUT_S`` after its SIGTERM (ours
+    were cut; these are other processes': a user's tests, ``serve``'s users), is
+    SIGKILLed then: it holds no state, and its connections to the instances close with it.
     """
     group = ([router] if router else []) + list(instances)
     if not group:
         return
-    rep = process.stop(group, grace_s=grace_s)
+    with http.held():  # a check's thread still running opens no new request meanwhile
+        cut = process.cut_connections([a for a in map(_address, group) if a is not None])
+        if cut:
+            log.info("cut %d request(s) of ours still open to the cluster", cut)
+        early = {router.name: ROUTER_CUT_S} if router else None
+        rep = process.stop(group, grace_s=grace_s, early=early)  # logs a cut itself
     if rep.killed:
         log.warning("needed SIGKILL: %s", ", ".join(rep.killed))
+
+
+def _address(r: Running) -> tuple[str, int] | None:
+    """(host, port) of ``r``'s HTTP server, from its URL."""
+    if r.url is None:
+        return None
+    u = urlsplit(r.url)
+    return (u.hostname, u.port) if u.hostname and u.port else None

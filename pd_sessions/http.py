@@ -6,18 +6,36 @@ addresses in the plan, whatever http_proxy says.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 # Re-exported: callers catch ``http.HttpError``; it lives with the rest of the family in errors.py.
 from pd_sessions.errors import HttpError as HttpError
 
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+_held = threading.Event()
+
+
+@contextlib.contextmanager
+def held() -> Iterator[None]:
+    """No request leaves this process inside the block (HttpError "not sent"): while a cluster is
+    torn down, a check's thread left running must not open a new request that the stopping
+    servers would then wait for (cluster.teardown)."""
+    _held.set()
+    try:
+        yield
+    finally:
+        _held.clear()
 
 
 def request(url: str, *, payload: dict[str, Any] | None = None, timeout: float = 5.0) -> tuple[int, bytes]:
+    if _held.is_set():
+        raise HttpError(url, "not sent: the cluster is being torn down")
     data = None if payload is None else json.dumps(payload).encode()
     req = urllib.request.Request(
         url,

@@ -14,10 +14,11 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -140,6 +141,8 @@ class StopReport:
     # names of processes that needed SIGKILL (ignored SIGTERM for the grace period)
     killed: list[str] = field(default_factory=list)
     pids: list[int] = field(default_factory=list)
+    # names SIGKILLed early (``early``): still up when their own, shorter wait ended
+    cut: list[str] = field(default_factory=list)
 
 
 def _tracked(r: Running | Leader) -> list[psutil.Process]:
@@ -253,17 +256,26 @@ def signals_deferred() -> Iterator[None]:
             signal.raise_signal(signum)
 
 
-def stop(running: Sequence[Running], *, grace_s: float = 10.0, kill_wait_s: float = 5.0) -> StopReport:
+def stop(
+    running: Sequence[Running],
+    *,
+    grace_s: float = 10.0,
+    kill_wait_s: float = 5.0,
+    early: Mapping[str, float] | None = None,
+) -> StopReport:
     """Stop ``running`` and all their descendants; raise StopError if any survive.
 
     SIGINT/SIGTERM/SIGHUP to this process are deferred until it returns. The observers
-    (the reaper) hear when the grace ends, and that the processes are gone.
+    (the reaper) hear when the grace ends, and that the processes are gone. ``early``: see
+    :func:`stop_leaders`.
     """
     with signals_deferred():
         for o in list(_observers):
             o.stopping(running, time.time() + grace_s)
         try:
-            rep = stop_leaders([r.leader for r in running], grace_s=grace_s, kill_wait_s=kill_wait_s)
+            rep = stop_leaders(
+                [r.leader for r in running], grace_s=grace_s, kill_wait_s=kill_wait_s, early=early
+            )
         finally:
             for r in running:  # reap our direct children (zombies by now, unless they survived)
                 r.popen.poll()
@@ -272,10 +284,22 @@ def stop(running: Sequence[Running], *, grace_s: float = 10.0, kill_wait_s: floa
         return rep
 
 
-def stop_leaders(leaders: Sequence[Leader], *, grace_s: float, kill_wait_s: float = 5.0) -> StopReport:
+def stop_leaders(
+    leaders: Sequence[Leader],
+    *,
+    grace_s: float,
+    kill_wait_s: float = 5.0,
+    early: Mapping[str, float] | None = None,
+) -> StopReport:
     """SIGTERM to each leader's group and every tracked process, ``grace_s``, SIGKILL to what
     is left, then verify every PID gone (StopError names survivors). Needs no Popen: the
-    reaper stops the harness's processes with it after the harness has died."""
+    reaper stops the harness's processes with it after the harness has died.
+
+    ``early`` (leader name -> seconds; at or past ``grace_s`` it changes nothing): a leader
+    whose group is still up that long after the SIGTERM gets its SIGKILL then. For a proxy (vllm-router): its
+    graceful shutdown waits for the requests it forwards, and the servers behind it, stopping
+    too, wait for the proxy's connections to close, so neither would end before the grace.
+    """
     t0 = time.monotonic()
     owner: dict[int, str] = {}
     procs: list[psutil.Process] = []
@@ -285,7 +309,18 @@ def stop_leaders(leaders: Sequence[Leader], *, grace_s: float, kill_wait_s: floa
             procs.append(p)
     groups = list(dict.fromkeys(r.pid for r in leaders))  # in order: the router's first
     _signal_all(groups, procs, signal.SIGTERM)
-    left = _wait_gone(procs, grace_s)
+    left, waited, cut = procs, 0.0, []
+    for name, at in sorted((early or {}).items(), key=lambda kv: kv[1]):
+        if at >= grace_s:
+            break  # the SIGKILL at the end of the grace comes first
+        left = _wait_gone(left, at - waited)
+        waited = at
+        holding = [p for p in left if owner[p.pid] == name]
+        if holding:
+            log.info("%s still up %.1f s after SIGTERM: SIGKILL (what waits on it can end)", name, at)
+            _signal_all([r.pid for r in leaders if r.name == name], holding, signal.SIGKILL)
+            cut.append(name)
+    left = _wait_gone(left, grace_s - waited)
     killed = sorted({owner[p.pid] for p in left})
     if left:
         log.warning(
@@ -298,7 +333,36 @@ def stop_leaders(leaders: Sequence[Leader], *, grace_s: float, kill_wait_s: floa
         raise StopError(
             "processes survived SIGKILL: " + ", ".join(f"{owner[p.pid]} pid {p.pid}" for p in survivors)
         )
-    return StopReport(seconds=time.monotonic() - t0, killed=killed, pids=sorted(owner))
+    return StopReport(seconds=time.monotonic() - t0, killed=killed, pids=sorted(owner), cut=cut)
+
+
+def cut_connections(addresses: Collection[tuple[str, int]]) -> int:
+    """Shut down (``shutdown(2)``, both ways) every TCP connection of this process to one of
+    ``addresses`` (host, port), whichever thread or library opened it; how many were cut.
+
+    A server stopping gracefully (uvicorn under vLLM, vllm-router) waits for the requests it
+    is serving. A request of ours still in flight (a check cancelled mid-request, its thread
+    still blocked on it) would hold that server until its SIGKILL. The descriptor stays open:
+    its owner sees the connection end, and closes it itself.
+    """
+    n = 0
+    for c in psutil.Process().net_connections(kind="tcp"):
+        if c.fd < 0 or not c.raddr or (c.raddr.ip, c.raddr.port) not in addresses:
+            continue
+        try:
+            s = socket.socket(fileno=c.fd)
+        except OSError:
+            continue  # closed meanwhile, or the number now names something else
+        try:
+            # Still that connection: its owner may have closed it and the number been reused.
+            if tuple(s.getpeername()[:2]) == (c.raddr.ip, c.raddr.port):
+                s.shutdown(socket.SHUT_RDWR)
+                n += 1
+        except OSError:
+            pass
+        finally:
+            s.detach()
+    return n
 
 
 def terminate(running: Sequence[Running]) -> None:
