@@ -1,18 +1,33 @@
-"""vLLM general plugin (entry point ``vllm.general_plugins``): the Mooncake CPU shim.
+"""vLLM general plugin (entry point ``vllm.general_plugins``): two shims for the CPU lane.
 
-vLLM loads general plugins in every process it starts (API server, engine core,
-workers). Upstream's MooncakeConnector worker calls
-``torch.accelerator.current_device_index()``, which raises "Cannot access
-accelerator device when none is available" on CPU-only torch. When, and only
-when, no accelerator exists, this makes that call return device 0 (what CPU
-torch means anyway). With an accelerator present it changes nothing.
+vLLM loads general plugins in every process it starts (API server, engine core, workers).
+
+- **The Mooncake CPU shim.** Upstream's MooncakeConnector worker calls
+  ``torch.accelerator.current_device_index()``, which raises "Cannot access accelerator device
+  when none is available" on CPU-only torch. When, and only when, no accelerator exists, this
+  makes that call return device 0 (what CPU torch means anyway). With an accelerator present it
+  changes nothing.
+- **NIXL's progress thread** (only where ``PD_SESSIONS_NIXL_PROGRESS_DELAY_US`` is set; the
+  CPU lane's nixl_sweep sets it). NIXL's Python API creates every agent with ``pthrDelay = 0``,
+  so its UCX progress thread polls with a zero timeout: one core spun at 100 % per vLLM
+  instance, forever, idle or not. On a 2-core host two instances take both cores; the API
+  servers, engine cores and the KV transfers themselves run in what is left, and requests
+  stalled for up to 30 s (docs/cpu-lane.md). With the variable set, agents are created with
+  that delay instead: the thread wakes on its event fds, and at least every delay otherwise.
+  A config that sets ``pthrDelay`` itself keeps it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
 
 log = logging.getLogger(__name__)
+
+NIXL_DELAY_ENV = "PD_SESSIONS_NIXL_PROGRESS_DELAY_US"
 
 
 def shim_needed(accelerator_available: bool, already_applied: bool) -> bool:
@@ -20,7 +35,67 @@ def shim_needed(accelerator_available: bool, already_applied: bool) -> bool:
     return not accelerator_available and not already_applied
 
 
+def nixl_delay_us(environ: Mapping[str, str]) -> int | None:
+    """The NIXL progress-thread delay asked for in ``environ`` (microseconds), None when
+    unset; ValueError naming the variable for anything but a whole number above 0."""
+    raw = environ.get(NIXL_DELAY_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(
+            f"{NIXL_DELAY_ENV}={raw!r}: give a whole number of microseconds above 0 "
+            "(e.g. 1000), or leave it unset for NIXL's own busy polling"
+        )
+    return value
+
+
+def with_progress_delay(create: Callable[..., Any], delay_us: int) -> Callable[..., Any]:
+    """``create`` (NIXL's ``nixlAgent(name, config)``) with ``config.pthrDelay`` set to
+    ``delay_us`` where the config asks for a progress thread and leaves the delay at 0."""
+
+    def nixlAgent(name: str, config: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(config, "useProgThread", False) and getattr(config, "pthrDelay", None) == 0:
+            config.pthrDelay = delay_us
+            print(
+                f"pd_sessions: NIXL agent {name}: progress thread polls every {delay_us} us "
+                f"instead of spinning ({NIXL_DELAY_ENV})",
+                file=sys.stderr,
+                flush=True,
+            )
+        return create(name, config, *args, **kwargs)
+
+    nixlAgent._pd_sessions_delay_us = delay_us  # type: ignore[attr-defined]
+    return nixlAgent
+
+
+def apply_nixl_progress_delay(environ: Mapping[str, str]) -> bool:
+    """Wrap the installed NIXL's agent constructor when ``environ`` asks for a delay; whether
+    it was wrapped now (not when unset, already wrapped, or NIXL is not installed)."""
+    try:
+        delay = nixl_delay_us(environ)
+    except ValueError as e:
+        print(f"pd_sessions: ignored: {e}", file=sys.stderr, flush=True)
+        return False
+    if delay is None:
+        return False
+    try:
+        import nixl._api  # the front package; it re-exports the backend built for this host
+    except ImportError:
+        return False
+    bind = getattr(sys.modules[nixl._api.nixl_agent.__module__], "nixlBind", None)
+    if bind is None or hasattr(bind.nixlAgent, "_pd_sessions_delay_us"):
+        return False
+    bind.nixlAgent = with_progress_delay(bind.nixlAgent, delay)
+    return True
+
+
 def register() -> None:
+    apply_nixl_progress_delay(os.environ)
+
     import torch
 
     acc = torch.accelerator

@@ -78,6 +78,9 @@ def test_sweep_1x1_passes_all_checks_and_leaves_nothing(sweep, request):
     run_dir = results / "1x1"
     for log in ("prefill-0.log", "decode-0.log", "router.log", "result.json", "plan.txt"):
         assert (run_dir / log).exists()
+    if sweep == "nixl_sweep":  # each instance's NIXL agent got the CPU lane's progress delay
+        for log in ("prefill-0.log", "decode-0.log"):
+            assert "progress thread polls every 1000 us instead of spinning" in (run_dir / log).read_text()
     assert "CPU LANE" in cli.text and "left out: 2x2 (1xP(TP2) + 1xD(TP2)): not named by --only" in cli.text
     assert processes_using(plan_ports(run_dir)) == []
 

@@ -42,6 +42,7 @@ GRACEFUL_SERVER = textwrap.dedent("""
                 c, _ = ls.accept()
                 c.setblocking(False)
                 conns.append(c)
+                print("accepted".upper(), len(conns), flush=True)
             except BlockingIOError:
                 pass
         for c in list(conns):
@@ -98,6 +99,7 @@ def _proxy(tmp_path, port):
     r = spawn("router", [sys.executable, "-c", FORWARDING_PROXY, str(port)], env=os.environ, log_path=log)
     r.url = f"http://127.0.0.1:{_free_port()}"
     _wait_for(log, "FORWARDING")
+    _wait_for(tmp_path / "decode-0.log", "ACCEPTED 1")  # the server holds it: it will wait for it
     return r
 
 
@@ -175,10 +177,7 @@ def test_teardown_with_requests_in_flight_is_done_in_seconds(tmp_path, with_rout
     server, port = _server(tmp_path)
     router = _proxy(tmp_path, port) if with_router else None
     th, errors = _request_in_flight(server.url)
-    end = time.monotonic() + 10
-    while not _established(port):
-        assert time.monotonic() < end, "our request never connected"
-        time.sleep(0.02)
+    _wait_for(tmp_path / "decode-0.log", "ACCEPTED 2" if with_router else "ACCEPTED 1")
     t0 = time.monotonic()
     teardown(router, [server], grace_s=10.0)
     took = time.monotonic() - t0

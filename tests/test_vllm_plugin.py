@@ -1,0 +1,109 @@
+"""The vLLM plugin's shims: the pure parts with fakes, and NIXL's progress thread for real.
+
+The real test starts a NIXL agent (UCX backend, as vLLM's NIXL connector creates it) in a
+child process and measures the process's CPU time while it sits idle: NIXL's own setting spins
+a core; with PD_SESSIONS_NIXL_PROGRESS_DELAY_US the thread sleeps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from conftest import heavy
+
+from pd_sessions.vllm_plugin import (
+    NIXL_DELAY_ENV,
+    apply_nixl_progress_delay,
+    nixl_delay_us,
+    shim_needed,
+    with_progress_delay,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_mooncake_shim_only_without_an_accelerator_and_once():
+    assert shim_needed(False, False)
+    assert not shim_needed(True, False)
+    assert not shim_needed(False, True)
+
+
+@pytest.mark.parametrize(("raw", "want"), [(None, None), ("", None), (" ", None), ("1000", 1000), ("5", 5)])
+def test_delay_read_from_the_environment(raw, want):
+    assert nixl_delay_us({} if raw is None else {NIXL_DELAY_ENV: raw}) == want
+
+
+@pytest.mark.parametrize("raw", ["0", "-1", "1ms", "1.5"])
+def test_a_bad_delay_names_the_variable_and_the_fix(raw):
+    with pytest.raises(ValueError, match=rf"{NIXL_DELAY_ENV}='{raw}'.*whole number of microseconds above 0"):
+        nixl_delay_us({NIXL_DELAY_ENV: raw})
+
+
+def test_a_bad_delay_is_ignored_by_the_plugin_with_its_reason(capsys):
+    assert not apply_nixl_progress_delay({NIXL_DELAY_ENV: "soon"})
+    assert f"pd_sessions: ignored: {NIXL_DELAY_ENV}='soon'" in capsys.readouterr().err
+
+
+def _config(prog: bool = True, delay: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(useProgThread=prog, pthrDelay=delay)
+
+
+def test_the_wrapped_constructor_sets_the_delay_where_nixl_left_it_at_zero(capsys):
+    made = []
+    create = with_progress_delay(lambda name, config: made.append((name, config.pthrDelay)) or "agent", 1000)
+    assert create("a", _config()) == "agent"
+    create("b", _config(delay=250))  # set by whoever built the config: kept
+    create("c", _config(prog=False))  # no progress thread: nothing to delay
+    assert made == [("a", 1000), ("b", 250), ("c", 0)]
+    err = capsys.readouterr().err
+    assert err.count("progress thread polls every 1000 us") == 1 and "NIXL agent a:" in err
+
+
+_IDLE_AGENT = textwrap.dedent("""
+    import json, os, sys, time
+    from pd_sessions.vllm_plugin import apply_nixl_progress_delay
+    wrapped = apply_nixl_progress_delay(os.environ)
+    wrapped_again = apply_nixl_progress_delay(os.environ)
+    from nixl._api import nixl_agent, nixl_agent_config
+    agent = nixl_agent("idle", nixl_agent_config(num_threads=0))
+    time.sleep(0.5)  # let the backend settle
+    t0, c0 = time.monotonic(), time.process_time()
+    time.sleep(2.0)
+    print(json.dumps({"wrapped": wrapped, "again": wrapped_again,
+                      "cpu_share": (time.process_time() - c0) / (time.monotonic() - t0)}), flush=True)
+    os._exit(0)  # the agent's threads: no orderly shutdown needed for a measurement
+""")
+
+
+def _idle_agent_cpu(env_delay: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != NIXL_DELAY_ENV}
+    env["PYTHONPATH"] = str(ROOT)
+    if env_delay is not None:
+        env[NIXL_DELAY_ENV] = env_delay
+    out = subprocess.run(
+        [sys.executable, "-c", _IDLE_AGENT], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return {**json.loads(out.stdout.strip().splitlines()[-1]), "stderr": out.stderr}
+
+
+def test_an_idle_nixl_agent_spins_a_core_unless_the_delay_is_set():
+    heavy("nixl._api")
+    spinning = _idle_agent_cpu(None)
+    calm = _idle_agent_cpu("1000")
+    assert not spinning["wrapped"] and calm["wrapped"] and not calm["again"], (spinning, calm)
+    assert "progress thread polls every 1000 us" in calm["stderr"]
+    # NIXL's own setting: its progress thread alone keeps (most of) a core busy
+    assert spinning["cpu_share"] > 0.5, spinning
+    assert calm["cpu_share"] < 0.2, calm
+    print(
+        f"\nidle NIXL agent, CPU share: {spinning['cpu_share']:.2f} as NIXL sets it, "
+        f"{calm['cpu_share']:.2f} with {NIXL_DELAY_ENV}=1000"
+    )
