@@ -11,7 +11,9 @@ Rules (each enforced below, each unit-tested):
   a multiple of 32 (default 128), one core list per TP rank in
   VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_KVCACHE_SPACE, Mooncake over tcp, and
   --enforce-eager (no torch.compile: the CPU build spends 10-27 s per instance
-  start in inductor, and upstream's own P/D tests run eager too).
+  start in inductor, and upstream's own P/D tests run eager too), and for NIXL
+  PD_SESSIONS_NIXL_PROGRESS_DELAY_US (CPU_NIXL_PROGRESS_DELAY_US; vllm_plugin.py: NIXL's
+  progress thread otherwise spins a core per instance, and 2 cores cannot spare two).
 - Every process advertises and binds ``config.host`` (VLLM_HOST_IP too).
 - Ports: HTTP, bootstrap and internal (VLLM_PORT block) ports come from the
   PortSource; explicit ports in a config are claimed; all are unique in the plan.
@@ -30,11 +32,14 @@ from pd_sessions.config import PLATFORMS, TINY_MODELS, ClusterConfig, Dtype, Pla
 from pd_sessions.errors import PlanError
 from pd_sessions.hosts import Inventory
 from pd_sessions.ports import PortSource
+from pd_sessions.vllm_plugin import NIXL_DELAY_ENV
 
 # Consecutive ports each vLLM instance may scan upward into from VLLM_PORT
 # (engine-core handshake, ZMQ sockets, torch.distributed for TP ranks).
 INTERNAL_PORT_BLOCK = 16
 CPU_KVCACHE_GIB = 1
+# NIXL's progress thread polls at least this often (microseconds) instead of spinning (CPU lane)
+CPU_NIXL_PROGRESS_DELAY_US = 1000
 CPU_DEFAULT_BLOCK_SIZE = 128
 CPU_BLOCK_MULTIPLE = 32
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -498,7 +503,9 @@ def plan_cluster(
         if platform == "cpu":
             env["VLLM_CPU_KVCACHE_SPACE"] = str(CPU_KVCACHE_GIB)
             env["VLLM_CPU_OMP_THREADS_BIND"] = bind or "auto"
-        env.update(dict(config.extra_env))
+            if config.connector == "nixl":
+                env[NIXL_DELAY_ENV] = str(CPU_NIXL_PROGRESS_DELAY_US)
+        env.update(dict(config.extra_env))  # a config's own value wins ("" turns the delay off)
         argv = [
             python,
             "-m",

@@ -8,9 +8,9 @@ vLLM loads general plugins in every process it starts (API server, engine core, 
   makes that call return device 0 (what CPU torch means anyway). With an accelerator present it
   changes nothing.
 - **NIXL's progress thread** (only where ``PD_SESSIONS_NIXL_PROGRESS_DELAY_US`` is set; the
-  CPU lane's nixl_sweep sets it). NIXL's Python API creates every agent with ``pthrDelay = 0``,
-  so its UCX progress thread polls with a zero timeout: one core spun at 100 % per vLLM
-  instance, forever, idle or not. On a 2-core host two instances take both cores; the API
+  planner sets it for NIXL instances on the CPU lane). NIXL's Python API creates every agent
+  with ``pthrDelay = 0``, so its UCX progress thread polls with a zero timeout: one core spun
+  at 100 % per vLLM instance, forever, idle or not. On a 2-core host two instances take both cores; the API
   servers, engine cores and the KV transfers themselves run in what is left, and requests
   stalled for up to 30 s (docs/cpu-lane.md). With the variable set, agents are created with
   that delay instead: the thread wakes on its event fds, and at least every delay otherwise.

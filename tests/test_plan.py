@@ -223,6 +223,17 @@ def test_nixl_cpu_buffer_on_cpu_lane():
     assert json.loads(arg(p.prefill[0], "--kv-transfer-config"))["kv_buffer_device"] == "cpu"
 
 
+def test_nixl_progress_delay_on_the_cpu_lane_only_and_a_config_may_change_it():
+    delay = "PD_SESSIONS_NIXL_PROGRESS_DELAY_US"
+    p = plan(cfg(model="m", connector="nixl"), CPU2, platform="cpu")
+    assert [env(s)[delay] for s in (p.prefill[0], p.decode[0])] == ["1000", "1000"]
+    assert delay not in env(p.router)
+    assert delay not in env(plan(cfg(model="m"), CPU2, platform="cpu").prefill[0])  # mooncake
+    assert delay not in env(plan(cfg(connector="nixl")).decode[0])  # GPUs: NIXL's own setting
+    own = plan(cfg(model="m", connector="nixl", extra_env=((delay, "250"),)), CPU2, platform="cpu")
+    assert env(own.prefill[0])[delay] == "250"
+
+
 def test_decode_dp_ep_placement_and_args():
     p = plan(cfg(connector="nixl", prefill_tp=2, decode_tp=1, decode_dp=2, expert_parallel=True, moe=True))
     assert p.prefill[0].gpus == ("0", "1") and p.decode[0].gpus == ("2", "3")
