@@ -296,9 +296,10 @@ def stop_leaders(
     reaper stops the harness's processes with it after the harness has died.
 
     ``early`` (leader name -> seconds; at or past ``grace_s`` it changes nothing): a leader
-    whose group is still up that long after the SIGTERM gets its SIGKILL then. For a proxy (vllm-router): its
-    graceful shutdown waits for the requests it forwards, and the servers behind it, stopping
-    too, wait for the proxy's connections to close, so neither would end before the grace.
+    whose group is still up that long after the SIGTERM gets its SIGKILL then. For a proxy
+    (vllm-router): its graceful shutdown waits for the requests it forwards, and the servers
+    behind it, stopping too, wait for the proxy's connections to close, so neither would end
+    before the grace.
     """
     t0 = time.monotonic()
     owner: dict[int, str] = {}

@@ -10,9 +10,9 @@ vLLM loads general plugins in every process it starts (API server, engine core, 
 - **NIXL's progress thread** (only where ``PD_SESSIONS_NIXL_PROGRESS_DELAY_US`` is set; the
   planner sets it for NIXL instances on the CPU lane). NIXL's Python API creates every agent
   with ``pthrDelay = 0``, so its UCX progress thread polls with a zero timeout: one core spun
-  at 100 % per vLLM instance, forever, idle or not. On a 2-core host two instances take both cores; the API
-  servers, engine cores and the KV transfers themselves run in what is left, and requests
-  stalled for up to 30 s (docs/cpu-lane.md). With the variable set, agents are created with
+  at 100 % per vLLM instance, forever, idle or not. On a 2-core host two instances take both
+  cores; the API servers, engine cores and the KV transfers themselves run in what is left,
+  and requests stalled for up to 30 s (docs/cpu-lane.md). With the variable set, agents are created with
   that delay instead: the thread wakes on its event fds, and at least every delay otherwise.
   A config that sets ``pthrDelay`` itself keeps it.
 """
@@ -87,7 +87,16 @@ def apply_nixl_progress_delay(environ: Mapping[str, str]) -> bool:
     except ImportError:
         return False
     bind = getattr(sys.modules[nixl._api.nixl_agent.__module__], "nixlBind", None)
-    if bind is None or hasattr(bind.nixlAgent, "_pd_sessions_delay_us"):
+    if bind is None or not hasattr(bind, "nixlAgent"):
+        print(
+            f"pd_sessions: {NIXL_DELAY_ENV} not applied: this NIXL's Python API "
+            f"({nixl._api.nixl_agent.__module__}) has no nixlBind.nixlAgent to wrap; its progress "
+            "thread keeps NIXL's own setting",
+            file=sys.stderr,
+            flush=True,
+        )
+        return False
+    if hasattr(bind.nixlAgent, "_pd_sessions_delay_us"):
         return False
     bind.nixlAgent = with_progress_delay(bind.nixlAgent, delay)
     return True

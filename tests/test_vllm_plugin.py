@@ -107,3 +107,14 @@ def test_an_idle_nixl_agent_spins_a_core_unless_the_delay_is_set():
         f"\nidle NIXL agent, CPU share: {spinning['cpu_share']:.2f} as NIXL sets it, "
         f"{calm['cpu_share']:.2f} with {NIXL_DELAY_ENV}=1000"
     )
+
+
+def test_a_nixl_without_the_binding_we_wrap_is_said_not_silently_skipped(monkeypatch, capsys):
+    """A NIXL whose Python API changed shape: the delay cannot be applied, and the log says so."""
+    heavy("nixl._api")
+    import nixl._api
+
+    module = sys.modules[nixl._api.nixl_agent.__module__]
+    monkeypatch.setattr(module, "nixlBind", SimpleNamespace())
+    assert not apply_nixl_progress_delay({NIXL_DELAY_ENV: "1000"})
+    assert f"{NIXL_DELAY_ENV} not applied" in capsys.readouterr().err
