@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -35,6 +36,21 @@ def nox_no_venv(python: str | Path, *posargs: str) -> list[str]:
         "cpu",
         *posargs,
     ]
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_text(path: Path, text: str, timeout: float = 15.0) -> None:
+    """Until ``text`` appears in the file at ``path`` (a process's log); fails at ``timeout``."""
+    end = time.monotonic() + timeout
+    while not (path.exists() and text in path.read_text()):
+        assert time.monotonic() < end, f"{text!r} never appeared in {path}"
+        time.sleep(0.02)
 
 
 def heavy(module: str):
@@ -82,26 +98,36 @@ def processes_using(ports: dict[str, int]) -> list[str]:
 class Cli:
     """The CLI (or ``argv``) in a subprocess, with each output line timestamped as it arrives."""
 
-    def __init__(self, *args: str, argv: list[str] | None = None):
+    def __init__(
+        self,
+        *args: str,
+        argv: list[str] | None = None,
+        cwd: Path = ROOT,
+        env: dict[str, str] | None = None,
+        new_session: bool = False,
+    ):
+        """``new_session``: the process leads a group of its own (signalled as one)."""
         self.lines: list[tuple[float, str]] = []
         self.proc = subprocess.Popen(
             argv or [sys.executable, "-m", "pd_sessions", *args],
-            cwd=ROOT,
+            cwd=cwd,
+            env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            start_new_session=new_session,
         )
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self):
         for line in self.proc.stdout:
             self.lines.append((time.monotonic(), line.rstrip("\n")))
-            print(line, end="", flush=True)
+            print(line, end="", flush=True)  # shown by pytest -s, or when a test fails
 
     def wait(self, timeout: float) -> int:
         rc = self.proc.wait(timeout=timeout)
-        self._reader.join(10)
+        self.reader.join(10)
         return rc
 
     @property

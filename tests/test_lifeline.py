@@ -12,8 +12,8 @@ import time
 
 import psutil
 import pytest
-from conftest import ROOT
-from test_process import FAMILY, IGNORES_TERM, _session_members, _wait_for
+from conftest import ROOT, wait_for_text
+from test_process import FAMILY, IGNORES_TERM, _session_members
 
 from pd_sessions import lifeline, process
 from pd_sessions.cluster import teardown
@@ -29,7 +29,7 @@ def _gone(pids, timeout: float) -> bool:
 
 
 def _family(r: process.Running, tmp_path, marker: str, n: int) -> list[int]:
-    _wait_for(r.log_path, marker)
+    wait_for_text(r.log_path, marker)
     end = time.monotonic() + 10
     while len(members := _session_members(r.pid)) < n:
         assert time.monotonic() < end, members
@@ -71,7 +71,7 @@ def test_the_reaper_keeps_to_the_grace_the_harness_began(tmp_path):
         stubborn = process.spawn(
             "stubborn", [sys.executable, "-c", IGNORES_TERM], env=os.environ, log_path=tmp_path / "s.log"
         )
-    _wait_for(stubborn.log_path, "ignoring SIGTERM")
+    wait_for_text(stubborn.log_path, "ignoring SIGTERM")
     t0 = time.monotonic()
     reaper.stopping([stubborn], time.time() + 0.5)
     reaper.proc.stdin.close()
@@ -219,7 +219,7 @@ def test_teardown_shares_one_grace_between_router_and_instances(tmp_path):
         for n in ("router", "prefill-0", "decode-0")
     ]
     for r in rs:
-        _wait_for(r.log_path, "ignoring SIGTERM")
+        wait_for_text(r.log_path, "ignoring SIGTERM")
     t0 = time.monotonic()
     teardown(rs[0], rs[1:], grace_s=1.0)
     took = time.monotonic() - t0

@@ -12,6 +12,7 @@ import time
 
 import psutil
 import pytest
+from conftest import wait_for_text
 
 from pd_sessions.logtail import log_tail
 from pd_sessions.process import spawn, stop
@@ -35,15 +36,6 @@ IGNORES_TERM = textwrap.dedent("""
     print("ignoring" + " SIGTERM", flush=True)
     time.sleep(600)
 """)
-
-
-def _wait_for(path, text, timeout=10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if path.exists() and text in path.read_text():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"{text!r} never appeared in {path}")
 
 
 def _session_members(sid: int) -> list[int]:
@@ -70,7 +62,7 @@ def bystander():
 
 def test_stop_kills_whole_family_and_spares_bystander(tmp_path, bystander):
     r = spawn("family", [sys.executable, "-c", FAMILY], env=os.environ, log_path=tmp_path / "f.log")
-    _wait_for(tmp_path / "f.log", "family up")
+    wait_for_text(tmp_path / "f.log", "family up")
     end = time.monotonic() + 10  # the orphan is forked by a child that may still be running
     while len(members := _session_members(r.pid)) < 3:
         assert time.monotonic() < end, members  # leader, grandchild, orphan
@@ -87,7 +79,7 @@ def test_stop_kills_whole_family_and_spares_bystander(tmp_path, bystander):
 
 def test_child_ignoring_sigterm_is_killed_after_grace(tmp_path, bystander):
     r = spawn("stubborn", [sys.executable, "-c", IGNORES_TERM], env=os.environ, log_path=tmp_path / "s.log")
-    _wait_for(tmp_path / "s.log", "ignoring SIGTERM")
+    wait_for_text(tmp_path / "s.log", "ignoring SIGTERM")
     t0 = time.monotonic()
     rep = stop([r], grace_s=1.0)
     took = time.monotonic() - t0
@@ -132,7 +124,7 @@ def test_sigterm_during_teardown_is_deferred_until_it_ends(tmp_path):
         r = spawn(
             "stubborn", [sys.executable, "-c", IGNORES_TERM], env=os.environ, log_path=tmp_path / "s.log"
         )
-        _wait_for(tmp_path / "s.log", "ignoring SIGTERM")
+        wait_for_text(tmp_path / "s.log", "ignoring SIGTERM")
         timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
         timer.start()
         rep = stop([r], grace_s=1.0)

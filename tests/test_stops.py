@@ -19,14 +19,13 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import psutil
 import pytest
-from conftest import ROOT
+from conftest import ROOT, Cli
 from test_faults import FAKE, assert_nothing_left, bystander  # noqa: F401 (a fixture)
 
 from pd_sessions.process import alive
@@ -56,7 +55,7 @@ NOXFILE = textwrap.dedent("""
 """)
 
 
-class NoxRun:
+class NoxRun(Cli):
     """nox running the sweep (two configs) in its own process group, output timestamped."""
 
     def __init__(
@@ -77,9 +76,8 @@ class NoxRun:
         (tmp_path / "noxfile.py").write_text(NOXFILE.format(root=str(ROOT), python=sys.executable))
         self.results = tmp_path / "results"
         e = {**os.environ, "PYTHONPATH": f"{FAKE}{os.pathsep}{ROOT}" if fake else str(ROOT), **(env or {})}
-        self.lines: list[tuple[float, str]] = []
-        self.proc = subprocess.Popen(
-            [
+        super().__init__(
+            argv=[
                 sys.executable,
                 "-m",
                 "nox",
@@ -100,22 +98,8 @@ class NoxRun:
             ],
             cwd=tmp_path,
             env=e,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
+            new_session=True,
         )
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.append((time.monotonic(), line.rstrip("\n")))
-            print(line, end="", flush=True)  # shown by pytest -s, or when a test fails
-
-    @property
-    def text(self) -> str:
-        return "\n".join(line for _, line in self.lines)
 
     def wait_for(self, needle: str, timeout: float = 60):
         end = time.monotonic() + timeout
@@ -142,8 +126,8 @@ class NoxRun:
             time.sleep(0.05)
 
     def wait(self, timeout: float = 60) -> int:
-        rc = self.proc.wait(timeout)
-        return rc
+        """nox's exit status; the output reader is left to the test (the harness may outlive nox)."""
+        return self.proc.wait(timeout)
 
     def all_gone_within(self, procs: list[psutil.Process], since: float, limit: float) -> float:
         """Seconds from ``since`` until every process in ``procs`` is gone; fails past ``limit``."""

@@ -18,6 +18,7 @@ import time
 
 import psutil
 import pytest
+from conftest import free_port, wait_for_text
 
 from pd_sessions import http
 from pd_sessions.cluster import ROUTER_CUT_S, teardown
@@ -72,34 +73,21 @@ FORWARDING_PROXY = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_for(path, text, timeout=15.0):
-    end = time.monotonic() + timeout
-    while not (path.exists() and text in path.read_text()):
-        assert time.monotonic() < end, f"{text!r} never appeared in {path}"
-        time.sleep(0.02)
-
-
 def _server(tmp_path, name="decode-0"):
-    port = _free_port()
+    port = free_port()
     log = tmp_path / f"{name}.log"
     r = spawn(name, [sys.executable, "-c", GRACEFUL_SERVER, str(port)], env=os.environ, log_path=log)
     r.url = f"http://127.0.0.1:{port}"
-    _wait_for(log, "SERVING")
+    wait_for_text(log, "SERVING")
     return r, port
 
 
 def _proxy(tmp_path, port):
     log = tmp_path / "router.log"
     r = spawn("router", [sys.executable, "-c", FORWARDING_PROXY, str(port)], env=os.environ, log_path=log)
-    r.url = f"http://127.0.0.1:{_free_port()}"
-    _wait_for(log, "FORWARDING")
-    _wait_for(tmp_path / "decode-0.log", "ACCEPTED 1")  # the server holds it: it will wait for it
+    r.url = f"http://127.0.0.1:{free_port()}"
+    wait_for_text(log, "FORWARDING")
+    wait_for_text(tmp_path / "decode-0.log", "ACCEPTED 1")  # the server holds it: it will wait for it
     return r
 
 
@@ -163,7 +151,7 @@ def test_cut_connections_ends_our_own_request_and_spares_other_connections(tmp_p
         assert not th.is_alive(), "the request still blocks after its connection was cut"
         assert len(errors) == 1 and isinstance(errors[0], HttpError), errors
         kept.sendall(b"still open")  # not ours to cut: another address
-        assert cut_connections([("127.0.0.1", _free_port())]) == 0
+        assert cut_connections([("127.0.0.1", free_port())]) == 0
         kept.close()
     finally:
         stop([server, other], grace_s=2.0)
@@ -177,7 +165,7 @@ def test_teardown_with_requests_in_flight_is_done_in_seconds(tmp_path, with_rout
     server, port = _server(tmp_path)
     router = _proxy(tmp_path, port) if with_router else None
     th, errors = _request_in_flight(server.url)
-    _wait_for(tmp_path / "decode-0.log", "ACCEPTED 2" if with_router else "ACCEPTED 1")
+    wait_for_text(tmp_path / "decode-0.log", "ACCEPTED 2" if with_router else "ACCEPTED 1")
     t0 = time.monotonic()
     teardown(router, [server], grace_s=10.0)
     took = time.monotonic() - t0

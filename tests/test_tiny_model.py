@@ -4,13 +4,12 @@ names against vLLM's own model class; remote code that needs trust_remote_code."
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import heavy
+from conftest import free_port, heavy
 
 from pd_sessions import tiny_model as tm
 from pd_sessions.config import TINY_MODELS
@@ -72,12 +71,6 @@ def test_kimi_linear_checkpoint_carries_the_real_names_and_a_few_mib(kimi_dir):
     assert (kimi_dir / "model.safetensors").stat().st_size < 16 * 2**20
     assert cfg["auto_map"] == {"AutoConfig": "pd_tiny_remote.KimiLinearConfig"}
     assert (kimi_dir / "pd_tiny_remote.py").exists()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_vllm_loads_every_parameter_of_the_tiny_kimi_linear_and_nothing_else(kimi_dir):
