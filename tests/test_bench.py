@@ -156,8 +156,8 @@ def test_goals_markdown_and_chart(tmp_path):
     assert paths["chart"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_prober_records_when_health_turned_200():
-    turn_at = time.monotonic() + 0.5
+def _health_server(turn_at: float) -> ThreadingHTTPServer:
+    """/health answers 503 until ``turn_at`` (time.monotonic()), then 200."""
 
     class H(BaseHTTPRequestHandler):
         def do_GET(self):
@@ -170,6 +170,12 @@ def test_prober_records_when_health_turned_200():
 
     srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+def test_prober_records_when_health_turned_200():
+    turn_at = time.monotonic() + 0.5
+    srv = _health_server(turn_at)
     try:
         with HealthProber(interval=0.01) as prober:
             prober.watch("x", f"http://127.0.0.1:{srv.server_address[1]}/health")
@@ -178,6 +184,35 @@ def test_prober_records_when_health_turned_200():
                 time.sleep(0.01)
         assert "x" in prober.first_ok
         assert prober.first_ok["x"] >= turn_at  # never before it really answered 200
+    finally:
+        srv.shutdown()
+
+
+def test_a_driver_that_saw_ready_first_waits_for_the_prober_before_stopping():
+    """The single driver stops its server right after its own probe saw it ready; a prober
+    between two probes (1 s apart here) has not seen the 200 yet, and must before the stop."""
+    healthy, probed = threading.Event(), threading.Event()
+
+    class H(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if healthy.is_set() else 503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            probed.set()
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        with HealthProber(interval=1.0) as prober:
+            prober.watch("x", f"http://127.0.0.1:{srv.server_address[1]}/health")
+            assert probed.wait(10)  # its first probe got 503; the next one is a second away
+            healthy.set()
+            assert "x" not in prober.first_ok
+            prober.wait_seen(["x"])
+            assert "x" in prober.first_ok
     finally:
         srv.shutdown()
 

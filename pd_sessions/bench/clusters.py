@@ -276,6 +276,7 @@ def run_single(
             ready[spec.name] = target.ready_at
             rec.phases["instances"] = target.ready_at - running[0].started_at
             rec.ok = True
+            prober.wait_seen([spec.name])  # before the stop: nothing else runs in between
         except Exception as e:  # recorded; the other runs go on
             rec.error = f"{type(e).__name__}: {e}"
         finally:

@@ -33,6 +33,15 @@ class HealthProber:
         if event.kind == "spawned" and event.health_url:
             self.watch(event.name, event.health_url)
 
+    def wait_seen(self, names: list[str]) -> None:
+        """Until the prober has seen each of ``names`` answer 200, at most one probe timeout
+        and a second: called once the driver itself saw them ready, before it stops them (a
+        loaded host may run the driver's probe first; stopped at once, the server would never
+        answer the prober)."""
+        end = time.monotonic() + self.timeout + 1.0
+        while any(n not in self.first_ok for n in names) and time.monotonic() < end:
+            time.sleep(self.interval)
+
     def close(self) -> None:
         self._stop.set()
         for th in self._threads:
