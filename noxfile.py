@@ -29,11 +29,13 @@ import nox
 ROOT = Path(__file__).parent
 sys.path.insert(0, str(ROOT))
 
-from pd_sessions import hosts, install, installed, lifeline  # noqa: E402
-from pd_sessions.cliargs import split_session_args, sweep_parser  # noqa: E402
-from pd_sessions.config import load, make_overrides, select  # noqa: E402
-from pd_sessions.errors import PdError, PlanError  # noqa: E402
-from pd_sessions.preflight import preflight, rdma_problem  # noqa: E402
+from pd_sessions.core.cliargs import split_session_args, sweep_parser  # noqa: E402
+from pd_sessions.core.config import load, make_overrides, select  # noqa: E402
+from pd_sessions.core.errors import PdError, PlanError  # noqa: E402
+from pd_sessions.core.inventory import resolve_platform  # noqa: E402
+from pd_sessions.core.preflight import preflight, rdma_problem  # noqa: E402
+from pd_sessions.env import install, installed  # noqa: E402
+from pd_sessions.runtime import hosts, parentwatch  # noqa: E402
 
 nox.options.default_venv_backend = "uv"
 nox.options.sessions = ["unit"]
@@ -68,7 +70,7 @@ class Target:
         """What the target interpreter has (written to a file: stderr noise cannot corrupt it)."""
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "facts.json"
-            self.run("-m", "pd_sessions.envfacts", "--out", str(out), env=self.env, silent=True)
+            self.run("-m", "pd_sessions.env.envfacts", "--out", str(out), env=self.env, silent=True)
             return json.loads(out.read_text())
 
     @property
@@ -104,7 +106,7 @@ def _checked(session: nox.Session, target: Target, sweep_name: str | None, parse
             named={"mooncake_protocol": args.mooncake_protocol},
         )
         if sweep_name is None:
-            return hosts.resolve_platform(args.platform, hosts.detect()), args
+            return resolve_platform(args.platform, hosts.detect()), args
         sweep = load(sweep_name)
         inv = hosts.detect()
         platform, _, _ = preflight(
@@ -140,7 +142,7 @@ def _connectors(
             install.apply_actions(_VenvInstaller(target), actions, torch_platform, env=env, say=session.log)
     except PdError as e:
         _fail(session, str(e), e.exit_status)
-    target.run("-m", "pd_sessions.canary", *connectors)
+    target.run("-m", "pd_sessions.env.canary", *connectors)
 
 
 class _VenvInstaller:
@@ -159,7 +161,7 @@ class _VenvInstaller:
 def _installed_env(
     session: nox.Session, target: Target, platform: str, connectors: list[str], *, accuracy: bool
 ) -> None:
-    from pd_sessions.envfacts import summary_lines
+    from pd_sessions.env.envfacts import summary_lines
 
     doc = target.facts()
     for line in summary_lines(doc):
@@ -211,7 +213,7 @@ def _dry_run_install(session: nox.Session, target: Target, platform: str, connec
     for doc in cases:
         plat, actions = install.plan_connectors(doc, connectors)
         session.log(f"  {plat.describe()}: " + "; ".join(map(str, actions)))
-    session.log(f"  then: python -m pd_sessions.canary {' '.join(connectors)}")
+    session.log(f"  then: python -m pd_sessions.env.canary {' '.join(connectors)}")
 
 
 def _sweep(
@@ -240,7 +242,7 @@ def _sweep(
             connectors,
             accuracy="accuracy" not in getattr(args, "skip_check", ["accuracy"]),
         )
-    # lifeline.nox_run_options: on Ctrl-C, nox waits for the teardown instead of SIGKILLing it.
+    # parentwatch.nox_run_options: on Ctrl-C, nox waits for the teardown instead of SIGKILLing it.
     target.run(
         "-m",
         "pd_sessions",
@@ -249,7 +251,7 @@ def _sweep(
         *extra,
         *target.rest,
         env=target.env,
-        **lifeline.nox_run_options(target.rest),
+        **parentwatch.nox_run_options(target.rest),
     )
 
 

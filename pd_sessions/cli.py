@@ -3,7 +3,7 @@
 Commands: sweep, serve, tiny-model, inventory, bench, bench-report, wheelhouse, buildkite. The
 other ``python -m pd_sessions.X`` entries are process boundaries (envfacts, canary, the lifeline
 reaper, the bench's fake servers); each module's docstring says why. Only the entry points print
-(this module, pd_sessions.console, and the modules a command hands its command line to).
+(this module, pd_sessions.runtime.console, and the modules a command hands its command line to).
 
 Exit status: 0 all passed; 1 a config failed; 2 bad config or arguments
 (nothing launched); 128+N when stopped by signal N (teardown still ran).
@@ -27,16 +27,20 @@ from typing import Any
 # Only modules that import with the standard library alone (+ packaging) at the top, so that
 # `--help` works on a bare interpreter (tests/test_bare_imports.py); the ones that need psutil
 # (process, user_commands, sweep) are imported by the command that uses them.
-from pd_sessions import __version__, hosts, lifeline, unfinished
+from pd_sessions import __version__
 from pd_sessions.checks.accuracy import AccuracyOptions
-from pd_sessions.cliargs import add_common_options, add_sweep_options
-from pd_sessions.config import ClusterConfig, Overrides, Sweep, SweepEntry, load, make_overrides, select
-from pd_sessions.console import Stopped, install_signal_handlers, run_command, say
-from pd_sessions.envfacts import facts, summary_lines
-from pd_sessions.errors import PlanError, UsageError
-from pd_sessions.ports import PortAllocator
-from pd_sessions.preflight import preflight, rdma_problem
-from pd_sessions.report import ConfigResult, annotate, table, write_junit, write_summary
+from pd_sessions.core.cliargs import add_common_options, add_sweep_options
+from pd_sessions.core.config import ClusterConfig, Overrides, Sweep, SweepEntry, load, make_overrides, select
+from pd_sessions.core.errors import PlanError, UsageError
+from pd_sessions.core.inventory import Inventory, resolve_platform
+from pd_sessions.core.preflight import preflight, rdma_problem
+from pd_sessions.core.results import ConfigResult
+from pd_sessions.env.envfacts import facts, summary_lines
+from pd_sessions.report import unfinished
+from pd_sessions.report.writers import annotate, table, write_junit, write_summary
+from pd_sessions.runtime import hosts
+from pd_sessions.runtime.console import Stopped, install_signal_handlers, run_command, say
+from pd_sessions.runtime.ports import PortAllocator
 
 log = logging.getLogger("pd_sessions")
 
@@ -126,7 +130,7 @@ class Selection:
 
     sweep: Sweep
     platform: str
-    inv: hosts.Inventory
+    inv: Inventory
     note: str | None
     configs: list[ClusterConfig]
     left_out: tuple[SweepEntry, ...]
@@ -147,7 +151,7 @@ def _model_config(model: str) -> dict[str, Any] | None:
 def _refuse_before_launch(sel: Selection, *, dry_run: bool) -> None:
     """What this host or this vLLM cannot run: PlanError before anything starts (a warning
     with --dry-run, so the plans can still be read)."""
-    from pd_sessions import connector_support  # packaging: not needed for --help
+    from pd_sessions.core import connector_support  # packaging: not needed for --help
 
     vllm = (sel.env.get("modules") or {}).get("vllm") or {}
     problems = [
@@ -172,8 +176,10 @@ def _refuse_before_launch(sel: Selection, *, dry_run: bool) -> None:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from pd_sessions import process, user_commands
-    from pd_sessions.sweep import SweepOptions, make_plan, run_sweep
+    from pd_sessions.run import user_commands
+    from pd_sessions.run.options import SweepOptions, make_plan
+    from pd_sessions.run.sweep import run_sweep
+    from pd_sessions.runtime import process, reaper
 
     commands = user_commands.from_cli(
         args.user_commands,
@@ -299,9 +305,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         skipped=opts.skip_checks,
         meta=meta,
     )
-    try:  # the lifeline: see lifeline.py (parent death, the reaper)
+    try:  # the lifeline: see runtime/reaper.py and runtime/parentwatch.py (parent death, the reaper)
         with (
-            lifeline.Lifeline(results_dir, grace_s=opts.grace_s, warn=say) as life,
+            reaper.Lifeline(results_dir, grace_s=opts.grace_s, warn=say) as life,
             process.observed(life.reaper),
         ):
             results = run_sweep(configs, inv, opts, say, results=results, on_change=provisional)
@@ -330,8 +336,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from pd_sessions import serve
-    from pd_sessions.sweep import SweepOptions, make_plan
+    from pd_sessions.run import serve
+    from pd_sessions.run.options import SweepOptions, make_plan
 
     sel = _selection(args)
     sweep, platform, inv, note, configs, only = (
@@ -382,7 +388,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
-    from pd_sessions import tiny_model
+    from pd_sessions.runtime import tiny_model
 
     print(tiny_model.ensure(cache_dir=args.cache_dir))
     return 0
@@ -396,7 +402,7 @@ def cmd_inventory(args: argparse.Namespace) -> int:
                 "gpus": list(inv.gpus),
                 "cpus": list(inv.cpus),
                 "gpu_source": inv.gpu_source,
-                "platform": hosts.resolve_platform(None, inv),
+                "platform": resolve_platform(None, inv),
             }
         )
     )
@@ -423,13 +429,13 @@ def cmd_bench_report(args: argparse.Namespace) -> int:
 
 
 def cmd_wheelhouse(args: argparse.Namespace) -> int:
-    from pd_sessions import wheelhouse
+    from pd_sessions.env import wheelhouse
 
     return wheelhouse.main(args.rest)
 
 
 def cmd_buildkite(args: argparse.Namespace) -> int:
-    from pd_sessions import ci_jobs
+    from pd_sessions.report import ci_jobs
 
     for rel in ci_jobs.write():
         print(f"wrote {rel}")

@@ -59,7 +59,7 @@ class KvDelta:
 class PdCluster:
     """What a test gets: the cluster's URLs and environment, OpenAI clients, KV deltas."""
 
-    info: dict[str, Any]  # the PD_SESSIONS_CLUSTER document (user_commands.describe)
+    info: dict[str, Any]  # the PD_SESSIONS_CLUSTER document (clusterenv.describe)
     env: dict[str, str]  # PREFILL_PORT, PROXY_PORT, TEST_MODEL... as --exec gets them
     cluster: Any = None  # the live cluster.Cluster when this process started it
     _clients: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -112,8 +112,8 @@ class PdCluster:
 
     def kv_transferred(self) -> dict[str, float]:
         """Decode name -> prompt tokens received by KV transfer so far (its /metrics counter)."""
-        from pd_sessions import http
         from pd_sessions.checks import kv_transfer
+        from pd_sessions.runtime import http
 
         return {
             d["name"]: kv_transfer.external_tokens(http.get_text(d["metrics_url"]))
@@ -130,7 +130,7 @@ class PdCluster:
     def check_alive(self, when: str = "while tests ran") -> None:
         """Raise ProcessExited (name, status, log tail) if a process of a cluster we started died."""
         if self.cluster is not None:
-            from pd_sessions.readiness import check_alive
+            from pd_sessions.runtime.readiness import check_alive
 
             check_alive(self.cluster.processes, when)
 
@@ -191,7 +191,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 def _attach(path: str) -> PdCluster:
     """The cluster described by ``path`` (written by the sweep or serve), started elsewhere."""
-    from pd_sessions.user_commands import ENV_NAMES
+    from pd_sessions.runtime.clusterenv import ENV_NAMES
 
     info = json.loads(Path(path).read_text())
     return PdCluster(info=info, env={k: os.environ[k] for k in ENV_NAMES if k in os.environ})
@@ -206,10 +206,11 @@ def pd_cluster(
     if spec is None and os.environ.get(ENV_CLUSTER):
         yield _attach(os.environ[ENV_CLUSTER])
         return
-    from pd_sessions import hosts, serve, user_commands
-    from pd_sessions.config import load, select
-    from pd_sessions.preflight import preflight
-    from pd_sessions.sweep import SweepOptions
+    from pd_sessions.core.config import load, select
+    from pd_sessions.core.preflight import preflight
+    from pd_sessions.run import serve
+    from pd_sessions.run.options import SweepOptions
+    from pd_sessions.runtime import clusterenv, hosts
 
     sweep_name, config_name = parse_spec(spec or DEFAULT_CLUSTER)
     sweep = load(sweep_name)
@@ -234,8 +235,8 @@ def pd_cluster(
 
     with _sigterm_as_interrupt(), serve.one_cluster(entry.config, inv, opts, progress=say) as cluster:
         plan = cluster.plan
-        env = user_commands.cluster_env(plan, user_commands.write_cluster_file(plan, cluster.run_dir))
-        pd = PdCluster(info=user_commands.describe(plan, cluster.run_dir), env=env, cluster=cluster)
+        env = clusterenv.cluster_env(plan, clusterenv.write_cluster_file(plan, cluster.run_dir))
+        pd = PdCluster(info=clusterenv.describe(plan, cluster.run_dir), env=env, cluster=cluster)
         _LIVE.append(pd)
         try:
             yield pd
@@ -257,7 +258,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     outcome = yield
     report = outcome.get_result()
     if report.failed and "pd_cluster" in getattr(item, "fixturenames", ()):
-        from pd_sessions.errors import ProcessExited
+        from pd_sessions.core.errors import ProcessExited
 
         for pd in _LIVE:
             try:

@@ -25,9 +25,9 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-log = logging.getLogger(__name__)
+from pd_sessions.core.envnames import NIXL_DELAY_ENV
 
-NIXL_DELAY_ENV = "PD_SESSIONS_NIXL_PROGRESS_DELAY_US"
+log = logging.getLogger(__name__)
 
 
 def shim_needed(accelerator_available: bool, already_applied: bool) -> bool:

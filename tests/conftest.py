@@ -137,7 +137,9 @@ class Cli:
 
 def environment_facts(tmp_path: Path) -> dict:
     out = tmp_path / "facts.json"
-    subprocess.run([sys.executable, "-m", "pd_sessions.envfacts", "--out", str(out)], check=True, cwd=ROOT)
+    subprocess.run(
+        [sys.executable, "-m", "pd_sessions.env.envfacts", "--out", str(out)], check=True, cwd=ROOT
+    )
     return json.loads(out.read_text())
 
 

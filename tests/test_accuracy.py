@@ -6,7 +6,7 @@ import pytest
 from conftest import FIXTURES
 
 from pd_sessions.checks import accuracy as acc
-from pd_sessions.errors import ConfigError
+from pd_sessions.core.errors import ConfigError
 
 QWEN = acc.Baseline(model="Qwen/Qwen3-0.6B", task="gsm8k", value=0.41, samples=1319, rtol=0.05)
 

@@ -10,7 +10,7 @@ import pytest
 
 from pd_sessions.checks import accuracy as acc
 from pd_sessions.checks import runner
-from pd_sessions.config import ClusterConfig
+from pd_sessions.core.config import ClusterConfig
 
 
 @pytest.mark.parametrize(

@@ -60,13 +60,18 @@ def bare_python(tmp_path: Path, code: str) -> subprocess.CompletedProcess[str]:
 
 def test_the_noxfile_imports_what_this_test_expects():
     modules = noxfile_modules()
-    for m in ("pd_sessions.cliargs", "pd_sessions.config", "pd_sessions.errors", "pd_sessions.preflight"):
+    for m in (
+        "pd_sessions.core.cliargs",
+        "pd_sessions.core.config",
+        "pd_sessions.core.errors",
+        "pd_sessions.core.preflight",
+    ):
         assert m in modules, modules
-    assert "pd_sessions.envfacts" in modules  # imported inside a session function: still found
+    assert "pd_sessions.env.envfacts" in modules  # imported inside a session function: still found
 
 
 def test_noxfile_modules_import_without_the_project_dependencies(tmp_path):
-    modules = [*noxfile_modules(), "pd_sessions.checks.registry"]  # the last through config
+    modules = [*noxfile_modules(), "pd_sessions.core.check_registry"]  # the last through config
     probe = bare_python(tmp_path, "import psutil")
     assert probe.returncode != 0 and "No module named 'psutil'" in probe.stderr, (
         "the bare interpreter must not reach the project's dependencies"

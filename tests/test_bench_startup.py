@@ -23,7 +23,7 @@ FAKE_NOX = textwrap.dedent("""
     print("nox > Running session mooncake_sweep", flush=True)
     print("nox > \\x1b[1mCreating virtual environment (uv) using python3.11 in /tmp/x\\x1b[0m", flush=True)
     time.sleep(0.2)
-    print("nox > python -m pd_sessions.canary mooncake", flush=True)
+    print("nox > python -m pd_sessions.env.canary mooncake", flush=True)
     print("nox > python -m pd_sessions sweep mooncake_sweep --only 1x1", flush=True)
     code = "import signal, subprocess, sys, time\\n"
     if stubborn:
@@ -63,7 +63,7 @@ def test_milestones_first_line_of_each_ansi_ignored():
     lines = [
         (0.1, "nox > Running session mooncake_sweep"),
         (0.2, "nox > \x1b[32mRe-using existing virtual environment at /tmp/x/mooncake_sweep.\x1b[0m"),
-        (5.0, "nox > python -m pd_sessions.canary mooncake"),
+        (5.0, "nox > python -m pd_sessions.env.canary mooncake"),
         (6.0, "nox > python -m pd_sessions sweep mooncake_sweep --only 1x1 --platform cpu"),
         (6.5, "[pd-sessions     0.0s] configs: 1x1"),
         (6.6, "[pd-sessions     0.1s] 1x1: started 2 instances and the router; waiting up to 1200 s"),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pd_sessions import canary
+from pd_sessions.env import canary
 
 pytest.importorskip("elftools", reason="pyelftools is a dependency of pd-sessions")
 GCC = shutil.which("gcc") or shutil.which("cc")
@@ -165,7 +165,7 @@ def test_nixl_backend_must_match_torch():
 def test_canary_cli_json_line_and_status():
     """The real canary on this environment's Mooncake (CPU lane: non-cuda wheel must pass)."""
     r = subprocess.run(
-        [sys.executable, "-m", "pd_sessions.canary", "mooncake", "--torch-cuda-major", "none"],
+        [sys.executable, "-m", "pd_sessions.env.canary", "mooncake", "--torch-cuda-major", "none"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -201,7 +201,7 @@ def test_cuda12_wheel_next_to_non_cuda_fails_then_printed_fix_passes(tmp_path):
 
     def canary():
         r = subprocess.run(
-            [str(py), "-m", "pd_sessions.canary", "mooncake", "--torch-cuda-major", "none"],
+            [str(py), "-m", "pd_sessions.env.canary", "mooncake", "--torch-cuda-major", "none"],
             capture_output=True,
             text=True,
             timeout=120,

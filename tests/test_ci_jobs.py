@@ -12,7 +12,7 @@ import pytest
 import yaml
 from conftest import ROOT
 
-from pd_sessions import ci_jobs
+from pd_sessions.report import ci_jobs
 
 SCHEMA = ROOT / "pd_sessions" / "data" / "buildkite-pipeline-schema.json"
 

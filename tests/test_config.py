@@ -4,8 +4,15 @@ from pathlib import Path
 
 import pytest
 
-from pd_sessions.config import ClusterConfig, builtin_sweep, load_sweep, make_overrides, parse_value, select
-from pd_sessions.errors import ConfigError
+from pd_sessions.core.config import (
+    ClusterConfig,
+    builtin_sweep,
+    load_sweep,
+    make_overrides,
+    parse_value,
+    select,
+)
+from pd_sessions.core.errors import ConfigError
 
 
 def cfg(**kw) -> ClusterConfig:

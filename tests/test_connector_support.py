@@ -4,12 +4,12 @@ import sys
 
 import pytest
 
-from pd_sessions import connector_support
-from pd_sessions.config import ClusterConfig
-from pd_sessions.errors import PlanError
-from pd_sessions.hosts import Inventory
-from pd_sessions.plan import plan_cluster
-from pd_sessions.ports import PortAllocator
+from pd_sessions.core import connector_support
+from pd_sessions.core.config import ClusterConfig
+from pd_sessions.core.errors import PlanError
+from pd_sessions.core.inventory import Inventory
+from pd_sessions.core.plan import plan_cluster
+from pd_sessions.runtime.ports import PortAllocator
 
 
 def cfg(**kw) -> ClusterConfig:

@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES
 
-from pd_sessions.checks import abort_frees_kv, burst, cache_paths, registry, too_long
-from pd_sessions.checks.base import FAIL, PASS, CheckResult
+from pd_sessions.checks import abort_frees_kv, burst, cache_paths, too_long
 from pd_sessions.checks.completions import Completion
 from pd_sessions.checks.instances import KV_USAGE, RUNNING, gauges
-from pd_sessions.config import load_sweep
-from pd_sessions.errors import ConfigError
+from pd_sessions.core import check_registry as registry
+from pd_sessions.core.config import load_sweep
+from pd_sessions.core.errors import ConfigError
+from pd_sessions.core.results import FAIL, PASS, CheckResult
 
 
 def comp(ids=(1, 2, 3), prompt_tokens=7):
@@ -120,7 +121,7 @@ def test_sweep_toml_typo_in_checks(tmp_path: Path):
 
 
 def test_builtin_sweeps_run_the_default_checks():
-    from pd_sessions.config import builtin_sweep
+    from pd_sessions.core.config import builtin_sweep
 
     for name in ("mooncake_sweep", "nixl_sweep"):
         assert builtin_sweep(name).checks == registry.DEFAULTS

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from conftest import ROOT
 
-from pd_sessions.envfacts import describe_module, summary_lines
+from pd_sessions.env.envfacts import describe_module, summary_lines
 
 
 def _fake_dist(site: Path, module: str, dist: str, version: str, editable_src: Path | None) -> None:
@@ -30,7 +30,7 @@ def test_an_editable_vllm_is_named_with_its_checkout(tmp_path):
     _fake_dist(site, "vllm", "vllm", "0.99.0.dev1", editable_src=tmp_path / "src" / "vllm")
     out = tmp_path / "facts.json"
     subprocess.run(
-        [sys.executable, "-m", "pd_sessions.envfacts", "--out", str(out)],
+        [sys.executable, "-m", "pd_sessions.env.envfacts", "--out", str(out)],
         check=True,
         cwd=ROOT,
         env={"PYTHONPATH": f"{site}:{ROOT}", "PATH": "/usr/bin:/bin"},

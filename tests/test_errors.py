@@ -9,8 +9,8 @@ import socket
 import pytest
 from conftest import ROOT
 
-from pd_sessions import http
-from pd_sessions.errors import HttpError, PdError
+from pd_sessions.core.errors import HttpError, PdError
+from pd_sessions.runtime import http
 
 # Classes that may derive from a builtin exception without going through PdError, and why.
 OUTSIDE_THE_FAMILY = {

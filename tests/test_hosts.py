@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from pd_sessions.errors import ConfigError, PlanError
-from pd_sessions.hosts import Inventory, parse_visible_devices, resolve_platform
+from pd_sessions.core.errors import ConfigError, PlanError
+from pd_sessions.core.inventory import Inventory, parse_visible_devices, resolve_platform
 
 GPU4 = ("0", "1", "2", "3")
 

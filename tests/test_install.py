@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pd_sessions.errors import InstallError
-from pd_sessions.install import (
+from pd_sessions.core.errors import InstallError
+from pd_sessions.env.install import (
     Action,
     Platform,
     apply_actions,

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, nox_no_venv
 
-from pd_sessions.errors import UsageError
-from pd_sessions.install import Action
-from pd_sessions.installed import (
+from pd_sessions.core.errors import UsageError
+from pd_sessions.env.install import Action
+from pd_sessions.env.installed import (
     FIND_LINKS_ENV,
     Installer,
     action_argv,
@@ -246,7 +246,7 @@ def test_an_interpreter_without_vllm_is_an_exit_2_naming_every_missing_piece(tmp
         f"install it with `uv pip install --python {python} ",
     ):  # no pip in a uv venv
         assert needle in out, out
-    assert "pd_sessions.canary" not in out and "pd_sessions sweep" not in out  # stopped before
+    assert "pd_sessions.env.canary" not in out and "pd_sessions sweep" not in out  # stopped before
 
 
 @pytest.mark.e2e

@@ -11,9 +11,9 @@ from typing import ClassVar
 import pytest
 
 from pd_sessions.checks import burst, cache_paths, parity
-from pd_sessions.checks.base import PASS, CheckResult
 from pd_sessions.checks.completions import Completion
-from pd_sessions.config import ClusterConfig
+from pd_sessions.core.config import ClusterConfig
+from pd_sessions.core.results import PASS, CheckResult
 
 MARGIN = parity.Judge("margin", "numeric layouts differ: TP2 bfloat16 vs TP1 bfloat16", 1.0)
 EXACT = parity.Judge("exact", "same layout", 1.0)

@@ -15,8 +15,9 @@ import pytest
 from conftest import ROOT, wait_for_text
 from test_process import FAMILY, IGNORES_TERM, _session_members
 
-from pd_sessions import lifeline, process
-from pd_sessions.cluster import teardown
+from pd_sessions.runtime import parentwatch, process
+from pd_sessions.runtime.cluster import teardown
+from pd_sessions.runtime.reaper import Reaper
 
 
 def _gone(pids, timeout: float) -> bool:
@@ -41,7 +42,7 @@ def test_the_reaper_stops_what_a_dead_harness_left(tmp_path):
     """The pipe ending (the harness gone, however it went) is the reaper's only trigger: it
     stops every recorded process with its session (a double-forked orphan included), SIGKILLs
     one that ignores SIGTERM after the grace, and exits."""
-    reaper = lifeline.Reaper(tmp_path / "reaper.log", grace_s=1.0, warn=pytest.fail)
+    reaper = Reaper(tmp_path / "reaper.log", grace_s=1.0, warn=pytest.fail)
     with process.observed(reaper):
         fam = process.spawn(
             "family", [sys.executable, "-c", FAMILY], env=os.environ, log_path=tmp_path / "f.log"
@@ -66,7 +67,7 @@ def test_the_reaper_stops_what_a_dead_harness_left(tmp_path):
 def test_the_reaper_keeps_to_the_grace_the_harness_began(tmp_path):
     """Harness killed mid-teardown: the SIGKILL comes when the harness's grace ends, not a
     whole grace later."""
-    reaper = lifeline.Reaper(tmp_path / "reaper.log", grace_s=30.0, warn=pytest.fail)
+    reaper = Reaper(tmp_path / "reaper.log", grace_s=30.0, warn=pytest.fail)
     with process.observed(reaper):
         stubborn = process.spawn(
             "stubborn", [sys.executable, "-c", IGNORES_TERM], env=os.environ, log_path=tmp_path / "s.log"
@@ -82,7 +83,7 @@ def test_the_reaper_keeps_to_the_grace_the_harness_began(tmp_path):
 
 
 def test_after_a_clean_teardown_the_reaper_has_nothing_to_do(tmp_path):
-    reaper = lifeline.Reaper(tmp_path / "reaper.log", grace_s=5.0, warn=pytest.fail)
+    reaper = Reaper(tmp_path / "reaper.log", grace_s=5.0, warn=pytest.fail)
     with process.observed(reaper):
         r = process.spawn(
             "quick",
@@ -101,7 +102,7 @@ MIDDLE = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
     sys.path.insert(0, {root!r})
-    from pd_sessions import process
+    from pd_sessions.runtime import process
     r = process.spawn("child", [sys.executable, "-c", "import time; time.sleep(600)"],
                       env=os.environ, log_path=Path({log!r}))
     print(r.pid, flush=True)
@@ -128,12 +129,12 @@ def test_a_child_hears_its_harness_die(tmp_path):
 WATCHED = textwrap.dedent("""
     import os, signal, sys, time
     sys.path.insert(0, {root!r})
-    from pd_sessions import lifeline
+    from pd_sessions.runtime import parentwatch
     if {no_prctl}:
-        lifeline._PRCTL = None  # only the getppid() watchdog
+        parentwatch._PRCTL = None  # only the getppid() watchdog
     got = []
     signal.signal(signal.SIGTERM, lambda *a: got.append(1))
-    watch = lifeline.ParentWatch(poll_s=0.1)
+    watch = parentwatch.ParentWatch(poll_s=0.1)
     open({out!r} + ".armed", "w").close()
     end = time.monotonic() + 20
     while not got and time.monotonic() < end:
@@ -238,14 +239,14 @@ def test_teardown_shares_one_grace_between_router_and_instances(tmp_path):
     ],
 )
 def test_nox_waits_for_the_teardown_budget(posargs, grace):
-    assert lifeline.grace_from_args(posargs) == grace
-    assert lifeline.nox_run_options(posargs) == {"interrupt_timeout": grace + 5.0 + 5.0}
+    assert parentwatch.grace_from_args(posargs) == grace
+    assert parentwatch.nox_run_options(posargs) == {"interrupt_timeout": grace + 5.0 + 5.0}
 
 
 def test_the_noxfile_import_is_standard_library_only():
     code = (
-        "import sys; import pd_sessions.lifeline; "
+        "import sys; import pd_sessions.runtime.parentwatch; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pd_sessions', 'psutil')))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "['pd_sessions', 'pd_sessions.lifeline']"
+    assert out.stdout.strip() == "['pd_sessions', 'pd_sessions.runtime', 'pd_sessions.runtime.parentwatch']"

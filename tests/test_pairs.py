@@ -1,4 +1,4 @@
-"""pd_sessions.pairs: per-pair warm-up parameters (pure), the error-line filter, the retry
+"""pd_sessions.runtime.pairs: per-pair warm-up parameters (pure), the error-line filter, the retry
 loop's budget (with a fake hop), and the whole readiness path against the fake stack: a
 cluster whose every instance is healthy but whose P/D path keeps failing ends the wait
 within the budget, with the answer and the decode's error lines."""
@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES, ROOT
 
-from pd_sessions import http, pairs
-from pd_sessions.cluster import running_cluster
-from pd_sessions.config import ClusterConfig
-from pd_sessions.hosts import Inventory
-from pd_sessions.plan import plan_cluster
-from pd_sessions.ports import PortAllocator
+from pd_sessions.core.config import ClusterConfig
+from pd_sessions.core.inventory import Inventory
+from pd_sessions.core.plan import plan_cluster
+from pd_sessions.runtime import http, pairs
+from pd_sessions.runtime.cluster import running_cluster
+from pd_sessions.runtime.ports import PortAllocator
 
 
 def test_mooncake_params_share_the_transfer_id_and_name_the_bootstrap():

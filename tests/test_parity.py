@@ -10,8 +10,8 @@ from conftest import FIXTURES
 
 from pd_sessions.checks import parity
 from pd_sessions.checks.completions import Completion
-from pd_sessions.config import ClusterConfig
-from pd_sessions.errors import ConfigError
+from pd_sessions.core.config import ClusterConfig
+from pd_sessions.core.errors import ConfigError
 
 # A real vLLM 0.32 (CPU) answer to prompt [5, 6, 7, 8, 9] with prompt logprobs (top-1):
 # none of tokens 6..9 is the random tiny model's own choice there (ranks 709, 456, 429, 595).

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from pd_sessions.config import ClusterConfig
-from pd_sessions.errors import PlanError
-from pd_sessions.hosts import Inventory
-from pd_sessions.plan import INTERNAL_PORT_BLOCK, plan_cluster
+from pd_sessions.core.config import ClusterConfig
+from pd_sessions.core.errors import PlanError
+from pd_sessions.core.inventory import Inventory
+from pd_sessions.core.plan import INTERNAL_PORT_BLOCK, plan_cluster
 
 
 class FakePorts:
@@ -254,7 +254,7 @@ def test_dp_ep_gpu_shortage():
     "kw,field", [({"decode_dp": 2}, "decode_dp"), ({"expert_parallel": True}, "expert_parallel")]
 )
 def test_dp_ep_only_for_moe_models(kw, field):
-    from pd_sessions.errors import ConfigError
+    from pd_sessions.core.errors import ConfigError
 
     with pytest.raises(ConfigError) as e:
         cfg(**kw)

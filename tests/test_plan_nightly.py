@@ -8,10 +8,10 @@ import json
 import pytest
 from test_plan import FakePorts
 
-from pd_sessions.config import ClusterConfig
-from pd_sessions.errors import PlanError
-from pd_sessions.hosts import Inventory
-from pd_sessions.plan import GPU_PASSTHROUGH_ENV, flag_warnings, gpu_env, hybrid_block_size, plan_cluster
+from pd_sessions.core.config import ClusterConfig
+from pd_sessions.core.errors import PlanError
+from pd_sessions.core.inventory import Inventory
+from pd_sessions.core.plan import GPU_PASSTHROUGH_ENV, flag_warnings, gpu_env, hybrid_block_size, plan_cluster
 
 GPUS2 = Inventory(gpus=("0", "1"), cpus=tuple(range(8)), gpu_source="nvidia-smi")
 HOST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}

@@ -6,8 +6,9 @@ import sys
 
 import pytest
 
-from pd_sessions.errors import PlanError
-from pd_sessions.ports import BLOCK_RANGE, PortAllocator
+from pd_sessions.core.errors import PlanError
+from pd_sessions.core.ports import BLOCK_RANGE
+from pd_sessions.runtime.ports import PortAllocator
 
 
 def test_ports_unique_and_free_after_release():

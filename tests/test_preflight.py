@@ -2,10 +2,10 @@ from __future__ import annotations
 
 import pytest
 
-from pd_sessions.config import ClusterConfig, builtin_sweep
-from pd_sessions.errors import ConfigError, PlanError
-from pd_sessions.hosts import Inventory
-from pd_sessions.preflight import preflight, rdma_problem
+from pd_sessions.core.config import ClusterConfig, builtin_sweep
+from pd_sessions.core.errors import ConfigError, PlanError
+from pd_sessions.core.inventory import Inventory
+from pd_sessions.core.preflight import preflight, rdma_problem
 
 KIMI = builtin_sweep("kimi_linear_nightly")
 NONE = Inventory(gpus=(), cpus=(0, 1))
@@ -63,8 +63,8 @@ def test_single_gpu_verification_needs_share_flag():
 
 def test_cpu_nightly_shape_plan():
     """The scaled-down nightly shape for CPU hosts: prefill TP2 + decode DP2/EP, tiny MoE."""
-    from pd_sessions.plan import plan_cluster
-    from pd_sessions.ports import PortAllocator
+    from pd_sessions.core.plan import plan_cluster
+    from pd_sessions.runtime.ports import PortAllocator
 
     (e,) = builtin_sweep("nightly_shape_cpu").entries("cpu")
     with PortAllocator() as ports:

@@ -14,8 +14,8 @@ import psutil
 import pytest
 from conftest import wait_for_text
 
-from pd_sessions.logtail import log_tail
-from pd_sessions.process import spawn, stop
+from pd_sessions.runtime.logtail import log_tail
+from pd_sessions.runtime.process import spawn, stop
 
 # A parent that starts a grandchild (same session) and a detached-from-tree orphan
 # (double fork, still in our session), then sleeps.

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from pd_sessions.errors import GuardTimeout, PdError, ProcessExited, ReadinessTimeout
-from pd_sessions.process import spawn, stop
-from pd_sessions.readiness import Target, guarded, health_probe, models_probe, wait_ready
+from pd_sessions.core.errors import GuardTimeout, PdError, ProcessExited, ReadinessTimeout
+from pd_sessions.runtime.process import spawn, stop
+from pd_sessions.runtime.readiness import Target, guarded, health_probe, models_probe, wait_ready
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):

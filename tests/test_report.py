@@ -2,8 +2,9 @@ from __future__ import annotations
 
 import json
 
-from pd_sessions.checks.base import CheckResult
-from pd_sessions.report import ConfigResult, table, write_summary
+from pd_sessions.report.writers import table, write_summary
+
+from pd_sessions.core.results import CheckResult, ConfigResult
 
 
 def result(checks, error=None):
@@ -51,8 +52,7 @@ def test_summary_of_nothing_is_not_passed(tmp_path):
 
 def test_junit_one_case_per_config_and_check(tmp_path):
     from junitparser import Error, Failure, JUnitXml
-
-    from pd_sessions.report import write_junit
+    from pd_sessions.report.writers import write_junit
 
     run_dir = tmp_path / "2x2"
     run_dir.mkdir()
@@ -84,7 +84,7 @@ def test_junit_one_case_per_config_and_check(tmp_path):
 
 
 def test_annotation_is_skipped_without_agent(monkeypatch):
-    from pd_sessions.report import annotate
+    from pd_sessions.report.writers import annotate
 
     monkeypatch.setenv("PATH", "/nonexistent")
     assert annotate([result([])], sweep="s") is False

@@ -2,7 +2,7 @@
 + 2 s), it exits non-zero, and it leaves summary.json, summary.txt and junit.xml.
 
 A throwaway noxfile runs `python -m pd_sessions sweep` as the project's noxfile does (same
-`lifeline.nox_run_options`), against the fake stack of test_faults.py (vLLM and the router
+`parentwatch.nox_run_options`), against the fake stack of test_faults.py (vLLM and the router
 replaced by a throwaway server with a grandchild "engine core"): what is under test is the
 harness's own handling, where timing matters. Real vLLM: test_e2e_stops.py.
 
@@ -28,8 +28,8 @@ import pytest
 from conftest import ROOT, Cli
 from test_faults import FAKE, assert_nothing_left, bystander  # noqa: F401 (a fixture)
 
-from pd_sessions.process import alive
-from pd_sessions.process import session_family as family
+from pd_sessions.runtime.process import alive
+from pd_sessions.runtime.process import session_family as family
 
 GRACE = 2.0
 SWEEP = """name = "fake"
@@ -45,13 +45,13 @@ NOXFILE = textwrap.dedent("""
     import sys
     import nox
     sys.path.insert(0, {root!r})
-    from pd_sessions import lifeline
+    from pd_sessions.runtime import parentwatch
     nox.options.default_venv_backend = "none"
 
     @nox.session(python=False)
     def sweep(session):
         session.run({python!r}, "-m", "pd_sessions", "sweep", *session.posargs, external=True,
-                    **lifeline.nox_run_options(session.posargs))
+                    **parentwatch.nox_run_options(session.posargs))
 """)
 
 
@@ -120,7 +120,9 @@ class NoxRun(Cli):
                 for p in procs
                 if p.ppid() not in (nox.pid, harness.pid) and "time.sleep(3600)" in " ".join(p.cmdline())
             ]
-            if len(engine_cores) >= 2 and any("pd_sessions.lifeline" in " ".join(p.cmdline()) for p in procs):
+            if len(engine_cores) >= 2 and any(
+                "pd_sessions.runtime.reaper" in " ".join(p.cmdline()) for p in procs
+            ):
                 return harness, procs
             assert time.monotonic() < end, procs
             time.sleep(0.05)

@@ -20,10 +20,10 @@ import psutil
 import pytest
 from conftest import free_port, wait_for_text
 
-from pd_sessions import http
-from pd_sessions.cluster import ROUTER_CUT_S, teardown
-from pd_sessions.errors import HttpError
-from pd_sessions.process import cut_connections, spawn, stop
+from pd_sessions.core.errors import HttpError
+from pd_sessions.runtime import http
+from pd_sessions.runtime.cluster import ROUTER_CUT_S, teardown
+from pd_sessions.runtime.process import cut_connections, spawn, stop
 
 # Accepts connections and never answers; on SIGTERM stops accepting and exits once every
 # connection it has is closed by its peer (uvicorn's "Waiting for connections to close").

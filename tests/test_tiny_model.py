@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import free_port, heavy
 
-from pd_sessions import tiny_model as tm
-from pd_sessions.config import TINY_MODELS
+from pd_sessions.core.config import TINY_MODELS
+from pd_sessions.runtime import tiny_model as tm
 
 HERE = Path(__file__).parent
 

@@ -8,11 +8,20 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from pd_sessions import cliargs, unfinished
-from pd_sessions.checks.base import PASS, CheckResult, crashed
-from pd_sessions.config import ClusterConfig
-from pd_sessions.errors import UsageError
-from pd_sessions.report import CANCELLED, NOT_RUN, PASSED, RUNNING, ConfigResult
+from pd_sessions.core import cliargs
+from pd_sessions.core.config import ClusterConfig
+from pd_sessions.core.errors import UsageError
+from pd_sessions.core.results import (
+    CANCELLED,
+    NOT_RUN,
+    PASS,
+    PASSED,
+    RUNNING,
+    CheckResult,
+    ConfigResult,
+    crashed,
+)
+from pd_sessions.report import unfinished
 
 
 def cfg(name: str) -> ClusterConfig:

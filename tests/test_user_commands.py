@@ -18,19 +18,20 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import FIXTURES, ROOT
+from pd_sessions.report.writers import write_junit
 from test_faults import FAKE, SWEEP, Run, assert_nothing_left
 from test_faults import bystander as bystander  # the fixture: a stranger named vllm must survive
 from test_plan import FakePorts
 
-from pd_sessions import serve
-from pd_sessions import user_commands as uc
-from pd_sessions.checks.base import FAIL, PASS
-from pd_sessions.config import ClusterConfig
-from pd_sessions.errors import UsageError
-from pd_sessions.hosts import Inventory
-from pd_sessions.plan import plan_cluster
+from pd_sessions.core.config import ClusterConfig
+from pd_sessions.core.errors import UsageError
+from pd_sessions.core.inventory import Inventory
+from pd_sessions.core.plan import plan_cluster
+from pd_sessions.core.results import FAIL, PASS, ConfigResult
 from pd_sessions.pytest_plugin import parse_spec
-from pd_sessions.report import ConfigResult, write_junit
+from pd_sessions.run import serve
+from pd_sessions.run import user_commands as uc
+from pd_sessions.runtime import clusterenv
 
 USER = FIXTURES / "user_tests"
 LIVE = pytest.mark.usefixtures("bystander")
@@ -115,15 +116,15 @@ def test_nothing_given_is_no_command():
 def test_env_and_description_of_a_2p2d_cpu_plan():
     cfg = ClusterConfig(name="2p2d", model="m", connector="nixl", num_prefill=2, num_decode=2)
     plan = plan_cluster(cfg, Inventory(gpus=(), cpus=(0, 1, 2, 3)), FakePorts(), platform="cpu", python="/py")
-    env = uc.cluster_env(plan, Path("/r/cluster.json"))
+    env = clusterenv.cluster_env(plan, Path("/r/cluster.json"))
     p, d = plan.prefill, plan.decode
     assert env["PREFILL_PORT"] == str(p[0].port) and env["DECODE_PORT"] == str(d[0].port)
     assert env["PREFILL_PORTS"] == f"{p[0].port},{p[1].port}"
     assert env["DECODE_PORTS"] == f"{d[0].port},{d[1].port}"
     assert env["PROXY_HOST"] == "127.0.0.1" and env["PROXY_PORT"] == str(plan.router.port)
     assert env["TEST_MODEL"] == "m" and env["BLOCK_SIZE"] == "128"
-    assert env["PD_SESSIONS_CLUSTER"] == "/r/cluster.json" and set(env) <= set(uc.ENV_NAMES)
-    info = uc.describe(plan)
+    assert env["PD_SESSIONS_CLUSTER"] == "/r/cluster.json" and set(env) <= set(clusterenv.ENV_NAMES)
+    info = clusterenv.describe(plan)
     json.dumps(info)  # serialisable as is
     assert info["connector"] == "nixl" and info["router"]["url"] == plan.router.url
     assert [x["kv_transfer_config"]["kv_role"] for x in info["prefill"] + info["decode"]] == [
@@ -135,21 +136,23 @@ def test_env_and_description_of_a_2p2d_cpu_plan():
 
 def test_block_size_is_only_set_when_the_plan_sets_it():
     plan = plan_cluster(ClusterConfig(name="c", model="m"), GPUS4, FakePorts(), platform="cuda", python="/py")
-    assert "BLOCK_SIZE" not in uc.cluster_env(plan) and "PD_SESSIONS_CLUSTER" not in uc.cluster_env(plan)
-    assert uc.describe(plan)["prefill"][0]["gpus"] == ["0"]
+    assert "BLOCK_SIZE" not in clusterenv.cluster_env(
+        plan
+    ) and "PD_SESSIONS_CLUSTER" not in clusterenv.cluster_env(plan)
+    assert clusterenv.describe(plan)["prefill"][0]["gpus"] == ["0"]
     plan = plan_cluster(
         ClusterConfig(name="c", model="m", block_size=64), GPUS4, FakePorts(), platform="cuda", python="/py"
     )
-    assert uc.cluster_env(plan)["BLOCK_SIZE"] == "64"
+    assert clusterenv.cluster_env(plan)["BLOCK_SIZE"] == "64"
 
 
 def test_export_lines_quote_for_a_shell():
-    assert uc.export_lines({"A": "1", "B": "x y'z"}) == ["export A=1", "export B='x y'\"'\"'z'"]
+    assert clusterenv.export_lines({"A": "1", "B": "x y'z"}) == ["export A=1", "export B='x y'\"'\"'z'"]
 
 
 def test_serve_banner_has_urls_exports_and_a_request(tmp_path):
     plan = plan_cluster(ClusterConfig(name="c", model="m"), CPU2, FakePorts(), platform="cpu", python="/py")
-    lines = serve.banner(plan, uc.cluster_env(plan), tmp_path)
+    lines = serve.banner(plan, clusterenv.cluster_env(plan), tmp_path)
     text = "\n".join(lines)
     assert plan.router.url in text and plan.prefill[0].url in text and plan.decode[0].url in text
     assert f"export PROXY_PORT={plan.router.port}" in lines

@@ -1,4 +1,4 @@
-"""pd_sessions.wheelhouse: target tags, requirements, what is left out (fake runner), and one real
+"""pd_sessions.env.wheelhouse: target tags, requirements, what is left out (fake runner), and one real
 download of a small wheel from PyPI for cp312 manylinux."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pd_sessions import wheelhouse as wh
-from pd_sessions.errors import InstallError, UsageError
+from pd_sessions.core.errors import InstallError, UsageError
+from pd_sessions.env import wheelhouse as wh
 
 CUDA13 = wh.Target("3.12", 13)
 CPU = wh.Target("3.12", None)

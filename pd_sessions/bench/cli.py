@@ -19,13 +19,14 @@ from typing import Any
 
 import psutil
 
-from pd_sessions import hosts
 from pd_sessions.bench import clusters, report, routers, startup, teardown
 from pd_sessions.checks.accuracy import AccuracyOptions
-from pd_sessions.config import ClusterConfig, Sweep, load, select
-from pd_sessions.console import install_signal_handlers, run_command, say
-from pd_sessions.preflight import preflight
-from pd_sessions.sweep import SweepOptions
+from pd_sessions.core.config import ClusterConfig, Sweep, load, select
+from pd_sessions.core.inventory import Inventory
+from pd_sessions.core.preflight import preflight
+from pd_sessions.run.options import SweepOptions
+from pd_sessions.runtime import hosts
+from pd_sessions.runtime.console import install_signal_handlers, run_command, say
 
 PARTS = ("router", "teardown", "clusters", "checks", "startup")
 # The checks part: what each check costs over each connector (the clusters part's pd_sessions
@@ -192,7 +193,7 @@ def _measure(
     args: argparse.Namespace,
     parts: list[str],
     configs: list[ClusterConfig],
-    inv: hosts.Inventory,
+    inv: Inventory,
     opts: SweepOptions,
     logs: Path,
 ) -> bool:
@@ -259,7 +260,7 @@ def _measure_checks(
     args: argparse.Namespace,
     parts: list[str],
     plat: str,
-    inv: hosts.Inventory,
+    inv: Inventory,
     logs: Path,
     skip: tuple[str, ...],
     only: tuple[str, ...],

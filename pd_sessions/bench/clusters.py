@@ -16,19 +16,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pd_sessions import http, process
 from pd_sessions.bench.prober import HealthProber
 from pd_sessions.bench.stats import overhead
-from pd_sessions.checks.base import CheckResult
 from pd_sessions.checks.runner import run_checks
-from pd_sessions.cluster import Cluster, Event, spawn_spec, teardown
-from pd_sessions.config import ClusterConfig
-from pd_sessions.errors import BenchError
-from pd_sessions.hosts import Inventory
-from pd_sessions.plan import ClusterPlan
-from pd_sessions.ports import PortAllocator
-from pd_sessions.readiness import Target, check_alive, health_probe, models_probe, wait_ready
-from pd_sessions.sweep import SweepOptions, make_plan, run_config
+from pd_sessions.core.config import ClusterConfig
+from pd_sessions.core.errors import BenchError
+from pd_sessions.core.inventory import Inventory
+from pd_sessions.core.plan import ClusterPlan
+from pd_sessions.core.results import CheckResult
+from pd_sessions.run.options import SweepOptions, make_plan
+from pd_sessions.run.sweep import run_config
+from pd_sessions.runtime import http, process
+from pd_sessions.runtime.cluster import Cluster, Event, spawn_spec, teardown
+from pd_sessions.runtime.ports import PortAllocator
+from pd_sessions.runtime.readiness import Target, check_alive, health_probe, models_probe, wait_ready
 
 # Upstream's fixed waits (vLLM tests/v1/kv_connector/*_integration/run_accuracy_test.sh):
 UPSTREAM_POLL_S = 1.0  # wait_for_server: until curl -s localhost:PORT/v1/completions; sleep 1

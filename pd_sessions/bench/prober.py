@@ -12,7 +12,7 @@ import threading
 import time
 from urllib.parse import urlsplit
 
-from pd_sessions.cluster import Event
+from pd_sessions.runtime.cluster import Event
 
 
 class HealthProber:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pd_sessions.bench.stats import Goal, ratio, summary
-from pd_sessions.checks.registry import NAMES as CHECK_ORDER
+from pd_sessions.core.check_registry import NAMES as CHECK_ORDER
 
 PHASES = ("prepare", "instances", "router", "checks", "teardown")
 OVERHEAD_PARTS = ("prepare", "noticing", "router", "teardown", "other")

@@ -27,13 +27,13 @@ from typing import Any
 
 import aiohttp
 
-from pd_sessions import http, process
 from pd_sessions.bench.py_proxy import PREFILL_KV
 from pd_sessions.bench.stats import percentile, summary
-from pd_sessions.errors import BenchError
-from pd_sessions.plan import router_argv
-from pd_sessions.ports import PortAllocator
-from pd_sessions.readiness import Target, health_probe, wait_ready
+from pd_sessions.core.errors import BenchError
+from pd_sessions.core.plan import router_argv
+from pd_sessions.runtime import http, process
+from pd_sessions.runtime.ports import PortAllocator
+from pd_sessions.runtime.readiness import Target, health_probe, wait_ready
 
 MODEL = "fake"
 TARGETS = ("direct", "vllm-router", "python-proxy")

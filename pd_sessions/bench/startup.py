@@ -33,7 +33,7 @@ from typing import Any
 import psutil
 
 from pd_sessions.bench.stats import ratio, summary
-from pd_sessions.process import alive, session_family
+from pd_sessions.runtime.process import alive, session_family
 
 ROOT = Path(__file__).resolve().parents[2]
 MODES = ("rebuild", "reuse")
@@ -49,7 +49,7 @@ MILESTONES: tuple[tuple[str, Callable[[str], bool]], ...] = (
         "venv_reused",
         lambda line: line.startswith(("nox > Reusing existing virtual environment", "nox > Re-using")),
     ),
-    ("canary", lambda line: line.startswith("nox > ") and "pd_sessions.canary" in line),
+    ("canary", lambda line: line.startswith("nox > ") and "pd_sessions.env.canary" in line),
     ("cli", lambda line: line.startswith("nox > ") and "-m pd_sessions sweep" in line),
     ("spawned", lambda line: bool(SPAWNED.search(line))),
 )

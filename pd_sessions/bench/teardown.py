@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pd_sessions import process
 from pd_sessions.bench.stats import summary
-from pd_sessions.cluster import teardown
-from pd_sessions.errors import BenchError
+from pd_sessions.core.errors import BenchError
+from pd_sessions.runtime import process
+from pd_sessions.runtime.cluster import teardown
 
 READY = "child ready"
 # printed as a sum, so the marker is not already in the log's first line (the argv)

@@ -4,6 +4,6 @@
 A check that cannot run fails with its reason: there are no silent skips.
 """
 
-from pd_sessions.checks.base import CheckResult
+from pd_sessions.core.results import CheckResult
 
 __all__ = ["CheckResult"]

@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from pd_sessions import http as pdhttp
-from pd_sessions.checks.base import FAIL, PASS, CheckResult
 from pd_sessions.checks.instances import KV_USAGE, RUNNING, scrape_gauges
+from pd_sessions.core.results import FAIL, PASS, CheckResult
+from pd_sessions.runtime import http as pdhttp
 
 # KV usage is a fraction of blocks in use; one block of 1 GiB CPU cache is far below this.
 USAGE_SLACK = 1e-3

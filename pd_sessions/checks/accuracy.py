@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pd_sessions.checks.base import FAIL, PASS, CheckResult
-from pd_sessions.errors import ConfigError
+from pd_sessions.core.errors import ConfigError
+from pd_sessions.core.results import FAIL, PASS, CheckResult
 
 BASELINES = Path(__file__).resolve().parent.parent / "configs" / "baselines.toml"
 RULES = ("tolerance", "wilson")

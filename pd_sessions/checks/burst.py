@@ -14,11 +14,11 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from pd_sessions import http
 from pd_sessions.checks import kv_transfer, parity, per_instance
-from pd_sessions.checks.base import FAIL, PASS, CheckResult
 from pd_sessions.checks.completions import Completion
 from pd_sessions.checks.instances import REQUEST_TIMEOUT_S
+from pd_sessions.core.results import FAIL, PASS, CheckResult
+from pd_sessions.runtime import http
 
 
 def prompts(n: int) -> list[str]:

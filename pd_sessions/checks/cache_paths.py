@@ -22,11 +22,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pd_sessions import http
 from pd_sessions.checks import parity
-from pd_sessions.checks.base import FAIL, PASS, CheckResult
 from pd_sessions.checks.completions import MAX_TOKENS, Completion
 from pd_sessions.checks.instances import REQUEST_TIMEOUT_S, block_size, tokenize
+from pd_sessions.core.results import FAIL, PASS, CheckResult
+from pd_sessions.runtime import http
 
 # One word per token in every tokenizer we have met (the space is part of the word).
 WORDS = (

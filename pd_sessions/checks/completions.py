@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pd_sessions.checks.base import FAIL, PASS, CheckResult
+from pd_sessions.core.results import FAIL, PASS, CheckResult
 
 # Distinct prompts (distinct prefixes too) so no router request can be served from
 # the decode instance's own prefix cache; one is longer than a 128-token block.

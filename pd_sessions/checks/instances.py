@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pd_sessions import http
 from pd_sessions.checks.kv_transfer import sample_sums
-from pd_sessions.plan import CPU_DEFAULT_BLOCK_SIZE, ClusterPlan, ProcessSpec
+from pd_sessions.core.plan import CPU_DEFAULT_BLOCK_SIZE, ClusterPlan, ProcessSpec
+from pd_sessions.runtime import http
 
 # vLLM's default --block-size on GPUs when a config leaves it unset.
 GPU_DEFAULT_BLOCK_SIZE = 16

@@ -36,7 +36,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pd_sessions.checks.base import FAIL, PASS, CheckResult
+from pd_sessions.core.results import FAIL, PASS, CheckResult
 
 METRIC = "vllm:prompt_tokens_by_source_total"
 SOURCE = "external_kv_transfer"

@@ -25,9 +25,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pd_sessions import http
-from pd_sessions.checks.base import FAIL, PASS, CheckResult
 from pd_sessions.checks.completions import Completion
+from pd_sessions.core.results import FAIL, PASS, CheckResult
+from pd_sessions.runtime import http
 
 # Default margin in nats (logprob of the reference's top-1 minus that of the P/D token).
 # Results record the margin, this evidence and the largest gap each run saw.

@@ -10,10 +10,10 @@ from collections.abc import Mapping
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pd_sessions import http
 from pd_sessions.checks import kv_transfer
-from pd_sessions.checks.base import FAIL, CheckResult
-from pd_sessions.plan import ClusterPlan
+from pd_sessions.core.plan import ClusterPlan
+from pd_sessions.core.results import FAIL, CheckResult
+from pd_sessions.runtime import http
 
 PREFILL_METRIC = "vllm:prompt_tokens_total"
 

@@ -26,10 +26,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from pd_sessions import http, stuck
 from pd_sessions.checks import accuracy as acc
-from pd_sessions.checks import kv_transfer, parity, per_instance, registry
-from pd_sessions.checks.base import FAIL, PASS, CheckResult, crashed
+from pd_sessions.checks import kv_transfer, parity, per_instance
 from pd_sessions.checks.completions import (
     MAX_TOKENS,
     PARITY_PROMPTS,
@@ -40,9 +38,12 @@ from pd_sessions.checks.completions import (
 from pd_sessions.checks.instances import REQUEST_TIMEOUT_S
 from pd_sessions.checks.offline_task import TASK as OFFLINE_TASK
 from pd_sessions.checks.offline_task import write_task
-from pd_sessions.cluster import Cluster
-from pd_sessions.config import TINY_MODELS
-from pd_sessions.errors import PdError
+from pd_sessions.core import check_registry as registry
+from pd_sessions.core.config import TINY_MODELS
+from pd_sessions.core.errors import PdError
+from pd_sessions.core.results import FAIL, PASS, CheckResult, crashed
+from pd_sessions.runtime import http, stuck
+from pd_sessions.runtime.cluster import Cluster
 
 CONTROL_PROMPT = "A request sent straight to the decode instance, not through the router:"
 

@@ -13,9 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pd_sessions import http
-from pd_sessions.checks.base import FAIL, PASS, CheckResult
 from pd_sessions.checks.instances import REQUEST_TIMEOUT_S, health, tokenize
+from pd_sessions.core.results import FAIL, PASS, CheckResult
+from pd_sessions.runtime import http
 
 WORD = " hello"
 

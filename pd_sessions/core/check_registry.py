@@ -1,0 +1,159 @@
+"""Every check, registered in one place: its name, whether sweeps run it by default, its
+options (with defaults) and where its gatherer lives.
+
+Standard library only (the sweep loader, which the noxfile imports, validates names and
+options against this table); gatherers are imported when a check runs.
+
+A sweep selects checks with ``checks = [...]`` at the top of its TOML (default: every check
+with ``default = True``) and sets options with ``[check_options.<name>]``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pd_sessions.core.errors import ConfigError, did_you_mean
+
+
+@dataclass(frozen=True)
+class CheckInfo:
+    name: str
+    summary: str  # one line for docs and --help
+    default: bool = True  # run when a sweep does not list its checks
+    # "module:function" of the gatherer run(cluster, options) -> CheckResult; None = gathered
+    # by the runner itself (smoke, parity, kv_transfer and accuracy share its request window)
+    gatherer: str | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)  # option -> default value
+
+    def load(self) -> Callable[..., Any]:
+        assert self.gatherer is not None
+        module, func = self.gatherer.split(":")
+        return getattr(importlib.import_module(module), func)
+
+
+# In running order.
+CHECKS: tuple[CheckInfo, ...] = (
+    CheckInfo("smoke", "a completion through the router returns the requested tokens"),
+    CheckInfo("parity", "greedy output through the router equals prefill-direct, token for token"),
+    CheckInfo(
+        "kv_transfer",
+        "decode instances received the router requests' prompt tokens by KV "
+        "transfer; a request straight to decode-0 does not count",
+    ),
+    CheckInfo(
+        "cache_paths",
+        "parity in the prefix-cache situations: a prompt shorter than a block, "
+        "a full hit on the decode side, a partial hit",
+        gatherer="pd_sessions.checks.cache_paths:run",
+    ),
+    CheckInfo(
+        "too_long",
+        "a prompt longer than the model length gets a 4xx through the router within "
+        "a bounded time; afterwards every instance is healthy and a normal request succeeds",
+        gatherer="pd_sessions.checks.too_long:run",
+        options={"bound_s": 10.0},
+    ),
+    CheckInfo(
+        "burst",
+        "concurrent requests through the router all succeed, each equals prefill-direct "
+        "token for token, and the KV proof counts every one",
+        gatherer="pd_sessions.checks.burst:run",
+        options={"requests": 32, "max_tokens": 8},
+    ),
+    CheckInfo(
+        "abort_frees_kv",
+        "streaming requests whose client disconnects after the first tokens "
+        "leave no running request and no held KV blocks on any instance",
+        gatherer="pd_sessions.checks.abort_frees_kv:run",
+        # first_token_s: how long a stream may wait for its first token. On the 2-core CPU lane
+        # NIXL decode hops can each wait out a prefill's 30 s KV lease, one after the other for
+        # concurrent streams (docs/cpu-lane.md, "What the 30 s stalls are"): 4 x 30 s + margin.
+        options={"requests": 4, "bound_s": 15.0, "first_token_s": 150.0},
+    ),
+    CheckInfo(
+        "accuracy",
+        "lm_eval through the router against a recorded baseline (CPU lane: "
+        "per-sample identity with prefill-direct)",
+    ),
+)
+BY_NAME = {c.name: c for c in CHECKS}
+NAMES = tuple(BY_NAME)
+DEFAULTS = tuple(c.name for c in CHECKS if c.default)
+
+
+def resolve(
+    selected: Sequence[str] | None, *, field_name: str = "checks", source: str | None = None
+) -> tuple[str, ...]:
+    """Validate a selection and put it in running order (None = the defaults).
+
+    None                    -> DEFAULTS
+    [] (empty list)         -> ConfigError: a sweep must run at least one check
+    an unknown name         -> ConfigError naming it, with a did-you-mean and the known names
+    a name twice            -> ConfigError
+    known names             -> those names, in the registry's running order
+    """
+    if selected is None:
+        return DEFAULTS
+    if not isinstance(selected, (list, tuple)) or not all(isinstance(s, str) for s in selected):
+        raise ConfigError(
+            field_name,
+            f"got {selected!r}; allowed: a list of check names from {', '.join(NAMES)}",
+            source=source,
+        )
+    if not selected:
+        raise ConfigError(
+            field_name,
+            f"an empty list runs no check; allowed: names from "
+            f"{', '.join(NAMES)} (leave the key out for the defaults)",
+            source=source,
+        )
+    for s in selected:
+        if s not in BY_NAME:
+            raise ConfigError(
+                field_name,
+                f"unknown check {s!r}{did_you_mean(s, NAMES)}; known: {', '.join(NAMES)}",
+                source=source,
+            )
+    dupes = sorted({s for s in selected if list(selected).count(s) > 1})
+    if dupes:
+        raise ConfigError(field_name, f"check(s) {dupes} listed more than once", source=source)
+    return tuple(n for n in NAMES if n in selected)
+
+
+def resolve_options(raw: Mapping[str, Any] | None, *, source: str | None = None) -> dict[str, dict[str, Any]]:
+    """``[check_options.<check>]`` tables -> check -> full options (defaults filled in).
+
+    Unknown checks and options are errors with a did-you-mean; a value must have the
+    default's type (an int where a float is expected is accepted).
+    """
+    out = {c.name: dict(c.options) for c in CHECKS if c.options}
+    for check, opts in (raw or {}).items():
+        where = f"check_options.{check}"
+        if check not in BY_NAME:
+            raise ConfigError(
+                where, f"unknown check{did_you_mean(check, NAMES)}; known: {', '.join(NAMES)}", source=source
+            )
+        known = BY_NAME[check].options
+        if not isinstance(opts, Mapping):
+            raise ConfigError(where, f"got {opts!r}; allowed: a table of options", source=source)
+        for key, value in opts.items():
+            if key not in known:
+                allowed = ", ".join(known) or "none (this check has no options)"
+                raise ConfigError(
+                    f"{where}.{key}",
+                    f"unknown option{did_you_mean(key, known)}; allowed: {allowed}",
+                    source=source,
+                )
+            want = type(known[key])
+            ok = isinstance(value, want) or (want is float and isinstance(value, int))
+            if not ok or isinstance(value, bool) or not value > 0:
+                raise ConfigError(
+                    f"{where}.{key}",
+                    f"got {value!r}; allowed: a positive {want.__name__} (default {known[key]!r})",
+                    source=source,
+                )
+            out[check][key] = value
+    return out

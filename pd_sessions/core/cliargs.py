@@ -1,0 +1,235 @@
+"""The sweep's command-line options, in one place (standard library only).
+
+The CLI (``pd-sessions sweep``) and the noxfile both parse with these parsers, so a
+session's posargs are checked exactly as the CLI checks them, before anything is
+installed. Options that only the nox sessions understand (how to install) are parsed
+first and not passed on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from pd_sessions.core import check_registry as check_registry
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type for --deadline/--grace: a number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r}; give a number of seconds above 0") from None
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(
+            f"got {text}; give a number of seconds above 0 (leave it out for the default)"
+        )
+    return value
+
+
+# --exec-timeout's default (pd_sessions.run.user_commands uses it too).
+EXEC_TIMEOUT_S = 3600.0
+
+
+def add_common_options(s: argparse.ArgumentParser) -> None:
+    """Options of both ``sweep`` and ``serve``: what to start, where, and the overrides."""
+    s.add_argument(
+        "--platform",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="force a platform; default: cuda when a GPU is visible, else cpu",
+    )
+    s.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run only this config (repeatable, or comma-separated)",
+    )
+    s.add_argument(
+        "--include-opt-in",
+        action="store_true",
+        help="also run configs that are opt-in on this platform (e.g. 2x2 on CPU)",
+    )
+    s.add_argument("--dry-run", action="store_true", help="print every plan; launch nothing")
+    s.add_argument(
+        "--results-dir",
+        type=Path,
+        default=None,
+        help="where results and logs go (default: results/<sweep>-<time>)",
+    )
+    s.add_argument(
+        "--deadline",
+        type=positive_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="readiness deadline per config (default 1200)",
+    )
+    s.add_argument(
+        "--grace",
+        type=positive_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="SIGTERM grace before SIGKILL at teardown (default 10)",
+    )
+    s.add_argument(
+        "--allow-unpinned-remote-code",
+        action="store_true",
+        help="allow trust_remote_code without a pinned revision (said in the results)",
+    )
+    s.add_argument(
+        "--share-gpus",
+        action="store_true",
+        help="let instances share GPUs when the host has fewer than the config needs "
+        "(each gets explicit KV-cache bytes); prints a warning",
+    )
+    s.add_argument(
+        "--mooncake-protocol",
+        choices=["rdma", "tcp"],
+        default=None,
+        help="same as --set mooncake_protocol=...",
+    )
+    s.add_argument(
+        "--mooncake-device-name",
+        default=os.environ.get("MOONCAKE_DEVICE_NAME"),
+        help="RDMA HCA allow-list (default: $MOONCAKE_DEVICE_NAME); same as --set mooncake_device_name=...",
+    )
+    o = s.add_argument_group("per-run overrides (recorded in plan.txt, result.json and the summary)")
+    o.add_argument(
+        "--model",
+        default=None,
+        metavar="ID_OR_PATH",
+        help="serve this model in every config: a hub id, a local path, or tiny-llama / "
+        "tiny-mixtral (replaces upstream's TEST_MODEL)",
+    )
+    o.add_argument("--revision", default=None, help="hub revision of --model (a commit or tag)")
+    o.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        dest="set_fields",
+        help="set any config field, parsed and checked like the TOML (repeatable), e.g. "
+        "--set gpu_memory_utilization=0.8 --set block_size=16",
+    )
+    o.add_argument(
+        "--extra-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        dest="extra_arg",
+        help="one more argv element for every vLLM instance (repeatable; "
+        "--extra-arg=--enforce-eager for values that start with '-')",
+    )
+    s.add_argument("-v", "--verbose", action="store_true")
+
+
+def add_sweep_options(s: argparse.ArgumentParser) -> None:
+    """Every option of ``pd-sessions sweep`` except the sweep itself: the common ones, the
+    checks', and the user's own commands."""
+    add_common_options(s)
+    c = s.add_argument_group("checks")
+    c.add_argument(
+        "--accuracy",
+        choices=["enforce", "warn"],
+        default="enforce",
+        help="warn: exploratory run; an accuracy miss or missing baseline is reported, "
+        "not failed (said in the summary)",
+    )
+    c.add_argument("--accuracy-rule", choices=["tolerance", "wilson"], default="tolerance")
+    c.add_argument(
+        "--accuracy-limit",
+        type=int,
+        default=None,
+        metavar="N",
+        help="lm_eval sample limit (refused unless it matches the baseline's)",
+    )
+    c.add_argument("--allow-sample-mismatch", action="store_true")
+    c.add_argument(
+        "--record-baseline", action="store_true", help="measure accuracy and write it as the model's baseline"
+    )
+    c.add_argument(
+        "--skip-check",
+        action="append",
+        default=[],
+        choices=list(check_registry.NAMES),
+        help="do not run this check (printed in the banner, recorded in the results)",
+    )
+    u = s.add_argument_group("your own commands against each live cluster")
+    u.add_argument(
+        "--exec",
+        dest="user_commands",
+        action="append",
+        metavar="CMD",
+        help="after the checks, run CMD (split like a shell, run without one) with the "
+        "cluster up and its address in the environment (PREFILL_PORT, PROXY_PORT, "
+        "PD_SESSIONS_CLUSTER...); its exit status is check exec[N]; {junitxml} in "
+        "CMD becomes a path whose JUnit is merged into ours (repeatable)",
+    )
+    u.add_argument(
+        "--pytest",
+        dest="user_commands",
+        action="append",
+        nargs="+",
+        metavar="PATH",
+        help="shorthand for --exec 'python -m pytest PATH... --junitxml={junitxml}' with "
+        "this environment's python (repeatable)",
+    )
+    u.add_argument(
+        "--exec-timeout",
+        type=positive_seconds,
+        default=EXEC_TIMEOUT_S,
+        metavar="SECONDS",
+        help="stop a command (its process group) that runs longer and fail its check (default %(default)g)",
+    )
+
+
+def sweep_parser(
+    prog: str = "pd-sessions sweep", *, positional: bool = True, serve: bool = False
+) -> argparse.ArgumentParser:
+    """The parser of ``sweep`` (or, with ``serve``, of ``serve``); ``positional=False`` for a
+    nox session, whose sweep is given by the session."""
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=(
+            "start one config and hold it up" if serve else "run (or --dry-run) a sweep of P/D clusters"
+        ),
+    )
+    if positional:
+        p.add_argument("sweep", help="a built-in sweep name (e.g. mooncake_sweep) or a .toml path")
+    (add_common_options if serve else add_sweep_options)(p)
+    return p
+
+
+# ------------------------------------------------------------------ nox sessions only
+
+
+def session_parser() -> argparse.ArgumentParser:
+    """Options that say how a nox session installs; everything else goes to the CLI."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument(
+        "--installed",
+        action="store_true",
+        help="run on the current interpreter and install nothing that is there already "
+        "(what `nox --no-venv` does)",
+    )
+    p.add_argument(
+        "--no-install",
+        action="store_true",
+        help="change nothing in the environment; report what is missing or mismatched",
+    )
+    p.add_argument(
+        "--find-links",
+        default=None,
+        metavar="DIR",
+        help="install only from this folder, never from an index (default: $PD_SESSIONS_FIND_LINKS)",
+    )
+    return p
+
+
+def split_session_args(posargs: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """(install options, the rest for the CLI). The rest keeps its order."""
+    opts, rest = session_parser().parse_known_args(list(posargs))
+    return opts, rest

@@ -1,0 +1,89 @@
+"""Before anything is installed or started: can this sweep run on this host?
+
+Imports only the standard library and pure modules, so the noxfile can call it
+before it installs anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from pd_sessions.core.config import ClusterConfig, Sweep
+from pd_sessions.core.errors import ConfigError, PlanError
+from pd_sessions.core.inventory import Inventory, resolve_platform
+
+
+def preflight(
+    sweep: Sweep, requested: str | None, inv: Inventory, *, dry_run: bool = False, share_gpus: bool = False
+) -> tuple[str, Inventory, str | None]:
+    """(platform, inventory to plan with, note).
+
+    sweep platforms  host GPUs        dry run  -> result
+    cpu+cuda         any              any      -> resolve_platform(requested, host)
+    cuda only        --platform cpu   any      -> ConfigError
+    cuda only        >= needed        any      -> cuda, host inventory
+    cuda only        >= 1, --share-gpus  any   -> cuda, host inventory (instances share)
+    cuda only        <  needed        no       -> PlanError "needs N GPUs, M visible: ..."
+    cuda only        <  needed        yes      -> cuda, GPUs 0..N-1 assumed (noted)
+    """
+    if "cpu" in sweep.platforms:
+        return resolve_platform(requested, inv), inv, None
+    if requested == "cpu":
+        raise ConfigError("--platform", f"{sweep.name} runs on {', '.join(sweep.platforms)} only")
+    need = sweep.gpus_needed()
+    if len(inv.gpus) >= need or (share_gpus and inv.gpus):
+        return "cuda", inv, None
+    seen = ",".join(inv.gpus) if inv.gpus else "none"
+    if dry_run:
+        assumed = replace(
+            inv,
+            gpus=tuple(str(i) for i in range(need)),
+            gpu_source=f"assumed for --dry-run (this host: {seen})",
+        )
+        return (
+            "cuda",
+            assumed,
+            (
+                f"dry run: {sweep.name} needs {need} GPUs and this host has "
+                f"{len(inv.gpus)} visible ({seen}); planning as if GPUs "
+                f"{','.join(assumed.gpus)} were visible"
+            ),
+        )
+    raise PlanError(
+        "gpus",
+        f"{sweep.name} needs {need} GPUs, {len(inv.gpus)} visible: {seen} "
+        f"(from {inv.gpu_source}); nothing was started",
+    )
+
+
+def rdma_problem(configs: Sequence[ClusterConfig], platform: str, inv: Inventory) -> str | None:
+    """Why Mooncake over RDMA cannot work on this host, or None.
+
+    platform  connector  protocol  RDMA devices            -> result
+    cpu       any        any       any                     -> None (the CPU lane uses tcp)
+    cuda      mooncake   rdma      unknown (None)          -> None (not looked at)
+    cuda      mooncake   rdma      none                    -> "no RDMA device ... --mooncake-protocol tcp"
+    cuda      mooncake   rdma      some, device_name set   -> every listed name must be one of them
+    cuda      other / tcp                                  -> None
+    """
+    if platform != "cuda" or inv.rdma_devices is None:
+        return None
+    for c in configs:
+        if c.connector != "mooncake" or c.mooncake_protocol != "rdma":
+            continue
+        if not inv.rdma_devices:
+            return (
+                f"config {c.name}: Mooncake over RDMA (mooncake_protocol = 'rdma') needs an RDMA "
+                "device, and this host has none (/sys/class/infiniband is empty); use "
+                "--mooncake-protocol tcp (or --set mooncake_protocol=tcp)"
+            )
+        wanted = [d for d in c.mooncake_device_name.split(",") if d]
+        unknown = [d for d in wanted if d not in inv.rdma_devices]
+        if unknown:
+            return (
+                f"config {c.name}: mooncake_device_name names {', '.join(unknown)}, not an RDMA "
+                f"device of this host ({', '.join(inv.rdma_devices)}); set --mooncake-device-name "
+                "or $MOONCAKE_DEVICE_NAME to one of them"
+            )
+    return None

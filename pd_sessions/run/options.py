@@ -1,0 +1,86 @@
+"""What a sweep (and ``serve``, the bench, the pytest fixture) runs with: the options, and the
+plan of one config."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pd_sessions.checks.accuracy import AccuracyOptions
+from pd_sessions.core import check_registry
+from pd_sessions.core.config import TINY_MODELS, ClusterConfig
+from pd_sessions.core.inventory import Inventory
+from pd_sessions.core.plan import GPU_PASSTHROUGH_ENV, ClusterPlan, plan_cluster
+from pd_sessions.run import user_commands
+from pd_sessions.runtime import tiny_model
+from pd_sessions.runtime.cluster import DEFAULT_DEADLINE_S, DEFAULT_GRACE_S
+from pd_sessions.runtime.ports import PortAllocator
+
+CHECKS = check_registry.DEFAULTS
+
+
+@dataclass(frozen=True)
+class SweepOptions:
+    platform: str
+    results_dir: Path
+    deadline_s: float = DEFAULT_DEADLINE_S
+    grace_s: float = DEFAULT_GRACE_S
+    python: str = sys.executable
+    model_cache: Path | None = None
+    allow_unpinned: bool = False
+    share_gpus: bool = False
+    accuracy: AccuracyOptions = field(default_factory=AccuracyOptions)
+    # Checks not run, by explicit request (printed in the banner, recorded in the results).
+    skip_checks: tuple[str, ...] = ()
+    # The command line's overrides, described (already applied to the configs; recorded).
+    overrides: tuple[str, ...] = ()
+    # The user's own commands (--exec, --pytest), run after the checks: check exec[N] each.
+    commands: tuple[user_commands.UserCommand, ...] = ()
+    exec_timeout_s: float = user_commands.DEFAULT_TIMEOUT_S
+    # The sweep's selection (TOML `checks`) and options (TOML `[check_options.X]`).
+    selected_checks: tuple[str, ...] = CHECKS
+    check_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def checks(self) -> tuple[str, ...]:
+        return tuple(c for c in self.selected_checks if c not in self.skip_checks) + tuple(
+            c.name for c in self.commands
+        )
+
+
+def model_path(
+    config: ClusterConfig, *, create: bool, cache: Path | None = None, weights_seed: int | None = None
+) -> str | None:
+    """What --model gets: the generated tiny model's directory, or None (use config.model)."""
+    if config.model not in TINY_MODELS:
+        return None
+    spec = tiny_model.spec_for(config.model, weights_seed=weights_seed)
+    path = tiny_model.ensure(spec, cache) if create else tiny_model.model_dir(spec, cache)
+    return str(path)
+
+
+def make_plan(
+    config: ClusterConfig, inv: Inventory, ports: PortAllocator, opts: SweepOptions, *, create_model: bool
+) -> ClusterPlan:
+    return plan_cluster(
+        config,
+        inv,
+        ports,
+        platform=opts.platform,
+        python=opts.python,
+        model=model_path(config, create=create_model, cache=opts.model_cache),
+        decode_model=(
+            model_path(
+                config, create=create_model, cache=opts.model_cache, weights_seed=config.decode_weights_seed
+            )
+            if config.decode_weights_seed is not None
+            else None
+        ),
+        allow_unpinned=opts.allow_unpinned,
+        share_gpus=opts.share_gpus,
+        overrides=opts.overrides,
+        passthrough_env={k: os.environ[k] for k in GPU_PASSTHROUGH_ENV if k in os.environ},
+    )

@@ -1,0 +1,164 @@
+"""Run every selected config of a sweep: plan, start, check, tear down, record.
+
+Every config runs even when an earlier one failed. Library code: it logs and
+reports progress through a callback; only the CLI prints.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from pd_sessions.report.writers import write_config_result
+
+from pd_sessions.checks.runner import run_checks
+from pd_sessions.core.config import ClusterConfig
+from pd_sessions.core.errors import PdError
+from pd_sessions.core.inventory import Inventory
+from pd_sessions.core.results import RUNNING, CheckResult, ConfigResult
+from pd_sessions.report import unfinished
+from pd_sessions.run import user_commands
+from pd_sessions.run.options import SweepOptions, make_plan
+from pd_sessions.runtime.cluster import Event, running_cluster
+from pd_sessions.runtime.ports import PortAllocator
+
+log = logging.getLogger(__name__)
+
+
+def new_result(config: ClusterConfig, opts: SweepOptions) -> ConfigResult:
+    return ConfigResult(
+        name=config.name,
+        shape=config.shape,
+        connector=config.connector,
+        platform=opts.platform,
+        overrides=list(opts.overrides),
+    )
+
+
+def run_config(
+    config: ClusterConfig,
+    inv: Inventory,
+    opts: SweepOptions,
+    progress: Callable[[str], None],
+    on_event: Callable[[Event], None] | None = None,
+    into: ConfigResult | None = None,
+) -> ConfigResult:
+    """Plan, start, check, tear down and record one config (``on_event``: see running_cluster).
+
+    ``into``: the record to fill (else a new one). An unforeseen exception (not a PdError)
+    errors this config, its traceback in ``error.log``; a stop (SIGINT, SIGTERM) marks it
+    cancelled, writes its result.json, and goes on up.
+    """
+    res = into or new_result(config, opts)
+    run_dir = opts.results_dir / config.name
+    res.run_dir = str(run_dir)
+    t = time.monotonic()
+    ports = PortAllocator(config.host)
+    try:
+        try:
+            plan = make_plan(config, inv, ports, opts, create_model=True)
+        finally:
+            res.phases["plan"] = time.monotonic() - t
+        res.warnings = list(plan.warnings)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "plan.txt").write_text(plan.render() + "\n")
+        checks: list[CheckResult] = []
+        try:
+            with running_cluster(
+                plan,
+                run_dir,
+                ports=ports,
+                deadline_s=opts.deadline_s,
+                grace_s=opts.grace_s,
+                progress=progress,
+                timings=res.timings,
+                on_event=on_event,
+            ) as cluster:
+                t = time.monotonic()
+                try:
+                    cluster.guard(
+                        lambda: run_checks(
+                            cluster,
+                            checks,
+                            opts.accuracy,
+                            opts.skip_checks,
+                            selected=opts.selected_checks,
+                            options=opts.check_options,
+                        ),
+                        when="while checks ran",
+                    )
+                    if opts.commands:
+                        user_commands.run_commands(
+                            cluster,
+                            opts.commands,
+                            checks,
+                            progress=progress,
+                            timeout_s=opts.exec_timeout_s,
+                            grace_s=opts.grace_s,
+                        )
+                finally:
+                    res.phases["checks"] = time.monotonic() - t
+                    res.checks = list(checks)
+                    for c in checks:
+                        progress(f"{config.name}: {c.name} {c.verdict.upper()}: {c.message}")
+                        if "traceback" in c.details:  # it crashed: see checks.base.crashed
+                            with open(run_dir / "checks.log", "a") as f:
+                                f.write(f"--- {c.name} crashed ---\n{c.details['traceback']}")
+        finally:
+            _fill_phases(res)
+    except PdError as e:
+        res.error = str(e)
+        progress(f"{config.name}: ERROR: {str(e).splitlines()[0]}")
+    except Exception as e:  # a bug, or a library failing in a way we did not foresee
+        log_path = unfinished.crash_log(run_dir, "error", e)
+        res.error = f"internal error: {type(e).__name__}: {e} (traceback in {log_path})"
+        progress(f"{config.name}: ERROR: {res.error}")
+    except BaseException as e:  # a stop: record this config as cancelled, then let it go on up
+        unfinished.cancel(res, unfinished.stop_cause(e))
+        write_config_result(res, run_dir / "result.json")
+        raise
+    finally:
+        ports.release()
+    res.decide(opts.checks)
+    write_config_result(res, run_dir / "result.json")
+    return res
+
+
+def _fill_phases(res: ConfigResult) -> None:
+    timings = res.timings
+    if "instances_ready" in timings:
+        res.phases["start"] = timings["instances_ready"]
+    if "router_ready" in timings:
+        res.phases["router"] = timings["router_ready"]
+    if "teardown" in timings:
+        res.phases["teardown"] = timings["teardown"]
+
+
+def run_sweep(
+    configs: Sequence[ClusterConfig],
+    inv: Inventory,
+    opts: SweepOptions,
+    progress: Callable[[str], None],
+    results: list[ConfigResult] | None = None,
+    on_change: Callable[[list[ConfigResult]], None] | None = None,
+) -> list[ConfigResult]:
+    """Run every config; one record each, returned (and appended to ``results`` if given).
+
+    Each record joins ``results`` as its config starts (outcome ``running``), so a caller that
+    a stop interrupts still holds the finished ones and the cancelled one. ``on_change`` is
+    called as each config starts and ends (to write a provisional summary).
+    """
+    results = [] if results is None else results
+    for i, config in enumerate(configs, 1):
+        progress(f"[{i}/{len(configs)}] {config.name}: {config.shape}, {config.connector}")
+        res = new_result(config, opts)
+        res.outcome = RUNNING
+        results.append(res)
+        if on_change:
+            on_change(results)
+        run_config(config, inv, opts, progress, into=res)
+        progress(f"[{i}/{len(configs)}] {config.name}: {results[-1].outcome.upper()}")
+        if on_change:
+            on_change(results)
+    return results

@@ -1,0 +1,292 @@
+"""A running P/D cluster as a context manager: start a plan, always tear it down.
+
+    with running_cluster(plan, run_dir) as cluster:
+        cluster.guard(lambda: do_checks(cluster), when="while checks ran")
+
+Start: every instance and the router at once (each in its own session, output
+to ``run_dir/<name>.log``; the router waits for its workers itself), wait until
+every instance is ready (alive, /health 200, /v1/models lists the model), then
+until every (prefill, decode) pair has served a request aimed at it (pd_sessions.runtime.pairs),
+and until the router is: /health 200 and a 1-token completion through it succeeds. Once every
+instance is healthy, a P/D path that keeps failing ends the wait within PD_PATH_BUDGET_S.
+Every process must stay alive throughout. Teardown (on success, error, SIGINT or SIGTERM
+turned into exceptions by the CLI): our own requests still open to the cluster are cut, then
+the router and the instances together, under one grace: SIGTERM -> grace -> SIGKILL ->
+verified gone; the router gets its SIGKILL after ROUTER_CUT_S already (see ``teardown``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import TypeVar
+from urllib.parse import urlsplit
+
+from pd_sessions.core.errors import PdError, ReadinessTimeout
+from pd_sessions.core.plan import ClusterPlan, ProcessSpec
+from pd_sessions.runtime import http, pairs, process
+from pd_sessions.runtime.ports import PortAllocator
+from pd_sessions.runtime.process import Running
+from pd_sessions.runtime.readiness import Target, guarded, health_probe, models_probe, wait_ready
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DEFAULT_DEADLINE_S = 1200.0
+DEFAULT_GRACE_S = 10.0
+# vllm-router exits at once on SIGTERM unless it is forwarding requests: then it waits for them,
+# while the instances behind it (stopping too) wait for its connections to close.
+ROUTER_CUT_S = 1.0
+ROUTER_PROBE_PROMPT = "Ready"
+
+
+@dataclass(frozen=True)
+class Event:
+    """A moment in a cluster's life, for observers (the benchmark): see ``running_cluster``."""
+
+    kind: str  # "spawned" | "ready"
+    name: str  # the process: "prefill-0", "router"...
+    at: float  # time.monotonic()
+    health_url: str | None = None  # with "spawned"
+
+
+@dataclass
+class Cluster:
+    plan: ClusterPlan
+    run_dir: Path
+    instances: list[Running] = field(default_factory=list)
+    router: Running | None = None
+    # phase name -> seconds; filled as the cluster starts and stops
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def processes(self) -> list[Running]:
+        return self.instances + ([self.router] if self.router else [])
+
+    @property
+    def router_url(self) -> str:
+        return self.plan.router.url
+
+    def guard(
+        self,
+        call: Callable[[], T],
+        *,
+        when: str = "while checks ran",
+        timeout: float | None = None,
+        heartbeat: Callable[[], None] | None = None,
+    ) -> T:
+        """Run ``call``; fail at once if any process of the cluster exits meanwhile."""
+        return guarded(call, watch=self.processes, when=when, timeout=timeout, heartbeat=heartbeat)
+
+
+def spawn_spec(spec: ProcessSpec, run_dir: Path, base_env: Mapping[str, str]) -> Running:
+    """Start one planned process, its output going to ``run_dir/<log_name>``."""
+    env = {**base_env, **spec.env_dict()}
+    return process.spawn(spec.name, spec.argv, env=env, log_path=run_dir / spec.log_name, url=spec.url)
+
+
+def _router_completion_probe(
+    cluster: Cluster, deadline: float, tick: float, say: Callable[[str], None], pd_path: bool = False
+) -> None:
+    """Retry a 1-token completion through the router until it answers or the deadline.
+    ``pd_path``: the deadline is the P/D path budget (every instance healthy), so running
+    out of it raises PdPathFailed with the router's answer and the decodes' error lines."""
+    plan = cluster.plan
+    last = "no answer yet"
+    t0 = time.monotonic()
+
+    def heartbeat() -> None:
+        say(
+            f"waiting {time.monotonic() - t0:.0f} s (deadline in {deadline - time.monotonic():.0f} s) "
+            f"for a 1-token completion through the router (last: {last})"
+        )
+
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            r = cluster.router
+            assert r is not None
+            if pd_path:  # every instance is healthy: the P/D path itself keeps failing
+                raise pairs.PdPathFailed(
+                    f"router ({plan.router.url})",
+                    waited_s=time.monotonic() - t0,
+                    last=last,
+                    router_answer=last,
+                    decode=", ".join(d.name for d in plan.decode),
+                    decode_errors=[
+                        f"{i.name}: {line}"
+                        for i in cluster.instances
+                        if i.name.startswith("decode")
+                        for line in pairs.log_errors(i.log_path)
+                    ],
+                )
+            raise ReadinessTimeout(
+                "router",
+                url=plan.router.url,
+                waited_s=time.monotonic() - r.started_at,
+                last_probe=f"1-token completion: {last}",
+                log_path=r.log_path,
+                log_tail=r.log_tail(),
+            )
+        try:
+            cluster.guard(
+                partial(
+                    http.completion,
+                    plan.router.url,
+                    plan.served_model_name,
+                    ROUTER_PROBE_PROMPT,
+                    max_tokens=1,
+                    timeout=min(remaining, 120.0),
+                ),
+                when="while the router was starting",
+                heartbeat=heartbeat,
+            )
+            return
+        except http.HttpError as e:
+            last = str(e)
+        time.sleep(tick)
+
+
+@contextmanager
+def running_cluster(
+    plan: ClusterPlan,
+    run_dir: Path,
+    *,
+    ports: PortAllocator | None = None,
+    deadline_s: float = DEFAULT_DEADLINE_S,
+    grace_s: float = DEFAULT_GRACE_S,
+    progress: Callable[[str], None] | None = None,
+    base_env: Mapping[str, str] | None = None,
+    tick: float = 0.1,
+    timings: dict[str, float] | None = None,
+    on_event: Callable[[Event], None] | None = None,
+    pd_path_budget_s: float = pairs.PD_PATH_BUDGET_S,
+) -> Iterator[Cluster]:
+    """Start ``plan`` and yield the ready :class:`Cluster`; always tear it down.
+
+    ``ports`` (the allocator that planned the ports) is released right before
+    the processes start, so the ports stay reserved until then. ``timings``, if
+    given, is filled with phase durations even when starting fails. ``on_event``
+    is told when each process is spawned and when it is noticed ready (it must
+    return quickly).
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ if base_env is None else base_env)
+    cluster = Cluster(plan=plan, run_dir=run_dir, timings={} if timings is None else timings)
+    t0 = time.monotonic()
+    deadline = t0 + deadline_s
+    say = progress or (lambda msg: log.info("%s", msg))
+    tell = on_event or (lambda event: None)
+    try:
+        if ports is not None:
+            ports.release()
+        # Deferred: a cancel between a Popen and this list would leave a server untracked.
+        with process.signals_deferred():
+            for spec in plan.instances:
+                cluster.instances.append(spawn_spec(spec, run_dir, env))
+                tell(Event("spawned", spec.name, cluster.instances[-1].started_at, spec.health_url))
+            # The router starts at once too: it waits for its workers itself (checking every
+            # second), so its own start-up is hidden behind the instances'.
+            cluster.router = spawn_spec(plan.router, run_dir, env)
+        tell(Event("spawned", "router", cluster.router.started_at, plan.router.health_url))
+        say(
+            f"{plan.config.name}: started {len(plan.instances)} instances and the router; "
+            f"waiting up to {deadline_s:.0f} s for them (logs in {run_dir})"
+        )
+        targets = [
+            Target(r, [health_probe(s.health_url), models_probe(s.url, plan.served_model_name)])
+            for r, s in zip(cluster.instances, plan.instances, strict=True)
+        ]
+        wait_ready(targets, deadline=deadline, also_alive=[cluster.router], progress=say, tick=tick)
+        for t in targets:
+            assert t.ready_at is not None
+            cluster.timings[f"{t.running.name}_ready"] = t.ready_at - t.running.started_at
+            tell(Event("ready", t.running.name, t.ready_at))
+        cluster.timings["instances_ready"] = time.monotonic() - t0
+        t1 = time.monotonic()
+        # Every instance is healthy: from here a P/D path that keeps failing ends the wait
+        # within the budget, not at the overall deadline.
+        pd_deadline = min(deadline, time.monotonic() + pd_path_budget_s)
+        took = pairs.warm_pairs(
+            plan,
+            deadline=pd_deadline,
+            logs={r.name: r.log_path for r in cluster.instances},
+            guard=lambda call: cluster.guard(call, when="while warming P/D pairs"),
+            say=say,
+        )
+        cluster.timings["pairs_warm"] = time.monotonic() - t1
+        say(
+            f"{plan.config.name}: warmed {len(took)} P/D pair(s) with a request aimed at each "
+            f"({', '.join(f'{k} {v:.1f} s' for k, v in took.items())})"
+        )
+        wait_ready(
+            [Target(cluster.router, [health_probe(plan.router.health_url)])],
+            deadline=deadline,
+            also_alive=cluster.instances,
+            progress=say,
+            tick=tick,
+        )
+        _router_completion_probe(cluster, pd_deadline, tick=0.2, say=say, pd_path=pd_deadline < deadline)
+        cluster.timings["router_ready"] = time.monotonic() - t1
+        tell(Event("ready", "router", time.monotonic()))
+        say(
+            f"{plan.config.name}: cluster ready after {time.monotonic() - t0:.1f} s "
+            f"(router {plan.router.url})"
+        )
+        yield cluster
+    except PdError as e:
+        # Said before teardown, so the failure shows the moment it is detected.
+        say(f"{plan.config.name}: FAILED: {e}")
+        say(f"{plan.config.name}: tearing down {len(cluster.processes)} processes")
+        raise
+    finally:
+        t2 = time.monotonic()
+        try:
+            teardown(cluster.router, cluster.instances, grace_s=grace_s)
+        finally:
+            cluster.timings["teardown"] = time.monotonic() - t2
+
+
+def teardown(
+    router: Running | None, instances: Sequence[Running], *, grace_s: float = DEFAULT_GRACE_S
+) -> None:
+    """Stop the router and the instances together, under one shared grace: SIGTERM to all
+    (the router's first), one wait of at most ``grace_s``, SIGKILL to what is left, every PID
+    verified gone (StopError names survivors).
+
+    Together, not one group after the other: a cancel gives the whole teardown one grace
+    (Buildkite SIGKILLs 10 s after its SIGTERM), and a healthy cluster is gone in the time
+    its slowest process takes to exit (~1.5 s for vLLM's API server on the CPU lane).
+
+    Requests still in flight would hold that up until the SIGKILL: vLLM's API server, once
+    stopping, aborts its engine but waits for its open connections, whose requests then never
+    end. So first our own connections to the cluster are cut (a check cancelled mid-request),
+    and the router, if it still forwards requests ``ROUTER_CUT_S`` after its SIGTERM (ours
+    were cut; these are other processes': a user's tests, ``serve``'s users), is
+    SIGKILLed then: it holds no state, and its connections to the instances close with it.
+    """
+    group = ([router] if router else []) + list(instances)
+    if not group:
+        return
+    with http.held():  # a check's thread still running opens no new request meanwhile
+        cut = process.cut_connections([a for a in map(_address, group) if a is not None])
+        if cut:
+            log.info("cut %d request(s) of ours still open to the cluster", cut)
+        early = {router.name: ROUTER_CUT_S} if router else None
+        rep = process.stop(group, grace_s=grace_s, early=early)  # logs a cut itself
+    if rep.killed:
+        log.warning("needed SIGKILL: %s", ", ".join(rep.killed))
+
+
+def _address(r: Running) -> tuple[str, int] | None:
+    """(host, port) of ``r``'s HTTP server, from its URL."""
+    if r.url is None:
+        return None
+    u = urlsplit(r.url)
+    return (u.hostname, u.port) if u.hostname and u.port else None

@@ -1,0 +1,50 @@
+"""Host inventory: which platform, which GPUs, which CPU cores.
+
+``detect()`` is the edge (reads the environment, runs ``nvidia-smi``);
+``resolve_platform()`` is the pure decision.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+from pd_sessions.core.inventory import Inventory, parse_visible_devices
+
+RDMA_SYSFS = "/sys/class/infiniband"
+
+
+def rdma_devices(sysfs: str = RDMA_SYSFS) -> tuple[str, ...]:
+    """Names of the RDMA devices (e.g. mlx5_0); () when there are none."""
+    try:
+        return tuple(sorted(os.listdir(sysfs)))
+    except OSError:
+        return ()
+
+
+def detect(environ: dict[str, str] | None = None) -> Inventory:
+    """Look at this host. Never raises for a host without GPUs."""
+    env = os.environ if environ is None else environ
+    physical: tuple[str, ...] = ()
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run(
+                [smi, "--query-gpu=index", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
+            )
+            if out.returncode == 0:
+                physical = tuple(line.strip() for line in out.stdout.splitlines() if line.strip())
+        except (OSError, subprocess.TimeoutExpired):
+            physical = ()
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    gpus = parse_visible_devices(visible, physical) if physical else ()
+    source = (
+        f"CUDA_VISIBLE_DEVICES={visible}" if visible is not None else "nvidia-smi" if physical else "none"
+    )
+    cpus = tuple(sorted(os.sched_getaffinity(0)))
+    return Inventory(gpus=gpus, cpus=cpus, gpu_source=source, rdma_devices=rdma_devices())

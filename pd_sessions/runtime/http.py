@@ -1,0 +1,90 @@
+"""Minimal JSON-over-HTTP client for our own loopback servers (edge).
+
+Built on urllib with proxies disabled: traffic must go straight to the
+addresses in the plan, whatever http_proxy says.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+# Re-exported: callers catch ``http.HttpError``; it lives with the rest of the family in errors.py.
+from pd_sessions.core.errors import HttpError as HttpError
+
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+_held = threading.Event()
+
+
+@contextlib.contextmanager
+def held() -> Iterator[None]:
+    """No request leaves this process inside the block (HttpError "not sent"): while a cluster is
+    torn down, a check's thread left running must not open a new request that the stopping
+    servers would then wait for (cluster.teardown)."""
+    _held.set()
+    try:
+        yield
+    finally:
+        _held.clear()
+
+
+def request(url: str, *, payload: dict[str, Any] | None = None, timeout: float = 5.0) -> tuple[int, bytes]:
+    if _held.is_set():
+        raise HttpError(url, "not sent: the cluster is being torn down")
+    data = None if payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(
+        url,
+        data=data,
+        method="GET" if data is None else "POST",
+        headers={"Content-Type": "application/json"} if data else {},
+    )
+    try:
+        with _OPENER.open(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        body = e.read()[:500].decode("utf-8", errors="replace")
+        raise HttpError(url, f"HTTP {e.code}: {body}", e.code) from None
+    except (urllib.error.URLError, OSError, TimeoutError) as e:
+        reason = getattr(e, "reason", e)
+        if isinstance(reason, ConnectionRefusedError):
+            raise HttpError(url, "connection refused") from None
+        if isinstance(reason, TimeoutError):
+            raise HttpError(url, f"no answer within {timeout:g} s") from None
+        raise HttpError(url, f"{type(reason).__name__}: {reason}") from None
+
+
+def get_text(url: str, *, timeout: float = 5.0) -> str:
+    return request(url, timeout=timeout)[1].decode("utf-8", errors="replace")
+
+
+def post_json(url: str, payload: dict[str, Any], *, timeout: float = 60.0) -> dict[str, Any]:
+    _, body = request(url, payload=payload, timeout=timeout)
+    try:
+        return json.loads(body)
+    except json.JSONDecodeError:
+        raise HttpError(url, f"response is not JSON: {body[:200]!r}") from None
+
+
+def completion(
+    base_url: str, model: str, prompt: str, *, max_tokens: int, timeout: float = 120.0
+) -> dict[str, Any]:
+    """A greedy /v1/completions request; returns the parsed response."""
+    return post_json(
+        f"{base_url}/v1/completions",
+        {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "seed": 0,
+            "ignore_eos": True,
+            # vLLM extension: generated token ids, for token-level parity
+            "return_token_ids": True,
+        },
+        timeout=timeout,
+    )

@@ -1,0 +1,381 @@
+"""Spawning and stopping processes (edge). The only module that sends signals.
+
+Every process starts in its own session (so its process group holds it and
+every child that does not leave the group). Stopping is: SIGTERM to each group
+and to every tracked descendant, a grace period, SIGKILL to what is left, then a
+check that every PID we tracked is gone. We never look processes up by name.
+(parentwatch.py signals only this process itself, when its parent is gone; its reaper
+stops what we started with :func:`stop_leaders` after we are gone.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import psutil
+
+from pd_sessions.core.errors import StopError
+from pd_sessions.runtime import parentwatch
+from pd_sessions.runtime.logtail import log_tail
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Leader:
+    """A process we started, as much as is needed to find its tree again (also from another
+    process: the reaper, see reaper.py)."""
+
+    name: str
+    pid: int
+    # create_time of the leader, to tell it from a later process with the same PID
+    create_time: float = 0.0
+
+
+class Observer(Protocol):
+    """Told about every process spawn() starts and stop() stops (reaper.Reaper)."""
+
+    def spawned(self, r: Running) -> None: ...
+
+    def stopping(self, rs: Sequence[Running], kill_at: float) -> None: ...
+
+    def stopped(self, rs: Sequence[Running]) -> None: ...
+
+
+_observers: list[Observer] = []
+
+
+@contextlib.contextmanager
+def observed(observer: Observer) -> Iterator[None]:
+    """Tell ``observer`` about every spawn and stop inside the block."""
+    _observers.append(observer)
+    try:
+        yield
+    finally:
+        _observers.remove(observer)
+
+
+@dataclass
+class Running:
+    """A live process we started, and where its output goes."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    started_at: float
+    url: str | None = None
+    # create_time of the leader, to tell it from a later process with the same PID
+    create_time: float = 0.0
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def log_tail(self, lines: int = 40) -> str:
+        return log_tail(self.log_path, lines)
+
+    @property
+    def leader(self) -> Leader:
+        return Leader(self.name, self.pid, self.create_time)
+
+
+def spawn(
+    name: str,
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    log_path: Path,
+    url: str | None = None,
+    cwd: Path | None = None,
+) -> Running:
+    """Start ``argv`` in a new session with stdout+stderr appended to ``log_path``.
+
+    From Popen until the observers (the reaper) have it, SIGINT/SIGTERM/SIGHUP are deferred,
+    so a cancel cannot leave a started process unrecorded; started from the main thread, the
+    child also gets SIGTERM if this process dies (parentwatch.child_preexec).
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as out, signals_deferred():
+        out.write(f"# pd_sessions: starting {name}: {list(argv)}\n".encode())
+        out.flush()
+        popen = subprocess.Popen(
+            list(argv),
+            env=dict(env),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=cwd,
+            preexec_fn=parentwatch.child_preexec(),
+        )
+        try:
+            ct = psutil.Process(popen.pid).create_time()
+        except psutil.Error:
+            ct = 0.0
+        r = Running(
+            name=name, popen=popen, log_path=log_path, started_at=time.monotonic(), url=url, create_time=ct
+        )
+        for o in list(_observers):
+            o.spawned(r)
+    log.debug("started %s pid %d", name, popen.pid)
+    return r
+
+
+@dataclass
+class StopReport:
+    seconds: float
+    # names of processes that needed SIGKILL (ignored SIGTERM for the grace period)
+    killed: list[str] = field(default_factory=list)
+    pids: list[int] = field(default_factory=list)
+    # names SIGKILLed early (``early``): still up when their own, shorter wait ended
+    cut: list[str] = field(default_factory=list)
+
+
+def _tracked(r: Running | Leader) -> list[psutil.Process]:
+    """The leader, its descendants, and anything else still in its session."""
+    procs: dict[int, psutil.Process] = {}
+    try:
+        leader = psutil.Process(r.pid)
+        if r.create_time and abs(leader.create_time() - r.create_time) >= 0.01:
+            return []  # the PID was recycled: our leader and its session are long gone
+        procs[leader.pid] = leader
+        for c in leader.children(recursive=True):
+            procs[c.pid] = c
+    except psutil.Error:
+        pass
+    # Orphans re-parented away from the tree keep their session id.
+    for p in psutil.process_iter():
+        if p.pid in procs:
+            continue
+        try:
+            if os.getsid(p.pid) == r.pid:
+                procs[p.pid] = p
+        except (ProcessLookupError, PermissionError, OSError):
+            continue
+    return list(procs.values())
+
+
+def alive(p: psutil.Process) -> bool:
+    """Running and not a zombie (a zombie has exited; only its parent's wait is missing)."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def session_family(root: psutil.Process) -> list[psutil.Process]:
+    """``root``, its descendants and every member of their sessions (servers run in sessions
+    of their own; their engine cores are in those): everything a run started. The caller's
+    own session is left out."""
+    procs = {root.pid: root}
+    with contextlib.suppress(psutil.Error):
+        for c in root.children(recursive=True):
+            procs[c.pid] = c
+    sids = set()
+    for p in list(procs.values()):
+        with contextlib.suppress(OSError):
+            sids.add(os.getsid(p.pid))
+    sids.discard(os.getsid(0))
+    for p in psutil.process_iter():
+        with contextlib.suppress(OSError, psutil.Error):
+            if os.getsid(p.pid) in sids:
+                procs.setdefault(p.pid, p)
+    return list(procs.values())
+
+
+def _wait_gone(procs: Sequence[psutil.Process], timeout: float, poll: float = 0.01) -> list[psutil.Process]:
+    """Wait until every process in ``procs`` has exited (a zombie counts as exited); the
+    ones still alive at ``timeout``. Polls /proc rather than waiting on each PID in turn
+    (psutil.wait_procs), because orphans that exited stay zombies until init reaps them."""
+    end = time.monotonic() + timeout
+    while True:
+        left = [p for p in procs if alive(p)]
+        if not left or time.monotonic() >= end:
+            return left
+        time.sleep(poll)
+
+
+def _signal_all(groups: Sequence[int], procs: list[psutil.Process], sig: int) -> None:
+    for pgid in groups:
+        # Only while a process of ours is still in the group, so a recycled id is never hit.
+        if any(alive(p) and _pgid(p) == pgid for p in procs):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, sig)
+    for p in procs:
+        if alive(p):
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(sig)
+
+
+def _pgid(p: psutil.Process) -> int | None:
+    try:
+        return os.getpgid(p.pid)
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM/SIGHUP until the block ends (a cancel must not cut teardown short).
+
+    A signal that arrives meanwhile is recorded and raised again right after, when the
+    previous handlers are back. Python-level handlers, not a signal mask: a mask holds
+    only for the calling thread, and with other threads about (probes, guarded calls)
+    the kernel hands the signal to one of them, whose handler then runs here anyway.
+    Only the main thread can install handlers; elsewhere this is a no-op.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    old = {s: signal.getsignal(s) for s in sigs}
+    for s in sigs:
+        signal.signal(s, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            if handler is not None:  # None: installed outside Python, cannot be restored
+                signal.signal(s, handler)
+        for signum in dict.fromkeys(pending):
+            signal.raise_signal(signum)
+
+
+def stop(
+    running: Sequence[Running],
+    *,
+    grace_s: float = 10.0,
+    kill_wait_s: float = 5.0,
+    early: Mapping[str, float] | None = None,
+) -> StopReport:
+    """Stop ``running`` and all their descendants; raise StopError if any survive.
+
+    SIGINT/SIGTERM/SIGHUP to this process are deferred until it returns. The observers
+    (the reaper) hear when the grace ends, and that the processes are gone. ``early``: see
+    :func:`stop_leaders`.
+    """
+    with signals_deferred():
+        for o in list(_observers):
+            o.stopping(running, time.time() + grace_s)
+        try:
+            rep = stop_leaders(
+                [r.leader for r in running], grace_s=grace_s, kill_wait_s=kill_wait_s, early=early
+            )
+        finally:
+            for r in running:  # reap our direct children (zombies by now, unless they survived)
+                r.popen.poll()
+        for o in list(_observers):
+            o.stopped(running)
+        return rep
+
+
+def stop_leaders(
+    leaders: Sequence[Leader],
+    *,
+    grace_s: float,
+    kill_wait_s: float = 5.0,
+    early: Mapping[str, float] | None = None,
+) -> StopReport:
+    """SIGTERM to each leader's group and every tracked process, ``grace_s``, SIGKILL to what
+    is left, then verify every PID gone (StopError names survivors). Needs no Popen: the
+    reaper stops the harness's processes with it after the harness has died.
+
+    ``early`` (leader name -> seconds; at or past ``grace_s`` it changes nothing): a leader
+    whose group is still up that long after the SIGTERM gets its SIGKILL then. For a proxy
+    (vllm-router): its graceful shutdown waits for the requests it forwards, and the servers
+    behind it, stopping too, wait for the proxy's connections to close, so neither would end
+    before the grace.
+    """
+    t0 = time.monotonic()
+    owner: dict[int, str] = {}
+    procs: list[psutil.Process] = []
+    for r in leaders:
+        for p in _tracked(r):
+            owner[p.pid] = r.name
+            procs.append(p)
+    groups = list(dict.fromkeys(r.pid for r in leaders))  # in order: the router's first
+    _signal_all(groups, procs, signal.SIGTERM)
+    left, waited, cut = procs, 0.0, []
+    for name, at in sorted((early or {}).items(), key=lambda kv: kv[1]):
+        if at >= grace_s:
+            break  # the SIGKILL at the end of the grace comes first
+        left = _wait_gone(left, at - waited)
+        waited = at
+        holding = [p for p in left if owner[p.pid] == name]
+        if holding:
+            log.info("%s still up %.1f s after SIGTERM: SIGKILL (what waits on it can end)", name, at)
+            _signal_all([r.pid for r in leaders if r.name == name], holding, signal.SIGKILL)
+            cut.append(name)
+    left = _wait_gone(left, grace_s - waited)
+    killed = sorted({owner[p.pid] for p in left})
+    if left:
+        log.warning(
+            "SIGKILL after %.0f s grace: %s", grace_s, ", ".join(f"{owner[p.pid]} pid {p.pid}" for p in left)
+        )
+        _signal_all(groups, left, signal.SIGKILL)
+        _wait_gone(left, kill_wait_s)
+    survivors = [p for p in procs if alive(p)]
+    if survivors:
+        raise StopError(
+            "processes survived SIGKILL: " + ", ".join(f"{owner[p.pid]} pid {p.pid}" for p in survivors)
+        )
+    return StopReport(seconds=time.monotonic() - t0, killed=killed, pids=sorted(owner), cut=cut)
+
+
+def cut_connections(addresses: Collection[tuple[str, int]]) -> int:
+    """Shut down (``shutdown(2)``, both ways) every TCP connection of this process to one of
+    ``addresses`` (host, port), whichever thread or library opened it; how many were cut.
+
+    A server stopping gracefully (uvicorn under vLLM, vllm-router) waits for the requests it
+    is serving. A request of ours still in flight (a check cancelled mid-request, its thread
+    still blocked on it) would hold that server until its SIGKILL. The descriptor stays open:
+    its owner sees the connection end, and closes it itself.
+    """
+    n = 0
+    for c in psutil.Process().net_connections(kind="tcp"):
+        if c.fd < 0 or not c.raddr or (c.raddr.ip, c.raddr.port) not in addresses:
+            continue
+        try:
+            s = socket.socket(fileno=c.fd)
+        except OSError:
+            continue  # closed meanwhile, or the number now names something else
+        try:
+            # Still that connection: its owner may have closed it and the number been reused.
+            if tuple(s.getpeername()[:2]) == (c.raddr.ip, c.raddr.port):
+                s.shutdown(socket.SHUT_RDWR)
+                n += 1
+        except OSError:
+            pass
+        finally:
+            s.detach()
+    return n
+
+
+def terminate(running: Sequence[Running]) -> None:
+    """SIGTERM to each group and tracked descendant, without waiting or verifying.
+
+    Only for the benchmark's reproduction of the bash flow (``pkill`` then fixed
+    sleeps); real teardown is :func:`stop`.
+    """
+    procs = [p for r in running for p in _tracked(r)]
+    _signal_all([r.pid for r in running], procs, signal.SIGTERM)
+
+
+def still_running(running: Sequence[Running]) -> list[str]:
+    """'name pid N' for every tracked process of ``running`` that is still alive."""
+    return [f"{r.name} pid {p.pid}" for r in running for p in _tracked(r) if alive(p)]

@@ -1,0 +1,212 @@
+"""Nothing outlives a stopped run (edge): the harness dies with its parent, and a small
+reaper outlives the harness just long enough to stop what the harness started.
+
+Each way a run can be stopped, and what catches it:
+
+| how it is stopped | the harness sees | the servers are stopped by |
+| --- | --- | --- |
+| Ctrl-C (SIGINT to the foreground group) | SIGINT | its own teardown (cluster.py) |
+| SIGTERM to the group (Buildkite's cancel) | SIGTERM | its own teardown |
+| SIGTERM or SIGKILL to nox alone | SIGTERM (parent death) | its own teardown |
+| SIGKILL to the harness (*) | nothing | the reaper; each server's parent-death SIGTERM |
+
+(*) Buildkite 10 s after its SIGTERM, nox 0.5 s after Ctrl-C unless told to wait
+(``parentwatch.nox_run_options``), the OOM killer.
+
+The servers run in sessions of their own (so the teardown alone decides how they stop), so no
+signal to our group reaches them: only the harness, or the reaper, stops them.
+
+- **Parent death** (``runtime.parentwatch``): the kernel sends SIGTERM to the harness the moment
+  its parent (nox) exits, however it exits; children get the same (``child_preexec``).
+- **The reaper** (:class:`Reaper`, ``python -m pd_sessions.runtime.reaper``): a process in its own
+  session (so a signal to our group, SIGKILL included, misses it), fed over a pipe with every
+  process the harness starts (name, PID, start time), when a teardown begins (and when its grace
+  ends), and when a teardown has verified them gone. The pipe's end is its only trigger: when the
+  harness exits, however it exits, the kernel closes the pipe; the reaper then stops whatever is
+  still recorded (SIGTERM, the rest of the grace the harness had begun, SIGKILL, every PID
+  verified gone, as process.stop does), logs what it did to ``<results>/reaper.log``, and exits.
+  After a clean exit nothing is recorded and it exits at once.
+
+Why ``python -m`` (not a ``pd-sessions`` subcommand): a process boundary. The reaper is a process
+of its own, in a session of its own, that must outlive the harness; the harness starts it, never
+a user.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from pd_sessions.core.errors import StopError
+from pd_sessions.runtime import parentwatch, process
+from pd_sessions.runtime.parentwatch import KILL_WAIT_S
+
+
+class _Process(Protocol):
+    name: str
+    create_time: float
+
+    @property
+    def pid(self) -> int: ...
+
+
+class Reaper:
+    """The harness's side of the reaper: starts it, and tells it what to stop if we die.
+
+    Used as a process observer (``process.observed(reaper)``): ``spawned`` when a process
+    starts, ``stopping`` when its teardown begins (with the wall-clock time its grace ends),
+    ``stopped`` once it is verified gone. ``close`` ends the pipe and waits for the reaper.
+    """
+
+    def __init__(self, log_path: Path, *, grace_s: float, warn: Callable[[str], None]):
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_path
+        self._warn = warn
+        self._broken = False
+        here = str(Path(__file__).resolve().parents[2])
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                [here] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+            ),
+        }
+        with open(log_path, "ab") as out:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "pd_sessions.runtime.reaper",
+                    "--grace",
+                    str(grace_s),
+                    "--harness",
+                    str(os.getpid()),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        if self._broken or self.proc.stdin is None:
+            return
+        try:
+            self.proc.stdin.write((json.dumps(msg) + "\n").encode())
+            self.proc.stdin.flush()
+        except OSError as e:
+            self._broken = True
+            self._warn(
+                f"the reaper (pid {self.proc.pid}) is gone ({e}): if pd-sessions is now killed "
+                f"with SIGKILL, its servers may outlive it; see {self.log_path}"
+            )
+
+    def spawned(self, r: _Process) -> None:
+        self._send({"add": {"name": r.name, "pid": r.pid, "create_time": r.create_time}})
+
+    def stopping(self, rs: Sequence[_Process], kill_at: float) -> None:
+        self._send({"stopping": [r.pid for r in rs], "kill_at": kill_at})
+
+    def stopped(self, rs: Sequence[_Process]) -> None:
+        self._send({"forget": [r.pid for r in rs]})
+
+    def close(self, timeout: float = 2.0) -> None:
+        """End the pipe; the reaper stops anything still recorded (nothing, after a clean
+        teardown) and exits."""
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._warn(
+                f"the reaper (pid {self.proc.pid}) is still stopping processes that survived "
+                f"the teardown; see {self.log_path}"
+            )
+
+
+class Lifeline:
+    """Parent watch + reaper for one sweep: ``with Lifeline(results_dir, ...) as lifeline:``
+    then ``process.observed(lifeline.reaper)``; see the module docstring."""
+
+    def __init__(self, results_dir: Path, *, grace_s: float, warn: Callable[[str], None]):
+        self.reaper = Reaper(results_dir / "reaper.log", grace_s=grace_s, warn=warn)
+        self.parent = parentwatch.watch()
+
+    def __enter__(self) -> Lifeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.reaper.close()
+        self.parent.close()
+
+
+def _reap(grace_s: float, harness: int, say: Callable[[str], None]) -> int:
+    """The reaper process: read the harness's records until the pipe ends, then stop what is
+    left (see the module docstring). Exit 1 if anything survived SIGKILL."""
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    known: dict[int, process.Leader] = {}
+    kill_at: dict[int, float] = {}
+    say(f"reaper pid {os.getpid()}: watching pd-sessions pid {harness}")
+    for line in sys.stdin:
+        msg = json.loads(line)
+        if "add" in msg:
+            leader = process.Leader(**msg["add"])
+            known[leader.pid] = leader
+        elif "stopping" in msg:
+            kill_at.update(dict.fromkeys(msg["stopping"], float(msg["kill_at"])))
+        elif "forget" in msg:
+            for pid in msg["forget"]:
+                known.pop(pid, None)
+                kill_at.pop(pid, None)
+    if not known:
+        say("pd-sessions is done, and stopped everything it started itself: nothing to do")
+        return 0
+    now = time.time()
+    deadline = max(kill_at.get(pid, now + grace_s) for pid in known)
+    say(
+        f"pd-sessions pid {harness} is gone while {len(known)} of its processes may still run: "
+        f"{', '.join(f'{x.name} pid {x.pid}' for x in known.values())}; stopping them "
+        f"(SIGKILL in {max(0.0, deadline - now):.1f} s)"
+    )
+    try:
+        rep = process.stop_leaders(
+            list(known.values()), grace_s=max(0.0, deadline - time.time()), kill_wait_s=KILL_WAIT_S
+        )
+    except StopError as e:
+        say(f"FAILED: {e}")
+        return 1
+    say(
+        f"done in {rep.seconds:.2f} s: {len(rep.pids)} processes gone"
+        + (f"; needed SIGKILL: {', '.join(rep.killed)}" if rep.killed else "")
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m pd_sessions.runtime.reaper",
+        description="the reaper: started by pd-sessions itself, not by hand",
+    )
+    p.add_argument("--grace", type=float, required=True)
+    p.add_argument("--harness", type=int, required=True)
+    args = p.parse_args(argv)
+
+    def say(msg: str) -> None:
+        print(f"[reaper {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    return _reap(args.grace, args.harness, say)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
