@@ -354,11 +354,13 @@ def buildkite(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, reuse_venv=True, tags=["ci"])
 def lint(session: nox.Session) -> None:
-    """ruff (rules and formatting) and mypy (strict on the pure core), as configured in pyproject.toml."""
+    """ruff (rules and formatting), mypy (strict on the pure core) and import-linter (the layers
+    contract), as configured in pyproject.toml."""
     session.install("-e", str(ROOT), "-r", str(ROOT / "requirements" / "lint.txt"))
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("mypy")
+    session.run("lint-imports", env={"PYTHONPATH": str(ROOT / "tools")})
 
 
 @nox.session(python=PYTHON, reuse_venv=True, tags=["cpu"])

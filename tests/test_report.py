@@ -2,9 +2,8 @@ from __future__ import annotations
 
 import json
 
-from pd_sessions.report.writers import table, write_summary
-
 from pd_sessions.core.results import CheckResult, ConfigResult
+from pd_sessions.report.writers import table, write_summary
 
 
 def result(checks, error=None):
@@ -52,6 +51,7 @@ def test_summary_of_nothing_is_not_passed(tmp_path):
 
 def test_junit_one_case_per_config_and_check(tmp_path):
     from junitparser import Error, Failure, JUnitXml
+
     from pd_sessions.report.writers import write_junit
 
     run_dir = tmp_path / "2x2"

@@ -18,7 +18,6 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import FIXTURES, ROOT
-from pd_sessions.report.writers import write_junit
 from test_faults import FAKE, SWEEP, Run, assert_nothing_left
 from test_faults import bystander as bystander  # the fixture: a stranger named vllm must survive
 from test_plan import FakePorts
@@ -29,6 +28,7 @@ from pd_sessions.core.inventory import Inventory
 from pd_sessions.core.plan import plan_cluster
 from pd_sessions.core.results import FAIL, PASS, ConfigResult
 from pd_sessions.pytest_plugin import parse_spec
+from pd_sessions.report.writers import write_junit
 from pd_sessions.run import serve
 from pd_sessions.run import user_commands as uc
 from pd_sessions.runtime import clusterenv

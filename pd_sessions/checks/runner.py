@@ -26,8 +26,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from pd_sessions.checks import abort_frees_kv, burst, cache_paths, kv_transfer, parity, per_instance, too_long
 from pd_sessions.checks import accuracy as acc
-from pd_sessions.checks import kv_transfer, parity, per_instance
 from pd_sessions.checks.completions import (
     MAX_TOKENS,
     PARITY_PROMPTS,
@@ -44,6 +44,15 @@ from pd_sessions.core.errors import PdError
 from pd_sessions.core.results import FAIL, PASS, CheckResult, crashed
 from pd_sessions.runtime import http, stuck
 from pd_sessions.runtime.cluster import Cluster
+
+# The checks with a gatherer of their own, run(cluster, options) -> CheckResult, after the KV
+# window; smoke, parity, kv_transfer and accuracy are gathered here (they share its window).
+GATHERERS: dict[str, Callable[[Cluster, dict[str, Any]], CheckResult]] = {
+    "cache_paths": cache_paths.run,
+    "too_long": too_long.run,
+    "burst": burst.run,
+    "abort_frees_kv": abort_frees_kv.run,
+}
 
 CONTROL_PROMPT = "A request sent straight to the decode instance, not through the router:"
 
@@ -195,10 +204,11 @@ def run_checks(
         timed("kv_transfer", kv)
 
     for info in registry.CHECKS:
-        if info.gatherer is None or info.name not in wanted:
+        if info.name not in GATHERERS or info.name not in wanted:
             continue
         opts = {**info.options, **(options or {}).get(info.name, {})}
-        timed(info.name, lambda: info.load()(cluster, opts))  # noqa: B023 (timed calls it at once)
+        gather = GATHERERS[info.name]
+        timed(info.name, lambda: gather(cluster, opts))  # noqa: B023 (timed calls it at once)
 
     if "accuracy" in wanted:
         timed("accuracy", lambda: accuracy_check(cluster, accuracy or acc.AccuracyOptions()))

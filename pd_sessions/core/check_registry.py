@@ -1,8 +1,9 @@
-"""Every check, registered in one place: its name, whether sweeps run it by default, its
-options (with defaults) and where its gatherer lives.
+"""Every check, registered in one place: its name, whether sweeps run it by default and its
+options (with defaults). The code that runs each one is ``pd_sessions.checks`` (its gatherers
+are imported there as code, and a test keeps both lists equal).
 
 Standard library only (the sweep loader, which the noxfile imports, validates names and
-options against this table); gatherers are imported when a check runs.
+options against this table).
 
 A sweep selects checks with ``checks = [...]`` at the top of its TOML (default: every check
 with ``default = True``) and sets options with ``[check_options.<name>]``.
@@ -10,8 +11,7 @@ with ``default = True``) and sets options with ``[check_options.<name>]``.
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,15 +23,7 @@ class CheckInfo:
     name: str
     summary: str  # one line for docs and --help
     default: bool = True  # run when a sweep does not list its checks
-    # "module:function" of the gatherer run(cluster, options) -> CheckResult; None = gathered
-    # by the runner itself (smoke, parity, kv_transfer and accuracy share its request window)
-    gatherer: str | None = None
     options: Mapping[str, Any] = field(default_factory=dict)  # option -> default value
-
-    def load(self) -> Callable[..., Any]:
-        assert self.gatherer is not None
-        module, func = self.gatherer.split(":")
-        return getattr(importlib.import_module(module), func)
 
 
 # In running order.
@@ -47,27 +39,23 @@ CHECKS: tuple[CheckInfo, ...] = (
         "cache_paths",
         "parity in the prefix-cache situations: a prompt shorter than a block, "
         "a full hit on the decode side, a partial hit",
-        gatherer="pd_sessions.checks.cache_paths:run",
     ),
     CheckInfo(
         "too_long",
         "a prompt longer than the model length gets a 4xx through the router within "
         "a bounded time; afterwards every instance is healthy and a normal request succeeds",
-        gatherer="pd_sessions.checks.too_long:run",
         options={"bound_s": 10.0},
     ),
     CheckInfo(
         "burst",
         "concurrent requests through the router all succeed, each equals prefill-direct "
         "token for token, and the KV proof counts every one",
-        gatherer="pd_sessions.checks.burst:run",
         options={"requests": 32, "max_tokens": 8},
     ),
     CheckInfo(
         "abort_frees_kv",
         "streaming requests whose client disconnects after the first tokens "
         "leave no running request and no held KV blocks on any instance",
-        gatherer="pd_sessions.checks.abort_frees_kv:run",
         # first_token_s: how long a stream may wait for its first token. On the 2-core CPU lane
         # NIXL decode hops can each wait out a prefill's 30 s KV lease, one after the other for
         # concurrent streams (docs/cpu-lane.md, "What the 30 s stalls are"): 4 x 30 s + margin.

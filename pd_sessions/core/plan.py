@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 
 from pd_sessions.core import connector_support
 from pd_sessions.core.config import PLATFORMS, TINY_MODELS, ClusterConfig, Dtype, Platform
+from pd_sessions.core.envnames import NIXL_DELAY_ENV
 from pd_sessions.core.errors import PlanError
 from pd_sessions.core.inventory import Inventory
 from pd_sessions.core.ports import PortSource
-from pd_sessions.core.envnames import NIXL_DELAY_ENV
 
 # Consecutive ports each vLLM instance may scan upward into from VLLM_PORT
 # (engine-core handshake, ZMQ sockets, torch.distributed for TP ranks).

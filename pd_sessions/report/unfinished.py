@@ -22,12 +22,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pd_sessions.report.writers import write_junit, write_summary
-
 from pd_sessions.core.cliargs import positive_seconds  # noqa: F401  (the sweep's --deadline/--grace type)
 from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.errors import UsageError
 from pd_sessions.core.results import CANCELLED, NOT_RUN, RUNNING, ConfigResult
+from pd_sessions.report.writers import write_junit, write_summary
 
 # What a provisional summary says (see Provisional): still there, it means pd-sessions was killed.
 KILLED_RUNNING = (

@@ -10,14 +10,13 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from pd_sessions.report.writers import write_config_result
-
 from pd_sessions.checks.runner import run_checks
 from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.errors import PdError
 from pd_sessions.core.inventory import Inventory
 from pd_sessions.core.results import RUNNING, CheckResult, ConfigResult
 from pd_sessions.report import unfinished
+from pd_sessions.report.writers import write_config_result
 from pd_sessions.run import user_commands
 from pd_sessions.run.options import SweepOptions, make_plan
 from pd_sessions.runtime.cluster import Event, running_cluster

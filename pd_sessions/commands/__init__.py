@@ -1,0 +1,1 @@
+"""One module per pd-sessions subcommand (the CLI parses and dispatches)."""
