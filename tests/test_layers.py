@@ -47,11 +47,11 @@ def _add_line(path: Path, after: str, line: str) -> None:
     "module,after,line,contract,expect",
     [
         (  # the planner once imported the vLLM plugin for one constant (issue 23)
-            "core/plan.py",
+            "core/plan/instance.py",
             "from __future__ import annotations",
             "from pd_sessions.vllm_plugin import NIXL_DELAY_ENV  # noqa",
             "layers: entry points",
-            "pd_sessions.core.plan -> pd_sessions.vllm_plugin",
+            "pd_sessions.core.plan.instance -> pd_sessions.vllm_plugin",
         ),
         (  # runtime reaching up into the checks
             "runtime/cluster.py",

@@ -1,0 +1,219 @@
+"""One vLLM instance rendered: its ports (from the plan's ledger), env and argv, from its slot
+and the plan-wide settings. Nothing here decides where an instance runs (``placement``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from pd_sessions.core.config import ClusterConfig
+from pd_sessions.core.envnames import NIXL_DELAY_ENV
+from pd_sessions.core.errors import PlanError
+from pd_sessions.core.plan.ledger import PortLedger
+from pd_sessions.core.plan.placement import Slot
+from pd_sessions.core.plan.settings import Lane, ModelSettings
+from pd_sessions.core.plan.specs import ProcessSpec
+
+# Consecutive ports each vLLM instance may scan upward into from VLLM_PORT
+# (engine-core handshake, ZMQ sockets, torch.distributed for TP ranks).
+INTERNAL_PORT_BLOCK = 16
+CPU_KVCACHE_GIB = 1
+# NIXL's progress thread polls at least this often (microseconds) instead of spinning (CPU lane)
+CPU_NIXL_PROGRESS_DELAY_US = 1000
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What every vLLM instance of one plan starts with: one per plan, read per instance."""
+
+    config: ClusterConfig
+    platform: str
+    python: str  # the interpreter that runs vLLM
+    model: ModelSettings
+    lane: Lane
+    shared_gpus: bool  # instances share GPUs: explicit KV cache bytes, not a memory share
+
+
+@dataclass(frozen=True)
+class InstancePorts:
+    """One instance's ports, taken from the plan's ledger in this order (fields top to bottom)."""
+
+    http: int
+    internal: int  # VLLM_PORT: the first of INTERNAL_PORT_BLOCK ports per DP rank
+    bootstrap: int | None  # Mooncake's bootstrap port (every instance; only prefill serves it)
+    side_channel: int | None  # NIXL's side channel: the first of one port per DP rank
+    dp_rpc: int | None  # --data-parallel-rpc-port (DP > 1)
+
+
+@dataclass(frozen=True)
+class PlannedInstance:
+    spec: ProcessSpec
+    warnings: tuple[str, ...]
+
+
+def plan_instance(slot: Slot, launch: Launch, ledger: PortLedger) -> PlannedInstance:
+    """The spec of the instance in ``slot``, with what it has to say."""
+    host = launch.config.host
+    ports = reserve_ports(slot, launch.config.connector, ledger)
+    argv, warnings = instance_argv(slot, launch, ports)
+    spec = ProcessSpec(
+        name=slot.name,
+        role=slot.role,
+        argv=tuple(argv),
+        env=tuple(instance_env(slot, launch, ports).items()),
+        host=host,
+        port=ports.http,
+        log_name=f"{slot.name}.log",
+        gpus=slot.gpus,
+        cpu_bind=slot.cpu_bind,
+        bootstrap_port=ports.bootstrap if slot.role == "prefill" else None,
+        internal_ports=(ports.internal, ports.internal + INTERNAL_PORT_BLOCK - 1),
+    )
+    return PlannedInstance(spec, tuple(warnings))
+
+
+def reserve_ports(slot: Slot, connector: str, ledger: PortLedger) -> InstancePorts:
+    """Take the instance's ports, labelled ``<name>.<use>``, in this order:
+
+    always          http (the slot's explicit port when set), internal (a block)
+    mooncake        mooncake_bootstrap: every instance its own, so none falls back to the
+                    fixed default (8998); only prefill instances serve it
+    nixl            nixl_side_channel: a block, one per DP rank (vLLM listens on port + rank)
+    DP > 1          dp_rpc
+    """
+    name = slot.name
+    http = ledger.get(f"{name}.http", slot.http_port)
+    internal = ledger.block(f"{name}.internal", INTERNAL_PORT_BLOCK * slot.dp)
+    # Fresh ports every run. (vLLM hashes these two ports into its torch.compile cache
+    # key, so on GPU hosts each run compiles again; fixed ports would collide between
+    # clusters on one host, because vLLM binds them long after the plan was made.)
+    bootstrap = ledger.get(f"{name}.mooncake_bootstrap") if connector == "mooncake" else None
+    side_channel = ledger.block(f"{name}.nixl_side_channel", slot.dp) if connector == "nixl" else None
+    dp_rpc = ledger.get(f"{name}.dp_rpc") if slot.dp > 1 else None
+    return InstancePorts(http, internal, bootstrap, side_channel, dp_rpc)
+
+
+def instance_env(slot: Slot, launch: Launch, ports: InstancePorts) -> dict[str, str]:
+    """The environment added to the instance's, in this order (later entries win):
+
+    always         VLLM_HOST_IP, VLLM_PORT, PYTHONUNBUFFERED
+    mooncake       VLLM_MOONCAKE_BOOTSTRAP_PORT
+    nixl           VLLM_NIXL_SIDE_CHANNEL_HOST, VLLM_NIXL_SIDE_CHANNEL_PORT
+    GPUs placed    CUDA_VISIBLE_DEVICES, then the lane's passed-through GPU env
+    cpu            VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND ("auto" when unbound),
+                   and for NIXL the progress-thread delay (NIXL_DELAY_ENV)
+    last           the config's extra_env: its value wins ("" turns the delay off)
+    """
+    c, host = launch.config, launch.config.host
+    env = {"VLLM_HOST_IP": host, "VLLM_PORT": str(ports.internal), "PYTHONUNBUFFERED": "1"}
+    if ports.bootstrap is not None:
+        env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(ports.bootstrap)
+    if ports.side_channel is not None:
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ports.side_channel)
+    if slot.gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(slot.gpus)
+        env.update(dict(launch.lane.gpu_env))
+    if launch.platform == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(CPU_KVCACHE_GIB)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = slot.cpu_bind or "auto"
+        if c.connector == "nixl":
+            env[NIXL_DELAY_ENV] = str(CPU_NIXL_PROGRESS_DELAY_US)
+    env.update(dict(c.extra_env))
+    return env
+
+
+def instance_argv(slot: Slot, launch: Launch, ports: InstancePorts) -> tuple[list[str], list[str]]:
+    """(argv, warnings): the server and its parallelism, the remote-code flags, the KV transfer,
+    then the engine's flags, the config's extra_args last."""
+    kv_args, warnings = _kv_args(slot, launch)
+    argv = _server_args(slot, launch, ports) + list(launch.model.remote_args) + kv_args
+    return argv + _engine_args(launch), warnings
+
+
+def _server_args(slot: Slot, launch: Launch, ports: InstancePorts) -> list[str]:
+    """python -m the API server, --model (decode: the decode model when set), host, port, TP;
+    DP size, address and RPC port when DP > 1; expert parallel for decode when the config asks."""
+    c, host, m = launch.config, launch.config.host, launch.model
+    argv = [launch.python, "-m", API_SERVER_MODULE]
+    argv += ["--model", m.decode_model if slot.role == "decode" and m.decode_model else m.model]
+    argv += ["--served-model-name", c.model, "--host", host, "--port", str(ports.http)]
+    argv += ["--tensor-parallel-size", str(slot.tp)]
+    if slot.dp > 1:
+        argv += ["--data-parallel-size", str(slot.dp), "--data-parallel-address", host]
+        argv += ["--data-parallel-rpc-port", str(ports.dp_rpc)]
+    if slot.role == "decode" and c.expert_parallel:
+        argv += ["--enable-expert-parallel"]
+    return argv
+
+
+def _kv_args(slot: Slot, launch: Launch) -> tuple[list[str], list[str]]:
+    """(argv, warnings) for the KV transfer.
+
+    prefill, or decode_kv_transfer (the default)  -> --kv-transfer-config JSON, no warning
+    decode with decode_kv_transfer = false        -> nothing, and a warning (fault injection)
+    """
+    if slot.role == "prefill" or launch.config.decode_kv_transfer:
+        kv = kv_transfer_config(launch.config, slot.role, launch.platform)
+        return ["--kv-transfer-config", json.dumps(kv, sort_keys=True, separators=(",", ":"))], []
+    return [], [
+        f"{slot.name} starts WITHOUT --kv-transfer-config (decode_kv_transfer = "
+        "false, fault injection): it will recompute every prompt"
+    ]
+
+
+def _engine_args(launch: Launch) -> list[str]:
+    """The engine's flags, each only when it says something.
+
+    shared GPUs          --kv-cache-memory-bytes (no profiling race); else on cuda
+                         --gpu-memory-utilization
+    dtype not None/auto  --dtype;   block size set   --block-size
+    max_model_len set    --max-model-len;   attention_backend set   --attention-backend
+    cpu                  --enforce-eager unless extra_args has it
+    always, last         the config's extra_args
+    """
+    c, lane = launch.config, launch.lane
+    argv: list[str] = []
+    if launch.shared_gpus:
+        argv += ["--kv-cache-memory-bytes", str(c.shared_kv_cache_bytes)]
+    elif launch.platform == "cuda":
+        argv += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
+    if lane.dtype not in (None, "auto"):
+        argv += ["--dtype", lane.dtype]
+    if lane.block_size is not None:
+        argv += ["--block-size", str(lane.block_size)]
+    if c.max_model_len is not None:
+        argv += ["--max-model-len", str(c.max_model_len)]
+    if c.attention_backend:
+        argv += ["--attention-backend", c.attention_backend]
+    if launch.platform == "cpu" and "--enforce-eager" not in c.extra_args:
+        argv += ["--enforce-eager"]
+    return argv + list(c.extra_args)
+
+
+def kv_transfer_config(config: ClusterConfig, role: str, platform: str) -> dict[str, object]:
+    """The --kv-transfer-config value for an instance of ``role``."""
+    kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
+    if config.connector == "mooncake":
+        protocol = "tcp" if platform == "cpu" else config.mooncake_protocol
+        return {
+            "kv_connector": "MooncakeConnector",
+            "kv_role": kv_role,
+            "kv_connector_extra_config": {
+                "mooncake_protocol": protocol,
+                "device_name": config.mooncake_device_name,
+            },
+        }
+    if config.connector == "nixl":
+        out: dict[str, object] = {
+            "kv_connector": "NixlConnector",
+            "kv_role": kv_role,
+            "kv_buffer_device": "cpu" if platform == "cpu" else "cuda",
+        }
+        if config.decode_weights_seed is not None:
+            # Parity's fault injection: the decode's model path differs, and NIXL's handshake
+            # compares a hash that includes it; let the KV move so only the weights differ.
+            out["kv_connector_extra_config"] = {"enforce_handshake_compat": False}
+        return out
+    raise PlanError("connector", f"no planner rule for connector {config.connector!r}")
