@@ -222,6 +222,55 @@ def test_no_one_line_aliases():
     assert aliases == []
 
 
+# ------------------------------------------------------------------ short functions
+
+MAX_FUNCTION_LINES = 100
+
+
+def _function_lengths(tree: ast.AST) -> list[tuple[str, int, int]]:
+    """(name, def line, lines) of every function in ``tree``: def and async def, methods and nested
+    ones included, counted from the ``def`` line to the last (decorators excluded)."""
+    return [
+        (node.name, node.lineno, (node.end_lineno or node.lineno) - node.lineno + 1)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+    ]
+
+
+def test_function_lengths_count_methods_nested_and_async_without_decorators():
+    src = (
+        "@decorator\n"
+        "@other(1)\n"
+        "def outer():\n"
+        "    def inner():\n"
+        "        return 1\n"
+        "    return inner\n"
+        "class C:\n"
+        "    async def method(self):\n"
+        "        x = 1\n"
+        "\n"
+        "        return x\n"
+    )
+    assert sorted(_function_lengths(ast.parse(src))) == [
+        ("inner", 4, 2),
+        ("method", 8, 4),
+        ("outer", 3, 4),
+    ]
+
+
+def test_no_function_over_100_lines():
+    """A function over 100 lines does too much to be read at once (issue 23 split plan_cluster,
+    cmd_sweep, run_checks and bench.report.markdown): split it into functions that each do one
+    thing, pure decisions apart from their effects."""
+    long = [
+        f"{m}:{line} {name} ({n} lines)"
+        for m, path in MODULES.items()
+        for name, line, n in _function_lengths(_tree(path))
+        if n > MAX_FUNCTION_LINES
+    ]
+    assert long == [], f"over {MAX_FUNCTION_LINES} lines (split them):\n" + "\n".join(long)
+
+
 def test_the_rules_see_the_package():
     """The rules above would pass on nothing: make sure they read the real package."""
     assert len(MODULES) > 40 and "pd_sessions.cli" in MODULES

