@@ -123,16 +123,25 @@ def _checked(session: nox.Session, target: Target, sweep_name: str | None, parse
 
 
 def _connectors(
-    session: nox.Session, target: Target, platform: str, connectors: list[str], *, accuracy: bool = True
+    session: nox.Session,
+    target: Target,
+    platform: str,
+    connectors: list[str],
+    *,
+    accuracy: bool = True,
+    commands: dict[str, str] | None = None,
 ) -> None:
-    """Make the target fit (venv: install the lane; installed: only connector swaps), then run
-    the import canary in its own process. Stops the session on any failure."""
+    """Make the target fit (venv: install the lane, and the Debian packages of ``commands``
+    missing from PATH; installed: only connector swaps), then run the import canary in its own
+    process. Stops the session on any failure."""
     try:
         if target.installed:
             _installed_env(session, target, platform, connectors, accuracy=accuracy)
         else:
             env = install.index_env(dict(os.environ))
-            install.install_lane(_VenvInstaller(target), platform, say=session.log, environ=os.environ)
+            install.install_lane(
+                _VenvInstaller(target), platform, say=session.log, environ=os.environ, commands=commands
+            )
             doc = target.facts()
             torch_platform, actions = install.plan_connectors(doc, connectors)
             session.log(
@@ -332,7 +341,8 @@ def nixl_imports(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """All tests, including the real CPU-lane end-to-end sweeps. [-- pytest arguments]"""
     target = Target(session)
-    _connectors(session, target, "cpu", ["mooncake", "nixl"])
+    # gcc: the canary's tests build real ELF files (installed with the lane's Debian packages)
+    _connectors(session, target, "cpu", ["mooncake", "nixl"], commands=dict(install.TEST_COMMANDS))
     if not target.installed:
         target.venv_install(
             "-r",

@@ -8,15 +8,17 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).parent / "fixtures"
 USER = FIXTURES / "user_tests"
+T = TypeVar("T")
 
 
 def nox_no_venv(python: str | Path, *posargs: str) -> list[str]:
@@ -45,12 +47,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until(
+    predicate: Callable[[], T],
+    timeout: float,
+    what: str | Callable[[], str],
+    *,
+    proc: subprocess.Popen | None = None,
+    tick: float = 0.02,
+) -> T:
+    """Call ``predicate`` every ``tick`` seconds until it returns something true, and return that.
+
+    Fails with ``waited TIMEOUT s for WHAT`` once ``timeout`` seconds have passed, or at once
+    when ``proc`` (a process the awaited thing depends on) has exited. ``what`` names what was
+    awaited; a callable is called at the failure (to add, say, a log written meanwhile).
+    """
+    end = time.monotonic() + timeout
+    while not (got := predicate()):
+        rc = None if proc is None else proc.poll()
+        if rc is not None or time.monotonic() >= end:
+            said = what() if callable(what) else what
+            if rc is not None:
+                raise AssertionError(f"gave up waiting for {said}: pid {proc.pid} exited with status {rc}")
+            raise AssertionError(f"waited {timeout:g} s for {said}")
+        time.sleep(tick)
+    return got
+
+
 def wait_for_text(path: Path, text: str, timeout: float = 15.0) -> None:
     """Until ``text`` appears in the file at ``path`` (a process's log); fails at ``timeout``."""
-    end = time.monotonic() + timeout
-    while not (path.exists() and text in path.read_text()):
-        assert time.monotonic() < end, f"{text!r} never appeared in {path}"
-        time.sleep(0.02)
+    wait_until(lambda: path.exists() and text in path.read_text(), timeout, f"{text!r} to appear in {path}")
 
 
 def heavy(module: str):
@@ -65,6 +90,19 @@ def heavy(module: str):
 @pytest.fixture
 def python() -> str:
     return sys.executable
+
+
+@pytest.fixture(scope="module")
+def bystander():
+    """Someone else's server: 'vllm' in its command line, not started by us (no spawn(), no run
+    of ours); whatever the module's tests stop, it must survive them."""
+    p = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(3600)", "vllm serve --port 1"], start_new_session=True
+    )
+    yield p
+    assert p.poll() is None, "the bystander was killed"
+    p.kill()
+    p.wait()
 
 
 # --- end to end: running the harness on real vLLM ---------------------------------------------
@@ -96,7 +134,8 @@ def processes_using(ports: dict[str, int]) -> list[str]:
 
 
 class Cli:
-    """The CLI (or ``argv``) in a subprocess, with each output line timestamped as it arrives."""
+    """The CLI (or ``argv``) in a subprocess, with each output line timestamped as it arrives
+    (``time.time()``: comparable with the times the fake servers print)."""
 
     def __init__(
         self,
@@ -122,13 +161,26 @@ class Cli:
 
     def _read(self):
         for line in self.proc.stdout:
-            self.lines.append((time.monotonic(), line.rstrip("\n")))
+            self.lines.append((time.time(), line.rstrip("\n")))
             print(line, end="", flush=True)  # shown by pytest -s, or when a test fails
 
-    def wait(self, timeout: float) -> int:
+    def wait(self, timeout: float = 120) -> int:
         rc = self.proc.wait(timeout=timeout)
         self.reader.join(10)
         return rc
+
+    def first(self, needle: str) -> float:
+        """When the first line with ``needle`` arrived."""
+        return next(t for t, line in self.lines if needle in line)
+
+    def wait_for(self, needle: str, timeout: float = 60) -> None:
+        """Until a line with ``needle`` arrives; fails at ``timeout`` or when the process exits first."""
+        wait_until(
+            lambda: any(needle in line for _, line in self.lines),
+            timeout,
+            lambda: f"{needle!r} in the output:\n{self.text}",
+            proc=self.proc,
+        )
 
     @property
     def text(self) -> str:
@@ -164,6 +216,10 @@ class SweepRun:
     @property
     def checks(self) -> dict[str, dict]:
         return {c["name"]: c for c in self.result["checks"]}
+
+    @property
+    def summary(self) -> dict:
+        return json.loads((self.results / "summary.json").read_text())
 
     @property
     def text(self) -> str:

@@ -7,7 +7,6 @@ the plumbing and the bookkeeping, not any speed (speed is what `nox -s bench` re
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -17,7 +16,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import psutil
 import pytest
-from conftest import FIXTURES, ROOT, heavy
+from conftest import ROOT, heavy, wait_until
+from helpers import bench_doc, fake_stack_env, fake_sweep_toml
 
 from pd_sessions.bench import report, teardown
 from pd_sessions.bench.clusters import UPSTREAM_PROXY_SLEEP_S, RunRecord
@@ -107,32 +107,12 @@ def test_summarize_clusters_ratios_and_failed_runs_left_out():
     assert c["pd_sessions"]["own_code_s"]["median"] == pytest.approx(7.0)
 
 
-def _doc(runs, **parts):
-    return {
-        "started_at": "2026-11-29T00:00:00+00:00",
-        "duration_s": 60.0,
-        "machine": {
-            "cpu_model": "cpu",
-            "cores": 2,
-            "memory_gib": 24,
-            "platform": "linux",
-            "python": "3.11",
-            "load_before": "0",
-            "load_after": "0",
-        },
-        "settings": {"platform": "cpu", "repeats": 3, "checks": ["smoke"]},
-        "runs": runs,
-        "clusters": report.summarize_clusters(runs) if runs else {},
-        **parts,
-    }
-
-
 def test_goals_markdown_and_chart(tmp_path):
     runs = [
         _run(d, 100.0, 90.0, 89.0, repeat=i) for d in ("pd_sessions", "upstream", "single") for i in range(3)
     ]
     runs.append(_run("upstream", 5.0, 1.0, 1.0, ok=False, repeat=9))
-    doc = _doc(
+    doc = bench_doc(
         runs,
         teardown={
             "grace_s": 5.0,
@@ -179,10 +159,9 @@ def test_prober_records_when_health_turned_200():
     try:
         with HealthProber(interval=0.01) as prober:
             prober.watch("x", f"http://127.0.0.1:{srv.server_address[1]}/health")
-            end = time.monotonic() + 10
-            while "x" not in prober.first_ok and time.monotonic() < end:
-                time.sleep(0.01)
-        assert "x" in prober.first_ok
+            wait_until(
+                lambda: "x" in prober.first_ok, 10, "the prober to see x's /health turn 200", tick=0.01
+            )
         assert prober.first_ok["x"] >= turn_at  # never before it really answered 200
     finally:
         srv.shutdown()
@@ -261,19 +240,10 @@ def test_router_bench_against_fake_backends(tmp_path):
     assert psutil.Process().children(recursive=True) == []
 
 
-SWEEP = """name = "fake"
-[defaults]
-model = "fake-model"
-connector = "mooncake"
-[[config]]
-name = "1x1"
-"""
-
-
 def _bench_on_fake_stack(tmp_path, *args: str) -> tuple[dict, str]:
     """``pd-sessions bench ARGS`` on the fake stack with the fake sweep: its results.json, stdout."""
-    (tmp_path / "sweep.toml").write_text(SWEEP)
-    env = {**os.environ, "PYTHONPATH": f"{FIXTURES / 'fake_stack'}{os.pathsep}{ROOT}"}
+    (tmp_path / "sweep.toml").write_text(fake_sweep_toml())
+    env = fake_stack_env()
     out = tmp_path / "out"
     p = subprocess.run(
         [sys.executable, "-m", "pd_sessions", "bench", "--platform", "cpu", *args]
@@ -349,7 +319,7 @@ def test_cluster_drivers_on_the_fake_stack(tmp_path):
 
 def test_partial_results_of_an_interrupted_run_are_marked(tmp_path):
     runs = [_run("pd_sessions", 100.0, 90.0, 89.0)]  # stopped before upstream and single ran
-    doc = _doc(runs, interrupted="Stopped: stopped by SIGTERM")
+    doc = bench_doc(runs, interrupted="Stopped: stopped by SIGTERM")
     doc["goals"] = [g.to_dict() for g in report.goals(doc)]
     md = report.write(doc, tmp_path)["markdown"].read_text()
     assert "**INTERRUPTED** (Stopped: stopped by SIGTERM): partial results." in md
@@ -360,7 +330,7 @@ def test_rerender_from_raw_samples(tmp_path):
     runs = [
         _run(d, 100.0, 90.0, 89.0, repeat=i) for d in ("pd_sessions", "upstream", "single") for i in range(3)
     ]
-    doc = _doc(runs)
+    doc = bench_doc(runs)
     doc["clusters"] = {}  # stale summaries are recomputed from the runs
     (tmp_path / "results.json").write_text(json.dumps(doc))
     paths = report.rerender(tmp_path / "results.json")
@@ -395,7 +365,7 @@ def test_summarize_checks_per_connector_edge_sum_and_goal(tmp_path):
     assert moon["base_s"]["median"] == 2.0 and moon["edge_s"]["median"] == 6.0
     assert nixl["edge_s"]["median"] == 60.0 and nixl["check_s"]["too_long"]["max"] == 30.5
     assert nixl["connector"] == "nixl" and nixl["edge_checks"] == list(report.EDGE_CHECKS)
-    doc = _doc([r for r in runs if "check_s" not in r or r["driver"] != "pd_sessions"])
+    doc = bench_doc([r for r in runs if "check_s" not in r or r["driver"] != "pd_sessions"])
     doc["checks_cost"] = cost
     goals = {g.name: g for g in report.goals(doc)}
     assert goals["1x1 over mooncake: the edge checks add"].met is True
@@ -417,7 +387,7 @@ def test_checks_cost_only_edge_checks_that_ran():
 
 def test_rerender_recomputes_checks_cost(tmp_path):
     runs = [_checked_run("mooncake_sweep", "mooncake", {**BASE, "burst": 4.0})]
-    doc = _doc(runs, check_runs=[_checked_run("nixl_sweep", "nixl", {**BASE, "burst": 9.0})])
+    doc = bench_doc(runs, check_runs=[_checked_run("nixl_sweep", "nixl", {**BASE, "burst": 9.0})])
     (tmp_path / "results.json").write_text(json.dumps(doc))
     out = json.loads(report.rerender(tmp_path / "results.json")["json"].read_text())
     assert {k: v["edge_s"]["median"] for k, v in out["checks_cost"].items()} == {

@@ -12,8 +12,9 @@ import textwrap
 import time
 from pathlib import Path
 
-import psutil
 import pytest
+from conftest import wait_until
+from helpers import gone
 
 from pd_sessions.bench import report, startup
 
@@ -112,13 +113,6 @@ def test_startup_markdown():
     assert report.startup_markdown(None) == []
 
 
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
 @pytest.mark.parametrize("kind", ["healthy", "stubborn"])
 def test_measure_once_stops_at_the_spawn_and_verifies_everything_gone(tmp_path, kind):
     script = tmp_path / "fake_nox.py"
@@ -144,8 +138,5 @@ def test_measure_once_stops_at_the_spawn_and_verifies_everything_gone(tmp_path, 
     else:  # the server ignored SIGTERM: reported, then killed (it is ours)
         assert not rec["ok"] and "outlived the stop" in rec["error"]
         assert any(line.startswith(f"{server} ") for line in rec["left"])
-    deadline = time.monotonic() + 5
-    while not _gone(server) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _gone(server)
+    wait_until(lambda: gone(server), 5, f"the server (pid {server}) to be gone", tick=0.05)
     assert time.monotonic() - t0 < 20

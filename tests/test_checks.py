@@ -4,20 +4,11 @@ import json
 
 import pytest
 from conftest import FIXTURES
+from helpers import comp
 
 from pd_sessions.checks import kv_transfer
 from pd_sessions.checks.completions import Completion, evaluate_smoke
 from pd_sessions.checks.parity import evaluate_exact as evaluate_parity
-
-
-def comp(ids=(1, 2, 3), text="abc", prompt_tokens=7):
-    return Completion(
-        text=text,
-        token_ids=tuple(ids) if ids is not None else None,
-        prompt_tokens=prompt_tokens,
-        completion_tokens=len(ids or ()),
-        finish_reason="length",
-    )
 
 
 def test_completion_from_recorded_router_response():

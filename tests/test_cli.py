@@ -192,9 +192,9 @@ def test_commands_with_their_own_parser_get_the_rest_of_the_line():
 
 
 def test_bench_report_renders_a_results_json_again(tmp_path):
-    from test_bench import _doc
+    from helpers import bench_doc
 
-    doc = _doc([])
+    doc = bench_doc([])
     (tmp_path / "results.json").write_text(json.dumps(doc))
     r = cli("bench-report", str(tmp_path / "results.json"))
     assert r.returncode == 0, r.stderr

@@ -3,6 +3,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import cfg
 
 from pd_sessions.core.config import (
     ClusterConfig,
@@ -13,10 +14,6 @@ from pd_sessions.core.config import (
     select,
 )
 from pd_sessions.core.errors import ConfigError
-
-
-def cfg(**kw) -> ClusterConfig:
-    return ClusterConfig(**{"name": "c", "model": "m", **kw})
 
 
 @pytest.mark.parametrize(

@@ -3,17 +3,13 @@ from __future__ import annotations
 import sys
 
 import pytest
+from helpers import cfg
 
 from pd_sessions.core import connector_support
-from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.errors import PlanError
 from pd_sessions.core.inventory import Inventory
 from pd_sessions.core.plan import plan_cluster
 from pd_sessions.runtime.ports import PortAllocator
-
-
-def cfg(**kw) -> ClusterConfig:
-    return ClusterConfig(**{"name": "c", "model": "m", **kw})
 
 
 @pytest.mark.parametrize("connector", ["mooncake", "nixl"])

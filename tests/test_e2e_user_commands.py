@@ -12,12 +12,11 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import xml.etree.ElementTree as ET
 
 import psutil
 import pytest
-from conftest import ROOT, USER, Cli, SweepRun, heavy, plan_ports, processes_using
+from conftest import ROOT, USER, Cli, SweepRun, heavy, plan_ports, processes_using, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
@@ -126,10 +125,13 @@ def test_serve_prints_env_serves_requests_and_stops_on_sigterm(tmp_path):
     import openai
 
     cli = Cli("serve", "mooncake_sweep", "--only", "1x1", "--platform", "cpu", "--results-dir", str(tmp_path))
-    end = time.monotonic() + 900
-    while not any(line.startswith("serving until Ctrl-C") for _, line in cli.lines):
-        assert time.monotonic() < end and cli.proc.poll() is None, cli.text[-3000:]
-        time.sleep(0.2)
+    wait_until(
+        lambda: any(line.startswith("serving until Ctrl-C") for _, line in cli.lines),
+        900,
+        lambda: f"'serving until Ctrl-C':\n{cli.text[-3000:]}",
+        proc=cli.proc,
+        tick=0.2,
+    )
     env = dict(re.findall(r"^export (\w+)=(\S+)$", cli.text, re.M))
     assert {"PREFILL_PORT", "DECODE_PORT", "PROXY_PORT", "TEST_MODEL", "PD_SESSIONS_CLUSTER"} <= set(env)
 

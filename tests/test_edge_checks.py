@@ -8,25 +8,14 @@ from pathlib import Path
 
 import pytest
 from conftest import FIXTURES
+from helpers import comp
 
 from pd_sessions.checks import abort_frees_kv, burst, cache_paths, too_long
-from pd_sessions.checks.completions import Completion
 from pd_sessions.checks.instances import KV_USAGE, RUNNING, gauges
 from pd_sessions.core import check_registry as registry
 from pd_sessions.core.config import load_sweep
 from pd_sessions.core.errors import ConfigError
 from pd_sessions.core.results import FAIL, PASS, CheckResult
-
-
-def comp(ids=(1, 2, 3), prompt_tokens=7):
-    return Completion(
-        text="t",
-        token_ids=tuple(ids),
-        prompt_tokens=prompt_tokens,
-        completion_tokens=len(ids),
-        finish_reason="length",
-    )
-
 
 # ---------------------------------------------------------------- registry and TOML selection
 

@@ -14,128 +14,22 @@ import os
 import re
 import signal
 import socket
-import subprocess
-import sys
-import threading
-import time
-from pathlib import Path
 
 import psutil
 import pytest
-from conftest import FIXTURES, ROOT
-
-FAKE = FIXTURES / "fake_stack"
-SWEEP = """name = "fake"
-{top}
-[defaults]
-model = "fake-model"
-connector = "{connector}"
-{extra}
-[[config]]
-name = "1x1"
-"""
-
-
-@pytest.fixture(scope="module")
-def bystander():
-    p = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(3600)", "vllm serve --port 1"], start_new_session=True
-    )
-    yield p
-    assert p.poll() is None, "the bystander was killed"
-    p.kill()
-    p.wait()
-
-
-def plan_ports(run_dir: Path) -> list[int]:
-    text = (run_dir / "plan.txt").read_text()
-    return [int(p) for p in re.findall(r"=(\d+)", text.split("ports:")[1])]
-
-
-def assert_nothing_left(run_dir: Path) -> None:
-    """No process of the run is alive and no port of its plan is listened on (TIME_WAIT
-    leftovers of finished connections are fine: servers bind with SO_REUSEADDR)."""
-    ports = set(plan_ports(run_dir))
-    listening = [
-        c
-        for c in psutil.net_connections(kind="inet")
-        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in ports
-    ]
-    assert listening == []
-    for p in psutil.process_iter(["cmdline"]):
-        argv = p.info["cmdline"] or []
-        for i, a in enumerate(argv[:-1]):
-            assert not (a == "--port" and argv[i + 1].isdigit() and int(argv[i + 1]) in ports), argv
-        assert not any(str(run_dir) in a for a in argv), argv
-
-
-class Run:
-    def __init__(self, tmp_path: Path, *, connector="mooncake", extra="", env=None, args=(), top=""):
-        toml = tmp_path / "sweep.toml"
-        toml.write_text(SWEEP.format(connector=connector, extra=extra, top=top))
-        self.results = tmp_path / "results"
-        self.run_dir = self.results / "1x1"
-        e = {**os.environ, "PYTHONPATH": f"{FAKE}{os.pathsep}{ROOT}", **(env or {})}
-        self.lines: list[tuple[float, str]] = []
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pd_sessions",
-                "sweep",
-                str(toml),
-                "--platform",
-                "cpu",
-                "--skip-check",
-                "accuracy",
-                "--results-dir",
-                str(self.results),
-                "--grace",
-                "2",
-                *args,
-            ],
-            cwd=ROOT,
-            env=e,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.t0 = time.time()
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.append((time.time(), line.rstrip("\n")))
-
-    def wait(self, timeout=120) -> int:
-        rc = self.proc.wait(timeout)
-        self.reader.join(5)
-        return rc
-
-    def first(self, needle: str) -> float:
-        return next(t for t, line in self.lines if needle in line)
-
-    def wait_for(self, needle: str, timeout=60):
-        end = time.monotonic() + timeout
-        while not any(needle in line for _, line in self.lines):
-            assert time.monotonic() < end and self.proc.poll() is None, self.text
-            time.sleep(0.02)
-
-    @property
-    def text(self) -> str:
-        return "\n".join(line for _, line in self.lines)
+from conftest import wait_until
+from helpers import FakeSweep, assert_nothing_left, every_plan_port
 
 
 def test_all_ok_passes(tmp_path, bystander):
-    r = Run(tmp_path)
+    r = FakeSweep(tmp_path)
     assert r.wait() == 0, r.text
     assert "1/1 configs passed" in r.text
     assert_nothing_left(r.run_dir)
 
 
 def test_instance_exits_during_startup(tmp_path, bystander):
-    r = Run(tmp_path, env={"FAKE_DECODE_BEHAVIOR": "exit:1.0:3"})
+    r = FakeSweep(tmp_path, env={"FAKE_DECODE_BEHAVIOR": "exit:1.0:3"})
     assert r.wait() == 1, r.text
     died = float(re.search(r"exiting with 3 as told at ([0-9.]+)", r.text).group(1))
     failed = r.first("FAILED: decode-0")
@@ -147,7 +41,7 @@ def test_instance_exits_during_startup(tmp_path, bystander):
 
 
 def test_never_healthy_fails_at_the_deadline_not_later(tmp_path, bystander):
-    r = Run(tmp_path, env={"FAKE_PREFILL_BEHAVIOR": "never_healthy"}, args=("--deadline", "4"))
+    r = FakeSweep(tmp_path, env={"FAKE_PREFILL_BEHAVIOR": "never_healthy"}, args=("--deadline", "4"))
     assert r.wait() == 1, r.text
     failed = r.first("FAILED: prefill-0")
     assert 4.0 <= failed - r.t0 < 6.5, f"{failed - r.t0:.1f} s"
@@ -163,7 +57,7 @@ def test_never_healthy_fails_at_the_deadline_not_later(tmp_path, bystander):
     ],
 )
 def test_router_dies_or_never_ready(tmp_path, bystander, behavior, needle):
-    r = Run(tmp_path, env={"FAKE_ROUTER_BEHAVIOR": behavior}, args=("--deadline", "8"))
+    r = FakeSweep(tmp_path, env={"FAKE_ROUTER_BEHAVIOR": behavior}, args=("--deadline", "8"))
     assert r.wait() == 1, r.text
     line = next(line for _, line in r.lines if "FAILED: router" in line)
     assert needle in line
@@ -178,7 +72,7 @@ def test_router_dies_or_never_ready(tmp_path, bystander, behavior, needle):
 
 def test_decode_dies_while_checks_run(tmp_path, bystander):
     # dies right after answering its first completion (the router readiness probe)
-    r = Run(tmp_path, env={"FAKE_DECODE_BEHAVIOR": "die_after_ready:0"})
+    r = FakeSweep(tmp_path, env={"FAKE_DECODE_BEHAVIOR": "die_after_ready:0"})
     assert r.wait() == 1, r.text
     assert "FAILED: decode-0" in r.text and "status 7" in r.text
     assert_nothing_left(r.run_dir)
@@ -190,7 +84,7 @@ def test_explicit_port_taken_is_refused_before_launch(tmp_path, bystander):
     srv.listen()
     port = srv.getsockname()[1]
     try:
-        r = Run(tmp_path, extra=f"router_port = {port}")
+        r = FakeSweep(tmp_path, extra=f"router_port = {port}")
         assert r.wait() == 1, r.text
         assert f"port {port} on 127.0.0.1 is already in use (by pid {os.getpid()}" in r.text
         assert "started" not in r.text  # nothing launched
@@ -200,12 +94,16 @@ def test_explicit_port_taken_is_refused_before_launch(tmp_path, bystander):
 
 @pytest.mark.parametrize("sig,status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_to_the_session_tears_everything_down(tmp_path, bystander, sig, status):
-    r = Run(tmp_path, env={"FAKE_DECODE_BEHAVIOR": "never_healthy"}, args=("--deadline", "60"))
+    r = FakeSweep(tmp_path, env={"FAKE_DECODE_BEHAVIOR": "never_healthy"}, args=("--deadline", "60"))
     r.wait_for("started 2 instances")
-    end = time.monotonic() + 30  # until each fake instance has started its "engine core"
-    while len(procs := psutil.Process(r.proc.pid).children(recursive=True)) < 4:
-        assert time.monotonic() < end, procs
-        time.sleep(0.02)
+    procs = wait_until(
+        lambda: ps if len(ps := psutil.Process(r.proc.pid).children(recursive=True)) >= 4 else None,
+        30,
+        lambda: (
+            'each fake instance\'s "engine core" (4 processes under the harness; have '
+            f"{psutil.Process(r.proc.pid).children(recursive=True)})"
+        ),
+    )
     grandchildren = [
         p
         for p in psutil.process_iter()
@@ -228,7 +126,7 @@ def _in_sessions(p: psutil.Process, sids: set[int]) -> bool:
 
 
 def test_stubborn_child_is_killed_after_grace(tmp_path, bystander):
-    r = Run(
+    r = FakeSweep(
         tmp_path,
         env={"FAKE_DECODE_BEHAVIOR": "ignore_term", "FAKE_PREFILL_BEHAVIOR": "never_healthy"},
         args=("--deadline", "3"),
@@ -242,9 +140,9 @@ def test_two_sweeps_at_once_share_no_port(tmp_path, bystander):
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
     b.mkdir()
-    ra, rb = Run(a), Run(b)
+    ra, rb = FakeSweep(a), FakeSweep(b)
     assert ra.wait() == 0 and rb.wait() == 0, ra.text + rb.text
-    pa, pb = set(plan_ports(ra.run_dir)), set(plan_ports(rb.run_dir))
+    pa, pb = set(every_plan_port(ra.run_dir)), set(every_plan_port(rb.run_dir))
     assert pa and pb and not pa & pb
     assert_nothing_left(ra.run_dir)
     assert_nothing_left(rb.run_dir)
@@ -253,20 +151,20 @@ def test_two_sweeps_at_once_share_no_port(tmp_path, bystander):
 # ---------------------------------------------------------------- edge checks can fail (issue 17)
 
 
-def _result(r: Run) -> dict:
+def _result(r: FakeSweep) -> dict:
     import json
 
     return json.loads((r.run_dir / "result.json").read_text())
 
 
-def _check(r: Run, name: str) -> dict:
+def _check(r: FakeSweep, name: str) -> dict:
     return next(c for c in _result(r)["checks"] if c["name"] == name)
 
 
 def test_too_long_fails_when_the_router_never_answers(tmp_path, bystander):
     # the prefill rejects the prompt (HTTP 400); this router then waits forever instead of
     # passing the error on
-    r = Run(
+    r = FakeSweep(
         tmp_path,
         env={"FAKE_ROUTER_BEHAVIOR": "hang_too_long"},
         top='checks = ["smoke", "too_long"]\n[check_options.too_long]\nbound_s = 2',
@@ -280,7 +178,7 @@ def test_too_long_fails_when_the_router_never_answers(tmp_path, bystander):
 
 
 def test_abort_frees_kv_fails_when_a_server_keeps_a_request_running(tmp_path, bystander):
-    r = Run(
+    r = FakeSweep(
         tmp_path,
         env={"FAKE_PREFILL_BEHAVIOR": "keep_running"},
         top='checks = ["smoke", "abort_frees_kv"]\n[check_options.abort_frees_kv]\nbound_s = 2',
@@ -294,7 +192,7 @@ def test_abort_frees_kv_fails_when_a_server_keeps_a_request_running(tmp_path, by
 
 
 def test_burst_fails_when_the_decode_recomputes(tmp_path, bystander):
-    r = Run(
+    r = FakeSweep(
         tmp_path,
         env={"FAKE_DECODE_BEHAVIOR": "recompute"},
         top='checks = ["burst"]\n[check_options.burst]\nrequests = 6',

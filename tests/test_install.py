@@ -13,6 +13,7 @@ from pd_sessions.env.install import (
     facts_from_json,
     index_env,
     kv_requirements,
+    missing_commands,
     missing_system_packages,
 )
 
@@ -163,6 +164,13 @@ def test_apply_failure_names_package_version_platform():
             say=lambda m: None,
         )
     assert "mooncake-transfer-engine-cuda13==9.9" in str(e.value) and "CUDA 13" in str(e.value)
+
+
+def test_missing_commands_name_their_debian_packages():
+    on_path = {"ls": "/bin/ls"}.get
+    assert missing_commands({"gcc": "gcc", "ls": "coreutils"}, which=on_path) == ["gcc"]
+    assert missing_commands({"ls": "coreutils"}, which=on_path) == []
+    assert missing_commands({}) == []
 
 
 def test_system_packages_and_index_env():

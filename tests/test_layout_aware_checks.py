@@ -9,6 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar
 
 import pytest
+from helpers import comp
 
 from pd_sessions.checks import burst, cache_paths, parity
 from pd_sessions.checks.completions import Completion
@@ -20,8 +21,7 @@ EXACT = parity.Judge("exact", "same layout", 1.0)
 KV_OK = CheckResult("kv_transfer", PASS, "decode instances received 10 of 10 prompt tokens", {"delta": 10})
 
 
-def comp(ids=(5, 6), prompt_ids=(1, 2, 3)):
-    return Completion("x", tuple(ids), len(prompt_ids), len(ids), "length", tuple(prompt_ids))
+PD = comp((5, 6), "x", prompt_ids=(1, 2, 3))  # a P/D answer: tokens 5, 6 after the prompt 1, 2, 3
 
 
 def forced(*gaps):
@@ -36,9 +36,9 @@ def forced(*gaps):
 
 def situations(primed_ref, partial_ref):
     return [
-        cache_paths.Situation("short", 64, 128, "prefill-0 direct", comp(), forced(0, 0)),
-        cache_paths.Situation("primed", 320, 128, "decode-0 direct", comp(), primed_ref),
-        cache_paths.Situation("partial", 512, 128, "prefill-0 direct", comp(), partial_ref),
+        cache_paths.Situation("short", 64, 128, "prefill-0 direct", PD, forced(0, 0)),
+        cache_paths.Situation("primed", 320, 128, "decode-0 direct", PD, primed_ref),
+        cache_paths.Situation("partial", 512, 128, "prefill-0 direct", PD, partial_ref),
     ]
 
 
@@ -69,7 +69,7 @@ def test_cache_paths_margin_mode_fails_beyond_the_margin_naming_situation_and_po
 def test_cache_paths_exact_mode_is_unchanged():
     r = cache_paths.evaluate(
         [
-            cache_paths.Situation(n, 64, 128, "prefill-0 direct", comp(), comp())
+            cache_paths.Situation(n, 64, 128, "prefill-0 direct", PD, PD)
             for n in ("short", "primed", "partial")
         ]
     )
@@ -77,7 +77,12 @@ def test_cache_paths_exact_mode_is_unchanged():
     bad = cache_paths.evaluate(
         [
             cache_paths.Situation(
-                n, 64, 128, "prefill-0 direct", comp(), comp((5, 7) if n == "primed" else (5, 6))
+                n,
+                64,
+                128,
+                "prefill-0 direct",
+                PD,
+                comp((5, 7) if n == "primed" else (5, 6), "x", prompt_ids=(1, 2, 3)),
             )
             for n in ("short", "primed", "partial")
         ]
@@ -87,16 +92,16 @@ def test_cache_paths_exact_mode_is_unchanged():
 
 def test_a_reference_of_the_wrong_kind_is_a_programming_error():
     with pytest.raises(TypeError, match="margin mode needs forced scores"):
-        cache_paths.evaluate(situations(comp(), forced(0, 0)), judge=MARGIN)
+        cache_paths.evaluate(situations(PD, forced(0, 0)), judge=MARGIN)
     with pytest.raises(TypeError, match="exact mode needs"):
-        parity.judge(EXACT, [("p", comp(), forced(0, 0))], baseline="ref")
+        parity.judge(EXACT, [("p", PD, forced(0, 0))], baseline="ref")
 
 
 def test_burst_margin_mode():
-    good = [(f"p{i}", comp(), forced(0, 0.3)) for i in range(4)]
+    good = [(f"p{i}", PD, forced(0, 0.3)) for i in range(4)]
     r = burst.evaluate(good, [], KV_OK, requests=4, seconds=1.0, judge=MARGIN)
     assert r.passed and "each within 1 nats of prefill-direct's top-1" in r.message
-    bad = [*good[:3], ("p3", comp(), forced(3.0, 0))]
+    bad = [*good[:3], ("p3", PD, forced(3.0, 0))]
     r = burst.evaluate(bad, [], KV_OK, requests=4, seconds=1.0, judge=MARGIN)
     assert not r.passed and "1/4 prompts diverge" in r.message and "'p3' position 0" in r.message
 
@@ -143,7 +148,7 @@ def scorer():
 
 
 def test_reference_requests_by_mode(scorer):
-    pd = comp((5, 6), (1, 2, 3))
+    pd = PD
     ref = parity.reference(MARGIN, scorer, "m", "prompt", pd, max_tokens=2, timeout=5)
     assert _Scorer.seen[-1]["prompt"] == [1, 2, 3, 5, 6] and _Scorer.seen[-1]["max_tokens"] == 1
     assert isinstance(ref, tuple) and [t.gap for t in ref] == [0.0, 2.0]

@@ -12,30 +12,17 @@ import time
 
 import psutil
 import pytest
-from conftest import ROOT, wait_for_text
-from test_process import FAMILY, IGNORES_TERM, _session_members
+from conftest import ROOT, wait_for_text, wait_until
+from helpers import FAMILY, IGNORES_TERM, wait_for_members, wait_gone
 
 from pd_sessions.runtime import parentwatch, process
 from pd_sessions.runtime.cluster import teardown
 from pd_sessions.runtime.reaper import Reaper
 
 
-def _gone(pids, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
-            return True
-        time.sleep(0.02)
-    return False
-
-
 def _family(r: process.Running, tmp_path, marker: str, n: int) -> list[int]:
     wait_for_text(r.log_path, marker)
-    end = time.monotonic() + 10
-    while len(members := _session_members(r.pid)) < n:
-        assert time.monotonic() < end, members
-        time.sleep(0.02)
-    return members
+    return wait_for_members(r.pid, n)
 
 
 def test_the_reaper_stops_what_a_dead_harness_left(tmp_path):
@@ -55,7 +42,7 @@ def test_the_reaper_stops_what_a_dead_harness_left(tmp_path):
     reaper.proc.stdin.close()  # what the kernel does when the harness dies
     assert reaper.proc.wait(10) == 0
     took = time.monotonic() - t0
-    assert _gone(members, 1.0), members
+    wait_gone(members, 1.0, "every recorded process")
     assert 1.0 <= took < 1.0 + 2.0, took
     log = (tmp_path / "reaper.log").read_text()
     assert "is gone while 2 of its processes may still run: family pid" in log
@@ -78,7 +65,7 @@ def test_the_reaper_keeps_to_the_grace_the_harness_began(tmp_path):
     reaper.proc.stdin.close()
     assert reaper.proc.wait(10) == 0
     assert time.monotonic() - t0 < 0.5 + 2.0
-    assert _gone([stubborn.pid], 0.5)
+    wait_gone([stubborn.pid], 0.5, "the stubborn child")
     stubborn.popen.wait(1)
 
 
@@ -120,7 +107,7 @@ def test_a_child_hears_its_harness_die(tmp_path):
     middle.kill()
     middle.wait()
     try:
-        assert _gone([child], 2.0), "the child outlived its harness"
+        wait_gone([child], 2.0, "the child (it must not outlive its harness)")
     finally:
         if psutil.pid_exists(child):
             os.kill(child, signal.SIGKILL)
@@ -158,17 +145,12 @@ def test_the_harness_hears_its_parent_die(tmp_path, no_prctl):
             "time.sleep(600)\n",
         ]
     )
-    end = time.monotonic() + 10
-    while not (tmp_path / "out.txt.armed").exists():
-        assert time.monotonic() < end and parent.poll() is None
-        time.sleep(0.02)
+    wait_until((tmp_path / "out.txt.armed").exists, 10, "the watched process to arm its watch", proc=parent)
     watched = psutil.Process(parent.pid).children()[0]
     t0 = time.monotonic()
     parent.kill()
     parent.wait()
-    while not out.exists():
-        assert time.monotonic() - t0 < 5, "the watched process never heard its parent die"
-        time.sleep(0.02)
+    wait_until(out.exists, 5, "the watched process to hear its parent die")
     took = time.monotonic() - t0
     assert out.read_text() == "SIGTERM: parent gone"
     assert took < (0.5 if no_prctl else 0.3) + 0.5, took

@@ -5,14 +5,13 @@ within the budget, with the answer and the decode's error lines."""
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, ROOT
+from helpers import fake_stack_env
 
 from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.inventory import Inventory
@@ -115,10 +114,6 @@ def test_fake_cluster_whose_pd_path_fails_ends_readiness_within_the_budget(tmp_p
     assert "ERROR fake decode: handshake_setup_failed" in msg
 
 
-def _fake_env(**behaviors):
-    return {**os.environ, "PYTHONPATH": f"{FIXTURES / 'fake_stack'}{os.pathsep}{ROOT}", **behaviors}
-
-
 def _readiness_failure(plan, tmp_path, **behaviors) -> str:
     """Start ``plan`` on the fake stack with a 3 s P/D budget; readiness must fail within 15 s
     (not the 1200 s deadline): its message."""
@@ -126,7 +121,7 @@ def _readiness_failure(plan, tmp_path, **behaviors) -> str:
     with (
         pytest.raises(pairs.PdPathFailed) as e,
         running_cluster(
-            plan, tmp_path / "run", base_env=_fake_env(**behaviors), pd_path_budget_s=3.0, grace_s=2
+            plan, tmp_path / "run", base_env=fake_stack_env(**behaviors), pd_path_budget_s=3.0, grace_s=2
         ),
     ):
         pytest.fail("the cluster must not become ready")
@@ -153,7 +148,7 @@ def test_a_stuck_kv_pull_during_checks_fails_fast_naming_the_instance(tmp_path, 
     plan = _plan(tmp_path, num_prefill=1, num_decode=1, connector="mooncake")
     results = []
     with running_cluster(
-        plan, tmp_path / "run", base_env=_fake_env(FAKE_DECODE_BEHAVIOR="stuck_pull:2"), grace_s=2
+        plan, tmp_path / "run", base_env=fake_stack_env(FAKE_DECODE_BEHAVIOR="stuck_pull:2"), grace_s=2
     ) as cluster:
         t0 = time.monotonic()
         runner.run_checks(cluster, results, skip=("accuracy",))

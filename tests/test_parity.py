@@ -7,6 +7,7 @@ import json
 
 import pytest
 from conftest import FIXTURES
+from helpers import cfg
 
 from pd_sessions.checks import parity
 from pd_sessions.checks.completions import Completion
@@ -18,8 +19,7 @@ from pd_sessions.core.errors import ConfigError
 REAL = json.loads((FIXTURES / "prompt_logprobs_response.json").read_text())
 
 
-def cfg(**kw):
-    return ClusterConfig(name="c", model="tiny-mixtral", moe=True, **kw)
+MOE = {"model": "tiny-mixtral", "moe": True}
 
 
 @pytest.mark.parametrize(
@@ -36,20 +36,20 @@ def cfg(**kw):
     ],
 )
 def test_mode_follows_the_layouts(kw, mode):
-    got, why = parity.choose_mode(cfg(**kw))
+    got, why = parity.choose_mode(cfg(**MOE, **kw))
     assert got == mode and why
 
 
 def test_mode_reason_names_both_layouts():
-    _, why = parity.choose_mode(cfg(prefill_tp=2, decode_dp=2, expert_parallel=True, dtype="bfloat16"))
+    _, why = parity.choose_mode(cfg(**MOE, prefill_tp=2, decode_dp=2, expert_parallel=True, dtype="bfloat16"))
     assert "TP2 bfloat16" in why and "TP1 DP2 EP bfloat16" in why
 
 
 def test_config_rejects_bad_parity_fields():
     with pytest.raises(ConfigError, match=r"parity_mode.*allowed: auto, exact, margin"):
-        cfg(parity_mode="loose")
+        cfg(**MOE, parity_mode="loose")
     with pytest.raises(ConfigError, match="parity_margin"):
-        cfg(parity_margin=-1)
+        cfg(**MOE, parity_margin=-1)
     with pytest.raises(ConfigError, match=r"decode_weights_seed.*only for the generated tiny models"):
         ClusterConfig(name="c", model="Qwen/Qwen3-0.6B", decode_weights_seed=1)
 
@@ -75,7 +75,7 @@ def test_real_response_tokens_far_below_top1_fail_with_names_and_logprobs():
 
 
 def test_config_default_margin_is_the_evidenced_one():
-    assert cfg().parity_margin == parity.DEFAULT_MARGIN
+    assert cfg(**MOE).parity_margin == parity.DEFAULT_MARGIN
 
 
 def entry(tok, lp, top=None, top_lp=None, rank=1):

@@ -3,42 +3,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import FakePorts, cfg
 
-from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.errors import PlanError
 from pd_sessions.core.inventory import Inventory
 from pd_sessions.core.plan import INTERNAL_PORT_BLOCK, plan_cluster
 
-
-class FakePorts:
-    """Deterministic PortSource: sequential ports, blocks from 20000; can be told to repeat."""
-
-    def __init__(self, repeat: int | None = None):
-        self.next = 40000
-        self.block = 20000
-        self.repeat = repeat
-        self.claimed: list[int] = []
-
-    def take(self, label):
-        if self.repeat is not None:
-            return self.repeat
-        self.next += 1
-        return self.next
-
-    def take_block(self, label, size):
-        self.block += 100
-        return self.block
-
-    def claim(self, label, port):
-        self.claimed.append(port)
-        return port
-
-
 GPUS4 = Inventory(gpus=("0", "1", "2", "3"), cpus=tuple(range(16)), gpu_source="nvidia-smi")
-
-
-def cfg(**kw):
-    return ClusterConfig(**{"name": "c", "model": "Qwen/Qwen3-0.6B", **kw})
 
 
 def plan(c, inv=GPUS4, platform="cuda", ports=None, **kw):

@@ -4,71 +4,24 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
-import textwrap
 import threading
 import time
 
 import psutil
-import pytest
 from conftest import wait_for_text
+from helpers import FAMILY, IGNORES_TERM, session_members, wait_for_members
 
 from pd_sessions.runtime.logtail import log_tail
 from pd_sessions.runtime.process import spawn, stop
-
-# A parent that starts a grandchild (same session) and a detached-from-tree orphan
-# (double fork, still in our session), then sleeps.
-FAMILY = textwrap.dedent("""
-    import os, subprocess, sys, time
-    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    if os.fork() == 0:
-        if os.fork() == 0:
-            time.sleep(600)
-        os._exit(0)
-    print("family" + " up", flush=True)  # the log echoes argv: build the marker
-    time.sleep(600)
-""")
-
-IGNORES_TERM = textwrap.dedent("""
-    import signal, time
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    print("ignoring" + " SIGTERM", flush=True)
-    time.sleep(600)
-""")
-
-
-def _session_members(sid: int) -> list[int]:
-    out = []
-    for p in psutil.process_iter():
-        try:
-            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p.pid)
-        except (OSError, psutil.Error):
-            pass
-    return out
-
-
-@pytest.fixture
-def bystander():
-    """Someone else's server: 'vllm' in its command line, not started by our spawn()."""
-    p = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(600)", "vllm serve bystander"], start_new_session=True
-    )
-    yield p
-    p.kill()
-    p.wait()
 
 
 def test_stop_kills_whole_family_and_spares_bystander(tmp_path, bystander):
     r = spawn("family", [sys.executable, "-c", FAMILY], env=os.environ, log_path=tmp_path / "f.log")
     wait_for_text(tmp_path / "f.log", "family up")
-    end = time.monotonic() + 10  # the orphan is forked by a child that may still be running
-    while len(members := _session_members(r.pid)) < 3:
-        assert time.monotonic() < end, members  # leader, grandchild, orphan
-        time.sleep(0.02)
+    members = wait_for_members(r.pid, 3)  # leader, grandchild, orphan
     rep = stop([r], grace_s=5)
-    assert _session_members(r.pid) == []
+    assert session_members(r.pid) == []
     assert not [
         m for m in members if psutil.pid_exists(m) and psutil.Process(m).status() != psutil.STATUS_ZOMBIE
     ]

@@ -18,130 +18,15 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import psutil
 import pytest
-from conftest import ROOT, Cli
-from test_faults import FAKE, assert_nothing_left, bystander  # noqa: F401 (a fixture)
+from conftest import ROOT
+from helpers import GRACE, TWO_CONFIGS, NoxRun, assert_nothing_left, fake_stack_env
 
 from pd_sessions.runtime.process import alive
-from pd_sessions.runtime.process import session_family as family
-
-GRACE = 2.0
-SWEEP = """name = "fake"
-[defaults]
-model = "fake-model"
-connector = "mooncake"
-[[config]]
-name = "1x1"
-[[config]]
-name = "1x1b"
-"""
-NOXFILE = textwrap.dedent("""
-    import sys
-    import nox
-    sys.path.insert(0, {root!r})
-    from pd_sessions.runtime import parentwatch
-    nox.options.default_venv_backend = "none"
-
-    @nox.session(python=False)
-    def sweep(session):
-        session.run({python!r}, "-m", "pd_sessions", "sweep", *session.posargs, external=True,
-                    **parentwatch.nox_run_options(session.posargs))
-""")
-
-
-class NoxRun(Cli):
-    """nox running the sweep (two configs) in its own process group, output timestamped."""
-
-    def __init__(
-        self,
-        tmp_path: Path,
-        *,
-        env: dict[str, str] | None = None,
-        args: tuple[str, ...] = (),
-        grace: float = GRACE,
-        sweep: str | None = None,
-        fake: bool = True,
-    ):
-        """``sweep``: a built-in sweep (default: SWEEP's two configs); ``fake``: the fake stack
-        instead of real vLLM (and no accuracy check)."""
-        if sweep is None:
-            (tmp_path / "sweep.toml").write_text(SWEEP)
-            sweep = str(tmp_path / "sweep.toml")
-        (tmp_path / "noxfile.py").write_text(NOXFILE.format(root=str(ROOT), python=sys.executable))
-        self.results = tmp_path / "results"
-        e = {**os.environ, "PYTHONPATH": f"{FAKE}{os.pathsep}{ROOT}" if fake else str(ROOT), **(env or {})}
-        super().__init__(
-            argv=[
-                sys.executable,
-                "-m",
-                "nox",
-                "-f",
-                str(tmp_path / "noxfile.py"),
-                "-s",
-                "sweep",
-                "--",
-                sweep,
-                "--platform",
-                "cpu",
-                *(("--skip-check", "accuracy") if fake else ()),
-                "--results-dir",
-                str(self.results),
-                "--grace",
-                str(grace),
-                *args,
-            ],
-            cwd=tmp_path,
-            env=e,
-            new_session=True,
-        )
-
-    def wait_for(self, needle: str, timeout: float = 60):
-        end = time.monotonic() + timeout
-        while not any(needle in line for _, line in self.lines):
-            assert time.monotonic() < end and self.proc.poll() is None, self.text
-            time.sleep(0.02)
-
-    def started(self) -> tuple[psutil.Process, list[psutil.Process]]:
-        """Once both instances run their "engine core": the harness and everything under nox."""
-        self.wait_for("started 2 instances")
-        nox = psutil.Process(self.proc.pid)
-        harness = next(c for c in nox.children() if "pd_sessions" in " ".join(c.cmdline()))
-        end = time.monotonic() + 30
-        while True:
-            procs = family(nox)
-            engine_cores = [
-                p
-                for p in procs
-                if p.ppid() not in (nox.pid, harness.pid) and "time.sleep(3600)" in " ".join(p.cmdline())
-            ]
-            if len(engine_cores) >= 2 and any(
-                "pd_sessions.runtime.reaper" in " ".join(p.cmdline()) for p in procs
-            ):
-                return harness, procs
-            assert time.monotonic() < end, procs
-            time.sleep(0.05)
-
-    def wait(self, timeout: float = 60) -> int:
-        """nox's exit status; the output reader is left to the test (the harness may outlive nox)."""
-        return self.proc.wait(timeout)
-
-    def all_gone_within(self, procs: list[psutil.Process], since: float, limit: float) -> float:
-        """Seconds from ``since`` until every process in ``procs`` is gone; fails past ``limit``."""
-        while any(alive(p) for p in procs):
-            assert time.monotonic() - since < limit, (
-                f"still alive {limit:.1f} s after the stop: {[p for p in procs if alive(p)]}\n{self.text}"
-            )
-            time.sleep(0.02)
-        return time.monotonic() - since
-
-    def summary(self) -> dict:
-        return json.loads((self.results / "summary.json").read_text())
 
 
 def assert_cancel_recorded(run: NoxRun, cause: str) -> None:
@@ -271,14 +156,14 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
         capture_output=True,
         text=True,
         timeout=60,
-        env={**os.environ, "PYTHONPATH": f"{FAKE}{os.pathsep}{ROOT}"},
+        env=fake_stack_env(),
     )
 
 
 def test_an_unwritable_results_dir_is_refused_before_anything_starts(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    (tmp_path / "sweep.toml").write_text(SWEEP)
+    (tmp_path / "sweep.toml").write_text(TWO_CONFIGS)
     r = cli(
         "sweep", str(tmp_path / "sweep.toml"), "--platform", "cpu", "--results-dir", str(blocker / "results")
     )

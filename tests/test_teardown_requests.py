@@ -18,7 +18,7 @@ import time
 
 import psutil
 import pytest
-from conftest import free_port, wait_for_text
+from conftest import free_port, wait_for_text, wait_until
 
 from pd_sessions.core.errors import HttpError
 from pd_sessions.runtime import http
@@ -142,10 +142,7 @@ def test_cut_connections_ends_our_own_request_and_spares_other_connections(tmp_p
     try:
         th, errors = _request_in_flight(server.url)
         kept = socket.create_connection(("127.0.0.1", other_port))
-        end = time.monotonic() + 10
-        while not (n := cut_connections([("127.0.0.1", port)])):
-            assert time.monotonic() < end, "the request never connected"
-            time.sleep(0.02)
+        n = wait_until(lambda: cut_connections([("127.0.0.1", port)]), 10, "the request to connect")
         assert n == 1
         th.join(5)
         assert not th.is_alive(), "the request still blocks after its connection was cut"
@@ -191,9 +188,6 @@ def test_no_request_of_ours_leaves_while_held(tmp_path):
                 http.request(server.url + "/health", timeout=1)
             assert not _established(port)
         _request_in_flight(server.url)  # after the block, requests leave again
-        end = time.monotonic() + 10
-        while not _established(port):
-            assert time.monotonic() < end, "no request left after the block"
-            time.sleep(0.02)
+        wait_until(lambda: _established(port), 10, "a request to leave after the block")
     finally:
         stop([server], grace_s=2.0)

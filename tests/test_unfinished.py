@@ -7,9 +7,9 @@ import json
 import xml.etree.ElementTree as ET
 
 import pytest
+from helpers import cfg
 
 from pd_sessions.core import cliargs
-from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.errors import UsageError
 from pd_sessions.core.results import (
     CANCELLED,
@@ -22,10 +22,6 @@ from pd_sessions.core.results import (
     crashed,
 )
 from pd_sessions.report import unfinished
-
-
-def cfg(name: str) -> ClusterConfig:
-    return ClusterConfig(name=name, model="m", connector="mooncake")
 
 
 def res(name: str, outcome: str, **kw) -> ConfigResult:

@@ -5,22 +5,18 @@ harness's own handling is under test; real vLLM runs are in test_e2e_user_comman
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import psutil
 import pytest
-from conftest import FIXTURES, ROOT
-from test_faults import FAKE, SWEEP, Run, assert_nothing_left
-from test_faults import bystander as bystander  # the fixture: a stranger named vllm must survive
-from test_plan import FakePorts
+from conftest import ROOT, USER, wait_until
+from helpers import FakePorts, FakeSweep, assert_nothing_left, fake_stack_env, fake_sweep_toml
 
 from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.errors import UsageError
@@ -33,7 +29,6 @@ from pd_sessions.run import serve
 from pd_sessions.run import user_commands as uc
 from pd_sessions.runtime import clusterenv
 
-USER = FIXTURES / "user_tests"
 LIVE = pytest.mark.usefixtures("bystander")
 CPU2 = Inventory(gpus=(), cpus=(0, 1))
 GPUS4 = Inventory(gpus=("0", "1", "2", "3"), cpus=tuple(range(8)), gpu_source="nvidia-smi")
@@ -277,7 +272,7 @@ def test_hanging_command_is_stopped_at_the_timeout_with_its_children(tmp_path):
         f"open('{tmp_path}/child', 'w').write(str(p.pid)); print('hanging', flush=True); "
         'time.sleep(600)"'
     )
-    r = Run(tmp_path, args=("--exec", hang, "--exec-timeout", "2"))
+    r = FakeSweep(tmp_path, args=("--exec", hang, "--exec-timeout", "2"))
     assert r.wait(60) == 1, r.text
     checks = json.loads((r.run_dir / "result.json").read_text())["checks"]
     check = next(c for c in checks if c["name"] == "exec[0]")
@@ -306,7 +301,7 @@ time.sleep(120)
 def test_a_server_dying_while_a_command_runs_fails_it_at_once_naming_the_server(tmp_path):
     script = tmp_path / "kill_decode.py"
     script.write_text(KILL_DECODE)
-    r = Run(tmp_path, args=("--exec", f"{sys.executable} {script}", "--exec", "true"))
+    r = FakeSweep(tmp_path, args=("--exec", f"{sys.executable} {script}", "--exec", "true"))
     assert r.wait(60) == 1, r.text
     log = (r.run_dir / "exec-0.log").read_text()
     killed = float(re.search(r"killing decode pid \d+ at ([0-9.]+)", log)[1])
@@ -320,13 +315,9 @@ def test_a_server_dying_while_a_command_runs_fails_it_at_once_naming_the_server(
     assert_nothing_left(r.run_dir)
 
 
-def _fake_env():
-    return {**os.environ, "PYTHONPATH": f"{FAKE}{os.pathsep}{ROOT}"}
-
-
 def _serve(tmp_path, env=None):
     toml = tmp_path / "sweep.toml"
-    toml.write_text(SWEEP.format(connector="nixl", extra="", top=""))
+    toml.write_text(fake_sweep_toml(connector="nixl"))
     return subprocess.Popen(
         [
             sys.executable,
@@ -344,7 +335,7 @@ def _serve(tmp_path, env=None):
             str(tmp_path / "r"),
         ],
         cwd=ROOT,
-        env={**_fake_env(), **(env or {})},
+        env={**fake_stack_env(), **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -399,7 +390,7 @@ def test_two_must_not_run_against_a_dead_cluster(pd_cluster):
 
 def _plugin_argv(tmp_path, *files):
     toml = tmp_path / "sweep.toml"
-    toml.write_text(SWEEP.format(connector="mooncake", extra="", top=""))
+    toml.write_text(fake_sweep_toml(connector="mooncake"))
     return [
         sys.executable,
         "-m",
@@ -420,7 +411,7 @@ def _plugin_argv(tmp_path, *files):
 
 
 def _plugin_env():
-    return {k: v for k, v in _fake_env().items() if k != "PD_SESSIONS_CLUSTER"}
+    return {k: v for k, v in fake_stack_env().items() if k != "PD_SESSIONS_CLUSTER"}
 
 
 def _plugin_pytest(tmp_path, *files):
@@ -478,10 +469,8 @@ def test_sigterm_to_pytest_tears_the_fixture_cluster_down(tmp_path):
         stderr=subprocess.STDOUT,
         text=True,
     )
-    end = time.monotonic() + 60
-    while not (tmp_path / "started").exists():  # the test runs: the cluster is up
-        assert time.monotonic() < end and p.poll() is None
-        time.sleep(0.05)
+    # the test runs: the cluster is up
+    wait_until((tmp_path / "started").exists, 60, "the test to start (the cluster up)", proc=p, tick=0.05)
     p.send_signal(signal.SIGTERM)
     out, _ = p.communicate(timeout=30)
     assert p.returncode == 2, out  # pytest's "interrupted"

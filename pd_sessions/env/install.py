@@ -36,6 +36,10 @@ SYSTEM_LIBS: Mapping[str, str] = {
     "libcurl.so.4": "libcurl4",
 }
 
+# Commands the tests session needs beyond the lane, and the Debian packages that ship them: the
+# canary's tests build real ELF files with a C compiler.
+TEST_COMMANDS: Mapping[str, str] = {"gcc": "gcc"}
+
 
 class Installer(Protocol):
     def install(self, *args: str, env: Mapping[str, str] | None = None) -> None: ...
@@ -82,6 +86,13 @@ def missing_system_packages(known: set[str], libs: Mapping[str, str] = SYSTEM_LI
     return sorted({pkg for lib, pkg in libs.items() if lib not in known})
 
 
+def missing_commands(
+    commands: Mapping[str, str], which: Callable[[str], str | None] = shutil.which
+) -> list[str]:
+    """Debian packages to install so every command in ``commands`` (command -> package) is on PATH."""
+    return sorted({pkg for command, pkg in commands.items() if which(command) is None})
+
+
 def ensure_system_packages(
     packages: Sequence[str],
     *,
@@ -96,8 +107,8 @@ def ensure_system_packages(
     root = os.geteuid() == 0 if is_root is None else is_root
     if not root or not shutil.which("apt-get"):
         raise InstallError(
-            f"missing system libraries for the connector wheels: install "
-            f"{' '.join(packages)} (e.g. `sudo apt-get update && sudo {' '.join(cmd)}`)"
+            f"missing system packages (libraries the connector wheels load, or the tests' compiler): "
+            f"install {' '.join(packages)} (e.g. `sudo apt-get update && sudo {' '.join(cmd)}`)"
         )
     runner = run or (lambda c: subprocess.run(list(c), check=False).returncode)
     for step in (["apt-get", "update"], cmd):
@@ -113,12 +124,17 @@ def install_lane(
     *,
     environ: Mapping[str, str] | None = None,
     say: Callable[[str], None] = print,
+    commands: Mapping[str, str] | None = None,
 ) -> None:
     """Install vLLM, the router and this package for ``platform`` into the session's venv
-    (the connector wheels come after, from :func:`connector_actions`)."""
+    (the connector wheels come after, from :func:`connector_actions`). First the Debian
+    packages: on the CPU lane those of the connector wheels' libraries, and for every platform
+    those of ``commands`` (command -> package, e.g. :data:`TEST_COMMANDS`) missing from PATH."""
     env = dict(os.environ if environ is None else environ)
+    packages = missing_commands(commands or {})
     if platform == "cpu":
-        ensure_system_packages(missing_system_packages(ldconfig_libs()), say=say)
+        packages = sorted({*missing_system_packages(ldconfig_libs()), *packages})
+    ensure_system_packages(packages, say=say)
     session.install("-r", str(lane_requirements(platform)), env=index_env(env))
     if platform == "cpu":
         say(f"pd-sessions install: removing {', '.join(CPU_MISMATCHED)} (built for another torch)")
