@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_plan import FakePorts
+from helpers import FakePorts
 
 from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.errors import PlanError
