@@ -24,15 +24,17 @@ import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pd_sessions.checks.offline_task import TASK as OFFLINE_TASK
 from pd_sessions.checks.offline_task import write_task
-from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core.config import TINY_MODELS
 from pd_sessions.core.errors import ConfigError
 from pd_sessions.core.results import FAIL, PASS, CheckResult
-from pd_sessions.runtime.cluster import Cluster
+
+if TYPE_CHECKING:  # types only: the CLI imports AccuracyOptions on a bare interpreter (test_bare_imports)
+    from pd_sessions.checks.window import CheckWindow
+    from pd_sessions.runtime.cluster import Cluster
 
 BASELINES = Path(__file__).resolve().parent.parent / "configs" / "baselines.toml"
 RULES = ("tolerance", "wilson")
