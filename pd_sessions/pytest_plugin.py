@@ -112,12 +112,11 @@ class PdCluster:
 
     def kv_transferred(self) -> dict[str, float]:
         """Decode name -> prompt tokens received by KV transfer so far (its /metrics counter)."""
-        from pd_sessions.checks import kv_transfer
+        from pd_sessions.checks import instances
         from pd_sessions.runtime import http
 
         return {
-            d["name"]: kv_transfer.external_tokens(http.get_text(d["metrics_url"]))
-            for d in self.info["decode"]
+            d["name"]: instances.external_tokens(http.get_text(d["metrics_url"])) for d in self.info["decode"]
         }
 
     @contextlib.contextmanager

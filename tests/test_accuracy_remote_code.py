@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import pytest
 
 from pd_sessions.checks import accuracy as acc
-from pd_sessions.checks import runner
 from pd_sessions.core.config import ClusterConfig
 
 
@@ -53,8 +52,6 @@ def test_accuracy_check_passes_the_configs_trust_to_lm_eval(monkeypatch, tmp_pat
     )
     baselines = tmp_path / "baselines.toml"
     baselines.write_text('[[baseline]]\nmodel = "org/model"\ntask = "gsm8k"\nvalue = 0.5\nsamples = 10\n')
-    runner.accuracy_check(
-        SimpleNamespace(plan=plan, run_dir=tmp_path), acc.AccuracyOptions(baselines=baselines)
-    )
+    acc.check(SimpleNamespace(plan=plan, run_dir=tmp_path), acc.AccuracyOptions(baselines=baselines))
     assert calls and all(c["trust_remote_code"] is trust for c in calls)
     assert all(("trust_remote_code=True" in c["args"]) is trust for c in calls)

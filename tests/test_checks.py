@@ -6,24 +6,24 @@ import pytest
 from conftest import FIXTURES
 from helpers import comp
 
-from pd_sessions.checks import kv_transfer
-from pd_sessions.checks.completions import Completion, evaluate_smoke
+from pd_sessions.checks import evidence, instances, kv_transfer, smoke
+from pd_sessions.checks.completions import Completion
 from pd_sessions.checks.parity import evaluate_exact as evaluate_parity
 
 
 def test_completion_from_recorded_router_response():
     c = Completion.from_response(json.loads((FIXTURES / "router_completion.json").read_text()))
     assert c.completion_tokens == 16 and len(c.token_ids) == 16 and c.prompt_tokens > 5
-    assert evaluate_smoke(c).passed
+    assert smoke.evaluate(c).passed
 
 
 def test_smoke_wrong_length_fails():
-    r = evaluate_smoke(comp(ids=(1, 2)), max_tokens=16)
+    r = smoke.evaluate(comp(ids=(1, 2)), max_tokens=16)
     assert not r.passed and "returned 2 tokens, expected 16" in r.message
 
 
 def test_smoke_empty_text_fails():
-    assert not evaluate_smoke(comp(ids=range(16), text=""), max_tokens=16).passed
+    assert not smoke.evaluate(comp(ids=range(16), text=""), max_tokens=16).passed
 
 
 def test_parity_identical_passes():
@@ -50,8 +50,8 @@ def test_parity_empty_output_is_not_a_pass():
 
 
 def test_external_tokens_from_real_scrapes():
-    before = kv_transfer.external_tokens((FIXTURES / "decode_metrics_before.txt").read_text())
-    after = kv_transfer.external_tokens((FIXTURES / "decode_metrics_after.txt").read_text())
+    before = instances.external_tokens((FIXTURES / "decode_metrics_before.txt").read_text())
+    after = instances.external_tokens((FIXTURES / "decode_metrics_after.txt").read_text())
     resp = json.loads((FIXTURES / "router_completion.json").read_text())
     # one router request between the scrapes: its whole prompt arrived by transfer
     assert after - before == resp["usage"]["prompt_tokens"]
@@ -59,8 +59,8 @@ def test_external_tokens_from_real_scrapes():
 
 def test_external_tokens_missing_metric():
     text = '# TYPE vllm:prompt_tokens counter\nvllm:prompt_tokens_total{engine="0"} 3.0\n'
-    with pytest.raises(kv_transfer.MetricMissing, match="not exposed"):
-        kv_transfer.external_tokens(text)
+    with pytest.raises(instances.MetricMissing, match="not exposed"):
+        instances.external_tokens(text)
 
 
 def test_external_tokens_sums_engines():
@@ -70,11 +70,11 @@ def test_external_tokens_sums_engines():
         'vllm:prompt_tokens_by_source_total{engine="1",source="external_kv_transfer"} 7.0\n'
         'vllm:prompt_tokens_by_source_total{engine="0",source="local_compute"} 100.0\n'
     )
-    assert kv_transfer.external_tokens(text) == 12.0
+    assert instances.external_tokens(text) == 12.0
 
 
 # success evidence for the tests of the counter rules: a Mooncake stats line of 5 transfers
-OK = kv_transfer.Evidence("mooncake", log_stats={"prefill-0": {"Num successful transfers": 5}})
+OK = evidence.Evidence("mooncake", log_stats={"prefill-0": {"Num successful transfers": 5}})
 
 
 def test_kv_pass_and_control():

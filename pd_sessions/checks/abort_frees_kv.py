@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pd_sessions.checks.instances import KV_USAGE, RUNNING, scrape_gauges
+from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core.results import FAIL, PASS, CheckResult
 from pd_sessions.runtime import http as pdhttp
 
@@ -123,8 +124,8 @@ def stream_then_disconnect(
         conn.close()  # the disconnect: the router and vLLM must abort the request
 
 
-def run(cluster: Any, options: Mapping[str, Any]) -> CheckResult:
-    plan = cluster.plan
+def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
+    plan = window.plan
     n, bound = int(options["requests"]), float(options["bound_s"])
     first_token_s_max = float(options["first_token_s"])
     idle = {s.name: scrape_gauges(s) for s in plan.instances}

@@ -2,7 +2,7 @@
 
 Pure parts (tested without lm_eval): baseline lookup, the comparison rules, the
 lm_eval model_args, reading lm_eval's result. The run itself (lm_eval against the
-router) is in :func:`run_lm_eval`, imported lazily.
+router) is in :func:`run_lm_eval`, imported lazily; :func:`run` is the check's gatherer.
 
 Rules:
 - tolerance (default): |measured - baseline| <= rtol * baseline (two-sided);
@@ -15,15 +15,26 @@ Rules:
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import math
+import shlex
+import sys
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from pd_sessions.checks.offline_task import TASK as OFFLINE_TASK
+from pd_sessions.checks.offline_task import write_task
+from pd_sessions.core.config import TINY_MODELS
 from pd_sessions.core.errors import ConfigError
 from pd_sessions.core.results import FAIL, PASS, CheckResult
+
+if TYPE_CHECKING:  # types only: the CLI imports AccuracyOptions on a bare interpreter (test_bare_imports)
+    from pd_sessions.checks.window import CheckWindow
+    from pd_sessions.runtime.cluster import Cluster
 
 BASELINES = Path(__file__).resolve().parent.parent / "configs" / "baselines.toml"
 RULES = ("tolerance", "wilson")
@@ -299,3 +310,92 @@ def record_baseline(path: Path, b: Baseline, *, command: str, date: str) -> None
     entry = {k: v for k, v in entry.items() if v is not None}  # TOML has no null: absent = default
     with open(path, "a") as f:
         f.write("\n" + tomli_w.dumps({"baseline": [entry]}))
+
+
+# ---------------------------------------------------------------- gatherer (edge)
+
+
+def as_options(opts: AccuracyOptions) -> dict[str, Any]:
+    """The check's options as the runner passes them to :func:`run` (they come from the command
+    line, not from a sweep's ``[check_options]``)."""
+    return dataclasses.asdict(opts)
+
+
+def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
+    """Gatherer: :func:`check` with the options of :func:`as_options` (none: the defaults)."""
+    return check(window.cluster, AccuracyOptions(**options))
+
+
+def check(cluster: Cluster, opts: AccuracyOptions) -> CheckResult:
+    """The gatherer's work: on a tiny model, the offline task through the router and straight to
+    prefill-0 must give identical samples; elsewhere lm_eval through the router is compared with
+    the recorded baseline (or records it)."""
+    plan = cluster.plan
+    cfg = plan.config
+    common: dict[str, Any] = {
+        "model": plan.served_model_name,
+        "num_concurrent": opts.num_concurrent,
+        "trust_remote_code": cfg.trust_remote_code,
+        "revision": cfg.revision,
+    }
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError as e:
+        return CheckResult(
+            "accuracy",
+            FAIL,
+            f"could not run: lm_eval is not installed ({e}); "
+            "install 'lm-eval[api]==0.4.13' or skip it with --skip-check accuracy",
+        )
+    if cfg.model in TINY_MODELS:
+        # Absolute accuracy of a random tiny model means nothing: require greedy identity.
+        include = write_task(cluster.run_dir / "lm_eval_task")
+        runs = {}
+        for label, url in (("router", plan.router.url), (plan.prefill[0].name, plan.prefill[0].url)):
+            res = run_lm_eval(
+                base_url=url,
+                task=OFFLINE_TASK,
+                include_path=include,
+                tokenizer=plan.model,
+                log_samples=True,
+                **common,
+            )
+            runs[label] = responses(res, OFFLINE_TASK)
+        return compare_samples(
+            runs["router"], runs[plan.prefill[0].name], baseline=f"{plan.prefill[0].name} direct"
+        )
+    baseline = find_baseline(load_baselines(opts.baselines), cfg.model, opts.task)
+    if baseline is None and not opts.record_baseline:
+        msg = missing_baseline_message(cfg.model, opts.task, opts.baselines)
+        return CheckResult(
+            "accuracy",
+            PASS if opts.mode == "warn" else FAIL,
+            ("WARNING (--accuracy=warn): " if opts.mode == "warn" else "") + msg,
+        )
+    endpoint = baseline.endpoint if baseline else "completions"
+    res = run_lm_eval(
+        base_url=plan.router.url,
+        task=opts.task,
+        endpoint=endpoint,
+        limit=opts.limit,
+        num_fewshot=baseline.num_fewshot if baseline else 5,
+        tokenizer=None,
+        **common,
+    )
+    key = baseline.key if baseline else "exact_match,strict-match"
+    value, n = read_result(res, opts.task, key)
+    if opts.record_baseline:
+        new = Baseline(model=cfg.model, task=opts.task, value=value, samples=n, endpoint=endpoint)
+        record_baseline(
+            opts.baselines, new, command=shlex.join(sys.argv), date=datetime.date.today().isoformat()
+        )
+        return CheckResult(
+            "accuracy",
+            PASS,
+            f"recorded baseline {cfg.model}/{opts.task} = {value:.4f} on {n} samples in {opts.baselines}",
+            {"measured": value, "samples": n},
+        )
+    assert baseline is not None  # both ways without one returned above
+    return compare(
+        value, n, baseline, rule=opts.rule, mode=opts.mode, allow_sample_mismatch=opts.allow_sample_mismatch
+    )

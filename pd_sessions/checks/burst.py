@@ -14,9 +14,10 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from pd_sessions.checks import kv_transfer, parity, per_instance
+from pd_sessions.checks import evidence, instances, kv_transfer, parity
 from pd_sessions.checks.completions import Completion
 from pd_sessions.checks.instances import REQUEST_TIMEOUT_S
+from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core.results import FAIL, PASS, CheckResult
 from pd_sessions.runtime import http
 
@@ -83,23 +84,20 @@ def evaluate(
     )
 
 
-def run(cluster: Any, options: Mapping[str, Any]) -> CheckResult:
-    plan = cluster.plan
+def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
+    plan = window.plan
     model = plan.served_model_name
     n, max_tokens = int(options["requests"]), int(options["max_tokens"])
     texts = prompts(n)
-
-    def scrape() -> dict[str, float]:
-        return {s.name: kv_transfer.external_tokens(http.get_text(f"{s.url}/metrics")) for s in plan.decode}
 
     def one(url: str, prompt: str) -> Completion:
         return Completion.from_response(
             http.completion(url, model, prompt, max_tokens=max_tokens, timeout=REQUEST_TIMEOUT_S)
         )
 
-    before = scrape()
-    window = kv_transfer.Window.for_cluster(cluster, http.get_text)
-    served_before = per_instance.scrape(plan)
+    before = instances.scrape_decode(plan)
+    ev_window = evidence.Window.for_cluster(window.cluster, http.get_text)
+    served_before = instances.scrape_served(plan)
     t0 = time.monotonic()
     results: list[Completion | None] = []
     errors: list[str] = []
@@ -112,19 +110,19 @@ def run(cluster: Any, options: Mapping[str, Any]) -> CheckResult:
                 results.append(None)
                 errors.append(f"{p[:30]!r}: {e}")
     seconds = time.monotonic() - t0
-    after = scrape()
+    after = instances.scrape_decode(plan)
     ok = [c for c in results if c is not None]
     kv = kv_transfer.evaluate(
         before,
         after,
         router_prompt_tokens=sum(c.prompt_tokens for c in ok),
         router_requests=len(ok),
-        evidence=window.close(router_requests=len(ok), wait_s=kv_transfer.evidence_wait(before, after)),
+        evidence=ev_window.close(router_requests=len(ok), wait_s=evidence.evidence_wait(before, after)),
     )
-    kv = per_instance.apply(
+    kv = instances.apply_served(
         kv,
         served_before,
-        per_instance.scrape(plan),
+        instances.scrape_served(plan),
         requests=len(ok),
         roles={"prefill": len(plan.prefill), "decode": len(plan.decode)},
     )

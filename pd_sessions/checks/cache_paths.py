@@ -25,6 +25,7 @@ from typing import Any
 from pd_sessions.checks import parity
 from pd_sessions.checks.completions import MAX_TOKENS, Completion
 from pd_sessions.checks.instances import REQUEST_TIMEOUT_S, block_size, tokenize
+from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core.results import FAIL, PASS, CheckResult
 from pd_sessions.runtime import http
 
@@ -171,8 +172,8 @@ def _fit(
     return text, toks
 
 
-def run(cluster: Any, options: Mapping[str, Any]) -> CheckResult:
-    plan = cluster.plan
+def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
+    plan = window.plan
     model = plan.served_model_name
     block = block_size(plan)
     want = lengths(block)

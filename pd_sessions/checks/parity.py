@@ -15,8 +15,9 @@ The reference is prefill-0 served directly (no disaggregation). Two modes:
 
 Pure parts: :func:`choose_mode`, :func:`forced_tokens`, :func:`evaluate_exact`,
 :func:`evaluate_margin`, :func:`judge`. :func:`teacher_force` and :func:`reference` are the
-requests. Other checks that compare P/D outputs with a direct instance (cache_paths, burst)
-use :class:`Judge`, :func:`reference` and :func:`judge`, so they follow the same mode.
+requests; :func:`run` is the check's gatherer. Other checks that compare P/D outputs with a
+direct instance (cache_paths, burst) use :class:`Judge`, :func:`reference` and :func:`judge`,
+so they follow the same mode.
 """
 
 from __future__ import annotations
@@ -25,9 +26,42 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pd_sessions.checks.completions import Completion
+from pd_sessions.checks import instances
+from pd_sessions.checks.completions import MAX_TOKENS, Completion
+from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core.results import FAIL, PASS, CheckResult
 from pd_sessions.runtime import http
+
+# Distinct prompts (distinct prefixes too) so no router request can be served from
+# the decode instance's own prefix cache; one is longer than a 128-token block.
+PARITY_PROMPTS: tuple[str, ...] = (
+    "The quick brown fox jumps over the lazy dog near the river",
+    "Seven plus five equals twelve, and twelve plus one equals",
+    "Question: how many apples are left if each of the ten birds takes one? Answer:",
+    " ".join(
+        f"Row {i}: the {w} stone sits under the old tree."
+        for i, w in enumerate(
+            [
+                "red",
+                "blue",
+                "green",
+                "small",
+                "large",
+                "old",
+                "new",
+                "quick",
+                "slow",
+                "happy",
+                "quiet",
+                "bright",
+                "dark",
+                "warm",
+                "cold",
+                "red",
+            ]
+        )
+    ),
+)
 
 # Default margin in nats (logprob of the reference's top-1 minus that of the P/D token).
 # Results record the margin, this evidence and the largest gap each run saw.
@@ -377,3 +411,32 @@ def judge(j: Judge, rows: Sequence[tuple[str, Completion, Reference]], *, baseli
             raise TypeError(f"{label}: exact mode needs the reference's completion, got forced scores")
         pairs.append((label, pd, ref))
     return evaluate_exact(pairs, baseline=baseline, why=j.why)
+
+
+# ---------------------------------------------------------------- gatherer (edge)
+
+
+def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
+    """Each prompt through the router (counted in the window's ledger), then prefill-0's side
+    straight to it (:func:`reference`); every instance must have served some of these requests.
+    The tokens sent straight to prefill-0 are the window's direct tokens (not the router's)."""
+    plan, model = window.plan, window.plan.served_model_name
+    window.served_start()  # the window's per-instance counts start here, after smoke's request
+    before = instances.scrape_served(plan)
+    baseline = plan.prefill[0]
+    j = Judge.for_config(plan.config)
+    rows: list[tuple[str, Completion, Reference]] = []
+    sent = 0.0
+    for p in PARITY_PROMPTS:
+        pd = window.via_router(p)
+        try:
+            ref = reference(j, baseline.url, model, p, pd, max_tokens=MAX_TOKENS, timeout=window.timeout_s)
+        except ValueError as e:
+            return CheckResult("parity", FAIL, f"could not run: {e}")
+        sent += prompt_tokens_sent(pd, ref)
+        rows.append((p, pd, ref))
+    r = judge(j, rows, baseline=f"{baseline.name} direct (no disaggregation)")
+    window.sent_direct(baseline.name, sent)
+    return window.count_served(
+        r, before, instances.scrape_served(plan), requests=len(PARITY_PROMPTS), direct={baseline.name: sent}
+    )

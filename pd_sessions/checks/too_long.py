@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pd_sessions.checks.instances import REQUEST_TIMEOUT_S, health, tokenize
+from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core.results import FAIL, PASS, CheckResult
 from pd_sessions.runtime import http
 
@@ -115,9 +116,9 @@ def evaluate(
     )
 
 
-def run(cluster: Any, options: Mapping[str, Any]) -> CheckResult:
+def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
     """Gatherer: build a prompt one block past the model length, send it, look around."""
-    plan = cluster.plan
+    plan = window.plan
     model = plan.served_model_name
     bound = float(options["bound_s"])
     probe = tokenize(plan.prefill[0].url, model, WORD)

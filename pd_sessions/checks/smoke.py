@@ -1,0 +1,35 @@
+"""smoke: one completion through the router returns the requested tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pd_sessions.checks.completions import MAX_TOKENS, Completion
+from pd_sessions.checks.window import CheckWindow
+from pd_sessions.core.results import FAIL, PASS, CheckResult
+
+SMOKE_PROMPT = "Hello from pd-sessions: the smoke test says"
+
+
+def evaluate(c: Completion, *, max_tokens: int = MAX_TOKENS) -> CheckResult:
+    """Pass when the router answered with exactly ``max_tokens`` generated tokens."""
+    details = {"text": c.text, "completion_tokens": c.completion_tokens, "prompt_tokens": c.prompt_tokens}
+    if c.completion_tokens != max_tokens:
+        return CheckResult(
+            "smoke",
+            FAIL,
+            f"router returned {c.completion_tokens} tokens, "
+            f"expected {max_tokens} (finish_reason {c.finish_reason!r})",
+            details,
+        )
+    if not c.text:
+        return CheckResult("smoke", FAIL, "router returned empty text", details)
+    return CheckResult(
+        "smoke", PASS, f"router completed {c.completion_tokens} tokens: {c.text[:60]!r}", details
+    )
+
+
+def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
+    """Gatherer: one completion through the router, counted in the window's ledger."""
+    return evaluate(window.via_router(SMOKE_PROMPT))
