@@ -1,10 +1,14 @@
 """Every way of stopping a run, driven through nox itself: nothing outlives it (within grace
 + 2 s), it exits non-zero, and it leaves summary.json, summary.txt and junit.xml.
 
-A throwaway noxfile runs `python -m pd_sessions sweep` as the project's noxfile does (same
-`parentwatch.nox_run_options`), against the fake stack of test_faults.py (vLLM and the router
-replaced by a throwaway server with a grandchild "engine core"): what is under test is the
-harness's own handling, where timing matters. Real vLLM: test_e2e_stops.py.
+The project's own noxfile runs the sweep: its generic ``sweep`` session in installed-environment
+mode (``nox --no-venv -s sweep -- FILE.toml ... --no-install``: this interpreter as found, nothing
+installed or changed), so the session checks the environment, runs the import canary and starts
+``python -m pd_sessions sweep`` exactly as a user's ``nox`` does. It runs against the fake stack
+of test_faults.py (vLLM and the router replaced by a throwaway server with a grandchild "engine
+core") and a fake installed environment (tests/fixtures/fake_env: a CPU-only torch and the
+Mooncake connector, which the session's checks accept as they would real ones): what is under
+test is the harness's own handling, where timing matters. Real vLLM: test_e2e_stops.py.
 
 nox and the harness run in a process group of their own, as under a terminal or the
 Buildkite agent; the servers, as always, in sessions of their own.
@@ -18,20 +22,20 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import psutil
 import pytest
-from conftest import ROOT, Cli
+from conftest import FIXTURES, ROOT, Cli
 from test_faults import FAKE, assert_nothing_left, bystander  # noqa: F401 (a fixture)
 
 from pd_sessions.runtime.process import alive
 from pd_sessions.runtime.process import session_family as family
 
 GRACE = 2.0
+FAKE_ENV = FIXTURES / "fake_env"  # a CPU-only torch and the Mooncake connector, for nox's checks
 SWEEP = """name = "fake"
 [defaults]
 model = "fake-model"
@@ -41,22 +45,11 @@ name = "1x1"
 [[config]]
 name = "1x1b"
 """
-NOXFILE = textwrap.dedent("""
-    import sys
-    import nox
-    sys.path.insert(0, {root!r})
-    from pd_sessions.runtime import parentwatch
-    nox.options.default_venv_backend = "none"
-
-    @nox.session(python=False)
-    def sweep(session):
-        session.run({python!r}, "-m", "pd_sessions", "sweep", *session.posargs, external=True,
-                    **parentwatch.nox_run_options(session.posargs))
-""")
 
 
 class NoxRun(Cli):
-    """nox running the sweep (two configs) in its own process group, output timestamped."""
+    """The project's noxfile running the sweep (two configs) on this interpreter, in its own
+    process group, output timestamped."""
 
     def __init__(
         self,
@@ -73,20 +66,22 @@ class NoxRun(Cli):
         if sweep is None:
             (tmp_path / "sweep.toml").write_text(SWEEP)
             sweep = str(tmp_path / "sweep.toml")
-        (tmp_path / "noxfile.py").write_text(NOXFILE.format(root=str(ROOT), python=sys.executable))
         self.results = tmp_path / "results"
-        e = {**os.environ, "PYTHONPATH": f"{FAKE}{os.pathsep}{ROOT}" if fake else str(ROOT), **(env or {})}
+        path = [FAKE_ENV, FAKE, ROOT] if fake else [ROOT]
+        e = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, path)), **(env or {})}
         super().__init__(
             argv=[
                 sys.executable,
                 "-m",
                 "nox",
                 "-f",
-                str(tmp_path / "noxfile.py"),
+                str(ROOT / "noxfile.py"),
+                "--no-venv",  # this interpreter, as found
                 "-s",
                 "sweep",
                 "--",
                 sweep,
+                "--no-install",  # change nothing in it
                 "--platform",
                 "cpu",
                 *(("--skip-check", "accuracy") if fake else ()),
