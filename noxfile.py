@@ -93,7 +93,7 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, reuse_venv=True, tags=["ci"])
 def buildkite(session: nox.Session) -> None:
-    """Render .buildkite/ (pipeline + vLLM test_areas) from pd_sessions/ci_jobs.py."""
+    """Render .buildkite/ (pipeline + vLLM test_areas) from pd_sessions/report/ci_jobs.py."""
     session.install("-e", str(ROOT), *nox_support.requirements("buildkite.txt"))
     session.run("python", "-m", "pd_sessions", "buildkite")
 

@@ -63,7 +63,9 @@ def _parser() -> argparse.ArgumentParser:
         "wheelhouse",
         "download every wheel a session needs, for an offline host (pd-sessions wheelhouse --help)",
     )
-    sub.add_parser("buildkite", help="render .buildkite/ from the job registry in pd_sessions/ci_jobs.py")
+    sub.add_parser(
+        "buildkite", help="render .buildkite/ from the job registry in pd_sessions/report/ci_jobs.py"
+    )
     return p
 
 
@@ -91,8 +93,10 @@ def _command(name: str) -> Callable[[argparse.Namespace], int]:
         from pd_sessions.commands.bench_report import run
     elif name == "wheelhouse":
         from pd_sessions.commands.wheelhouse import run
-    else:
+    elif name == "buildkite":
         from pd_sessions.commands.buildkite import run
+    else:  # argparse lets only the names above through
+        raise ValueError(f"no module for the command {name!r}")
     return run
 
 
