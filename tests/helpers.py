@@ -240,22 +240,13 @@ def assert_nothing_left(run_dir: Path) -> None:
 # --- a sweep through nox (test_stops, test_e2e_stops) -------------------------------------------
 
 GRACE = 2.0
-NOXFILE = textwrap.dedent("""
-    import sys
-    import nox
-    sys.path.insert(0, {root!r})
-    from pd_sessions.runtime import parentwatch
-    nox.options.default_venv_backend = "none"
-
-    @nox.session(python=False)
-    def sweep(session):
-        session.run({python!r}, "-m", "pd_sessions", "sweep", *session.posargs, external=True,
-                    **parentwatch.nox_run_options(session.posargs))
-""")
+FAKE_ENV = FIXTURES / "fake_env"  # a CPU-only torch and the Mooncake connector, for nox's checks
 
 
 class NoxRun(Cli):
-    """nox running the sweep (two configs) in its own process group, output timestamped."""
+    """The project's noxfile running the sweep (two configs) on this interpreter
+    (``nox --no-venv``, changing nothing in it: ``--no-install``), in its own process group,
+    output timestamped."""
 
     def __init__(
         self,
@@ -272,20 +263,22 @@ class NoxRun(Cli):
         if sweep is None:
             (tmp_path / "sweep.toml").write_text(TWO_CONFIGS)
             sweep = str(tmp_path / "sweep.toml")
-        (tmp_path / "noxfile.py").write_text(NOXFILE.format(root=str(ROOT), python=sys.executable))
         self.results = tmp_path / "results"
-        e = fake_stack_env(**(env or {})) if fake else {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+        path = [FAKE_ENV, FAKE, ROOT] if fake else [ROOT]
+        e = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, path)), **(env or {})}
         super().__init__(
             argv=[
                 sys.executable,
                 "-m",
                 "nox",
                 "-f",
-                str(tmp_path / "noxfile.py"),
+                str(ROOT / "noxfile.py"),
+                "--no-venv",  # this interpreter, as found
                 "-s",
                 "sweep",
                 "--",
                 sweep,
+                "--no-install",  # change nothing in it
                 "--platform",
                 "cpu",
                 *(("--skip-check", "accuracy") if fake else ()),

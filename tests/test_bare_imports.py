@@ -3,8 +3,9 @@
 nox imports the noxfile with nox's own interpreter, before any session has installed anything:
 a module it imports that needs psutil, prometheus_client, pyelftools, torch or vLLM breaks
 ``nox -l``, ``--help`` and every session on a bare host. So those modules (found here by reading
-noxfile.py's imports, at top level and inside the session functions) must import with the
-standard library alone, plus ``packaging``.
+the imports of noxfile.py and of the helper modules it imports, pd_sessions.env.nox_support
+among them, at top level and inside functions) must import with the standard library alone,
+plus ``packaging``.
 
 ``packaging`` is allowed, by choice: nox itself depends on it (checked below against nox's
 metadata), so wherever the noxfile runs, packaging is there; install.py and installed.py use it
@@ -32,11 +33,10 @@ from packaging.requirements import Requirement
 ALLOWED = {"packaging"}
 
 
-def noxfile_modules() -> list[str]:
-    """Every pd_sessions module noxfile.py imports, wherever in the file the import is."""
-    tree = ast.parse((ROOT / "noxfile.py").read_text())
+def imported(source: str) -> set[str]:
+    """Every pd_sessions module ``source`` imports, wherever in the file the import is."""
     found: set[str] = set()
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "pd_sessions":
             for alias in node.names:
                 sub = f"{node.module}.{alias.name}"
@@ -44,6 +44,21 @@ def noxfile_modules() -> list[str]:
                 found.add(sub if path.with_suffix(".py").exists() or path.is_dir() else node.module)
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.split(".")[0] == "pd_sessions")
+    return found
+
+
+def module_path(module: str) -> Path:
+    path = ROOT / Path(*module.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def noxfile_modules() -> list[str]:
+    """Every pd_sessions module noxfile.py imports, and every one its helper modules (the ones
+    the noxfile imports itself, e.g. pd_sessions.env.nox_support) import, wherever in the file."""
+    direct = imported((ROOT / "noxfile.py").read_text())
+    found = set(direct)
+    for m in direct:
+        found |= imported(module_path(m).read_text())
     return sorted(found)
 
 
@@ -61,13 +76,18 @@ def bare_python(tmp_path: Path, code: str) -> subprocess.CompletedProcess[str]:
 def test_the_noxfile_imports_what_this_test_expects():
     modules = noxfile_modules()
     for m in (
+        "pd_sessions.env.nox_support",  # the noxfile's helpers
+        "pd_sessions.bench.options",  # the bench session parses its posargs with the bench's parser
         "pd_sessions.core.cliargs",
         "pd_sessions.core.config",
         "pd_sessions.core.errors",
         "pd_sessions.core.preflight",
+        "pd_sessions.core.selection",
     ):
         assert m in modules, modules
-    assert "pd_sessions.env.envfacts" in modules  # imported inside a session function: still found
+    assert "pd_sessions.env.envfacts" in modules  # imported by the helpers: still found
+    # an import inside a function is found too
+    assert imported("def f():\n    from pd_sessions.env import envfacts\n") == {"pd_sessions.env.envfacts"}
 
 
 def test_noxfile_modules_import_without_the_project_dependencies(tmp_path):
@@ -95,11 +115,16 @@ def test_packaging_is_allowed_because_nox_depends_on_it():
     assert names >= ALLOWED, f"nox no longer depends on {sorted(ALLOWED - names)}: drop it from ALLOWED"
 
 
-@pytest.mark.parametrize("args", [["--help"], ["sweep", "--help"], ["serve", "--help"]], ids=" ".join)
+# Every subcommand whose options cli.py parses; bench and wheelhouse hand their command line to
+# their own module (wheelhouse's: test_wheelhouse_runs_where_nox_runs_it).
+HELP = ["sweep", "serve", "tiny-model", "inventory", "bench-report", "buildkite"]
+
+
+@pytest.mark.parametrize("args", [["--help"], *([c, "--help"] for c in HELP)], ids=" ".join)
 def test_cli_help_runs_on_a_bare_interpreter(args):
-    """`python -m pd_sessions [sweep] --help` needs nothing but the standard library (not even
-    packaging): the CLI imports what needs psutil, prometheus_client or vLLM only in the command
-    that uses it."""
+    """`python -m pd_sessions [COMMAND] --help` needs nothing but the standard library (not even
+    packaging): the CLI imports each command's module (and what needs psutil, prometheus_client
+    or vLLM) only when that command runs."""
     r = subprocess.run(
         [sys.executable, "-S", "-E", "-m", "pd_sessions", *args],
         cwd=ROOT,  # -m puts the working directory first on the path; -S -E: nothing else

@@ -116,10 +116,10 @@ def test_hybrid_mla_is_a_known_name_or_a_kimi_linear_style_config():
     assert not connector_support.is_hybrid_mla(cfg(model="tiny-llama"))
 
 
-def test_the_cli_refuses_before_launch_and_only_warns_on_a_dry_run(tmp_path, capsys):
+def test_the_cli_refuses_before_launch_and_only_warns_on_a_dry_run(tmp_path):
     from types import SimpleNamespace
 
-    from pd_sessions import cli
+    from pd_sessions.commands import launch
 
     model = tmp_path / "kimi"
     model.mkdir()
@@ -129,12 +129,13 @@ def test_the_cli_refuses_before_launch_and_only_warns_on_a_dry_run(tmp_path, cap
         configs=[c],
         platform="cuda",
         inv=Inventory(gpus=("0", "1"), cpus=(0, 1), gpu_source="test"),
-        env={"modules": {"vllm": {"version": "0.26.0"}}},
+        warnings=(),
     )
+    env = {"modules": {"vllm": {"version": "0.26.0"}}}
     with pytest.raises(PlanError) as e:
-        cli._refuse_before_launch(sel, dry_run=False)  # type: ignore[arg-type]
+        launch.refuse_before_launch(sel, env, dry_run=False)  # type: ignore[arg-type]
     assert e.value.field == "prefill_tp" and "vLLM 0.26.0 cannot pull KV over NIXL" in str(e.value)
-    cli._refuse_before_launch(sel, dry_run=True)  # type: ignore[arg-type]
-    assert "WARNING: k: vLLM 0.26.0 cannot pull KV" in capsys.readouterr().out
-    sel.env = {"modules": {"vllm": {"version": "0.32.0"}}}
-    cli._refuse_before_launch(sel, dry_run=False)  # type: ignore[arg-type]
+    warnings = launch.refuse_before_launch(sel, env, dry_run=True)  # type: ignore[arg-type]
+    assert "WARNING: k: vLLM 0.26.0 cannot pull KV" in "\n".join(warnings)  # the banner prints them
+    env = {"modules": {"vllm": {"version": "0.32.0"}}}
+    launch.refuse_before_launch(sel, env, dry_run=False)  # type: ignore[arg-type]

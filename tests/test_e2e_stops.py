@@ -1,6 +1,8 @@
-"""A Buildkite-style cancel of a real CPU-lane sweep, through nox: SIGTERM to the group while
-the checks run, SIGKILL 10 s later. The real cluster (vLLM API servers, their engine cores,
-vllm-router) must be gone, and the results written, well inside those 10 s.
+"""A Buildkite-style cancel of a real CPU-lane sweep, through the project's noxfile (its ``sweep``
+session on this interpreter, as found: ``--no-venv``, ``--no-install``; the environment check and
+the import canary run for real): SIGTERM to the group while the checks run, SIGKILL 10 s later. The
+real cluster (vLLM API servers, their engine cores, vllm-router) must be gone, and the results
+written, well inside those 10 s.
 
 This one real cluster also stands for "SIGTERM to a running sweep stops vLLM and its engine
 cores": the harness gets the SIGTERM either way (here as a member of nox's group); the exit

@@ -1,10 +1,14 @@
 """Every way of stopping a run, driven through nox itself: nothing outlives it (within grace
 + 2 s), it exits non-zero, and it leaves summary.json, summary.txt and junit.xml.
 
-A throwaway noxfile runs `python -m pd_sessions sweep` as the project's noxfile does (same
-`parentwatch.nox_run_options`), against the fake stack of test_faults.py (vLLM and the router
-replaced by a throwaway server with a grandchild "engine core"): what is under test is the
-harness's own handling, where timing matters. Real vLLM: test_e2e_stops.py.
+The project's own noxfile runs the sweep: its generic ``sweep`` session in installed-environment
+mode (``nox --no-venv -s sweep -- FILE.toml ... --no-install``: this interpreter as found, nothing
+installed or changed), so the session checks the environment, runs the import canary and starts
+``python -m pd_sessions sweep`` exactly as a user's ``nox`` does. It runs against the fake stack
+of test_faults.py (vLLM and the router replaced by a throwaway server with a grandchild "engine
+core") and a fake installed environment (tests/fixtures/fake_env: a CPU-only torch and the
+Mooncake connector, which the session's checks accept as they would real ones): what is under
+test is the harness's own handling, where timing matters. Real vLLM: test_e2e_stops.py.
 
 nox and the harness run in a process group of their own, as under a terminal or the
 Buildkite agent; the servers, as always, in sessions of their own.

@@ -20,6 +20,7 @@ from typing import Any
 import psutil
 
 from pd_sessions.bench import clusters, report, routers, startup, teardown
+from pd_sessions.bench.options import PARTS, bench_parser
 from pd_sessions.checks.accuracy import AccuracyOptions
 from pd_sessions.core.config import ClusterConfig, Sweep, load, select
 from pd_sessions.core.inventory import Inventory
@@ -28,60 +29,7 @@ from pd_sessions.run.options import SweepOptions
 from pd_sessions.runtime import hosts
 from pd_sessions.runtime.console import install_signal_handlers, run_command, say
 
-PARTS = ("router", "teardown", "clusters", "checks", "startup")
-# The checks part: what each check costs over each connector (the clusters part's pd_sessions
-# runs count for its own sweep, so that one is not run again).
-CHECK_SWEEPS = ("mooncake_sweep", "nixl_sweep")
 ORDER = ("single", "pd_sessions", "upstream")
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pd-sessions bench", description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=Path("bench"),
-        help="where results.json, results.md and phases.png go (logs: OUT/logs/)",
-    )
-    p.add_argument(
-        "--sweep",
-        default="mooncake_sweep",
-        help="the sweep whose configs run: a built-in name or a .toml file",
-    )
-    p.add_argument(
-        "--only",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="only these configs (default: the sweep's default ones on this lane)",
-    )
-    p.add_argument("--platform", choices=["cpu", "cuda"], default=None)
-    p.add_argument("--repeats", type=int, default=3, help="runs per config and driver (default 3)")
-    p.add_argument(
-        "--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)} (default: all)"
-    )
-    p.add_argument("--grace", type=float, default=5.0, help="SIGTERM grace at teardown, seconds (default 5)")
-    p.add_argument(
-        "--with-accuracy",
-        action="store_true",
-        help="also run the accuracy check in every cluster run (slower)",
-    )
-    p.add_argument(
-        "--check-sweeps",
-        default=",".join(CHECK_SWEEPS),
-        help="checks part: the sweeps (one per connector) whose configs measure what each check "
-        f"costs (default {','.join(CHECK_SWEEPS)}; --only selects the configs)",
-    )
-    p.add_argument(
-        "--startup-session",
-        default="mooncake_sweep",
-        help="startup part: the nox session whose second-run start-up is measured, with "
-        "--only (first name given, default 1x1) and this lane's --platform (default mooncake_sweep)",
-    )
-    p.add_argument("--router-requests", type=int, default=600)
-    p.add_argument("--router-concurrent-requests", type=int, default=2000)
-    p.add_argument("--concurrency", type=int, default=100)
-    return p
 
 
 def machine() -> dict[str, Any]:
@@ -292,7 +240,7 @@ def _measure_checks(
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = bench_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_signal_handlers()
     return run_command(lambda: run(args), prog="pd-sessions bench")

@@ -1,0 +1,68 @@
+"""The bench's command-line options (standard library only): ``pd-sessions bench`` parses its
+command line with :func:`bench_parser`, and ``nox -s bench`` its posargs, before it installs
+anything (the noxfile imports this module with nox's own interpreter)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+# The first line of pd_sessions/bench/cli.py's docstring, as `--help` has always shown it.
+DESCRIPTION = (
+    "``pd-sessions bench`` (``nox -s bench``): run the benchmark and write "
+    "bench/results.{json,md} + phases.png."
+)
+PARTS = ("router", "teardown", "clusters", "checks", "startup")
+# The checks part: what each check costs over each connector (the clusters part's pd_sessions
+# runs count for its own sweep, so that one is not run again).
+CHECK_SWEEPS = ("mooncake_sweep", "nixl_sweep")
+
+
+def bench_parser(prog: str = "pd-sessions bench") -> argparse.ArgumentParser:
+    """The options of ``pd-sessions bench``; ``nox -s bench`` parses its posargs with it too."""
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench"),
+        help="where results.json, results.md and phases.png go (logs: OUT/logs/)",
+    )
+    p.add_argument(
+        "--sweep",
+        default="mooncake_sweep",
+        help="the sweep whose configs run: a built-in name or a .toml file",
+    )
+    p.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="only these configs (default: the sweep's default ones on this lane)",
+    )
+    p.add_argument("--platform", choices=["cpu", "cuda"], default=None)
+    p.add_argument("--repeats", type=int, default=3, help="runs per config and driver (default 3)")
+    p.add_argument(
+        "--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)} (default: all)"
+    )
+    p.add_argument("--grace", type=float, default=5.0, help="SIGTERM grace at teardown, seconds (default 5)")
+    p.add_argument(
+        "--with-accuracy",
+        action="store_true",
+        help="also run the accuracy check in every cluster run (slower)",
+    )
+    p.add_argument(
+        "--check-sweeps",
+        default=",".join(CHECK_SWEEPS),
+        help="checks part: the sweeps (one per connector) whose configs measure what each check "
+        f"costs (default {','.join(CHECK_SWEEPS)}; --only selects the configs)",
+    )
+    p.add_argument(
+        "--startup-session",
+        default="mooncake_sweep",
+        help="startup part: the nox session whose second-run start-up is measured, with "
+        "--only (first name given, default 1x1) and this lane's --platform (default mooncake_sweep)",
+    )
+    p.add_argument("--router-requests", type=int, default=600)
+    p.add_argument("--router-concurrent-requests", type=int, default=2000)
+    p.add_argument("--concurrency", type=int, default=100)
+    return p

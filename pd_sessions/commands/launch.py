@@ -1,0 +1,79 @@
+"""What ``sweep`` and ``serve`` share before they launch: the selection on this host, the
+refusals that need the environment, the banner's common lines and the options they run with."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from pd_sessions.core import connector_support
+from pd_sessions.core.errors import PlanError
+from pd_sessions.core.selection import Selection, select_run
+from pd_sessions.env.envfacts import summary_lines
+from pd_sessions.run.options import SweepOptions
+from pd_sessions.runtime import hosts
+
+
+def checked(args: argparse.Namespace) -> Selection:
+    """The run's selection on this host: the noxfile checks a session's posargs the same way."""
+    return select_run(args.sweep, args, hosts.detect())
+
+
+def _model_config(model: str) -> dict[str, Any] | None:
+    """config.json of a local model directory, else None (hub names are not looked up)."""
+    path = Path(model).expanduser() / "config.json"
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def refuse_before_launch(sel: Selection, env: dict[str, Any], *, dry_run: bool) -> list[str]:
+    """What this vLLM (``env``, envfacts' document) cannot run: PlanError before anything starts.
+    With --dry-run, the banner's warnings instead (the selection's own first), so that the plans
+    can still be read."""
+    vllm = (env.get("modules") or {}).get("vllm") or {}
+    problems = [
+        connector_support.vllm_problem(
+            c,
+            vllm.get("version"),
+            hybrid_mla=connector_support.is_hybrid_mla(c, _model_config(c.model)),
+        )
+        for c in sel.configs
+    ]
+    for problem in problems:
+        if problem and not dry_run:
+            raise PlanError("prefill_tp", problem)
+    return [f"WARNING: {p}" for p in (*sel.warnings, *problems) if p]
+
+
+def setup_lines(sel: Selection, env: dict[str, Any], warnings: list[str]) -> list[str]:
+    """The banner lines both commands print: the environment, the preflight note, the overrides
+    and the warnings a dry run plans in spite of."""
+    return [
+        *summary_lines(env),
+        *([sel.note] if sel.note else []),
+        *(f"override (command line): {line}" for line in sel.over.describe()),
+        *warnings,
+    ]
+
+
+def run_options(
+    args: argparse.Namespace, sel: Selection, *, results_name: str, **checks: Any
+) -> SweepOptions:
+    """The options ``sweep`` and ``serve`` run with (built here only). ``results_name``: the
+    default results folder, stamped with the time; ``checks``: the sweep's check options."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return SweepOptions(
+        platform=sel.platform,
+        results_dir=(args.results_dir or Path("results") / f"{results_name}-{stamp}").resolve(),
+        allow_unpinned=args.allow_unpinned_remote_code,
+        share_gpus=args.share_gpus,
+        overrides=tuple(sel.over.describe()),
+        **({"deadline_s": args.deadline} if args.deadline else {}),
+        **({"grace_s": args.grace} if args.grace is not None else {}),
+        **checks,
+    )

@@ -1,0 +1,93 @@
+"""What a ``sweep`` or ``serve`` run selects, checked before anything starts or is installed.
+
+One function, :func:`select_run`, for both ways in: the CLI calls it with the host it detects,
+and the noxfile calls it with the same detected inventory before it installs anything, so a
+session's posargs are refused exactly as the CLI would refuse them (and the two cannot drift).
+Pure over the parsed command line (a namespace of :mod:`pd_sessions.core.cliargs`' common
+options) and the inventory it is given; it reads only the sweep files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from pd_sessions.core.config import ClusterConfig, Overrides, Sweep, SweepEntry, load, make_overrides, select
+from pd_sessions.core.errors import PlanError
+from pd_sessions.core.inventory import Inventory
+from pd_sessions.core.preflight import preflight, rdma_problem
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The configs a run starts, with the command line's overrides applied."""
+
+    sweep: Sweep
+    platform: str  # "cpu" or "cuda", as preflight resolved it
+    inv: Inventory  # the inventory to plan with (GPUs assumed on a --dry-run without them)
+    note: str | None  # preflight's note (a dry run planning with assumed GPUs), else None
+    configs: tuple[ClusterConfig, ...]  # the selected configs, overrides applied
+    left_out: tuple[SweepEntry, ...]  # the rest of the sweep on this platform, overrides applied
+    only: tuple[str, ...]  # the names --only gave (comma lists split)
+    over: Overrides  # the command line's overrides
+    warnings: tuple[str, ...]  # what --dry-run plans in spite of (refused without --dry-run)
+
+
+def only_names(items: Iterable[str]) -> tuple[str, ...]:
+    """``--only a,b --only c`` -> ("a", "b", "c"); empty names are dropped."""
+    return tuple(name for item in items for name in item.split(",") if name)
+
+
+def overrides(args: argparse.Namespace) -> Overrides:
+    """The command line's per-run overrides (checked; applied per config later)."""
+    return make_overrides(
+        sets=args.set_fields,
+        model=args.model,
+        revision=args.revision,
+        extra_args=args.extra_arg,
+        named={
+            "mooncake_protocol": args.mooncake_protocol,
+            "mooncake_device_name": args.mooncake_device_name or None,
+        },
+    )
+
+
+def select_run(sweep_name: str, args: argparse.Namespace, inv: Inventory) -> Selection:
+    """Load the sweep, check the overrides, preflight it on ``inv``, select its configs and
+    refuse what this host cannot run (Mooncake over RDMA without the device).
+
+    Decision table (every refusal raises a PdError naming the field; nothing has started):
+        an override that is not a config field / a bad value   -> ConfigError
+        an unknown sweep, or a bad sweep file                   -> ConfigError
+        the sweep cannot run on this platform or host           -> ConfigError / PlanError
+        --only names no config                                  -> ConfigError
+        RDMA problem, no --dry-run                              -> PlanError("mooncake_protocol")
+        RDMA problem, --dry-run                                 -> a warning in the Selection
+        otherwise                                               -> the Selection
+    """
+    over = overrides(args)
+    sweep = load(sweep_name)
+    platform, planned_inv, note = preflight(
+        sweep, args.platform, inv, dry_run=args.dry_run, share_gpus=args.share_gpus
+    )
+    only = only_names(args.only)
+    entries, left_out = select(
+        sweep.entries(platform), platform, only=only, include_opt_in=args.include_opt_in
+    )
+    configs = tuple(over.apply(e.config) for e in entries)
+    rdma = rdma_problem(configs, platform, planned_inv)
+    if rdma and not args.dry_run:
+        raise PlanError("mooncake_protocol", rdma)
+    return Selection(
+        sweep=sweep,
+        platform=platform,
+        inv=planned_inv,
+        note=note,
+        configs=configs,
+        left_out=tuple(dataclasses.replace(e, config=over.apply(e.config)) for e in left_out),
+        only=only,
+        over=over,
+        warnings=(rdma,) if rdma else (),
+    )

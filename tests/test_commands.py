@@ -1,0 +1,136 @@
+"""The subcommands' modules (pd_sessions.commands): the dispatch, what sweep and serve share
+(launch), and the sweep's pure parts (lane, banner, metadata); nothing here starts a cluster."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from pd_sessions import cli
+from pd_sessions.commands import launch
+from pd_sessions.commands import sweep as sweep_command
+from pd_sessions.core.inventory import Inventory
+from pd_sessions.core.selection import select_run
+from pd_sessions.run.user_commands import parse_exec
+from pd_sessions.runtime.cluster import DEFAULT_DEADLINE_S, DEFAULT_GRACE_S
+
+CPUS = Inventory(gpus=(), cpus=(0, 1, 2, 3), gpu_source="nvidia-smi")
+GPUS = Inventory(gpus=("0", "1"), cpus=(0, 1), gpu_source="CUDA_VISIBLE_DEVICES", rdma_devices=())
+ENV = {"python": {"version": "3.11.9", "executable": "/py"}, "torch": None, "modules": {"vllm": None}}
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return cli._parser().parse_args(list(argv))
+
+
+def test_every_subcommand_has_its_module_with_a_run():
+    sub = next(a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert sorted(sub.choices) == sorted(
+        ["sweep", "serve", "tiny-model", "inventory", "bench", "bench-report", "wheelhouse", "buildkite"]
+    )
+    for name in sub.choices:
+        run = cli._command(name)
+        assert run.__name__ == "run" and run.__module__ == f"pd_sessions.commands.{name.replace('-', '_')}"
+
+
+@pytest.mark.parametrize(
+    "platform,requested,inv,line",
+    [
+        (
+            "cpu",
+            "cpu",
+            CPUS,
+            "CPU LANE (forced by --platform cpu): vLLM's CPU build, the generated tiny model, 4 cores",
+        ),
+        ("cpu", None, CPUS, "CPU LANE (no GPU visible (GPU source: nvidia-smi)): vLLM's CPU build"),
+        ("cuda", None, GPUS, "CUDA: GPUs 0,1 (from CUDA_VISIBLE_DEVICES)"),
+    ],
+)
+def test_the_lane_line(platform, requested, inv, line):
+    assert sweep_command.lane(platform, requested, inv).startswith(line)
+
+
+def test_the_banner_says_everything_in_order():
+    args = parse(
+        *("sweep", "mooncake_sweep", "--platform", "cpu", "--set", "block_size=64"),
+        *("--skip-check", "accuracy", "--accuracy", "warn", "--allow-unpinned-remote-code"),
+    )
+    sel = select_run("mooncake_sweep", args, CPUS)
+    commands = [parse_exec("true -x", 0)]
+    lines = sweep_command.banner(args, sel, ENV, ["smoke", "exec[0]"], commands, ["WARNING: w"])
+    assert lines[0].startswith("mooncake_sweep: CPU LANE (forced by --platform cpu)")
+    assert lines[1:4] == [
+        "environment: Python 3.11.9 at /py",
+        "  torch: not installed",
+        "  vllm: not installed",
+    ]
+    assert lines[4:] == [
+        "override (command line): block_size = 64",
+        "WARNING: w",
+        "checks skipped by request (--skip-check): accuracy; recorded in summary.json",
+        "accuracy: --accuracy=warn: misses and missing baselines are reported, not failed",
+        "remote code: --allow-unpinned-remote-code given: configs with trust_remote_code and no revision "
+        "run UNPINNED (recorded in the results)",
+        "configs: 1x1",
+        "checks: smoke, exec[0]",
+        "after the checks, each config runs exec[0]: true -x (timeout 3600 s)",
+        *(
+            f"left out: {e.config.name} ({e.config.shape}): {e.opt_in_reason}; run it with --include-opt-in"
+            for e in sel.left_out
+        ),
+    ]
+    assert len(sel.left_out) == 5
+
+
+def test_the_banner_with_only_says_what_only_left_out():
+    args = parse("sweep", "mooncake_sweep", "--platform", "cpu", "--only", "1x1,2x2")
+    sel = select_run("mooncake_sweep", args, CPUS)
+    lines = sweep_command.banner(args, sel, ENV, ["smoke"], [], [])
+    assert "configs: 1x1, 2x2" in lines
+    assert "left out: 1x2 (1xP(TP1) + 1xD(TP2)): not named by --only" in lines
+    assert not any("skipped" in line or "accuracy" in line or "remote code" in line for line in lines)
+
+
+def test_the_metadata_recorded_in_the_summary():
+    args = parse("sweep", "mooncake_sweep", "--platform", "cpu", "--skip-check", "accuracy", "--model", "m")
+    sel = select_run("mooncake_sweep", args, CPUS)
+    meta = sweep_command.metadata(args, sel, ENV)
+    assert meta["sweep"] == "mooncake_sweep" and meta["platform"] == "cpu" and meta["cpus"] == 4
+    assert (
+        meta["gpus"] == [] and meta["skipped_checks"] == ["accuracy"] and meta["accuracy_mode"] == "enforce"
+    )
+    assert meta["overrides"] == ["model = 'm'"] and meta["environment"] is ENV
+    assert meta["allow_unpinned_remote_code"] is False
+    assert [e["name"] for e in meta["left_out"]] == ["2x2", "1x2", "2x1", "2p1d", "1p2d"]
+    assert all(e["reason"] for e in meta["left_out"])
+
+
+def test_sweep_and_serve_build_their_options_in_one_place(tmp_path):
+    args = parse("sweep", "mooncake_sweep", "--platform", "cpu", "--grace", "3", "--skip-check", "accuracy")
+    sel = select_run("mooncake_sweep", args, CPUS)
+    checks = sweep_command.check_options(args, sel.sweep, [])
+    opts = launch.run_options(args, sel, results_name=sel.sweep.name, **checks)
+    assert opts.platform == "cpu" and opts.grace_s == 3.0 and opts.deadline_s == DEFAULT_DEADLINE_S
+    assert opts.skip_checks == ("accuracy",) and "accuracy" not in opts.checks
+    assert opts.results_dir.parent == Path("results").resolve()
+    assert opts.results_dir.name.startswith("mooncake_sweep-")
+    served = parse(
+        "serve", "mooncake_sweep", "--only", "1x1", "--deadline", "60", "--results-dir", str(tmp_path)
+    )
+    sel = select_run("mooncake_sweep", served, CPUS)
+    opts = launch.run_options(served, sel, results_name=f"serve-{sel.sweep.name}")
+    assert opts.results_dir == tmp_path and opts.deadline_s == 60.0 and opts.grace_s == DEFAULT_GRACE_S
+    assert opts.skip_checks == () and opts.commands == ()
+    opts = launch.run_options(parse("serve", "mooncake_sweep"), sel, results_name="serve-mooncake_sweep")
+    assert opts.results_dir.name.startswith("serve-mooncake_sweep-")
+
+
+def test_a_dry_run_warns_of_what_the_selection_refuses_without_it():
+    rdma = Inventory(gpus=("0", "1"), cpus=(0, 1), gpu_source="test", rdma_devices=())
+    args = parse("sweep", "mooncake_sweep", "--only", "1x1", "--set", "mooncake_protocol=rdma", "--dry-run")
+    sel = select_run("mooncake_sweep", args, rdma)
+    warnings = launch.refuse_before_launch(sel, {"modules": {"vllm": {"version": "0.32.0"}}}, dry_run=True)
+    assert len(warnings) == 1 and warnings[0].startswith("WARNING: config 1x1: Mooncake over RDMA")
+    assert warnings[0] in launch.setup_lines(sel, ENV, warnings)

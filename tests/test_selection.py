@@ -1,0 +1,73 @@
+"""core.selection: the one selection the CLI and the noxfile both make, row by row of its table."""
+
+from __future__ import annotations
+
+import pytest
+
+from pd_sessions.core.cliargs import sweep_parser
+from pd_sessions.core.errors import ConfigError, PlanError
+from pd_sessions.core.inventory import Inventory
+from pd_sessions.core.selection import only_names, overrides, select_run
+
+CPUS = Inventory(gpus=(), cpus=(0, 1), gpu_source="test")
+NO_RDMA = Inventory(gpus=("0", "1"), cpus=(0, 1), gpu_source="test", rdma_devices=())
+
+
+def args(*argv: str):
+    return sweep_parser(positional=False).parse_args(list(argv))
+
+
+def test_only_names_split_commas_and_drop_empties():
+    assert only_names(["a,b", "c", ",", ""]) == ("a", "b", "c")
+
+
+def test_overrides_take_every_named_option(monkeypatch):
+    over = overrides(args("--model", "m", "--mooncake-protocol", "tcp", "--mooncake-device-name", "mlx5_0"))
+    assert over.describe() == [
+        "model = 'm'",
+        "mooncake_protocol = 'tcp'",
+        "mooncake_device_name = 'mlx5_0'",
+    ]
+    assert overrides(args("--mooncake-device-name", "")).describe() == []  # "" = not given
+
+
+def test_a_selection_applies_the_overrides_to_selected_and_left_out_configs():
+    sel = select_run("mooncake_sweep", args("--set", "block_size=64", "--platform", "cpu"), CPUS)
+    assert sel.platform == "cpu" and sel.inv == CPUS and sel.note is None and sel.warnings == ()
+    assert [c.name for c in sel.configs] == ["1x1"] and sel.only == ()
+    assert {c.block_size for c in sel.configs} == {64}
+    assert {e.config.block_size for e in sel.left_out} == {64} and len(sel.left_out) == 5
+    sel = select_run("mooncake_sweep", args("--only", "2x2,1x1", "--platform", "cpu"), CPUS)
+    assert [c.name for c in sel.configs] == ["1x1", "2x2"] and sel.only == ("2x2", "1x1")
+
+
+@pytest.mark.parametrize(
+    "argv,error,needle",
+    [
+        (("--set", "blok_size=1"), ConfigError, 'did you mean "block_size"'),
+        (("--only", "3x3"), ConfigError, "--only: no config named '3x3'"),
+        (("--platform", "cuda"), ConfigError, "no GPU is visible"),
+    ],
+)
+def test_refusals_name_the_field(argv, error, needle):
+    with pytest.raises(error, match=needle):
+        select_run("mooncake_sweep", args(*argv), CPUS)
+    with pytest.raises(ConfigError, match="did you mean"):
+        select_run("mooncake_swep", args(), CPUS)
+
+
+def test_rdma_without_a_device_is_refused_unless_it_is_a_dry_run():
+    rdma = ("--only", "1x1", "--mooncake-protocol", "rdma")
+    with pytest.raises(PlanError) as e:
+        select_run("mooncake_sweep", args(*rdma), NO_RDMA)
+    assert e.value.field == "mooncake_protocol" and "this host has none" in str(e.value)
+    sel = select_run("mooncake_sweep", args(*rdma, "--dry-run"), NO_RDMA)
+    assert len(sel.warnings) == 1 and "--mooncake-protocol tcp" in sel.warnings[0]
+    assert select_run("mooncake_sweep", args(*rdma, "--platform", "cpu"), NO_RDMA).warnings == ()
+
+
+def test_a_dry_run_plans_a_gpu_sweep_with_assumed_gpus():
+    sel = select_run("kimi_linear_nightly", args("--dry-run"), CPUS)
+    assert sel.platform == "cuda" and sel.inv.gpus == ("0", "1", "2", "3") and "dry run:" in (sel.note or "")
+    with pytest.raises(PlanError, match="needs 4 GPUs"):
+        select_run("kimi_linear_nightly", args(), CPUS)
