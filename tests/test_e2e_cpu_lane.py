@@ -118,7 +118,10 @@ def test_accuracy_compares_24_samples(run: SweepRun):
 
 def test_kv_transfer_moved_the_prompts_and_not_the_control(run: SweepRun):
     kv = _checks(run)["kv_transfer"]["details"]
-    assert kv["delta"] >= kv["router_prompt_tokens"] - kv["router_requests"] > 0
+    # exactly, no slack: an attention-only model's decode loads every prompt token it does not hold
+    by = kv["by_source"]
+    assert by["external_kv_transfer"] + by["local_cache_hit"] == kv["router_prompt_tokens"] > 0
+    assert by["local_compute"] == 0 and by == kv["expected"]
     assert kv["control"]["before"] == kv["control"]["after"]
 
 
@@ -205,7 +208,10 @@ def test_silent_recompute_fails_the_kv_proof_with_the_values_it_saw(faulty_sweep
     kv = faulty_sweep.checks["kv_transfer"]
     assert kv["verdict"] == "fail"
     assert "received 0 prompt tokens by KV transfer" in kv["message"] and "recomputed" in kv["message"]
-    assert kv["details"]["delta"] == 0 and kv["details"]["router_prompt_tokens"] > 0
-    assert kv["details"]["before"] == kv["details"]["after"]
+    d = kv["details"]
+    assert d["delta"] == 0 and d["router_prompt_tokens"] > 0
+    # the decode computed every prompt token it did not hold itself
+    assert d["by_source"]["local_compute"] + d["by_source"]["local_cache_hit"] == d["router_prompt_tokens"]
+    assert f"local_compute {d['by_source']['local_compute']:g}" in kv["message"]
     assert "WITHOUT --kv-transfer-config" in (faulty_sweep.run_dir / "plan.txt").read_text()
     assert processes_using(plan_ports(faulty_sweep.run_dir)) == []

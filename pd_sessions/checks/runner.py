@@ -9,12 +9,15 @@ The order matters; the check window (checks/window.py) carries what the first ch
    router's tokens teacher-forced through prefill-0 (margin mode; see checks/parity.py)
 4. kv_transfer closes the window: decode /metrics (after; the window held only router
    requests), then a control request straight to decode-0 must leave the counter still
-5. the edge checks (cache_paths, too_long, burst, abort_frees_kv), each with its options; they
+5. request_features (each request path users send, with per-request KV accounting of its own)
+   and the edge checks (cache_paths, too_long, burst, abort_frees_kv), each with its options; they
    run after the window on purpose (they prime decode caches and send requests straight to
    instances)
 6. accuracy (lm_eval through the router): on the CPU lane an offline task run through
    the router and straight to prefill-0 must give identical samples; elsewhere the
    measured value is compared with the recorded baseline
+7. preemption (not a default: the preemption sweep selects it), a burst onto a decode with a
+   small KV cache
 
 Results are appended to ``results`` as they come, so a run cut short by a
 dying process still reports the checks that finished.
@@ -25,7 +28,17 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from pd_sessions.checks import abort_frees_kv, burst, cache_paths, kv_transfer, parity, smoke, too_long
+from pd_sessions.checks import (
+    abort_frees_kv,
+    burst,
+    cache_paths,
+    kv_transfer,
+    parity,
+    preemption,
+    request_features,
+    smoke,
+    too_long,
+)
 from pd_sessions.checks import accuracy as acc
 from pd_sessions.checks.instances import REQUEST_TIMEOUT_S
 from pd_sessions.checks.window import CheckWindow
@@ -40,11 +53,13 @@ GATHERERS: dict[str, Gatherer] = {
     "smoke": smoke.run,
     "parity": parity.run,
     "kv_transfer": kv_transfer.run,
+    "request_features": request_features.run,
     "cache_paths": cache_paths.run,
     "too_long": too_long.run,
     "burst": burst.run,
     "abort_frees_kv": abort_frees_kv.run,
     "accuracy": acc.run,
+    "preemption": preemption.run,
 }
 
 # A check request that gets no answer this long is stuck (a KV pull that never completes):

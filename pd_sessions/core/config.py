@@ -81,6 +81,9 @@ class ClusterConfig:
     dtype: Dtype | None = None
     # Extra `vllm serve` arguments, one list element per argv element (never a string to split).
     extra_args: tuple[str, ...] = ()
+    # More arguments for decode instances only, after extra_args (e.g. the preemption sweep's
+    # ["--num-gpu-blocks-override", "16"]: a decode KV cache smaller than a burst needs).
+    decode_extra_args: tuple[str, ...] = ()
     # Extra environment for every vLLM instance, as (name, value) pairs.
     extra_env: tuple[tuple[str, str], ...] = ()
     # VLLM_ATTENTION_BACKEND / --attention-backend value; None = vLLM chooses.
@@ -219,11 +222,13 @@ def validate_cluster(c: ClusterConfig) -> None:
         _check_int("max_model_len", c.max_model_len, 16, 10_000_000)
     if c.dtype is not None:
         _check_choice("dtype", c.dtype, DTYPES)
-    if not isinstance(c.extra_args, tuple) or not all(isinstance(a, str) for a in c.extra_args):
-        raise ConfigError(
-            "extra_args",
-            f'got {c.extra_args!r}; allowed: a list of strings, one per argument (e.g. ["--enforce-eager"])',
-        )
+    for name in ("extra_args", "decode_extra_args"):
+        value = getattr(c, name)
+        if not isinstance(value, tuple) or not all(isinstance(a, str) for a in value):
+            raise ConfigError(
+                name,
+                f'got {value!r}; allowed: a list of strings, one per argument (e.g. ["--enforce-eager"])',
+            )
     if not isinstance(c.extra_env, tuple) or not all(
         isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in c.extra_env
     ):
@@ -269,7 +274,7 @@ def validate_cluster(c: ClusterConfig) -> None:
 # ---------------------------------------------------------------- loading
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ClusterConfig)}
-_TUPLE_FIELDS = {"extra_args", "prefill_ports", "decode_ports"}
+_TUPLE_FIELDS = {"extra_args", "decode_extra_args", "prefill_ports", "decode_ports"}
 
 
 def _coerce(raw: dict[str, Any], *, where: str) -> dict[str, Any]:

@@ -1,0 +1,102 @@
+"""core.kv_identity: the KV accounting each connector's code implies, row by row, and the vLLM
+code it cites (read from the installed vLLM where there is one)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+from conftest import heavy
+
+from pd_sessions.core import kv_identity as kvi
+from pd_sessions.core.kv_identity import Counts
+
+B = 128
+
+
+@pytest.mark.parametrize("connector", ["mooncake", "nixl"])
+@pytest.mark.parametrize(
+    "ssm,prompt,cached,want",
+    [
+        # attention-only: the decode loads the whole prompt beyond its own cache hit
+        (False, B - 1, 0, Counts(B - 1, 0, 0)),
+        (False, B, 0, Counts(B, 0, 0)),
+        (False, B + 1, 0, Counts(B + 1, 0, 0)),
+        (False, 4 * B + 2, 0, Counts(4 * B + 2, 0, 0)),
+        (False, 4 * B + 2, 4 * B, Counts(2, 4 * B, 0)),  # the prompt again: 4 blocks cached
+        (False, 1, 0, Counts(1, 0, 0)),
+        # SSM layers: the decode recomputes the last token
+        (True, B, 0, Counts(B - 1, 0, 1)),
+        (True, 2 * B + 1, 2 * B, Counts(0, 2 * B, 1)),
+        (True, 1, 0, Counts(0, 0, 1)),
+    ],
+)
+def test_expected_per_request(connector, ssm, prompt, cached, want):
+    got = kvi.expected(connector, ssm=ssm, prompt_tokens=prompt, cached=cached)
+    assert got == want and got.total == prompt
+
+
+def test_cached_after_the_whole_prompt_is_whole_blocks_below_the_last_token():
+    assert [kvi.cached_after_full_prompt(n, B) for n in (1, B - 1, B, B + 1, 2 * B, 4 * B + 2)] == [
+        0,
+        0,
+        0,
+        B,
+        B,
+        4 * B,
+    ]
+
+
+def test_sums_take_the_measured_cache_hits_and_the_backoff_per_request():
+    want = kvi.expected_sum("nixl", ssm=True, prompt_tokens=356, requests=5, local_cache_hit=0)
+    assert want == Counts(351, 0, 5)  # the tiny Kimi-Linear on the H200s
+    assert kvi.expected_sum(
+        "mooncake", ssm=False, prompt_tokens=600, requests=2, local_cache_hit=256
+    ) == Counts(344, 256, 0)
+    assert kvi.mismatches(Counts(343, 256, 1), Counts(344, 256, 0)) == [
+        "external_kv_transfer 343, expected 344",
+        "local_compute 1, expected 0",
+    ]
+    assert kvi.mismatches(Counts(1, 2, 3), Counts(1, 2, 3)) == []
+
+
+def test_an_unknown_connector_is_named():
+    with pytest.raises(KeyError, match="known: mooncake, nixl"):
+        kvi.backoff("lmcache", ssm=False)
+
+
+def test_the_description_names_the_cited_code():
+    assert "MooncakeConnectorScheduler._get_remote_prefill_token_count" in kvi.describe("mooncake", ssm=True)
+    assert "local_compute = 0 per request" in kvi.describe("nixl", ssm=False)
+
+
+@pytest.mark.parametrize(
+    "module,cls,method,needles",
+    [
+        (
+            "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector",
+            "MooncakeConnectorScheduler",
+            "_get_remote_prefill_token_count",
+            ["self._has_mamba", "return num_prompt_tokens - 1", "return num_prompt_tokens"],
+        ),
+        (
+            "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler",
+            "NixlBaseConnectorScheduler",
+            "_prefill_backoff",
+            ["1 if self._has_mamba", "num_prefill_lookahead_tokens - 1"],
+        ),
+        (
+            "vllm.v1.core.kv_cache_manager",
+            "KVCacheManager",
+            "get_computed_blocks",
+            ["max_cache_hit_length = request.num_tokens - 1"],
+        ),
+    ],
+)
+def test_the_cited_vllm_code_still_says_so(module, cls, method, needles):
+    """The identities are read from this vLLM's code: if it changes, this fails and names it."""
+    heavy("vllm")
+    source = inspect.getsource(getattr(getattr(importlib.import_module(module), cls), method))
+    assert all(n in source for n in needles), f"{module}.{cls}.{method} changed:\n{source}"
+    assert method in kvi.__doc__
