@@ -125,6 +125,41 @@ def test_kv_transfer_moved_the_prompts_and_not_the_control(run: SweepRun):
     assert kv["control"]["before"] == kv["control"]["after"]
 
 
+def test_request_features_equal_prefill_direct_with_exact_kv_per_request(run: SweepRun):
+    """Issue 27: every request path users send, over both connectors (NIXL in margin mode)."""
+    rf = _checks(run)["request_features"]
+    assert rf["verdict"] == "pass", rf["message"]
+    cases = {c["name"]: c for c in rf["details"]["cases"]}
+    assert len(cases) == 17 and all(c["same"] for c in cases.values()), rf["message"]
+    # the one refusal: vLLM's own 400 for n > 1 at temperature 0, passed on by the router
+    assert [n for n, c in cases.items() if c["refused"]] == ["n=2 at temperature 0"]
+    assert "HTTP 400" in cases["n=2 at temperature 0"]["refused"]
+    assert cases["chat"]["pd"]["status"] == 200 and cases["chat"]["pd"]["texts"][0]
+    assert cases["stop string at the first token"]["pd"]["usage"][1] == 1
+    assert len(cases["n=2 seeded"]["pd"]["texts"]) == 2
+    # block boundaries: each prompt arrived whole by transfer; the repeat found 4 blocks cached
+    rows = [c["kv"] for c in cases.values() if "kv" in c]
+    assert [r["prompt_tokens"] for r in rows] == [127, 128, 129, 256, 514, 514]
+    assert all(r["seen"] == r["expected"] for r in rows), rows
+    assert rows[-1]["seen"] == {"external_kv_transfer": 2, "local_cache_hit": 512, "local_compute": 0}
+    assert rows[0]["seen"] == {"external_kv_transfer": 127, "local_cache_hit": 0, "local_compute": 0}
+
+
+def test_a_decode_with_too_few_kv_blocks_preempts_and_every_output_equals_prefill_direct(
+    preemption_sweep: SweepRun,
+):
+    run = preemption_sweep
+    assert run.rc == 0, run.text[-3000:]
+    pre = run.checks["preemption"]
+    assert pre["verdict"] == "pass", pre["message"]
+    assert pre["details"]["preemptions"] > 0
+    burst = pre["details"]["burst"]
+    assert burst["failed"] == [] and [p["same"] for p in burst["parity"]["prompts"]] == [True] * 8
+    assert burst["kv"]["by_source"] == burst["kv"]["expected"]
+    assert "--num-gpu-blocks-override 8" in (run.run_dir / "plan.txt").read_text()
+    assert processes_using(plan_ports(run.run_dir)) == []
+
+
 def test_parity_mode_and_every_prompt_the_same(run: SweepRun, sweep: str):
     parity = _checks(run)["parity"]["details"]
     # auto picks exact on the CPU lane; the NIXL run forces margin (see conftest.nixl_sweep)

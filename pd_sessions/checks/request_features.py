@@ -466,17 +466,13 @@ class Asker:
             out.append(tuple(parity.forced_tokens(resp, len(prompt_ids), ids)))
         return tuple(out)
 
-    def case(self, f: Feature, *, kv: tuple[Mapping[str, Counts], int] | None = None) -> Case:
-        """``f`` through the router, then straight to prefill-0. ``kv``: (the decodes' counters
-        before, the tokens of the prompt they hold): the request's KV row is read in between."""
+    def case(self, f: Feature) -> Case:
+        """``f`` through the router, then straight to prefill-0 (and scored there, margin mode)."""
         pd = self.ask(self.plan.router.url, f)
-        row = None
-        if kv is not None:
-            before, cached = kv
-            n = len(f.payload["prompt"])
-            row = kv_row(
-                self.plan, before, prompt_tokens=n, cached=cached, connector=self.connector, ssm=self.ssm
-            )
+        return self.judged(f, pd)
+
+    def judged(self, f: Feature, pd: Answer, kv: KvRow | None = None) -> Case:
+        """The case of ``f`` whose P/D answer is ``pd``: prefill-0's side added."""
         direct = self.ask(self.p0.url, f)
         return Case(
             f.name,
@@ -487,7 +483,7 @@ class Asker:
             streamed=f.streamed,
             echo_prompt=f.payload.get("prompt") if f.echo else None,
             forced=self.forced(pd, f),
-            kv=row,
+            kv=kv,
         )
 
 
@@ -505,18 +501,41 @@ def block_prompts(asker: Asker, block: int) -> list[tuple[str, list[int]]]:
     return out
 
 
-def kv_row(
-    plan: Any, before: Mapping[str, Counts], *, prompt_tokens: int, cached: int, connector: str, ssm: bool
-) -> KvRow:
-    """The decodes' prompt tokens by source since ``before``, waited for until they count the
-    request (at most KV_SETTLE_S), against the identity."""
-    want = kv_identity.expected(connector, ssm=ssm, prompt_tokens=prompt_tokens, cached=cached)
+def settle(plan: Any, before: Mapping[str, Counts], prompt_tokens: int) -> dict[str, Counts]:
+    """Each decode's prompt tokens by source since ``before``, waited for until they count the
+    request (at most KV_SETTLE_S: vLLM records them with its first token, before the answer)."""
     end = time.monotonic() + KV_SETTLE_S
     while True:
-        seen = instances.counts_delta(before, instances.scrape_decode_counts(plan))
-        if seen.total >= prompt_tokens or time.monotonic() >= end:
-            return KvRow(prompt_tokens, cached, seen, want)
+        after = instances.scrape_decode_counts(plan)
+        deltas = {n: after[n] - b for n, b in before.items()}
+        if sum(d.total for d in deltas.values()) >= prompt_tokens or time.monotonic() >= end:
+            return deltas
         time.sleep(KV_POLL_S)
+
+
+def block_cases(asker: Asker, block: int) -> list[Case]:
+    """The block-boundary prompts through the router one at a time, each with the decodes'
+    counters around it, then the 4B+2 one again: the decode that served it holds 4B of its tokens
+    (another decode, in a 1PnD config, holds none)."""
+    plan, cases = asker.plan, []
+    prompts = block_prompts(asker, block)
+    prompts.append((f"the {4 * block + 2}-token prompt again (decode cache hit)", prompts[-1][1]))
+    holder = None  # the decode that served the first 4B+2 prompt
+    for i, (name, ids) in enumerate(prompts):
+        f = Feature(name, {"prompt": ids, "max_tokens": BLOCK_MAX_TOKENS, "temperature": 0.0})
+        before = instances.scrape_decode_counts(plan)
+        pd = asker.ask(plan.router.url, f)
+        row = None
+        if pd.ok:
+            deltas = settle(plan, before, len(ids))
+            who = max(deltas, key=lambda n: deltas[n].total)
+            repeat = i == len(prompts) - 1
+            cached = kv_identity.cached_after_full_prompt(len(ids), block) if repeat and who == holder else 0
+            holder = who if i == len(prompts) - 2 else holder
+            want = kv_identity.expected(asker.connector, ssm=asker.ssm, prompt_tokens=len(ids), cached=cached)
+            row = KvRow(len(ids), cached, sum(deltas.values(), Counts()), want)
+        cases.append(asker.judged(f, pd, row))
+    return cases
 
 
 def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
@@ -529,16 +548,13 @@ def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
     connector, ssm = plan.config.connector, plan.config.hybrid
     try:
         first = asker.case(FIRST)
-        c0 = (first.pd if first.pd.ok and first.pd.choices else first.direct).choices[0]
+        answered = [a for a in (first.pd, first.direct) if a.ok and a.choices]
+        if not answered:
+            raise ValueError(f"{FIRST.name} was answered by neither side: {first.pd.error!r}")
+        c0 = answered[0].choices[0]
         cases = [first]
         cases += [asker.case(f) for f in features(c0.text, (c0.token_ids or (0,))[0])]
-        prompts = block_prompts(asker, block)
-        prompts.append((f"the {4 * block + 2}-token prompt again (decode cache hit)", prompts[-1][1]))
-        for i, (name, ids) in enumerate(prompts):
-            cached = kv_identity.cached_after_full_prompt(len(ids), block) if i == len(prompts) - 1 else 0
-            before = instances.scrape_decode_counts(plan)
-            f = Feature(name, {"prompt": ids, "max_tokens": BLOCK_MAX_TOKENS, "temperature": 0.0})
-            cases.append(asker.case(f, kv=(before, cached)))
+        cases += block_cases(asker, block)
     except ValueError as e:  # an answer that is not what its endpoint promises (not JSON, no ids)
         return CheckResult("request_features", FAIL, f"could not run: {e}")
     return evaluate(
