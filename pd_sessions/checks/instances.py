@@ -157,14 +157,6 @@ def scrape_decode_counts(plan: ClusterPlan) -> dict[str, Counts]:
     return {s.name: prompt_counts(http.get_text(f"{s.url}/metrics")) for s in plan.decode}
 
 
-def counts_delta(before: Mapping[str, Counts], after: Mapping[str, Counts]) -> Counts:
-    """The decodes' prompt tokens by source between two scrapes, summed over decodes."""
-    total = Counts()
-    for name, b in before.items():
-        total = total + (after[name] - b)
-    return total
-
-
 # ---------------------------------------------------------------- per-instance counting (xPyD)
 
 
