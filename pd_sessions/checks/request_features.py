@@ -85,6 +85,7 @@ class Case:
     # margin mode: each P/D choice's tokens as prefill-0 scores them, teacher-forced
     forced: tuple[tuple[parity.ForcedToken, ...], ...] | None = None
     kv: KvRow | None = None
+    seconds: Mapping[str, float] | None = None  # the P/D request's, prefill-0's side's
 
 
 # ---------------------------------------------------------------- pure
@@ -331,6 +332,7 @@ def _row(c: Case, problems: Sequence[str], note: str | None) -> dict[str, Any]:
         "refused": note,
         "pd": side(c.pd),
         "direct": side(c.direct),
+        "seconds": {k: round(v, 3) for k, v in (c.seconds or {}).items()},
     }
     if c.kv is not None:
         row["kv"] = {
@@ -346,6 +348,15 @@ def _row(c: Case, problems: Sequence[str], note: str | None) -> dict[str, Any]:
 
 
 PROMPT = "Seven plus five equals twelve, and the quick brown fox jumps over"
+# The first-token cases need a first token whose text is not empty (a stop string cannot be
+# empty, and a token that is only part of a character decodes to ""): the first of these whose
+# greedy first token has text is the features' prompt.
+PROMPTS = (
+    PROMPT,
+    "Question: how many apples are left if each of the ten birds takes one? Answer:",
+    "The red stone sits under the old tree near the river, and",
+    "One two three four five six seven eight nine",
+)
 CHAT = ({"role": "user", "content": "How many apples are left if each of the ten birds takes one?"},)
 COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
 # Leads of the block-boundary prompts: each its own first block, so no prompt finds another's
@@ -370,10 +381,10 @@ class Feature:
         return bool(self.payload.get("stream"))
 
 
-def features(first_text: str, first_id: int) -> list[Feature]:
-    """The feature requests after ``max_tokens=1`` (whose token, ``first_text``/``first_id``,
-    the stop cases stop at)."""
-    greedy = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0.0}
+def features(prompt: str, first_text: str, first_id: int) -> list[Feature]:
+    """The feature requests after ``max_tokens=1`` of ``prompt`` (whose token,
+    ``first_text``/``first_id``, the stop cases stop at)."""
+    greedy = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0}
     seeded = {**greedy, "temperature": 1.0, "seed": SEED, "logprobs": 1}
     return [
         Feature("stop string at the first token", {**greedy, "stop": [first_text]}, one_token="stop"),
@@ -400,7 +411,10 @@ def features(first_text: str, first_id: int) -> list[Feature]:
     ]
 
 
-FIRST = Feature("max_tokens=1", {"prompt": PROMPT, "max_tokens": 1, "temperature": 0.0}, one_token="length")
+def first(prompt: str) -> Feature:
+    return Feature(
+        "max_tokens=1", {"prompt": prompt, "max_tokens": 1, "temperature": 0.0}, one_token="length"
+    )
 
 
 def block_lengths(block: int) -> list[tuple[str, int]]:
@@ -415,7 +429,7 @@ def block_lengths(block: int) -> list[tuple[str, int]]:
 
 
 def expected_cases(block: int) -> list[str]:
-    names = [FIRST.name, *(f.name for f in features("x", 0))]
+    names = [first(PROMPT).name, *(f.name for f in features(PROMPT, "x", 0))]
     names += [n for n, _ in block_lengths(block)]
     return [*names, f"the {4 * block + 2}-token prompt again (decode cache hit)"]
 
@@ -432,6 +446,7 @@ class Asker:
         self.judge = judge
         self.p0 = window.plan.prefill[0]
         self.connector, self.ssm = window.plan.config.connector, window.plan.config.hybrid
+        self.pd_s = 0.0  # the last routed request's seconds
 
     def ask(self, url: str, f: Feature) -> Answer:
         payload = {"model": self.model, "return_token_ids": True, **f.payload}
@@ -466,14 +481,31 @@ class Asker:
             out.append(tuple(parity.forced_tokens(resp, len(prompt_ids), ids)))
         return tuple(out)
 
+    def first_token_prompt(self) -> str:
+        """The first of PROMPTS whose greedy first token (prefill-0 direct) has text."""
+        for p in PROMPTS:
+            a = self.ask(self.p0.url, first(p))
+            if a.ok and a.choices and a.choices[0].text.strip():
+                return p
+        return PROMPT
+
     def case(self, f: Feature) -> Case:
         """``f`` through the router, then straight to prefill-0 (and scored there, margin mode)."""
-        pd = self.ask(self.plan.router.url, f)
+        pd = self.routed(f)
         return self.judged(f, pd)
+
+    def routed(self, f: Feature) -> Answer:
+        """``f`` through the router, timed (``pd_s``)."""
+        t0 = time.monotonic()
+        pd = self.ask(self.plan.router.url, f)
+        self.pd_s = time.monotonic() - t0
+        return pd
 
     def judged(self, f: Feature, pd: Answer, kv: KvRow | None = None) -> Case:
         """The case of ``f`` whose P/D answer is ``pd``: prefill-0's side added."""
+        t0 = time.monotonic()
         direct = self.ask(self.p0.url, f)
+        forced = self.forced(pd, f)
         return Case(
             f.name,
             pd,
@@ -482,8 +514,9 @@ class Asker:
             one_token=f.one_token,
             streamed=f.streamed,
             echo_prompt=f.payload.get("prompt") if f.echo else None,
-            forced=self.forced(pd, f),
+            forced=forced,
             kv=kv,
+            seconds={"pd": self.pd_s, "direct": time.monotonic() - t0},
         )
 
 
@@ -524,7 +557,7 @@ def block_cases(asker: Asker, block: int) -> list[Case]:
     for i, (name, ids) in enumerate(prompts):
         f = Feature(name, {"prompt": ids, "max_tokens": BLOCK_MAX_TOKENS, "temperature": 0.0})
         before = instances.scrape_decode_counts(plan)
-        pd = asker.ask(plan.router.url, f)
+        pd = asker.routed(f)
         row = None
         if pd.ok:
             deltas = settle(plan, before, len(ids))
@@ -547,13 +580,14 @@ def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
     block = instances.block_size(plan)
     connector, ssm = plan.config.connector, plan.config.hybrid
     try:
-        first = asker.case(FIRST)
-        answered = [a for a in (first.pd, first.direct) if a.ok and a.choices]
+        prompt = asker.first_token_prompt()
+        one = asker.case(first(prompt))
+        answered = [a for a in (one.pd, one.direct) if a.ok and a.choices]
         if not answered:
-            raise ValueError(f"{FIRST.name} was answered by neither side: {first.pd.error!r}")
+            raise ValueError(f"max_tokens=1 was answered by neither side: {one.pd.error!r}")
         c0 = answered[0].choices[0]
-        cases = [first]
-        cases += [asker.case(f) for f in features(c0.text, (c0.token_ids or (0,))[0])]
+        cases = [one]
+        cases += [asker.case(f) for f in features(prompt, c0.text, (c0.token_ids or (0,))[0])]
         cases += block_cases(asker, block)
     except ValueError as e:  # an answer that is not what its endpoint promises (not JSON, no ids)
         return CheckResult("request_features", FAIL, f"could not run: {e}")
