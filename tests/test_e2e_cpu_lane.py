@@ -125,7 +125,7 @@ def test_kv_transfer_moved_the_prompts_and_not_the_control(run: SweepRun):
     assert kv["control"]["before"] == kv["control"]["after"]
 
 
-def test_request_features_equal_prefill_direct_with_exact_kv_per_request(run: SweepRun):
+def test_request_features_equal_prefill_direct_with_exact_kv_per_request(run: SweepRun, sweep: str):
     """Issue 27: every request path users send, over both connectors (NIXL in margin mode)."""
     rf = _checks(run)["request_features"]
     assert rf["verdict"] == "pass", rf["message"]
@@ -136,7 +136,11 @@ def test_request_features_equal_prefill_direct_with_exact_kv_per_request(run: Sw
     assert "HTTP 400" in cases["n=2 at temperature 0"]["refused"]
     assert cases["chat"]["pd"]["status"] == 200 and cases["chat"]["pd"]["texts"][0]
     assert cases["stop string at the first token"]["pd"]["usage"][1] == 1
-    assert len(cases["n=2 seeded"]["pd"]["texts"]) == 2
+    # n > 1 over Mooncake is a known limit (core/connector_support.UNSERVED_REQUESTS), named
+    n2 = ["n=2 greedy (top_k=1)", "n=2 seeded"]
+    assert [n for n, c in cases.items() if c["not_sent"]] == (n2 if sweep == "mooncake_sweep" else [])
+    if sweep == "nixl_sweep":
+        assert [len(cases[n]["pd"]["texts"]) for n in n2] == [2, 2]
     # block boundaries: each prompt arrived whole by transfer; the repeat found 4 blocks cached
     rows = [c["kv"] for c in cases.values() if "kv" in c]
     assert [r["prompt_tokens"] for r in rows] == [127, 128, 129, 256, 514, 514]

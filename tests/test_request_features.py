@@ -347,3 +347,20 @@ def test_a_recorded_answer_that_differs_fails():
     two = pair("max1", one_token="length")
     longer = replace(two.pd, completion_tokens=2)
     assert "expected exactly one token" in problems(replace(two, pd=longer, direct=longer))[-1]
+
+
+def test_a_known_limit_of_the_connector_is_not_sent_and_named_in_the_verdict():
+    from pd_sessions.core import connector_support
+
+    reason = connector_support.unserved_request("mooncake", "n>1")
+    assert reason and "transfer_id" in reason and connector_support.unserved_request("nixl", "n>1") is None
+    assert connector_support.unserved_request("mooncake", "") is None
+    limited = rf.Case("n=2 seeded", Answer(0), Answer(0), not_sent=reason)
+    assert rf.compare(limited, EXACT) == ([], f"not sent, a known limit of the connector: {reason}")
+    cases = named(all_cases())
+    cases[5] = replace(cases[5], not_sent=reason)
+    r = rf.evaluate(cases, judge=EXACT, identity=IDENTITY, expected_cases=rf.expected_cases(128))
+    assert r.passed and r.message.startswith("16/17 request features") and "n=2 seeded: not sent" in r.message
+    assert (
+        r.details["not_sent"] and r.details["refused"] == [] and r.details["cases"][5]["not_sent"] == reason
+    )

@@ -44,7 +44,7 @@ from typing import Any
 from pd_sessions.checks import instances, parity
 from pd_sessions.checks.answers import Answer
 from pd_sessions.checks.window import CheckWindow
-from pd_sessions.core import kv_identity
+from pd_sessions.core import connector_support, kv_identity
 from pd_sessions.core.kv_identity import Counts
 from pd_sessions.core.results import FAIL, PASS, CheckResult
 from pd_sessions.runtime import http
@@ -86,6 +86,7 @@ class Case:
     forced: tuple[tuple[parity.ForcedToken, ...], ...] | None = None
     kv: KvRow | None = None
     seconds: Mapping[str, float] | None = None  # the P/D request's, prefill-0's side's
+    not_sent: str | None = None  # a known limit of the connector: why the case was not sent
 
 
 # ---------------------------------------------------------------- pure
@@ -217,8 +218,11 @@ def _margin(case: Case, margin: float) -> list[str]:
 
 
 def compare(case: Case, judge: parity.Judge) -> tuple[list[str], str | None]:
-    """(problems, note) of one case: its refusal, then its answers in ``judge``'s mode, then what
-    the feature itself promises (one token, usage once, the echoed prompt) and its KV row."""
+    """(problems, note) of one case: a known limit (not sent), its refusal, then its answers in
+    ``judge``'s mode, then what the feature itself promises (one token, usage once, the echoed
+    prompt) and its KV row."""
+    if case.not_sent is not None:
+        return [], f"not sent, a known limit of the connector: {case.not_sent}"
     problem, note = refusal(case)
     if problem or note:
         return ([problem] if problem else []), note
@@ -263,7 +267,9 @@ def evaluate(
     otherwise                               -> pass
     """
     rows = []
-    bad, refused = [], []
+    bad: list[str] = []
+    refused: list[str] = []
+    limited: list[str] = []
     for c in cases:
         problems, note = compare(c, judge)
         rows.append(_row(c, problems, note))
@@ -272,7 +278,9 @@ def evaluate(
                 f"{c.name}: {'; '.join(problems[:2])}"
                 + (f" (+{len(problems) - 2})" if len(problems) > 2 else "")
             )
-        if note:
+        if note and c.not_sent is not None:
+            limited.append(f"{c.name}: {note}")
+        elif note:
             refused.append(f"{c.name}: {note}")
     kv_rows = [c.kv for c in cases if c.kv is not None]
     seen = sum((r.seen for r in kv_rows), Counts())
@@ -284,6 +292,7 @@ def evaluate(
         "identity": identity,
         "cases": rows,
         "refused": refused,
+        "not_sent": limited,
         "kv_sum": {"seen": seen.as_dict(), "expected": want.as_dict()},
     }
     missing = [n for n in expected_cases if n not in {c.name for c in cases}]
@@ -305,12 +314,14 @@ def evaluate(
         else f"within {judge.margin:g} nats (margin mode: {judge.why})"
     )
     msg = (
-        f"{len(cases) - len(refused)}/{len(cases)} request features through the router equal "
+        f"{len(cases) - len(refused) - len(limited)}/{len(cases)} request features through the router equal "
         f"prefill-direct {how}; KV per request exact ({seen} over {len(kv_rows)} block-boundary "
         f"requests; {identity})"
     )
     if refused:
         msg += f"; refused clearly: {'; '.join(refused)}"
+    if limited:
+        msg += f"; {'; '.join(limited)}"
     return CheckResult("request_features", PASS, msg, details)
 
 
@@ -329,7 +340,8 @@ def _row(c: Case, problems: Sequence[str], note: str | None) -> dict[str, Any]:
         "name": c.name,
         "same": not problems,
         "problems": list(problems),
-        "refused": note,
+        "refused": note if c.not_sent is None else None,
+        "not_sent": c.not_sent,
         "pd": side(c.pd),
         "direct": side(c.direct),
         "seconds": {k: round(v, 3) for k, v in (c.seconds or {}).items()},
@@ -375,6 +387,7 @@ class Feature:
     sampled: bool = False
     one_token: str | None = None
     echo: bool = False
+    shape: str = ""  # what a connector may not serve (core/connector_support.UNSERVED_REQUESTS)
 
     @property
     def streamed(self) -> bool:
@@ -392,8 +405,8 @@ def features(prompt: str, first_text: str, first_id: int) -> list[Feature]:
         # vLLM 0.32 refuses n > 1 at temperature 0 ("n must be 1 when using greedy sampling"):
         # the router must pass that refusal on; greedy with n = 2 is top_k = 1
         Feature("n=2 at temperature 0", {**greedy, "n": 2}),
-        Feature("n=2 greedy (top_k=1)", {**greedy, "n": 2, "temperature": 1.0, "top_k": 1}),
-        Feature("n=2 seeded", {**seeded, "n": 2}, sampled=True),
+        Feature("n=2 greedy (top_k=1)", {**greedy, "n": 2, "temperature": 1.0, "top_k": 1}, shape="n>1"),
+        Feature("n=2 seeded", {**seeded, "n": 2}, sampled=True, shape="n>1"),
         Feature("seeded sampling", {**seeded, "top_p": 0.9}, sampled=True),
         Feature("logprobs", {**greedy, "logprobs": 2}),
         Feature(
@@ -490,7 +503,11 @@ class Asker:
         return PROMPT
 
     def case(self, f: Feature) -> Case:
-        """``f`` through the router, then straight to prefill-0 (and scored there, margin mode)."""
+        """``f`` through the router, then straight to prefill-0 (and scored there, margin mode);
+        not sent when the connector is known not to serve its shape (the reason recorded)."""
+        limit = connector_support.unserved_request(self.connector, f.shape)
+        if limit is not None:
+            return Case(f.name, Answer(status=0), Answer(status=0), not_sent=limit)
         pd = self.routed(f)
         return self.judged(f, pd)
 

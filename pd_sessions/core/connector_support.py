@@ -110,3 +110,26 @@ def vllm_problem(config: ClusterConfig, vllm_version: str | None, *, hybrid_mla:
         f">= {HYBRID_MLA_HETERO_TP_FIXED_IN} (vllm-project/vllm#49297); with this vLLM use "
         f"--set prefill_tp={c.decode_tp}"
     )
+
+
+# Request shapes a connector's P/D path does not serve in the vLLM we run (0.32), as seen, with the
+# reason: the request_features check does not send them over that connector and names the reason
+# in its verdict and results (a known limit, recorded; never a silent skip). Keyed by connector
+# (issue 24 moves connector knowledge into one module per connector).
+UNSERVED_REQUESTS: dict[str, dict[str, str]] = {
+    "mooncake": {
+        "n>1": (
+            "n > 1 over MooncakeConnector: the decode's child requests wait for their KV (Mooncake "
+            "keys a transfer by the one transfer_id the router gives the request, which both "
+            "children carry); seen on the CPU lane with vLLM 0.32.0, 2026-12-01: a 2-choice "
+            "seeded request waited 9.5 s once and over 40 s the next time (decode-0 reporting "
+            "1 deferred request), NIXL served the same requests at once. Not sent, so that a stuck "
+            "pull (vLLM's VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT is 480 s) cannot hold up the checks"
+        ),
+    },
+}
+
+
+def unserved_request(connector: str, shape: str) -> str | None:
+    """Why ``connector`` cannot serve requests of ``shape`` (e.g. "n>1"), or None."""
+    return UNSERVED_REQUESTS.get(connector, {}).get(shape) if shape else None
