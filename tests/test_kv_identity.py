@@ -3,8 +3,8 @@ code it cites (read from the installed vLLM where there is one)."""
 
 from __future__ import annotations
 
-import importlib
-import inspect
+import importlib.util
+from pathlib import Path
 
 import pytest
 from conftest import heavy
@@ -72,31 +72,34 @@ def test_the_description_names_the_cited_code():
 
 
 @pytest.mark.parametrize(
-    "module,cls,method,needles",
+    "path,function,needles",
     [
         (
-            "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector",
-            "MooncakeConnectorScheduler",
-            "_get_remote_prefill_token_count",
+            "distributed/kv_transfer/kv_connector/v1/mooncake/mooncake_connector.py",
+            "def _get_remote_prefill_token_count(",
             ["self._has_mamba", "return num_prompt_tokens - 1", "return num_prompt_tokens"],
         ),
         (
-            "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler",
-            "NixlBaseConnectorScheduler",
-            "_prefill_backoff",
+            "distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py",
+            "def _prefill_backoff(",
             ["1 if self._has_mamba", "num_prefill_lookahead_tokens - 1"],
         ),
         (
-            "vllm.v1.core.kv_cache_manager",
-            "KVCacheManager",
-            "get_computed_blocks",
+            "v1/core/kv_cache_manager.py",
+            "def get_computed_blocks(",
             ["max_cache_hit_length = request.num_tokens - 1"],
         ),
     ],
 )
-def test_the_cited_vllm_code_still_says_so(module, cls, method, needles):
-    """The identities are read from this vLLM's code: if it changes, this fails and names it."""
-    heavy("vllm")
-    source = inspect.getsource(getattr(getattr(importlib.import_module(module), cls), method))
-    assert all(n in source for n in needles), f"{module}.{cls}.{method} changed:\n{source}"
-    assert method in kvi.__doc__
+def test_the_cited_vllm_code_still_says_so(path, function, needles):
+    """The identities are read from the installed vLLM's code: if it changes, this fails and names
+    it (read as text, without importing vLLM)."""
+    spec = importlib.util.find_spec("vllm")  # located, not imported (an import takes seconds)
+    if spec is None:
+        heavy("vllm")  # the full environment fails here, `nox -s unit` skips with the reason
+    text = (Path(spec.origin).parent / path).read_text()
+    start = text.index(function)
+    nxt = text.find("\n    def ", start + 1)
+    body = text[start : nxt if nxt > 0 else None]
+    assert all(n in body for n in needles), f"vllm/{path} {function} changed:\n{body}"
+    assert function[4:-1] in kvi.__doc__
