@@ -67,7 +67,8 @@ def _parser() -> argparse.ArgumentParser:
         "buildkite", help="render .buildkite/ from the job registry in pd_sessions/report/ci_jobs.py"
     )
     rep = sub.add_parser(
-        "report", help="render DIR/report.html again from a sweep's result files (summary.json, */result.json)"
+        "report",
+        help="render DIR/report.html again from a sweep's result files (summary.json, */result.json)",
     )
     rep.add_argument("results_dir", type=Path, metavar="DIR", help="a results directory a sweep wrote")
     return p

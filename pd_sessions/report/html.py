@@ -21,6 +21,7 @@ noxfile imports never reach this one (tests/test_bare_imports.py).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -41,12 +42,16 @@ log = logging.getLogger(__name__)
 
 PAGE = "report.html"
 TEMPLATE = Path(__file__).with_name("report.html.j2")
-TAIL_LINES = 40  # per log of a config that did not pass
-LINE_CHARS = 300  # per log line shown
-LOGS_WITH_TAILS = 12  # per config
+# What the page shows at most, so that a 6-config sweep that failed everywhere, with huge logs,
+# long messages and big tables, stays under 2 MiB (tests/test_html_report.py); the result files
+# and the logs beside the page keep everything.
+TAIL_LINES = 30  # per log of a config that did not pass
+LINE_CHARS = 240  # per log line shown
+LOGS_WITH_TAILS = 10  # per config
 MESSAGE_CHARS = 4000
-TABLE_ROWS = 60
-CELL_CHARS = 200
+TITLE_CHARS = 300  # a message as the matrix cell's tooltip
+TABLE_ROWS = 50
+CELL_CHARS = 120
 
 # The timeline's geometry (px).
 LABEL_W, PLOT_W, ROW_H, BAR_H, AXIS_H = 150, 760, 20, 14, 22
@@ -103,10 +108,11 @@ class LogFile:
 class Config:
     anchor: str
     doc: Mapping[str, Any]
-    cells: list[Mapping[str, Any] | None]
+    cells: list[dict[str, str] | None]
     checks: list[dict[str, Any]]
     timeline: Timeline | None
     placement: list[tuple[str, list[str]]]  # host -> processes, when there were several hosts
+    error: str = ""  # what stopped it, capped
     logs: list[LogFile] = field(default_factory=list)
 
 
@@ -158,12 +164,18 @@ def config_model(i: int, c: Mapping[str, Any], columns: Sequence[str], results_d
     return Config(
         anchor=f"config-{i}",
         doc=c,
-        cells=[by_name.get(n) for n in columns],
+        cells=[cell_model(by_name[n]) if n in by_name else None for n in columns],
         checks=checks,
         timeline=timeline(c),
         placement=sorted(hosts.items()) if len(hosts) > 1 else [],
+        error=cap(str(c.get("error") or ""), MESSAGE_CHARS),
         logs=log_files(c, results_dir),
     )
+
+
+def cell_model(k: Mapping[str, Any]) -> dict[str, str]:
+    """A matrix cell: the verdict, the message as its tooltip."""
+    return {"verdict": str(k.get("verdict", "?")), "message": cap(str(k.get("message", "")), TITLE_CHARS)}
 
 
 def check_model(k: Mapping[str, Any]) -> dict[str, Any]:
@@ -343,9 +355,8 @@ def log_files(c: Mapping[str, Any], results_dir: Path) -> list[LogFile]:
     failed = c.get("outcome") != PASSED
     error = str(c.get("error") or "")  # names the process that died or never got ready
     order = {str(p.get("log")): i for i, p in enumerate(c.get("processes") or [])}
-    named = {
-        p.name for p in run_dir.glob("*.log") if re.search(rf"(?<![\w-]){re.escape(p.stem)}(?![\w-])", error)
-    }
+    words = set(re.findall(r"[\w.-]+", error))
+    named = {p.name for p in run_dir.glob("*.log") if p.stem in words}
     logs = sorted(
         run_dir.glob("*.log"), key=lambda p: (p.name not in named, order.get(p.name, len(order)), p.name)
     )
@@ -421,18 +432,24 @@ def load(results_dir: Path) -> dict[str, Any]:
     return {"schema": SCHEMA_VERSION, "sweep": results_dir.name, "passed": False, "configs": configs}
 
 
-def render(doc: Mapping[str, Any], results_dir: Path) -> str:
-    """The page for ``doc`` (summary.json's shape), its links relative to ``results_dir``."""
-    import jinja2  # only here: a page costs the import once, and nothing else in a run needs it
+@functools.cache
+def template() -> Any:
+    """The page's template, compiled once per process (a sweep renders the page as each config
+    starts and ends). Jinja2 is imported here only: nothing else in a run needs it."""
+    import jinja2
 
     env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(TEMPLATE.parent),
-        autoescape=True,
-        trim_blocks=True,
-        lstrip_blocks=True,
+        loader=jinja2.FileSystemLoader(TEMPLATE.parent), autoescape=True, trim_blocks=True, lstrip_blocks=True
     )
-    return env.get_template(TEMPLATE.name).render(
-        page=page_model(doc, results_dir), BAR_H=BAR_H, ROW_H=ROW_H, AXIS_H=AXIS_H, LABEL_W=LABEL_W
+    return env.get_template(TEMPLATE.name)
+
+
+def render(doc: Mapping[str, Any], results_dir: Path) -> str:
+    """The page for ``doc`` (summary.json's shape), its links relative to ``results_dir``."""
+    return str(
+        template().render(
+            page=page_model(doc, results_dir), BAR_H=BAR_H, ROW_H=ROW_H, AXIS_H=AXIS_H, LABEL_W=LABEL_W
+        )
     )
 
 
