@@ -54,7 +54,7 @@ TABLE_ROWS = 50
 CELL_CHARS = 120
 
 # The timeline's geometry (px).
-LABEL_W, PLOT_W, ROW_H, BAR_H, AXIS_H = 150, 760, 20, 14, 22
+LABEL_W, PLOT_W, ROW_H, BAR_H, AXIS_H = 150, 700, 20, 14, 22
 
 
 # ---------------------------------------------------------------- the page's model (pure but for logs
@@ -335,7 +335,7 @@ def timeline(c: Mapping[str, Any]) -> Timeline | None:
         b.place(scale)
     step = tick_step(total)
     ticks = [(LABEL_W + i * step * scale, f"{i * step:g} s") for i in range(int(total // step) + 1)]
-    return Timeline(bars, rows, ticks, LABEL_W + PLOT_W + 20, AXIS_H + len(rows) * ROW_H + 4, total)
+    return Timeline(bars, rows, ticks, LABEL_W + PLOT_W + 70, AXIS_H + len(rows) * ROW_H + 4, total)
 
 
 def tick_step(total: float) -> float:
