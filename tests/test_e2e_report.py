@@ -79,6 +79,7 @@ def load(driver, page: Path) -> list[dict]:
 
 def screenshot(driver, page: Path) -> Path:
     """The whole page as a PNG beside it."""
+    driver.execute_script("window.scrollTo(0, 0)")  # a click may have scrolled it
     height = driver.execute_script("return document.documentElement.scrollHeight")
     driver.set_window_size(1280, min(int(height) + 40, 12000))
     out = page.with_suffix(".png")

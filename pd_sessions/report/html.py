@@ -113,6 +113,7 @@ class Config:
     timeline: Timeline | None
     placement: list[tuple[str, list[str]]]  # host -> processes, when there were several hosts
     error: str = ""  # what stopped it, capped
+    phases: list[tuple[str, float]] = field(default_factory=list)  # in PHASES' order
     logs: list[LogFile] = field(default_factory=list)
 
 
@@ -169,6 +170,9 @@ def config_model(i: int, c: Mapping[str, Any], columns: Sequence[str], results_d
         timeline=timeline(c),
         placement=sorted(hosts.items()) if len(hosts) > 1 else [],
         error=cap(str(c.get("error") or ""), MESSAGE_CHARS),
+        phases=[
+            (p, float(s)) for p in PHASES if isinstance(s := (c.get("phases") or {}).get(p), (int, float))
+        ],
         logs=log_files(c, results_dir),
     )
 
