@@ -163,8 +163,9 @@ def nox_run_options(posargs: Sequence[str]) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------- nox's side of a stop
-# What nox must not die of while the harness runs: passed on, then waited for as Ctrl-C is.
-NOX_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+# What nox must not die of while the harness runs: passed on, then waited for as Ctrl-C is
+# (SIGHUP where it exists: nox imports this module wherever it runs).
+NOX_STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
 
 
 class NoxStopped(KeyboardInterrupt):
