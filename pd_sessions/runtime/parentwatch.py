@@ -219,6 +219,7 @@ def nox_waits_for_the_harness(say: Callable[[str], None]) -> Iterator[None]:
     |                                      | the harness ends with 0 (``serve``)             |
     | SIGTERM or SIGHUP again              | nothing (it already waits)                      |
     | SIGINT (Ctrl-C)                      | nox's own: waits for the harness, exits 130     |
+    |                                      | (0 when the harness ends with 0: ``serve``)     |
     | nothing                              | the handlers nox had are back; nothing changes  |
 
     Python runs signal handlers in the main thread only: elsewhere (never under nox) this
