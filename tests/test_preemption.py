@@ -16,6 +16,7 @@ BURST_OK = CheckResult(
 def test_preemptions_with_a_passing_burst_pass():
     r = preemption.evaluate(BURST_OK, 5.0, requests=8)
     assert r.passed and r.message.startswith("the decodes preempted 5 times during 8/8 concurrent requests")
+    assert {f.name: f.value for f in r.figures} == {"requests": 8, "preemptions": 5.0}
 
 
 def test_no_preemption_fails_the_config_did_not_test_what_it_is_for():

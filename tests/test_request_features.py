@@ -255,6 +255,17 @@ def test_every_feature_passing_passes_and_names_refusals():
     assert r.details["refused"] and r.details["cases"][10]["refused"]
 
 
+def test_the_report_shows_a_row_per_case_and_the_counts():
+    cases = named(all_cases())
+    cases[4] = replace(cases[4], pd=ans((" red stone", (7, 9), "length")))
+    r = rf.evaluate(cases, judge=EXACT, identity=IDENTITY, expected_cases=rf.expected_cases(128))
+    f = {x.name: x.value for x in r.figures}
+    assert f == {"cases": 17, "differ": 1, "refused": 0, "not_sent": 0, "kv_external": 0.0}
+    (t,) = r.tables
+    assert len(t.rows) == 17 and t.rows[4][:3] == ("n=2 greedy (top_k=1)", False, "answered")
+    assert [row[1] for row in t.rows].count(True) == 16
+
+
 def test_one_differing_feature_fails_the_check_naming_it():
     cases = named(all_cases())
     cases[4] = replace(cases[4], pd=ans((" red stone", (7, 9), "length")))

@@ -33,11 +33,52 @@ from pd_sessions.checks.instances import METRIC, SOURCE
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core import kv_identity
 from pd_sessions.core.kv_identity import Counts
-from pd_sessions.core.results import FAIL, PASS, CheckResult
+from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, pick, reporting
 
 CONTROL_PROMPT = "A request sent straight to the decode instance, not through the router:"
 
 
+def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
+    """What the report shows: the router requests and their prompt tokens, the tokens the decodes
+    received by KV transfer (seen, what the connector's identity expects, per decode), the other
+    sources, and the connector's success evidence."""
+    out: list[Figure | Table] = [
+        *pick(
+            details,
+            ("router_requests", ""),
+            ("router_prompt_tokens", "tokens"),
+            ("delta", "tokens"),
+        )
+    ]
+    want = details.get("expected") or {}
+    if kv_identity.EXTERNAL in want:
+        out.append(Figure("expected", want[kv_identity.EXTERNAL], "tokens"))
+    success = details.get("success") or {}
+    nixl = success.get("nixl_delta") or {}
+    if NIXL_SUCCESS_COUNT in nixl:
+        out.append(Figure("nixl_transfers", nixl[NIXL_SUCCESS_COUNT]))
+    if NIXL_SUCCESS_BYTES in nixl:
+        out.append(Figure("nixl_bytes", nixl[NIXL_SUCCESS_BYTES], "bytes"))
+    out += pick(success, ("mooncake_successful_transfers", ""), ("mooncake_failed_transfers", ""))
+    by_source = details.get("by_source") or {}
+    out += pick(
+        by_source,
+        (kv_identity.LOCAL_CACHE_HIT, "tokens"),
+        (kv_identity.LOCAL_COMPUTE, "tokens"),
+    )
+    before, after = details.get("before") or {}, details.get("after") or {}
+    if before:
+        ext = kv_identity.EXTERNAL
+        rows = []
+        for n, b in before.items():
+            b0 = b.get(ext, 0.0)
+            a1 = (after.get(n) or {}).get(ext)
+            rows.append((n, b0, a1, (a1 or 0.0) - b0))
+        out.append(Table("external KV tokens by decode", ("decode", "before", "after", "delta"), tuple(rows)))
+    return out
+
+
+@reporting(numbers)
 def evaluate(
     before: Mapping[str, Counts],
     after: Mapping[str, Counts],

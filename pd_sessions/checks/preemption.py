@@ -18,12 +18,18 @@ from typing import Any
 
 from pd_sessions.checks import burst, instances, parity
 from pd_sessions.checks.window import CheckWindow
-from pd_sessions.core.results import FAIL, PASS, CheckResult
+from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, pick, reporting
 from pd_sessions.runtime import http
 
 PREEMPTIONS = "vllm:num_preemptions_total"
 
 
+def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
+    """What the report shows: the burst's requests and the decodes' preemptions over it."""
+    return [*pick(details, ("requests", ""), ("preemptions", ""))]
+
+
+@reporting(numbers)
 def evaluate(burst_verdict: CheckResult, preempted: float | None, *, requests: int) -> CheckResult:
     """The burst's verdict (every request served, each equal to prefill-direct, the KV proof) and
     the decodes' preemptions over it.

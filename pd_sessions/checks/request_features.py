@@ -46,7 +46,7 @@ from pd_sessions.checks.answers import Answer
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core import connector_support, kv_identity
 from pd_sessions.core.kv_identity import Counts
-from pd_sessions.core.results import FAIL, PASS, CheckResult
+from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, reporting
 from pd_sessions.runtime import http
 
 # Exact mode: P/D logprobs must equal prefill-direct's within this (the issue's bound; float32 CPU
@@ -252,6 +252,52 @@ def compare(case: Case, judge: parity.Judge) -> tuple[list[str], str | None]:
     return out, None
 
 
+def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
+    """What the report shows: cases, refused and not sent; a row per case (same as
+    prefill-direct, P/D seconds, the KV seen and expected for the block-boundary prompts)."""
+    rows = details.get("cases") or []
+    out: list[Figure | Table] = [
+        Figure("cases", len(rows)),
+        Figure("differ", sum(1 for r in rows if not r.get("same"))),
+        Figure("refused", len(details.get("refused") or [])),
+        Figure("not_sent", len(details.get("not_sent") or [])),
+    ]
+    seen = (details.get("kv_sum") or {}).get("seen") or {}
+    if kv_identity.EXTERNAL in seen:
+        out.append(Figure("kv_external", seen[kv_identity.EXTERNAL], "tokens"))
+    if rows:
+
+        def kv(r: Mapping[str, Any], which: str) -> str:
+            k = r.get("kv")
+            if not k:
+                return ""
+            c = k[which]
+            return "/".join(
+                f"{c[s]:g}"
+                for s in (kv_identity.EXTERNAL, kv_identity.LOCAL_CACHE_HIT, kv_identity.LOCAL_COMPUTE)
+            )
+
+        out.append(
+            Table(
+                "request features (KV: external/cache hit/compute)",
+                ("case", "same", "outcome", "P/D s", "KV seen", "KV expected"),
+                tuple(
+                    (
+                        r["name"],
+                        r.get("same"),
+                        "not sent" if r.get("not_sent") else "refused" if r.get("refused") else "answered",
+                        (r.get("seconds") or {}).get("pd"),
+                        kv(r, "seen"),
+                        kv(r, "expected"),
+                    )
+                    for r in rows
+                ),
+            )
+        )
+    return out
+
+
+@reporting(numbers)
 def evaluate(
     cases: Sequence[Case],
     *,
