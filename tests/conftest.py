@@ -309,7 +309,7 @@ def preemption_sweep(tmp_path_factory) -> SweepRun:
     under a burst that needs about 24, checks smoke and preemption (issue 27)."""
     heavy("vllm")
     heavy("mooncake.engine")
-    results = tmp_path_factory.mktemp("preemption") / "r"
+    results = e2e_dir(tmp_path_factory, "preemption") / "r"
     return _sweep_once(
         results, args=("sweep", "preemption", "--platform", "cpu", "--results-dir", str(results))
     )
