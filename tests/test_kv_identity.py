@@ -29,7 +29,12 @@ B = 128
         # SSM layers: the decode recomputes the last token
         (True, B, 0, Counts(B - 1, 0, 1)),
         (True, 2 * B + 1, 2 * B, Counts(0, 2 * B, 1)),
-        (True, 1, 0, Counts(0, 0, 1)),
+        (
+            True,
+            1,
+            0,
+            Counts(1, 0, 0),
+        ),  # no longer than the backoff: loaded whole (num_prompt_tokens > backoff)
     ],
 )
 def test_expected_per_request(connector, ssm, prompt, cached, want):

@@ -161,8 +161,13 @@ def expected(connector: str, *, ssm: bool, prompt_tokens: int, cached: int = 0) 
     external      = max(0, prompt - backoff - cached)
     local_cache_hit = cached
     local_compute = prompt - cached - external
+
+    A prompt no longer than the backoff is loaded whole (both connectors'
+    ``_get_remote_prefill_token_count`` back off only when ``num_prompt_tokens > backoff``).
     """
     b = backoff(connector, ssm=ssm)
+    if prompt_tokens <= b:
+        b = 0
     external = max(0, prompt_tokens - b - cached)
     return Counts(float(external), float(cached), float(prompt_tokens - cached - external))
 
@@ -171,7 +176,8 @@ def expected_sum(
     connector: str, *, ssm: bool, prompt_tokens: int, requests: int, local_cache_hit: float
 ) -> Counts:
     """Requests summed, their decode cache hits as measured (``local_cache_hit``): every
-    request loads all but its backoff and its hit, so
+    request loads all but its backoff and its hit (every request longer than the backoff: the
+    checks' prompts are; :func:`expected` covers the shorter ones per request), so
 
     external      = prompt - backoff * requests - local_cache_hit
     local_compute = backoff * requests
