@@ -1,25 +1,27 @@
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
 from helpers import cfg
 
-from pd_sessions.core import connector_support
+from pd_sessions.core import connector_support, connectors
+from pd_sessions.core.connectors.base import Refusal
 from pd_sessions.core.errors import PlanError
 from pd_sessions.core.inventory import Inventory
 from pd_sessions.core.plan import plan_cluster
 from pd_sessions.runtime.ports import PortAllocator
 
 
-@pytest.mark.parametrize("connector", ["mooncake", "nixl"])
+@pytest.mark.parametrize("connector", connectors.names())
 @pytest.mark.parametrize("p,d", [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (1, 8)])
 def test_dividing_tp_sizes_and_xpyd_are_accepted(connector, p, d):
     connector_support.check(cfg(connector=connector, prefill_tp=p, decode_tp=d))
     connector_support.check(cfg(connector=connector, num_prefill=2, num_decode=3))
 
 
-@pytest.mark.parametrize("connector", ["mooncake", "nixl"])
+@pytest.mark.parametrize("connector", connectors.names())
 def test_tp_sizes_that_do_not_divide_are_refused_naming_connector_and_pair(connector):
     with pytest.raises(PlanError) as e:
         connector_support.check(cfg(name="odd", connector=connector, prefill_tp=2, decode_tp=3))
@@ -29,16 +31,34 @@ def test_tp_sizes_that_do_not_divide_are_refused_naming_connector_and_pair(conne
 
 
 def test_a_connector_without_heterogeneous_tp_is_refused(monkeypatch):
-    monkeypatch.setitem(connector_support.SUPPORT, "nixl", (False, True))
+    """The limits are the spec's data: a connector that says it cannot is refused by name."""
+    nixl = connectors.get("nixl")
+    swap = lambda **kw: monkeypatch.setitem(
+        connectors._BY_NAME, "nixl", dataclasses.replace(nixl, limits=dataclasses.replace(nixl.limits, **kw))
+    )
+    swap(hetero_tp=False)
     with pytest.raises(
         PlanError,
         match="connector nixl does not support heterogeneous TP "
         r"\(prefill TP1 \+ decode TP2\)",
     ):
         connector_support.check(cfg(connector="nixl", prefill_tp=1, decode_tp=2))
-    monkeypatch.setitem(connector_support.SUPPORT, "nixl", (True, False))
+    swap(many_per_role=False)
     with pytest.raises(PlanError, match=r"several instances per role \(2P1D\)"):
         connector_support.check(cfg(connector="nixl", num_prefill=2))
+
+
+def test_a_connector_that_refuses_a_platform_is_refused_before_anything_is_planned(monkeypatch):
+    nixl = connectors.get("nixl")
+    no_cpu = lambda config, platform: (
+        Refusal("connector", "not on the CPU lane") if platform == "cpu" else None
+    )
+    limits = dataclasses.replace(nixl.limits, refuse=no_cpu)
+    monkeypatch.setitem(connectors._BY_NAME, "nixl", dataclasses.replace(nixl, limits=limits))
+    with pytest.raises(PlanError, match="connector: not on the CPU lane"):
+        connector_support.check(cfg(connector="nixl"), "cpu")
+    connector_support.check(cfg(connector="nixl"), "cuda")
+    connector_support.check(cfg(connector="nixl"))  # no platform: not asked
 
 
 def test_the_planner_refuses_before_taking_any_port():
