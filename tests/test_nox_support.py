@@ -246,7 +246,7 @@ def test_a_stop_signal_while_the_harness_runs_ends_the_session_with_its_status(
 ):
     command = "serve" if kw.get("name") == "serve" else "sweep"
     session = SignalledSession(posargs, sig, harness_status, **kw)
-    assert stopped(nox_support.sweep, session, "mooncake_sweep", ["mooncake"], command=command) == 128 + sig
+    assert stopped(nox_support.sweep, session, "mooncake_sweep", command=command) == 128 + sig
     assert session.ran("-m", "pd_sessions", command)
     assert f"nox got {signal.Signals(sig).name} (no child left) and waited" in session.logged
     assert f"nox exits {128 + sig}" in session.logged
