@@ -159,3 +159,60 @@ def test_the_cli_refuses_before_launch_and_only_warns_on_a_dry_run(tmp_path):
     assert "WARNING: k: vLLM 0.26.0 cannot pull KV" in "\n".join(warnings)  # the banner prints them
     env = {"modules": {"vllm": {"version": "0.32.0"}}}
     launch.refuse_before_launch(sel, env, dry_run=False)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- a vLLM without the connector
+
+
+FACTORY = """KVConnectorFactory.register_connector(
+    "NixlConnector",
+    "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector",
+    "NixlConnector",
+)
+"""
+
+
+def test_a_vllm_whose_factory_lacks_the_connector_is_refused_naming_it_and_where_it_came():
+    push = cfg(name="p", connector="nixl_push")
+    problem = connector_support.vllm_lacks_connector(push, FACTORY, "0.26.0")
+    assert problem is not None
+    assert "p: the installed vLLM 0.26.0 does not register NixlPushConnector" in problem
+    assert "vllm-project/vllm#35264" in problem
+    assert connector_support.vllm_lacks_connector(cfg(connector="nixl"), FACTORY, "0.26.0") is None
+    assert connector_support.vllm_lacks_connector(push, None, None) is None  # not known: vLLM will say
+
+
+def test_launch_reads_the_installed_vllms_factory(tmp_path):
+    """The refusal before launch reads the factory of the vLLM envfacts found; a dry run warns."""
+    from types import SimpleNamespace
+
+    from pd_sessions.commands import launch
+
+    vllm_dir = tmp_path / "vllm"
+    (vllm_dir / launch.FACTORY).parent.mkdir(parents=True)
+    (vllm_dir / launch.FACTORY).write_text(FACTORY)
+    sel = SimpleNamespace(configs=[cfg(name="p", connector="nixl_push")], warnings=())
+    env = {"modules": {"vllm": {"version": "0.26.0", "location": str(vllm_dir)}}}
+    with pytest.raises(PlanError) as e:
+        launch.refuse_before_launch(sel, env, dry_run=False)  # type: ignore[arg-type]
+    assert e.value.field == "connector" and "does not register NixlPushConnector" in str(e.value)
+    assert "WARNING: p: the installed vLLM" in "\n".join(launch.refuse_before_launch(sel, env, dry_run=True))  # type: ignore[arg-type]
+    (vllm_dir / launch.FACTORY).write_text(FACTORY.replace('"NixlConnector"', '"NixlPushConnector"', 1))
+    assert launch.refuse_before_launch(sel, env, dry_run=False) == []  # type: ignore[arg-type]
+
+
+def test_the_vllm_here_registers_every_connector():
+    """The CPU lane's vLLM (its installed factory, as launch reads it) has every registered one."""
+    import importlib.util
+    import os
+
+    from pd_sessions.commands import launch
+
+    found = importlib.util.find_spec("vllm")
+    if found is None or not found.submodule_search_locations:
+        assert os.environ.get("PD_SESSIONS_FULL_ENV") != "1", "vllm missing from the full environment"
+        pytest.skip("vllm not installed (run `nox -s tests`)")
+    source = launch._factory_source(next(iter(found.submodule_search_locations)))
+    assert source is not None
+    for name in connectors.names():
+        assert connector_support.vllm_lacks_connector(cfg(connector=name), source, "here") is None, name

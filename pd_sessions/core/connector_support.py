@@ -10,6 +10,7 @@ cannot do on a platform (``limits.refuse``).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -101,4 +102,25 @@ def vllm_problem(config: ClusterConfig, vllm_version: str | None, *, hybrid_mla:
         f"{c.name}: vLLM {vllm_version} cannot pull KV over {spec.title} from prefill TP{c.prefill_tp} "
         f"into decode TP{c.decode_tp} ranks for {c.model} (SSM + MLA layers): {limit.why}. Fixed in "
         f"vLLM >= {limit.fixed_in} ({limit.fix}); with this vLLM use --set prefill_tp={c.decode_tp}"
+    )
+
+
+def vllm_lacks_connector(
+    config: ClusterConfig, factory_source: str | None, vllm_version: str | None
+) -> str | None:
+    """Why the installed vLLM cannot start ``config``'s connector at all, or None. Checked before
+    launch: ``factory_source`` is the text of that vLLM's kv_connector/factory.py.
+
+        factory source unknown (None)                    -> None (vLLM itself will say)
+        the connector's class registered there           -> None
+        otherwise                                        -> the class, the vLLM, where it was added
+    """
+    spec = connectors.get(config.connector)
+    if factory_source is None or re.search(rf'register_connector\(\s*"{spec.vllm_class}"', factory_source):
+        return None
+    added = f" (added by {spec.added_by})" if spec.added_by else ""
+    return (
+        f"{config.name}: the installed vLLM {vllm_version or '(version unknown)'} does not register "
+        f"{spec.vllm_class} in its connector factory{added}: install a vLLM that has it, or run "
+        "another connector (--set connector=...)"
     )

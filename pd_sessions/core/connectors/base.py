@@ -264,6 +264,8 @@ class ConnectorSpec:
     cpu_lane: CpuLane = field(default_factory=CpuLane)
     options: tuple[Option, ...] = ()
     sweep: str = ""  # its built-in sweep (configs/<sweep>.toml)
+    # where vLLM added the class, for a vLLM that lacks it (e.g. "vllm-project/vllm#35264")
+    added_by: str = ""
 
     def kv_transfer_config(self, config: ConfigView, role: str, platform: str) -> dict[str, object]:
         """The ``--kv-transfer-config`` value for an instance of ``role`` on ``platform``."""

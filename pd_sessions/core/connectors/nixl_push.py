@@ -52,4 +52,5 @@ SPEC = ConnectorSpec(
     limits=nixl.SPEC.limits,
     cpu_lane=nixl.CPU_LANE,
     sweep="nixl_push_sweep",
+    added_by="vllm-project/vllm#35264",
 )
