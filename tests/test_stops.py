@@ -1,5 +1,5 @@
 """Every way of stopping a run, driven through nox itself: nox exits with the signal's status
-(128 + N) only once nothing is left and summary.json, summary.txt and junit.xml are written
+(128 + N) only once nothing is left and summary.json, summary.txt, junit.xml and report.html are written
 (SIGKILL to nox: it dies at once, and nothing outlives it by more than grace + 2 s); the same
 for the serve session.
 
@@ -49,6 +49,8 @@ def assert_cancel_recorded(run: NoxRun, cause: str) -> None:
     assert cases[("fake.1x1", "smoke")].find("error").get("type") == "Cancelled"
     assert cases[("fake.1x1b", "smoke")].find("skipped") is not None
     assert json.loads((run.results / "1x1" / "result.json").read_text())["outcome"] == "cancelled"
+    page = (run.results / "report.html").read_text()  # the page too, saying the same
+    assert page.count('class="config-row"') == 2 and "CANCELLED" in page and "NOT RUN" in page
 
 
 def _start(tmp_path, **kw) -> tuple[NoxRun, psutil.Process, list[psutil.Process]]:
@@ -166,6 +168,7 @@ def test_buildkite_sigkill_mid_teardown_the_reaper_finishes_it(tmp_path):
     assert doc["provisional"] and [c["outcome"] for c in doc["configs"]] == ["cancelled", "not run"]
     assert "killed with SIGKILL?" in doc["configs"][0]["error"]
     assert ET.parse(run.results / "junit.xml").getroot().find("testsuite") is not None
+    assert 'id="provisional"' in (run.results / "report.html").read_text()  # the page says so
     assert_nothing_left(run.results / "1x1")
     print(f"SIGKILL mid-teardown: the reaper had everything gone {took:.2f} s after SIGTERM")
 
