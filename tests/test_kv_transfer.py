@@ -68,6 +68,8 @@ def test_real_nixl_transfer_passes_with_its_success_counters():
     assert "NIXL completed 1 READ transfers of 262144 bytes (decode /metrics), no failures" in r.message
     assert r.details["success"]["metrics_delta"][COUNT] == 1
     assert r.details["success"]["metrics_on"] == "decode"
+    shown = {f.name: (f.value, f.unit) for f in r.figures}  # what the report shows
+    assert shown["transfers"] == (1, "") and shown["transfer_bytes"] == (262144, "bytes")
 
 
 def test_scheduling_counter_rose_but_no_transfer_completed_fails():

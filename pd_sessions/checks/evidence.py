@@ -149,6 +149,7 @@ def _metric_verdict(
     if failed:
         return f"{spec.title} failure counters rose: {failed}", details
     count, nbytes = d[m.count], d[m.bytes]
+    details["transfers"], details["transfer_bytes"] = count, nbytes
     if count < router_requests or nbytes <= 0:
         return (
             f"{spec.title} completed {count:g} {m.what} ({nbytes:g} bytes) for {router_requests} "

@@ -43,12 +43,15 @@ def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
         )
     ]
     success = details.get("success") or {}
-    nixl = success.get("nixl_delta") or {}
-    if NIXL_SUCCESS_COUNT in nixl:
-        out.append(Figure("nixl_transfers", nixl[NIXL_SUCCESS_COUNT]))
-    if NIXL_SUCCESS_BYTES in nixl:
-        out.append(Figure("nixl_bytes", nixl[NIXL_SUCCESS_BYTES], "bytes"))
-    out += pick(success, ("mooncake_successful_transfers", ""), ("mooncake_failed_transfers", ""))
+    # what the connector's evidence counted (checks/evidence.py): completed transfers and their
+    # bytes from metrics, or successful and failed transfers from the stats lines
+    out += pick(
+        success,
+        ("transfers", ""),
+        ("transfer_bytes", "bytes"),
+        ("successful_transfers", ""),
+        ("failed_transfers", ""),
+    )
     before, after = details.get("before") or {}, details.get("after") or {}
     if before:
         out.append(
