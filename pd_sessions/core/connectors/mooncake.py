@@ -88,9 +88,9 @@ def decode_params(
 
 def engine_id(entries: Mapping[str, object]) -> str:
     """DP rank 0's engine id from the bootstrap server's ``/query`` answer."""
-    rank0 = entries.get("0")
+    rank0 = entries.get("0") if isinstance(entries, Mapping) else None
     if not isinstance(rank0, Mapping) or "engine_id" not in rank0:
-        raise ValueError(f"no DP rank 0 registered yet ({dict(entries)})")
+        raise ValueError(f"no DP rank 0 registered yet ({entries})")
     return str(rank0["engine_id"])
 
 
