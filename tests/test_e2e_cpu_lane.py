@@ -23,17 +23,18 @@ def _full_env():
     heavy("mooncake.engine")
 
 
-# --- the two healthy sweeps (Mooncake, NIXL): one run each, shared by the tests below -----------
+# --- the healthy sweeps (Mooncake, NIXL, NIXL push): one run each, shared by the tests below -----
 
 
-@pytest.fixture(params=["mooncake_sweep", "nixl_sweep"])
+@pytest.fixture(params=["mooncake_sweep", "nixl_sweep", "nixl_push_sweep"])
 def sweep(request) -> str:
-    """Each test below runs over both healthy sweeps: conftest's session fixtures named like the
+    """Each test below runs over every healthy sweep: conftest's session fixtures named like the
     sweeps, one run each, shared (no test here starts a cluster of its own). Mooncake runs
     through `nox --no-venv` on this (hand-prepared) environment, as vLLM's CI runs it in the pull
     request's image: it must pass and install nothing (that run, shared with
     test_e2e_user_commands, also runs the user's passing test files). NIXL runs the CLI, serving
-    the remote-code tiny model with margin parity (shared with test_e2e_nightly)."""
+    the remote-code tiny model with margin parity (shared with test_e2e_nightly). NIXL push (the
+    connector added as one module) runs through its own nox session, made from its spec."""
     return request.param
 
 
@@ -126,7 +127,7 @@ def test_kv_transfer_moved_the_prompts_and_not_the_control(run: SweepRun):
 
 
 def test_request_features_equal_prefill_direct_with_exact_kv_per_request(run: SweepRun, sweep: str):
-    """Issue 27: every request path users send, over both connectors (NIXL in margin mode)."""
+    """Issue 27: every request path users send, over every connector (the NIXL pull run in margin mode)."""
     rf = _checks(run)["request_features"]
     assert rf["verdict"] == "pass", rf["message"]
     cases = {c["name"]: c for c in rf["details"]["cases"]}
@@ -136,10 +137,10 @@ def test_request_features_equal_prefill_direct_with_exact_kv_per_request(run: Sw
     assert "HTTP 400" in cases["n=2 at temperature 0"]["refused"]
     assert cases["chat"]["pd"]["status"] == 200 and cases["chat"]["pd"]["texts"][0]
     assert cases["stop string at the first token"]["pd"]["usage"][1] == 1
-    # n > 1 over Mooncake is a known limit (core/connector_support.UNSERVED_REQUESTS), named
+    # n > 1 over Mooncake is a known limit (the connector spec's limits.unserved_requests), named
     n2 = ["n=2 greedy (top_k=1)", "n=2 seeded"]
     assert [n for n, c in cases.items() if c["not_sent"]] == (n2 if sweep == "mooncake_sweep" else [])
-    if sweep == "nixl_sweep":
+    if sweep != "mooncake_sweep":  # NIXL pull and push serve both choices
         assert [len(cases[n]["pd"]["texts"]) for n in n2] == [2, 2]
     # block boundaries: each prompt arrived whole by transfer; the repeat found 4 blocks cached
     rows = [c["kv"] for c in cases.values() if "kv" in c]
@@ -167,7 +168,10 @@ def test_a_decode_with_too_few_kv_blocks_preempts_and_every_output_equals_prefil
 def test_parity_mode_and_every_prompt_the_same(run: SweepRun, sweep: str):
     parity = _checks(run)["parity"]["details"]
     # auto picks exact on the CPU lane; the NIXL run forces margin (see conftest.nixl_sweep)
-    assert parity["mode"] == {"mooncake_sweep": "exact", "nixl_sweep": "margin"}[sweep]
+    assert (
+        parity["mode"]
+        == {"mooncake_sweep": "exact", "nixl_sweep": "margin", "nixl_push_sweep": "exact"}[sweep]
+    )
     assert len(parity["prompts"]) >= 4 and all(p["same"] for p in parity["prompts"]), parity
 
 
@@ -184,6 +188,23 @@ def test_nixl_agents_got_the_cpu_lanes_progress_delay(nixl_sweep: SweepRun):
     for log in ("prefill-0.log", "decode-0.log"):
         text = (nixl_sweep.run_dir / log).read_text()
         assert "progress thread polls every 1000 us instead of spinning" in text
+
+
+def test_push_mode_moved_the_kv_by_writes_the_prefill_completed(nixl_push_sweep: SweepRun):
+    """NixlPushConnector on both sides; the KV proof's success evidence is the prefill's: it
+    WRITEs, so its /metrics count the completed transfers (one per router request at least)."""
+    plan = (nixl_push_sweep.run_dir / "plan.txt").read_text()
+    assert plan.count('"kv_connector":"NixlPushConnector"') == 2 and "--kv-connector nixl" in plan
+    for log in ("prefill-0.log", "decode-0.log"):
+        assert "nixl-push-writer thread started" in (nixl_push_sweep.run_dir / log).read_text()
+    kv = _checks(nixl_push_sweep)["kv_transfer"]
+    success = kv["details"]["success"]
+    assert success["metrics_on"] == "prefill" and list(success["metrics_after"]) == ["prefill-0"]
+    delta = success["metrics_delta"]
+    assert delta["vllm:nixl_xfer_time_seconds_count"] >= kv["details"]["router_requests"] > 0
+    assert delta["vllm:nixl_bytes_transferred_sum"] > 0
+    assert "WRITE transfers" in kv["message"] and "(prefill /metrics)" in kv["message"]
+    assert "nox > Running session nixl_push_sweep" in nixl_push_sweep.cli.text
 
 
 def test_cpu_lane_banner_and_the_config_left_out(run: SweepRun):

@@ -9,13 +9,15 @@ from pathlib import Path
 import pytest
 from conftest import heavy
 
+from pd_sessions.core import connectors
 from pd_sessions.core import kv_identity as kvi
+from pd_sessions.core.errors import ConfigError
 from pd_sessions.core.kv_identity import Counts
 
 B = 128
 
 
-@pytest.mark.parametrize("connector", ["mooncake", "nixl"])
+@pytest.mark.parametrize("connector", ["mooncake", "nixl", "nixl_push"])
 @pytest.mark.parametrize(
     "ssm,prompt,cached,want",
     [
@@ -67,8 +69,16 @@ def test_sums_take_the_measured_cache_hits_and_the_backoff_per_request():
 
 
 def test_an_unknown_connector_is_named():
-    with pytest.raises(KeyError, match="known: mooncake, nixl"):
+    with pytest.raises(ConfigError, match="allowed: mooncake, nixl, nixl_push"):
         kvi.backoff("lmcache", ssm=False)
+
+
+def test_every_connector_spec_states_its_numbers_and_cites_vllm():
+    for spec in connectors.ALL:
+        row = spec.kv_accounting
+        assert row.code.startswith("vllm/distributed/kv_transfer/") and ": " in row.code, spec.name
+        assert (row.backoff_plain, row.backoff_ssm) == (0, 1), spec.name  # vLLM 0.32's three
+    assert "push_scheduler.py" in kvi.describe("nixl_push", ssm=False)
 
 
 def test_the_description_names_the_cited_code():
@@ -88,6 +98,11 @@ def test_the_description_names_the_cited_code():
             "distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py",
             "def _prefill_backoff(",
             ["1 if self._has_mamba", "num_prefill_lookahead_tokens - 1"],
+        ),
+        (
+            "distributed/kv_transfer/kv_connector/v1/nixl/push_scheduler.py",
+            "def get_num_new_matched_tokens(",
+            ["self._get_remote_prefill_token_count("],
         ),
         (
             "v1/core/kv_cache_manager.py",

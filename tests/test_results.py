@@ -164,7 +164,7 @@ def test_kv_transfer_reports_tokens_evidence_and_a_row_per_decode():
         f["delta"] == (100, "tokens") and f["expected"] == (100, "tokens") and f["router_requests"] == (5, "")
     )
     assert f["local_cache_hit"] == (0, "tokens") and f["local_compute"] == (0, "tokens")
-    assert f["mooncake_successful_transfers"] == (5, "") and f["mooncake_failed_transfers"] == (0, "")
+    assert f["successful_transfers"] == (5, "") and f["failed_transfers"] == (0, "")
     assert r.tables[0].rows == (("decode-0", 10, 110, 100),)
     silent = kv_transfer.evaluate(
         {"decode-0": Counts(10)},

@@ -433,7 +433,7 @@ class Feature:
     sampled: bool = False
     one_token: str | None = None
     echo: bool = False
-    shape: str = ""  # what a connector may not serve (core/connector_support.UNSERVED_REQUESTS)
+    shape: str = ""  # what a connector may not serve (the connector spec's limits.unserved_requests)
 
     @property
     def streamed(self) -> bool:

@@ -39,17 +39,21 @@ tokens for 5 requests (backoff 1), every attention-only config exactly 356 of 35
 No connector's code leaves room for slack, so there is none; a future one that needs it must
 name its reason here and in the verdict.
 
-THE CONNECTOR TABLE (:data:`IDENTITIES`) IS KEYED BY CONNECTOR NAME. Issue 24 moves connector
-knowledge into one module per connector; until then, this table is that knowledge for the KV
-accounting. A config marks SSM layers with ``hybrid = true`` (linear attention / Mamba layers).
+The numbers per connector (backoff with and without SSM layers, and the code they come from) are
+each connector's spec's ``kv_accounting`` (pd_sessions/core/connectors/<name>.py); this module
+states the identity over them. A config marks SSM layers with ``hybrid = true`` (linear
+attention / Mamba layers).
 
-Pure; standard library only.
+Pure; reads the connector specs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from pd_sessions.core import connectors
+from pd_sessions.core.connectors.base import KvAccounting
 
 # vLLM's source labels of vllm:prompt_tokens_by_source_total (PromptTokenStats.ALL_SOURCES).
 LOCAL_COMPUTE = "local_compute"
@@ -105,42 +109,10 @@ class Counts:
         )
 
 
-@dataclass(frozen=True)
-class ConnectorIdentity:
-    """What one connector's code says a decode loads for a P/D request."""
-
-    connector: str
-    backoff_ssm: int  # trailing prompt tokens the decode recomputes when the model has SSM layers
-    backoff_plain: int  # ... when it has attention layers only
-    code: str  # where in vLLM the numbers come from (file: function)
-
-
-# ---- the table keyed by connector (see the module docstring: issue 24 moves it per connector) ----
-IDENTITIES: dict[str, ConnectorIdentity] = {
-    "mooncake": ConnectorIdentity(
-        "mooncake",
-        backoff_ssm=1,
-        backoff_plain=0,
-        code="vllm/distributed/kv_transfer/kv_connector/v1/mooncake/mooncake_connector.py: "
-        "MooncakeConnectorScheduler._get_remote_prefill_token_count",
-    ),
-    "nixl": ConnectorIdentity(
-        "nixl",
-        backoff_ssm=1,
-        backoff_plain=0,
-        code="vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py: "
-        "NixlBaseConnectorScheduler._prefill_backoff",
-    ),
-}
-
-
-def identity(connector: str) -> ConnectorIdentity:
-    """The table's row for ``connector``; KeyError names the connectors it knows."""
-    if connector not in IDENTITIES:
-        raise KeyError(
-            f"no KV accounting identity for connector {connector!r}; known: {', '.join(IDENTITIES)}"
-        )
-    return IDENTITIES[connector]
+def identity(connector: str) -> KvAccounting:
+    """The connector spec's KV accounting; ConfigError (from the registry) names the connectors
+    it knows."""
+    return connectors.get(connector).kv_accounting
 
 
 def backoff(connector: str, *, ssm: bool) -> int:

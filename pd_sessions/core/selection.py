@@ -16,6 +16,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from pd_sessions.core import connectors
 from pd_sessions.core.config import (
     OVERRIDE_SOURCE,
     ClusterConfig,
@@ -28,7 +29,7 @@ from pd_sessions.core.config import (
 )
 from pd_sessions.core.errors import ConfigError, PlanError
 from pd_sessions.core.inventory import Inventory
-from pd_sessions.core.preflight import missing_model_path, preflight, rdma_problem
+from pd_sessions.core.preflight import host_refusal, missing_model_path, preflight
 
 
 @dataclass(frozen=True)
@@ -58,24 +59,23 @@ def overrides(args: argparse.Namespace) -> Overrides:
         model=args.model,
         revision=args.revision,
         extra_args=args.extra_arg,
-        named={
-            "mooncake_protocol": args.mooncake_protocol,
-            "mooncake_device_name": args.mooncake_device_name or None,
-        },
+        # the connectors' own fields, set by their flags (an empty value: not set)
+        named={o.field: getattr(args, o.field, None) or None for o in connectors.options()},
     )
 
 
 def select_run(sweep_name: str, args: argparse.Namespace, inv: Inventory) -> Selection:
     """Load the sweep, check the overrides, preflight it on ``inv``, select its configs and
-    refuse what this host cannot run (Mooncake over RDMA without the device).
+    refuse what this host cannot run (a connector's host refusal: Mooncake over RDMA without the
+    device).
 
     Decision table (every refusal raises a PdError naming the field; nothing has started):
         an override that is not a config field / a bad value   -> ConfigError
         an unknown sweep, or a bad sweep file                   -> ConfigError
         the sweep cannot run on this platform or host           -> ConfigError / PlanError
         --only names no config                                  -> ConfigError
-        RDMA problem, no --dry-run                              -> PlanError("mooncake_protocol")
-        RDMA problem, --dry-run                                 -> a warning in the Selection
+        a host refusal, no --dry-run                            -> PlanError(its field)
+        a host refusal, --dry-run                               -> a warning in the Selection
         a path-like model that does not exist, no --dry-run     -> ConfigError("--model" when the
                                                                    command line set it, else "model")
         the same, --dry-run                                     -> a warning in the Selection
@@ -91,9 +91,9 @@ def select_run(sweep_name: str, args: argparse.Namespace, inv: Inventory) -> Sel
         sweep.entries(platform), platform, only=only, include_opt_in=args.include_opt_in
     )
     configs = tuple(over.apply(e.config) for e in entries)
-    rdma = rdma_problem(configs, platform, planned_inv)
-    if rdma and not args.dry_run:
-        raise PlanError("mooncake_protocol", rdma)
+    refusal = host_refusal(configs, platform, planned_inv)
+    if refusal and not args.dry_run:
+        raise PlanError(refusal.field, refusal.message)
     missing = model_problem(configs, over, sweep.source)
     if missing and not args.dry_run:
         raise missing
@@ -106,7 +106,7 @@ def select_run(sweep_name: str, args: argparse.Namespace, inv: Inventory) -> Sel
         left_out=tuple(dataclasses.replace(e, config=over.apply(e.config)) for e in left_out),
         only=only,
         over=over,
-        warnings=tuple(str(w) for w in (rdma, missing) if w),
+        warnings=tuple(str(w) for w in (refusal.message if refusal else None, missing) if w),
     )
 
 
