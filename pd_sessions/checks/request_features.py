@@ -38,7 +38,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -506,6 +505,7 @@ class Asker:
         self.judge = judge
         self.p0 = window.plan.prefill[0]
         self.connector, self.ssm = window.plan.config.connector, window.plan.config.hybrid
+        self.pd_s = 0.0  # the last routed request's seconds
 
     def ask(self, url: str, f: Feature) -> Answer:
         payload = {"model": self.model, "return_token_ids": True, **f.payload}
@@ -554,17 +554,18 @@ class Asker:
         limit = connector_support.unserved_request(self.connector, f.shape)
         if limit is not None:
             return Case(f.name, Answer(status=0), Answer(status=0), not_sent=limit)
-        pd, pd_s = self.routed(f)
-        return self.judged(f, pd, pd_s)
+        pd = self.routed(f)
+        return self.judged(f, pd)
 
-    def routed(self, f: Feature) -> tuple[Answer, float]:
-        """``f`` through the router, and its seconds."""
+    def routed(self, f: Feature) -> Answer:
+        """``f`` through the router, timed (``pd_s``)."""
         t0 = time.monotonic()
         pd = self.ask(self.plan.router.url, f)
-        return pd, time.monotonic() - t0
+        self.pd_s = time.monotonic() - t0
+        return pd
 
-    def judged(self, f: Feature, pd: Answer, pd_s: float, kv: KvRow | None = None) -> Case:
-        """The case of ``f`` whose P/D answer is ``pd`` (taking ``pd_s``): prefill-0's side added."""
+    def judged(self, f: Feature, pd: Answer, kv: KvRow | None = None) -> Case:
+        """The case of ``f`` whose P/D answer is ``pd``: prefill-0's side added."""
         t0 = time.monotonic()
         direct = self.ask(self.p0.url, f)
         forced = self.forced(pd, f)
@@ -578,7 +579,7 @@ class Asker:
             echo_prompt=f.payload.get("prompt") if f.echo else None,
             forced=forced,
             kv=kv,
-            seconds={"pd": pd_s, "direct": time.monotonic() - t0},
+            seconds={"pd": self.pd_s, "direct": time.monotonic() - t0},
         )
 
 
@@ -619,7 +620,7 @@ def block_cases(asker: Asker, block: int) -> list[Case]:
     for i, (name, ids) in enumerate(prompts):
         f = Feature(name, {"prompt": ids, "max_tokens": BLOCK_MAX_TOKENS, "temperature": 0.0})
         before = instances.scrape_decode_counts(plan)
-        pd, pd_s = asker.routed(f)
+        pd = asker.routed(f)
         row = None
         if pd.ok:
             deltas = settle(plan, before, len(ids))
@@ -629,7 +630,7 @@ def block_cases(asker: Asker, block: int) -> list[Case]:
             holder = who if i == len(prompts) - 2 else holder
             want = kv_identity.expected(asker.connector, ssm=asker.ssm, prompt_tokens=len(ids), cached=cached)
             row = KvRow(len(ids), cached, sum(deltas.values(), Counts()), want)
-        cases.append(asker.judged(f, pd, pd_s, row))
+        cases.append(asker.judged(f, pd, row))
     return cases
 
 
@@ -649,12 +650,7 @@ def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
             raise ValueError(f"max_tokens=1 was answered by neither side: {one.pd.error!r}")
         c0 = answered[0].choices[0]
         cases = [one]
-        # the features at once (each its own request and its own answer; vLLM's answers do not
-        # depend on what else it batches, as the burst check shows), so that waits overlap
-        feats = features(prompt, c0.text, (c0.token_ids or (0,))[0])
-        with ThreadPoolExecutor(max_workers=len(feats), thread_name_prefix="request-features") as pool:
-            cases += list(pool.map(asker.case, feats))
-        # the block-boundary prompts one at a time: each is accounted for by the counters around it
+        cases += [asker.case(f) for f in features(prompt, c0.text, (c0.token_ids or (0,))[0])]
         cases += block_cases(asker, block)
     except ValueError as e:  # an answer that is not what its endpoint promises (not JSON, no ids)
         return CheckResult("request_features", FAIL, f"could not run: {e}")
