@@ -231,13 +231,23 @@ def _sweep_once(results: Path, *, argv: list[str] | None = None, args: tuple[str
     return SweepRun(rc=cli.wait(timeout=1400), cli=cli, results=results, extra={})
 
 
+# The fault scenarios each shared run adds after the default checks (test_e2e_faults asserts on
+# them): every one over NIXL; over Mooncake the four that vLLM 0.32 and vllm-router 0.1.17 let it
+# pass. Its peer death and restart in place break the promise upstream (a pull from a dead or
+# restarted prefill hangs: docs/failure-modes.md, rows 34 and 35); `nox -s faults` runs them.
+MOONCAKE_FAULTS = "fault_drop,fault_zero,fault_swap,fault_stall_abort"
+NIXL_FAULTS = "faults"
+
+
 @pytest.fixture(scope="session")
 def mooncake_sweep(tmp_path_factory) -> SweepRun:
-    """The built-in Mooncake sweep's 1x1, every default check, through `nox --no-venv` on this
-    (hand-prepared) environment as vLLM's CI runs it, with the user's passing test files
-    (`--pytest`: an env-style file and a pd_cluster-fixture file) against its cluster.
-    Shared by test_e2e_cpu_lane (all checks pass, nothing installed, nothing left) and
-    test_e2e_user_commands (the user's files pass against the sweep's cluster)."""
+    """The built-in Mooncake sweep's 1x1, every default check and the fault scenarios of
+    MOONCAKE_FAULTS (the connectors wrapped by the fault injector), through `nox --no-venv` on
+    this (hand-prepared) environment as vLLM's CI runs it, with the user's passing test files
+    (`--pytest`: an env-style file and a pd_cluster-fixture file) against its cluster, after the
+    faults. Shared by test_e2e_cpu_lane (all checks pass, nothing installed, nothing
+    left), test_e2e_user_commands (the user's files pass against the sweep's cluster) and
+    test_e2e_faults (every scenario keeps its promise)."""
     heavy("vllm")
     heavy("mooncake.engine")
     heavy("openai")
@@ -252,6 +262,8 @@ def mooncake_sweep(tmp_path_factory) -> SweepRun:
             "1x1",
             "--results-dir",
             str(results),
+            "--check",
+            MOONCAKE_FAULTS,
             "--pytest",
             str(USER / "pd_parity_env.py"),
             str(USER / "pd_parity_fixture.py"),
@@ -263,11 +275,13 @@ def mooncake_sweep(tmp_path_factory) -> SweepRun:
 
 @pytest.fixture(scope="session")
 def nixl_sweep(tmp_path_factory) -> SweepRun:
-    """The built-in NIXL sweep's 1x1, every default check, through the CLI, serving the
-    remote-code tiny model (trust_remote_code: vLLM and lm_eval load its own classes) with
-    margin-mode parity forced (auto would pick exact on the CPU lane; exact parity on a healthy
-    pair is the Mooncake sweep's). Shared by test_e2e_cpu_lane (all checks pass, nothing left)
-    and test_e2e_nightly (remote code, margin parity passes on a healthy pair, NIXL evidence)."""
+    """The built-in NIXL sweep's 1x1, every default check and every fault scenario, through the
+    CLI, serving the remote-code tiny model (trust_remote_code: vLLM and lm_eval load its own
+    classes) with margin-mode parity forced (auto would pick exact on the CPU lane; exact parity
+    on a healthy pair is the Mooncake sweep's) and kv_load_failure_policy "recompute" (the
+    Mooncake run keeps vLLM's default, "fail": the drop scenario sees both). Shared by
+    test_e2e_cpu_lane (all checks pass, nothing left), test_e2e_nightly (remote code, margin
+    parity passes on a healthy pair, NIXL evidence) and test_e2e_faults."""
     heavy("vllm")
     heavy("nixl._api")
     results = tmp_path_factory.mktemp("nixl") / "r"
@@ -286,6 +300,10 @@ def nixl_sweep(tmp_path_factory) -> SweepRun:
             "trust_remote_code=true",
             "--set",
             "parity_mode=margin",
+            "--set",
+            "kv_load_failure_policy=recompute",
+            "--check",
+            NIXL_FAULTS,
             "--results-dir",
             str(results),
         ),
