@@ -73,7 +73,12 @@ def test_drop_passes_when_every_request_is_recomputed_or_fails_clearly():
     assert r.verdict == PASS, r.message
     assert "2 KV loads reported failed; 2 requests: 0 correct, 2 failed clearly" in r.message
     assert "failed with an HTTP error (kv_load_failure_policy fail)" in r.message
-    assert r.details["counts"][FAILED_CLEARLY] == 2 and r.details["figures"]["recovery_s"]["unit"] == "s"
+    assert r.details["counts"][FAILED_CLEARLY] == 2
+    figures = {f.name: (f.value, f.unit) for f in r.figures}
+    assert figures["recovery_s"] == (0.6, "s") and figures["drops_applied"] == (2, "")
+    assert r.tables[0].columns == (CORRECT, FAILED_CLEARLY, WRONG, HUNG, BROKEN) and r.tables[0].rows == (
+        (0, 2, 0, 0, 0),
+    )
     r = drop.evaluate([Outcome("a", CORRECT, 0.3, 200)], {"drop": 1}, recovered(), policy="recompute")
     assert r.verdict == PASS and "recomputed on the decode" in r.message
 
@@ -131,7 +136,10 @@ def test_corruption_passes_when_the_burst_check_fails_naming_the_requests():
     assert r.verdict == PASS, r.message
     assert "the burst check failed as it must, naming '0 otters', '1 herons'" in r.message
     assert "detected 2/3 (67 %)" in r.message and "1 passed unnoticed" in r.message
-    assert r.details["detection_rate"] == pytest.approx(2 / 3)
+    assert (
+        r.details["detection_rate"] == 0.6667
+        and {f.name: f.value for f in r.figures}["detection_rate"] == 0.6667
+    )
     assert r.details["counts"] == {CORRECT: 1, FAILED_CLEARLY: 0, WRONG: 2, HUNG: 0}
 
 
@@ -183,7 +191,8 @@ def test_stall_abort_passes_when_every_block_is_free_in_time_on_both_sides():
     r = stall_abort.evaluate([phase(), phase("decode", freed_s=5.2)], recovered())
     assert r.verdict == PASS, r.message
     assert "while the decode waited (stalled): every instance idle again 5.2 s later" in r.message
-    assert r.details["figures"]["freed_after_decode_stall_s"]["value"] == 5.2
+    assert {f.name: f.value for f in r.figures}["freed_after_decode_stall_s"] == 5.2
+    assert [row[0] for row in r.tables[0].rows] == ["prefill", "decode"]
 
 
 @pytest.mark.parametrize(
@@ -272,7 +281,8 @@ def test_restart_passes_with_its_times_and_fails_naming_why():
         bound_s=120,
     )
     assert r.verdict == PASS and "ready after 41.2 s, P/D correct again 42.0 s after the restart" in r.message
-    assert r.details["figures"]["pd_correct_s"] == {"value": 42.0, "unit": "s"}
+    assert {f.name: (f.value, f.unit) for f in r.figures}["pd_correct_s"] == (42.0, "s")
+    assert r.tables[0].rows == ((0, FAILED_CLEARLY, 0.1, 503), (1, CORRECT, 0.3, 200))
     r = restart.evaluate(
         "prefill-0",
         ready_s=None,

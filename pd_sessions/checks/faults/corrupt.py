@@ -25,13 +25,13 @@ from pd_sessions.checks.faults.promise import (
     HUNG,
     WRONG,
     Recovery,
-    figures,
+    counts_table,
     injected_problem,
     said,
 )
 from pd_sessions.checks.faults.scenario import Scenario
 from pd_sessions.checks.window import CheckWindow
-from pd_sessions.core.results import FAIL, PASS, CheckResult
+from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, pick, reporting
 
 UNDETECTED_WHY = (
     "their greedy tokens equal prefill-direct's: the corrupted KV moved the logits but not the "
@@ -47,6 +47,26 @@ def detection(check: CheckResult) -> tuple[int, int, list[str]]:
     return len(rows), len(differ), differ
 
 
+def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
+    """What the report shows: how many requests were corrupted, how many the checks caught."""
+    return [
+        *pick(
+            details,
+            ("requests", ""),
+            ("corrupted", ""),
+            ("detected", ""),
+            ("detection_rate", ""),
+            ("recovery_s", "s"),
+        ),
+        *(
+            [counts_table(details["counts"], "requests under the fault, as the burst saw them")]
+            if "counts" in details
+            else []
+        ),
+    ]
+
+
+@reporting(numbers)
 def evaluate(
     mode: str,
     check: CheckResult,
@@ -80,21 +100,16 @@ def evaluate(
         HUNG: len(hung),
     }
     details: dict[str, Any] = {
+        "requests": requests,
+        "recovery_s": round(recovery.seconds, 3),
         "counts": c,
         "injected": dict(injected),
         "detected": differ,
         "corrupted": corrupted,
-        "detection_rate": rate,
+        "detection_rate": None if rate is None else round(rate, 4),
         "differing_prompts": prompts,
         "check": check.to_dict(),
         "recovery": recovery.to_dict(),
-        "figures": figures(
-            requests=(requests, "requests"),
-            corrupted=(corrupted, "requests"),
-            detected=(differ, "requests"),
-            detection_rate=(None if rate is None else round(rate, 4), "ratio"),
-            recovery_s=(round(recovery.seconds, 3), "s"),
-        ),
     }
     problems = [p for p in (injected_problem(injected, mode),) if p]
     if check.passed or not differ:

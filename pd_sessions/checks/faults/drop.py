@@ -17,18 +17,33 @@ from pd_sessions.checks.faults.promise import (
     Recovery,
     broken_promise,
     counts,
-    figures,
+    counts_table,
     injected_problem,
     said,
 )
 from pd_sessions.checks.faults.scenario import Scenario
 from pd_sessions.checks.window import CheckWindow
-from pd_sessions.core.results import FAIL, PASS, CheckResult
+from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, pick, reporting
 
 NAME = "fault_drop"
 MAX_TOKENS = 8
 
 
+def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
+    """What the report shows: the requests, the drops applied, the recovery; how they ended."""
+    return [
+        *pick(
+            details,
+            ("requests", ""),
+            ("drops_applied", ""),
+            ("kv_load_failure_policy", ""),
+            ("recovery_s", "s"),
+        ),
+        *([counts_table(details["counts"])] if "counts" in details else []),
+    ]
+
+
+@reporting(numbers)
 def evaluate(
     outcomes: Sequence[Outcome], injected: Mapping[str, int], recovery: Recovery, *, policy: str
 ) -> CheckResult:
@@ -48,18 +63,15 @@ def evaluate(
         else "recomputed or failed with an HTTP error"
     )
     details: dict[str, Any] = {
+        "requests": len(outcomes),
+        "drops_applied": injected.get("drop", 0),
+        "recovery_s": round(recovery.seconds, 3),
         "counts": c,
         "injected": dict(injected),
         "kv_load_failure_policy": policy,
         "outcome_under_policy": how,
-        "requests": [o.to_dict() for o in outcomes],
+        "outcomes": [o.to_dict() for o in outcomes],
         "recovery": recovery.to_dict(),
-        "figures": figures(
-            requests=(len(outcomes), "requests"),
-            correct=(c[CORRECT], "requests"),
-            failed_clearly=(c[FAILED_CLEARLY], "requests"),
-            recovery_s=(round(recovery.seconds, 3), "s"),
-        ),
     }
     problems = [p for p in (injected_problem(injected, "drop"), broken_promise(outcomes)) if p]
     if not recovery.ok:

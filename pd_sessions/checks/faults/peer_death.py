@@ -28,19 +28,39 @@ from pd_sessions.checks.faults.promise import (
     Recovery,
     broken_promise,
     classify,
-    figures,
     injected_problem,
 )
 from pd_sessions.checks.faults.scenario import Answer, Scenario
 from pd_sessions.checks.faults.stall_abort import poll, waiting
 from pd_sessions.checks.window import CheckWindow
-from pd_sessions.core.results import FAIL, PASS, CheckResult
+from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, pick, reporting
 
 NAME = "fault_peer_death"
 MAX_TOKENS = 8
 PROMPT = "A peer dies: the ferry left the harbour while the bell"
 
 
+def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
+    """What the report shows: the dead instance, how the request ended and when, each survivor."""
+    survivors = details.get("survivors") or {}
+    return [
+        *pick(
+            details,
+            ("dead", ""),
+            ("outcome", ""),
+            ("answered_after_s", "s"),
+            ("killed_after_wait_s", "s"),
+            ("survivors_idle_s", "s"),
+        ),
+        Table(
+            "survivors",
+            ("process", "health", "holds"),
+            tuple((n, v["health"], v["held"] or "nothing") for n, v in survivors.items()),
+        ),
+    ]
+
+
+@reporting(numbers)
 def evaluate(
     victim: str | None,
     outcome: Outcome,
@@ -69,18 +89,16 @@ def evaluate(
     )
     details: dict[str, Any] = {
         "dead": victim,
+        "outcome": outcome.kind,
+        "answered_after_s": round(outcome.seconds, 3),
+        "killed_after_wait_s": None if killed_after_s is None else round(killed_after_s, 3),
+        "survivors_idle_s": round(recovery.seconds, 3),
         "request": outcome.to_dict(),
         "injected": dict(injected),
         "kv_load_failure_policy": policy,
         "decode_waited_s": waited_s,
-        "killed_after_wait_s": killed_after_s,
         "survivors": {n: {"health": h, "held": recovery.held.get(n)} for n, h in recovery.health.items()},
         "recovery": recovery.to_dict(),
-        "figures": figures(
-            answered_after_s=(round(outcome.seconds, 3), "s"),
-            killed_after_wait_s=(None if killed_after_s is None else round(killed_after_s, 3), "s"),
-            survivors_idle_s=(round(recovery.seconds, 3), "s"),
-        ),
     }
     problems = [p for p in (injected_problem(injected, "stall"),) if p]
     if victim is None:

@@ -21,6 +21,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pd_sessions.core.results import Table
+
 CORRECT, FAILED_CLEARLY, WRONG, HUNG, BROKEN = "correct", "failed clearly", "wrong", "hung", "broken"
 KINDS = (CORRECT, FAILED_CLEARLY, WRONG, HUNG, BROKEN)
 KEPT = (CORRECT, FAILED_CLEARLY)  # the kinds that keep the promise
@@ -165,6 +167,6 @@ def injected_problem(injected: Mapping[str, int], mode: str, *, want: int = 1) -
     )
 
 
-def figures(**named: tuple[float | int | None, str]) -> dict[str, dict[str, Any]]:
-    """Named figures with units for the results (``name=(value, unit)``), e.g. for the report."""
-    return {k: {"value": v, "unit": u} for k, (v, u) in named.items() if v is not None}
+def counts_table(c: Mapping[str, Any], title: str = "requests under the fault") -> Table:
+    """How the requests ended, one column per kind (a missing count is 0)."""
+    return Table(title, KINDS, (tuple(int(c.get(k, 0)) for k in KINDS),))

@@ -16,17 +16,31 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pd_sessions.checks.faults.promise import CORRECT, REQUEST_BOUND_S, Outcome, Recovery, figures
+from pd_sessions.checks.faults.promise import CORRECT, REQUEST_BOUND_S, Outcome, Recovery
 from pd_sessions.checks.faults.scenario import Scenario
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core.errors import ProcessExited, ReadinessTimeout
-from pd_sessions.core.results import FAIL, PASS, CheckResult
+from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, pick, reporting
 
 log = logging.getLogger(__name__)
 NAME = "fault_restart"
 MAX_TOKENS = 8
 
 
+def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
+    """What the report shows: seconds until ready and until P/D was correct; each request tried."""
+    attempts = details.get("attempts") or []
+    return [
+        *pick(details, ("restarted", ""), ("ready_s", "s"), ("pd_correct_s", "s")),
+        Table(
+            "requests through the router after the restart",
+            ("request", "kind", "seconds", "HTTP status"),
+            tuple((i, a["kind"], a["seconds"], a["status"]) for i, a in enumerate(attempts)),
+        ),
+    ]
+
+
+@reporting(numbers)
 def evaluate(
     name: str,
     *,
@@ -49,14 +63,10 @@ def evaluate(
     details: dict[str, Any] = {
         "restarted": name,
         "killed_by_this_check": killed_here,
-        "ready_s": ready_s,
-        "pd_correct_s": correct_s,
+        "ready_s": None if ready_s is None else round(ready_s, 3),
+        "pd_correct_s": None if correct_s is None else round(correct_s, 3),
         "attempts": [o.to_dict() for o in attempts],
         "recovery": recovery.to_dict() if recovery else None,
-        "figures": figures(
-            ready_s=(None if ready_s is None else round(ready_s, 3), "s"),
-            pd_correct_s=(None if correct_s is None else round(correct_s, 3), "s"),
-        ),
     }
     if start_error is not None:
         return CheckResult(NAME, FAIL, f"{name} did not start again in place: {start_error}", details)

@@ -28,12 +28,12 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pd_sessions.checks.faults.promise import Recovery, figures, injected_problem
+from pd_sessions.checks.faults.promise import Recovery, injected_problem
 from pd_sessions.checks.faults.scenario import POLL_S, Scenario, holds
 from pd_sessions.checks.instances import WAITING
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core.plan import ProcessSpec
-from pd_sessions.core.results import FAIL, PASS, CheckResult
+from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, pick, reporting
 from pd_sessions.runtime import http as pdhttp
 
 NAME = "fault_stall_abort"
@@ -86,6 +86,35 @@ class Phase:
         }
 
 
+def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
+    """What the report shows: how soon every block was free after each disconnect."""
+    phases = details.get("phases") or []
+    return [
+        *pick(
+            details,
+            ("freed_after_prefill_stall_s", "s"),
+            ("freed_after_decode_stall_s", "s"),
+            ("recovery_s", "s"),
+        ),
+        Table(
+            "clients gone before the first token",
+            ("stalled on", "requests", "seen waiting", "freed after (s)", "bound (s)", "still held"),
+            tuple(
+                (
+                    p["where"],
+                    p["requests"],
+                    p["reached"],
+                    p["freed_s"],
+                    p["bound_s"],
+                    "; ".join(f"{n}: {h}" for n, h in p["held"].items() if h) or "nothing",
+                )
+                for p in phases
+            ),
+        ),
+    ]
+
+
+@reporting(numbers)
 def evaluate(phases: Sequence[Phase], recovery: Recovery) -> CheckResult:
     """Pass when each phase's stall happened, its requests were waiting where they should when
     the clients left, and every instance was idle within the bound; then the cluster recovers."""
@@ -93,12 +122,10 @@ def evaluate(phases: Sequence[Phase], recovery: Recovery) -> CheckResult:
     if not recovery.ok:
         problems.append(recovery.line())
     details: dict[str, Any] = {
+        **{f"freed_after_{p.where}_stall_s": round(p.freed_s, 3) for p in phases},
+        "recovery_s": round(recovery.seconds, 3),
         "phases": [p.to_dict() for p in phases],
         "recovery": recovery.to_dict(),
-        "figures": figures(
-            **{f"freed_after_{p.where}_stall_s": (round(p.freed_s, 3), "s") for p in phases},
-            recovery_s=(round(recovery.seconds, 3), "s"),
-        ),
     }
     if problems:
         return CheckResult(NAME, FAIL, "; ".join(problems), details)
