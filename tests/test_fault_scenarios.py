@@ -372,3 +372,22 @@ def test_blocks_in_use_are_counted_exactly_from_the_usage_and_the_cache_size():
     assert holds(
         {"vllm:kv_cache_usage_perc": 0.0}, {"vllm:num_requests_running": 0.0, "vllm:kv_cache_usage_perc": 0.5}
     ).startswith("KV cache usage 0.5000")
+
+
+def test_a_scenario_on_a_cluster_without_the_injector_fails_saying_why():
+    from types import SimpleNamespace
+
+    from helpers import FakePorts
+
+    from pd_sessions.core.inventory import Inventory
+    from pd_sessions.core.plan import plan_cluster
+
+    inv = Inventory(gpus=(), cpus=(0, 1), gpu_source="test")
+    plan = plan_cluster(cfg(decode_kv_transfer=False), inv, FakePorts(), platform="cpu", python="/py")
+    window = SimpleNamespace(plan=plan, cluster=SimpleNamespace(plan=plan))
+    r = drop.run(window, {"requests": 1})
+    assert (
+        r.verdict == FAIL
+        and r.message
+        == "could not run: decode-0 has no --kv-transfer-config: no KV connector to inject faults into"
+    )

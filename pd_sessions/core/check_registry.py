@@ -111,7 +111,7 @@ CHECKS: tuple[CheckInfo, ...] = (
         "the prefill SIGKILLed while a decode waits for its stalled KV: the decode answers with "
         "an error or a correct recompute, stays healthy and frees its blocks",
         default=False,
-        options={"stall_s": 10.0, "bound_s": 60.0},
+        options={"stall_s": 5.0, "bound_s": 60.0},
         faults=True,
         requires=("fault_restart",),
     ),
@@ -144,6 +144,8 @@ def resolve(
     [] (empty list)         -> ConfigError: a sweep must run at least one check
     an unknown name         -> ConfigError naming it, with a did-you-mean and the known names
     a name twice            -> ConfigError
+    a check whose ``requires`` are not all selected (fault_peer_death without
+    fault_restart: the cluster would stay without its prefill) -> ConfigError naming them
     known names             -> those names, in the registry's running order
     """
     if selected is None:

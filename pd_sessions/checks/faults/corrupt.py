@@ -29,7 +29,7 @@ from pd_sessions.checks.faults.promise import (
     injected_problem,
     said,
 )
-from pd_sessions.checks.faults.scenario import Scenario
+from pd_sessions.checks.faults.scenario import Scenario, gatherer
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, pick, reporting
 
@@ -151,9 +151,11 @@ def scenario(mode: str, window: CheckWindow, options: Mapping[str, Any]) -> Chec
     return evaluate(mode, check, injected, s.recover(idle), requests=n)
 
 
+@gatherer("fault_zero")
 def run_zero(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
     return scenario("zero", window, options)
 
 
+@gatherer("fault_swap")
 def run_swap(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
     return scenario("swap", window, options)

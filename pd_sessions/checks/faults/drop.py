@@ -21,7 +21,7 @@ from pd_sessions.checks.faults.promise import (
     injected_problem,
     said,
 )
-from pd_sessions.checks.faults.scenario import Scenario
+from pd_sessions.checks.faults.scenario import Scenario, gatherer
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, pick, reporting
 
@@ -93,6 +93,7 @@ def policy(window: CheckWindow) -> str:
     return p if p is not None else "fail (vLLM's default)"
 
 
+@gatherer(NAME)
 def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
     s = Scenario(window, NAME)
     idle = s.gauges()

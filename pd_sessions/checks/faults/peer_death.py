@@ -30,7 +30,7 @@ from pd_sessions.checks.faults.promise import (
     classify,
     injected_problem,
 )
-from pd_sessions.checks.faults.scenario import Answer, Scenario
+from pd_sessions.checks.faults.scenario import Answer, Scenario, gatherer
 from pd_sessions.checks.faults.stall_abort import poll, waiting
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, pick, reporting
@@ -133,6 +133,7 @@ def evaluate(
     )
 
 
+@gatherer(NAME)
 def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
     plan, cluster = window.plan, window.cluster
     s = Scenario(window, NAME)

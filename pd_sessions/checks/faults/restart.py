@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pd_sessions.checks.faults.promise import CORRECT, REQUEST_BOUND_S, Outcome, Recovery
-from pd_sessions.checks.faults.scenario import Scenario
+from pd_sessions.checks.faults.scenario import Scenario, gatherer
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core.errors import ProcessExited, ReadinessTimeout
 from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, pick, reporting
@@ -95,6 +95,7 @@ def evaluate(
     )
 
 
+@gatherer(NAME)
 def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
     cluster = window.cluster
     s = Scenario(window, NAME)

@@ -9,11 +9,12 @@ started without the injector is said, not guessed.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,8 @@ from pd_sessions.checks.completions import Completion
 from pd_sessions.checks.faults.promise import CORRECT, REQUEST_BOUND_S, Outcome, Recovery, classify
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core import faults
-from pd_sessions.core.errors import PdError
 from pd_sessions.core.plan import ClusterPlan, ProcessSpec
+from pd_sessions.core.results import FAIL, CheckResult
 from pd_sessions.runtime import http
 
 POLL_S = 0.2
@@ -35,8 +36,28 @@ POLL_S = 0.2
 RECOVER_S = 30.0
 
 
-class NotWrapped(PdError):
+class NotWrapped(Exception):
     """The cluster's connectors are not wrapped by the fault injector: no scenario can run."""
+
+
+Gatherer = Callable[[CheckWindow, Mapping[str, Any]], CheckResult]
+
+
+def gatherer(name: str) -> Callable[[Gatherer], Gatherer]:
+    """A scenario's gatherer that, on a cluster without the injector, fails "could not run"
+    saying why (a config whose decode has no kv-transfer-config, say), instead of raising."""
+
+    def wrap(run: Gatherer) -> Gatherer:
+        @functools.wraps(run)
+        def gather(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
+            try:
+                return run(window, options)
+            except NotWrapped as e:
+                return CheckResult(name, FAIL, f"could not run: {e}")
+
+        return gather
+
+    return wrap
 
 
 def control_file(plan: ClusterPlan) -> str:

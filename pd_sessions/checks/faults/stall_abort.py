@@ -29,7 +29,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from pd_sessions.checks.faults.promise import Recovery, injected_problem
-from pd_sessions.checks.faults.scenario import POLL_S, Scenario, holds
+from pd_sessions.checks.faults.scenario import POLL_S, Scenario, gatherer, holds
 from pd_sessions.checks.instances import WAITING
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core.plan import ProcessSpec
@@ -248,6 +248,7 @@ def phase(window: CheckWindow, where: str, options: Mapping[str, Any], idle: Map
     return Phase(where, n, int(seen[0]), got_token, s.injected(), freed, dict(held), bound_s)
 
 
+@gatherer(NAME)
 def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
     s = Scenario(window, NAME)
     idle = s.gauges()
