@@ -27,6 +27,7 @@ from pd_sessions.checks.completions import Completion
 from pd_sessions.checks.faults.promise import CORRECT, REQUEST_BOUND_S, Outcome, Recovery, classify
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core import faults
+from pd_sessions.core.errors import PdError
 from pd_sessions.core.plan import ClusterPlan, ProcessSpec
 from pd_sessions.core.results import FAIL, CheckResult
 from pd_sessions.runtime import http
@@ -36,7 +37,7 @@ POLL_S = 0.2
 RECOVER_S = 30.0
 
 
-class NotWrapped(Exception):
+class NotWrapped(PdError):
     """The cluster's connectors are not wrapped by the fault injector: no scenario can run."""
 
 
