@@ -103,7 +103,7 @@ CHECKS: tuple[CheckInfo, ...] = (
         "clients disconnect before the first token, while the prefill is stalled and while the "
         "decode waits for stalled KV: every block on both sides free within bound_s",
         default=False,
-        options={"requests": 2, "stall_s": 5.0, "bound_s": 15.0},
+        options={"requests": 2, "stall_s": 8.0, "bound_s": 15.0},
         faults=True,
     ),
     CheckInfo(

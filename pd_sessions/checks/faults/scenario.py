@@ -27,7 +27,7 @@ from pd_sessions.checks.completions import Completion
 from pd_sessions.checks.faults.promise import CORRECT, REQUEST_BOUND_S, Outcome, Recovery, classify
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core import faults
-from pd_sessions.core.errors import PdError
+from pd_sessions.core.errors import PdError, StopError
 from pd_sessions.core.plan import ClusterPlan, ProcessSpec
 from pd_sessions.core.results import FAIL, CheckResult
 from pd_sessions.runtime import http
@@ -45,8 +45,9 @@ Gatherer = Callable[[CheckWindow, Mapping[str, Any]], CheckResult]
 
 
 def gatherer(name: str) -> Callable[[Gatherer], Gatherer]:
-    """A scenario's gatherer that, on a cluster without the injector, fails "could not run"
-    saying why (a config whose decode has no kv-transfer-config, say), instead of raising."""
+    """A scenario's gatherer that fails, saying why, instead of raising (which would end the
+    config): on a cluster without the injector ("could not run": a config whose decode has no
+    kv-transfer-config, say), and when an instance killed on purpose outlives its SIGKILL."""
 
     def wrap(run: Gatherer) -> Gatherer:
         @functools.wraps(run)
@@ -55,6 +56,8 @@ def gatherer(name: str) -> Callable[[Gatherer], Gatherer]:
                 return run(window, options)
             except NotWrapped as e:
                 return CheckResult(name, FAIL, f"could not run: {e}")
+            except StopError as e:
+                return CheckResult(name, FAIL, f"an instance killed on purpose did not die: {e}")
 
         return gather
 
@@ -155,6 +158,8 @@ class Scenario:
         self.name = name
         self.epoch = f"{name}-{uuid.uuid4().hex[:8]}"
         self.judge = parity.Judge.for_config(self.plan.config)
+        self.logs = {s.name: self.cluster.run_dir / s.log_name for s in self.plan.instances}
+        self.offsets = {n: _size(p) for n, p in self.logs.items()}
 
     # ------------------------------------------------------------ the injector
 
@@ -171,15 +176,19 @@ class Scenario:
         tmp.write_text(control.to_json() + "\n")
         os.replace(tmp, self.control_path)
 
-    def injected(self) -> dict[str, int]:
-        """What the injector says it did in this epoch, from every instance's log."""
+    def injected(self, side: str | None = None) -> dict[str, int]:
+        """What the injector says it did in this epoch (on ``side`` only, when given), from what
+        every instance logged since the scenario began."""
         text = ""
-        for spec in self.plan.instances:
+        for n, path in self.logs.items():
             try:
-                text += (self.cluster.run_dir / spec.log_name).read_text(errors="replace")
+                with open(path, "rb") as f:
+                    f.seek(self.offsets[n])
+                    text += f.read().decode("utf-8", errors="replace")
             except FileNotFoundError:
                 continue
-        return faults.count_events(faults.parse_events(text, self.epoch))
+        events = faults.parse_events(text, self.epoch)
+        return faults.count_events(e for e in events if side is None or e.get("side") == side)
 
     # ------------------------------------------------------------ requests
 
@@ -265,3 +274,10 @@ class Scenario:
             if (whole and (not probe or (got is not None and got.kind == CORRECT))) or waited >= bound_s:
                 return Recovery(health, held, got, waited, bound_s, tuple(self.cluster.down))
             time.sleep(POLL_S)
+
+
+def _size(path: Path) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0

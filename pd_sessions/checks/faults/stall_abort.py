@@ -4,11 +4,11 @@ the disconnect comes earlier:
 
 1. **while the prefill is stalled**: the injector keeps each request waiting, unscheduled, on
    the prefill for ``stall_s`` (it answers vLLM's "how many tokens can be loaded" with "not yet");
-   the clients disconnect once the prefill reports them waiting;
 2. **while the decode waits for stalled KV**: the prefill has computed the prompt, the decode
-   holds blocks for the KV, and the injector starts the load ``stall_s`` late; the clients
-   disconnect once the decode reports them waiting for remote KV
-   (``vllm:num_requests_kv_fetch_by_stage``).
+   holds blocks for the KV, and the injector starts the load ``stall_s`` late.
+
+The clients disconnect once the injector has held every request back there (its log says so;
+the wait for that is 0.8 ``stall_s``, so the stall outlasts it).
 
 After each disconnect every block on both sides must be free, and no request running or
 waiting, within ``bound_s`` (15 s, as abort_frees_kv requires after the first tokens).
@@ -207,7 +207,6 @@ def phase(window: CheckWindow, where: str, options: Mapping[str, Any], idle: Map
     long until every instance is idle again (gauges as in ``idle``)."""
     s = Scenario(window, f"{NAME}-{where}")
     n, stall_s, bound_s = int(options["requests"]), float(options["stall_s"]), float(options["bound_s"])
-    specs = window.plan.prefill if where == "prefill" else window.plan.decode
     s.inject("stall", where=where, stall_s=stall_s)
     conns = []
     seen = [0.0]
@@ -222,8 +221,8 @@ def phase(window: CheckWindow, where: str, options: Mapping[str, Any], idle: Map
                 )
             )
 
-        def reached() -> bool:
-            seen[0] = sum(waiting(sp, where) for sp in specs)
+        def reached() -> bool:  # the injector has held each one back where it waits
+            seen[0] = s.injected(where).get("stall", 0)
             return seen[0] >= n
 
         poll(reached, timeout=stall_s * 0.8)
