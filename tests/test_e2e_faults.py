@@ -79,7 +79,9 @@ def test_corrupted_kv_is_caught_by_the_burst_naming_the_requests(run: SweepRun, 
     c = run.checks[f"fault_{mode}"]
     d = c["details"]
     assert d["injected"][mode] >= 32 and d["corrupted"] == 32
-    assert d["check"]["verdict"] == "fail" and "prompts differ" in d["check"]["message"]
+    # exact parity (Mooncake's run) says the prompts "differ", margin parity (NIXL's) "diverge"
+    assert d["check"]["verdict"] == "fail"
+    assert "prompts differ" in d["check"]["message"] or "prompts diverge" in d["check"]["message"]
     assert d["detected"] == len(d["differing_prompts"]) > 0
     assert d["detection_rate"] == round(d["detected"] / 32, 4)
     assert (
@@ -96,7 +98,7 @@ def test_stalled_requests_whose_clients_leave_free_every_block_in_time(run: Swee
         assert p["injected"]["stall"] >= p["requests"] == p["reached"], p
         assert p["got_token_before_disconnect"] == 0
         assert not any(p["held"].values()) and p["freed_s"] < p["bound_s"], p
-    # the decode holds its blocks for the stalled load until it completes (5 s), then frees them
+    # the decode holds its blocks for the stalled load until it completes (stall_s), then frees them
     print({w: p["freed_s"] for w, p in by.items()})
 
 
