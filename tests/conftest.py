@@ -243,11 +243,15 @@ def _sweep_once(results: Path, *, argv: list[str] | None = None, args: tuple[str
 
 
 # The fault scenarios each shared run adds after the default checks (test_e2e_faults asserts on
-# them): every one over NIXL; over Mooncake the four that vLLM 0.32 and vllm-router 0.1.17 let it
-# pass. Its peer death and restart in place break the promise upstream (a pull from a dead or
-# restarted prefill hangs: docs/failure-modes.md, rows 34 and 35); `nox -s faults` runs them.
+# them): over both connectors the four that keep their promise every time on this stack (drop,
+# zero, swap, stall then abort). The two that kill a prefill are opt-in (PD_SESSIONS_E2E_KILLS=1
+# adds them to the NIXL run; `nox -s faults` runs them on both connectors): over Mooncake they
+# break the promise upstream (a pull from a dead or restarted prefill hangs), and over NIXL the
+# SIGKILLed prefill's worker outlived its SIGKILL for minutes in 2 of 3 runs on a loaded 2-core
+# host while the decode's worker spun and answered nothing (docs/failure-modes.md, rows 34-35).
 MOONCAKE_FAULTS = "fault_drop,fault_zero,fault_swap,fault_stall_abort"
-NIXL_FAULTS = "faults"
+E2E_KILLS = os.environ.get("PD_SESSIONS_E2E_KILLS") == "1"
+NIXL_FAULTS = "faults" if E2E_KILLS else MOONCAKE_FAULTS
 
 
 @pytest.fixture(scope="session")
@@ -286,7 +290,7 @@ def mooncake_sweep(tmp_path_factory) -> SweepRun:
 
 @pytest.fixture(scope="session")
 def nixl_sweep(tmp_path_factory) -> SweepRun:
-    """The built-in NIXL sweep's 1x1, every default check and every fault scenario, through the
+    """The built-in NIXL sweep's 1x1, every default check and the fault scenarios of NIXL_FAULTS, through the
     CLI, serving the remote-code tiny model (trust_remote_code: vLLM and lm_eval load its own
     classes) with margin-mode parity forced (auto would pick exact on the CPU lane; exact parity
     on a healthy pair is the Mooncake sweep's) and kv_load_failure_policy "recompute" (the
