@@ -22,10 +22,11 @@ It overrides only these, and acts only when the control file asks (the rest is i
 Each fault applied is one line in the instance log (``pd_sessions fault: {...}``, see
 :func:`pd_sessions.core.faults.event_line`), so a scenario proves it happened.
 
-Where the connectors differ, one table holds what is known (:data:`RECV_LAYOUT`): how a
-connector's worker metadata lists the loads to start (``reqs_to_recv``). A connector not in it
-gets drop (generic: vLLM's ``failed_recving``) and the prefill stall; zero, swap and the decode
-stall are then logged as skipped, with the reason.
+Where the connectors differ, each connector's spec says what is known (``recv_layout``,
+gathered in :data:`RECV_LAYOUT`): how its worker metadata lists the loads to start
+(``reqs_to_recv``). A connector whose spec does not say gets drop (generic: vLLM's
+``failed_recving``) and the prefill stall; zero, swap and the decode stall are then logged as
+skipped, with the reason.
 
 Imports only the core (a lint contract): vLLM and torch are imported where they are needed.
 """
@@ -41,17 +42,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pd_sessions.core import faults
+from pd_sessions.core import connectors, faults
 from pd_sessions.core.faults import Control
 
-# connector name -> how its worker metadata lists loads: "flat" = reqs_to_recv {req: meta},
-# "by_engine" = reqs_to_recv {remote engine: {req: meta}}; each meta has local_block_ids
-# (one list per KV cache group). Read from vLLM 0.32's nixl/metadata.py and mooncake_connector.py.
-RECV_LAYOUT: dict[str, str] = {
-    "NixlConnector": "flat",
-    "NixlPullConnector": "flat",
-    "MooncakeConnector": "by_engine",
-}
+# vLLM connector class -> how its worker metadata lists loads (each connector's spec says:
+# ConnectorSpec.recv_layout); each load's meta has local_block_ids (one list per KV cache group).
+RECV_LAYOUT: dict[str, str] = {s.vllm_class: s.recv_layout for s in connectors.ALL if s.recv_layout}
 _MAX_TRACKED = 4096  # request ids remembered per side (a long-running server must not grow)
 
 _classes: dict[str, type] = {}
@@ -352,7 +348,7 @@ class FaultInjecting:
         """Why zero / swap cannot run here (None when they can); finds each layer's block dimension."""
         pd = self._pd
         if not pd.layout:
-            return f"{pd.wraps}: its loads' blocks are not known to pd-sessions (fault_connector.RECV_LAYOUT)"
+            return f"{pd.wraps}: its loads' blocks are not known (its ConnectorSpec has no recv_layout)"
         if not pd.kv_caches:
             return "no KV cache tensors registered with the connector"
         if pd.block_dims:

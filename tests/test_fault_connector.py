@@ -215,7 +215,7 @@ def test_corruption_on_a_connector_of_unknown_layout_is_skipped_with_the_reason(
     conn.results = FakeResults({"a"})
     conn.get_transfer_results(set())
     (ev,) = events(capsys)
-    assert ev["applied"] is False and "RECV_LAYOUT" in ev["reason"]
+    assert ev["applied"] is False and "recv_layout" in ev["reason"]
 
 
 def test_the_wrapper_of_a_registered_connector_keeps_its_name_and_its_class(monkeypatch):
