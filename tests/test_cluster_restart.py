@@ -15,7 +15,7 @@ import pytest
 from helpers import fake_stack_env, gone
 
 from pd_sessions.core.config import ClusterConfig
-from pd_sessions.core.errors import ProcessExited
+from pd_sessions.core.errors import ProcessExited, StopError
 from pd_sessions.core.inventory import Inventory
 from pd_sessions.core.plan import plan_cluster
 from pd_sessions.runtime import http, process
@@ -87,3 +87,15 @@ def test_a_restart_needs_an_instance_stopped_on_purpose(tmp_path):
             cluster.restart_instance("prefill-0", deadline_s=5)
         with pytest.raises(KeyError, match="no running instance 'prefill-9'"):
             cluster.kill_instance("prefill-9")
+
+
+def test_no_restart_while_a_killed_process_is_still_alive(tmp_path, monkeypatch):
+    """A SIGKILLed process that outlived kill_instance's wait (a NIXL worker did, for minutes)
+    still holds the ports: restart_instance starts nothing and says so."""
+    plan = _plan()
+    with running_cluster(plan, tmp_path / "run", base_env=fake_stack_env(), grace_s=2) as cluster:
+        cluster.kill_instance("prefill-0")
+        monkeypatch.setattr(process, "still_running", lambda rs: [f"{rs[0].name} pid 4242"])
+        with pytest.raises(StopError, match=r"prefill-0 not started again: .*\(prefill-0 pid 4242\)"):
+            cluster.restart_instance("prefill-0", deadline_s=5)
+        assert list(cluster.down) == ["prefill-0"] and [r.name for r in cluster.instances] == ["decode-0"]

@@ -268,6 +268,23 @@ def test_peer_death_fails_naming_what_broke(victim, out, rec, says):
     assert r.verdict == FAIL and says in r.message, r.message
 
 
+def test_peer_death_fails_when_the_killed_prefill_outlives_its_sigkill():
+    """Seen over NIXL on a loaded host: the prefill's worker outlived its SIGKILL for minutes
+    while the decode hung; even with a correct answer, the scenario fails naming the survivor."""
+    r = peer_death.evaluate(
+        "prefill-0",
+        Outcome("x", CORRECT, 9.0, 200),
+        {"stall": 1},
+        survivors(),
+        waited_s=0.5,
+        killed_after_s=30.2,
+        policy="recompute",
+        undead="processes survived SIGKILL: prefill-0 pid 5625",
+    )
+    assert r.verdict == FAIL and "the SIGKILL did not end prefill-0: processes survived" in r.message
+    assert r.details["undead"].endswith("pid 5625")
+
+
 def test_restart_passes_with_its_times_and_fails_naming_why():
     good = [Outcome("a", FAILED_CLEARLY, 0.1, 503), Outcome("b", CORRECT, 0.3, 200)]
     r = restart.evaluate(

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit
 
-from pd_sessions.core.errors import PdError, ReadinessTimeout
+from pd_sessions.core.errors import PdError, ReadinessTimeout, StopError
 from pd_sessions.core.plan import ClusterPlan, ProcessSpec
 from pd_sessions.runtime import http, pairs, process
 from pd_sessions.runtime.ports import PortAllocator
@@ -116,9 +116,15 @@ class Cluster:
         the same argv, environment, ports and role, its output appended to the same log. It is
         watched (and torn down) from its spawn on; the reaper hears of it as of any spawn. Waits
         until it is ready (alive, /health 200, the model listed) while every other process
-        stays alive; ReadinessTimeout or ProcessExited as at start-up."""
+        stays alive; ReadinessTimeout or ProcessExited as at start-up; StopError, starting
+        nothing, while a process of the killed one is still alive."""
         if name not in self.down:
             raise KeyError(f"{name} was not stopped on purpose (stopped: {', '.join(self.down) or 'none'})")
+        if left := process.still_running([self.down[name]]):
+            # a SIGKILLed process that outlived kill_instance's wait still holds the ports
+            raise StopError(
+                f"{name} not started again: its killed processes are still alive ({', '.join(left)})"
+            )
         spec = next(s for s in self.plan.instances if s.name == name)
         order = [s.name for s in self.plan.instances]
         with process.signals_deferred():

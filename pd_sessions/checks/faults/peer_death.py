@@ -33,6 +33,7 @@ from pd_sessions.checks.faults.promise import (
 from pd_sessions.checks.faults.scenario import Answer, Scenario, gatherer
 from pd_sessions.checks.faults.stall_abort import poll, waiting
 from pd_sessions.checks.window import CheckWindow
+from pd_sessions.core.errors import StopError
 from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, pick, reporting
 
 NAME = "fault_peer_death"
@@ -70,11 +71,13 @@ def evaluate(
     waited_s: float | None,
     killed_after_s: float | None,
     policy: str,
+    undead: str | None = None,
 ) -> CheckResult:
     """The verdict.
 
     the injector applied no stall                       -> fail (the fault did not happen)
     the decode never waited for KV (nothing killed)     -> fail
+    the killed prefill's processes outlived the SIGKILL -> fail, naming them (``undead``)
     the request wrong, hung or cut                      -> fail, naming it
     a survivor unhealthy or still holding blocks        -> fail, naming it and the value
     otherwise                                           -> pass: the dead instance named, how
@@ -97,6 +100,7 @@ def evaluate(
         "injected": dict(injected),
         "kv_load_failure_policy": policy,
         "decode_waited_s": waited_s,
+        "undead": undead,
         "survivors": {n: {"health": h, "held": recovery.held.get(n)} for n, h in recovery.health.items()},
         "recovery": recovery.to_dict(),
     }
@@ -106,6 +110,8 @@ def evaluate(
             "no prefill was killed: the decode never reported the request waiting for remote KV "
             "(vllm:num_requests_kv_fetch_by_stage)"
         )
+    if undead:
+        problems.append(f"the SIGKILL did not end {victim}: {undead}")
     if broke := broken_promise([outcome]):
         problems.append(broke)
     if not recovery.ok:
@@ -146,7 +152,7 @@ def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
         name="pd-peer-death-request",
         daemon=True,
     )
-    victim = waited = killed_after = None
+    victim = waited = killed_after = undead = None
     s.inject("stall", where="decode", stall_s=stall_s)
     t_sent = time.monotonic()
     try:
@@ -157,7 +163,10 @@ def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
             served = instances.scrape_served(plan)
             rose = [p.name for p in plan.prefill if served.get(p.name, 0.0) > served_before.get(p.name, 0.0)]
             victim = (rose or [plan.prefill[0].name])[0]
-            cluster.kill_instance(victim)
+            try:
+                cluster.kill_instance(victim)
+            except StopError as e:  # judged with the rest: what the request and survivors did
+                undead = str(e)
             killed_after = time.monotonic() - t_wait
     finally:
         s.off()
@@ -176,4 +185,5 @@ def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
         waited_s=waited,
         killed_after_s=killed_after,
         policy=policy(window),
+        undead=undead,
     )
