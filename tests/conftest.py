@@ -328,9 +328,9 @@ def nixl_sweep(tmp_path_factory) -> SweepRun:
 @pytest.fixture(scope="session")
 def nixl_push_sweep(tmp_path_factory) -> SweepRun:
     """The NIXL push sweep's 1x1 (NixlPushConnector: the third connector, one module,
-    pd_sessions/core/connectors/nixl_push.py), every default check, through the session the
-    noxfile makes from its spec (`nox --no-venv -s nixl_push_sweep`). Shared by test_e2e_cpu_lane's
-    tests over every sweep and its push-mode evidence test."""
+    pd_sessions/core/connectors/nixl_push.py) through the session the noxfile makes from its spec
+    (`nox --no-venv -s nixl_push_sweep`): refused on the CPU lane before launch (seconds, nothing
+    started; docs/cpu-lane.md says why)."""
     heavy("vllm")
     heavy("nixl._api")
     results = tmp_path_factory.mktemp("nixl_push") / "r"
