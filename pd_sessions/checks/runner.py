@@ -15,6 +15,8 @@ The order matters; the check window (checks/window.py) carries what the first ch
 6. accuracy (lm_eval through the router): on the CPU lane an offline task run through
    the router and straight to prefill-0 must give identical samples; elsewhere the
    measured value is compared with the recorded baseline
+7. perf (vLLM's bench serve through the router and against prefill-0, the transport alone,
+   the perf baseline): last, so that nothing it loads the instances with disturbs the others
 
 Results are appended to ``results`` as they come, so a run cut short by a
 dying process still reports the checks that finished.
@@ -25,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from pd_sessions.checks import abort_frees_kv, burst, cache_paths, kv_transfer, parity, smoke, too_long
+from pd_sessions.checks import abort_frees_kv, burst, cache_paths, kv_transfer, parity, perf, smoke, too_long
 from pd_sessions.checks import accuracy as acc
 from pd_sessions.checks.instances import REQUEST_TIMEOUT_S
 from pd_sessions.checks.window import CheckWindow
@@ -45,6 +47,7 @@ GATHERERS: dict[str, Gatherer] = {
     "burst": burst.run,
     "abort_frees_kv": abort_frees_kv.run,
     "accuracy": acc.run,
+    "perf": perf.run,
 }
 
 # A check request that gets no answer this long is stuck (a KV pull that never completes):
@@ -64,7 +67,13 @@ def run_checks(
     (the caller records why). ``options``: check -> its options (registry defaults fill gaps);
     accuracy's from ``accuracy`` (the command line's)."""
     wanted = {n for n in selected if n not in skip}
-    given = {**(options or {}), "accuracy": acc.as_options(accuracy or acc.AccuracyOptions())}
+    accuracy = accuracy or acc.AccuracyOptions()
+    given = {
+        **(options or {}),
+        "accuracy": acc.as_options(accuracy),
+        # --record-baseline writes the perf baseline too (the accuracy check's flow)
+        "perf": {**(options or {}).get("perf", {}), "record_baseline": accuracy.record_baseline},
+    }
     window = CheckWindow.open(cluster, results, timeout_s=CHECK_REQUEST_TIMEOUT_S)
     for info in registry.CHECKS:
         if info.name not in wanted:

@@ -33,6 +33,8 @@ class Selection:
     only: tuple[str, ...]  # the names --only gave (comma lists split)
     over: Overrides  # the command line's overrides
     warnings: tuple[str, ...]  # what --dry-run plans in spite of (refused without --dry-run)
+    # The checks to run, in order: --set checks=[...], else the sweep's for this platform.
+    checks: tuple[str, ...] = ()
 
 
 def only_names(items: Iterable[str]) -> tuple[str, ...]:
@@ -90,4 +92,5 @@ def select_run(sweep_name: str, args: argparse.Namespace, inv: Inventory) -> Sel
         only=only,
         over=over,
         warnings=(rdma,) if rdma else (),
+        checks=over.checks if over.checks is not None else sweep.checks_on(platform),
     )
