@@ -267,9 +267,13 @@ def nixl_sweep(tmp_path_factory) -> SweepRun:
     remote-code tiny model (trust_remote_code: vLLM and lm_eval load its own classes) with
     margin-mode parity forced (auto would pick exact on the CPU lane; exact parity on a healthy
     pair is the Mooncake sweep's). Shared by test_e2e_cpu_lane (all checks pass, nothing left)
-    and test_e2e_nightly (remote code, margin parity passes on a healthy pair, NIXL evidence)."""
+    and test_e2e_nightly (remote code, margin parity passes on a healthy pair, NIXL evidence).
+    It also runs the perf check, opt-in on the CPU lane (`--set checks=[..., "perf"]`), once in
+    CI: test_e2e_perf reads its figures."""
     heavy("vllm")
     heavy("nixl._api")
+    from pd_sessions.core.check_registry import DEFAULTS
+
     results = tmp_path_factory.mktemp("nixl") / "r"
     return _sweep_once(
         results,
@@ -286,6 +290,8 @@ def nixl_sweep(tmp_path_factory) -> SweepRun:
             "trust_remote_code=true",
             "--set",
             "parity_mode=margin",
+            "--set",
+            "checks=" + json.dumps([*DEFAULTS, "perf"]),
             "--results-dir",
             str(results),
         ),

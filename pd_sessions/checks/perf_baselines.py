@@ -95,37 +95,37 @@ def load(path: Path = BASELINES) -> list[PerfBaseline]:
         return []
     except tomllib.TOMLDecodeError as e:
         raise ConfigError("perf baselines", str(e), source=str(path)) from None
-    out = []
-    for i, raw in enumerate(data.get("baseline", [])):
-        where = f"baseline #{i + 1}"
-        for key in ("model", "connector", "config", "hardware"):
-            if not isinstance(raw.get(key), str) or not raw[key]:
-                raise ConfigError(f"{where}.{key}", "missing; allowed: a non-empty string", source=str(path))
-        figures = {}
-        for name, f in (raw.get("figures") or {}).items():
-            try:
-                fb = FigureBaseline(
-                    float(f["value"]), float(f.get("rtol", 0.5)), str(f.get("better", "lower"))
-                )
-            except (KeyError, TypeError, ValueError):
-                raise ConfigError(
-                    f"{where}.figures.{name}",
-                    f'got {f!r}; allowed: {{ value = N, rtol = R, better = "lower"|"higher" }}',
-                    source=str(path),
-                ) from None
-            if fb.better not in BETTER or fb.rtol < 0:
-                raise ConfigError(
-                    f"{where}.figures.{name}",
-                    f"got better={fb.better!r}, rtol={fb.rtol}; allowed: better in {BETTER}, rtol >= 0",
-                    source=str(path),
-                )
-            figures[name] = fb
-        out.append(
-            PerfBaseline(
-                raw["model"], raw["connector"], raw["config"], raw["hardware"], figures, raw.get("source", "")
+    return [
+        from_entry(raw, where=f"baseline #{i + 1}", source=str(path))
+        for i, raw in enumerate(data.get("baseline", []))
+    ]
+
+
+def from_entry(raw: Mapping[str, Any], *, where: str = "baseline", source: str = "") -> PerfBaseline:
+    """One entry of the file (a :func:`new_entry` dict), checked: ConfigError naming the field."""
+    for key in ("model", "connector", "config", "hardware"):
+        if not isinstance(raw.get(key), str) or not raw[key]:
+            raise ConfigError(f"{where}.{key}", "missing; allowed: a non-empty string", source=source)
+    figures = {}
+    for name, f in (raw.get("figures") or {}).items():
+        try:
+            fb = FigureBaseline(float(f["value"]), float(f.get("rtol", 0.5)), str(f.get("better", "lower")))
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError(
+                f"{where}.figures.{name}",
+                f'got {f!r}; allowed: {{ value = N, rtol = R, better = "lower"|"higher" }}',
+                source=source,
+            ) from None
+        if fb.better not in BETTER or fb.rtol < 0:
+            raise ConfigError(
+                f"{where}.figures.{name}",
+                f"got better={fb.better!r}, rtol={fb.rtol}; allowed: better in {BETTER}, rtol >= 0",
+                source=source,
             )
-        )
-    return out
+        figures[name] = fb
+    return PerfBaseline(
+        raw["model"], raw["connector"], raw["config"], raw["hardware"], figures, raw.get("source", "")
+    )
 
 
 @dataclass(frozen=True)
