@@ -49,7 +49,7 @@ from pd_sessions.checks.perf_figures import (
     window_means,
 )
 from pd_sessions.checks.window import CheckWindow
-from pd_sessions.core.errors import ConfigError
+from pd_sessions.core.errors import ConfigError, PerfError
 from pd_sessions.core.plan import ClusterPlan
 from pd_sessions.core.results import FAIL, PASS, CheckResult
 from pd_sessions.runtime import hosts, http, process
@@ -185,15 +185,16 @@ def evaluate(
     *,
     requests: int,
     link: LinkProbe | None,
-    link_error: str | None = None,
+    error: str | None = None,
     baselines: Sequence[perf_baselines.PerfBaseline] = (),
     key: tuple[str, str, str, str] = ("", "", "", ""),
 ) -> CheckResult:
     """Verdict on the runs, the transport probe and the baseline (the first problem wins the message):
 
+    ``error``: what stopped the measurement (a bench run, the probe), if anything did
     a run whose requests did not all complete              -> FAIL (the P/D path dropped them)
     a P/D run in which the connector reported no transfer  -> FAIL (no split, no bandwidth)
-    the transport probe failed                            -> FAIL (no link ratio)
+    ``error``, or no transport figure                      -> FAIL (no link ratio)
     a figure regressed beyond a same-hardware baseline     -> FAIL, naming the figures
     otherwise                                             -> PASS (no baseline: recorded only)
     """
@@ -218,7 +219,7 @@ def evaluate(
             "descriptors": link.descriptors,
             "seconds": list(link.seconds),
         },
-        "link_error": link_error,
+        "error": error,
         "runs": [
             {
                 "target": r.target,
@@ -238,9 +239,10 @@ def evaluate(
     silent = [f"c={r.concurrency}" for r in pds if r.transfers is None]
     if silent:
         problems.append(f"the connector reported no KV transfer in the P/D run(s) at {', '.join(silent)}")
-    if link is None:
-        why = link_error or "no transfer to size it"
-        problems.append(f"the transport alone could not be measured: {why}")
+    if error:
+        problems.append(error)
+    elif link is None:
+        problems.append("the transport alone was not measured: no P/D transfer to size it")
     if regression:
         problems.append(f"baseline {base['key']['hardware']}: {regression}")
     summary = _summary(records, link, ratio, base)
@@ -317,10 +319,6 @@ def bench_argv(plan: ClusterPlan, run: Run, options: Mapping[str, Any], result_d
     return argv
 
 
-class PerfRunError(Exception):
-    """The check could not measure (the driver died or timed out, a run or the probe failed)."""
-
-
 def _write_json(path: Path, doc: dict[str, Any]) -> None:
     """Atomically, as pd_sessions.perf_driver reads and writes its files."""
     tmp = path.with_name(f".{path.name}.tmp")
@@ -337,7 +335,7 @@ class Driver:
         self.proc = process.spawn("perf-driver", argv, env=env, log_path=folder / "perf-driver.log")
 
     def wait(self, name: str, timeout_s: float, what: str) -> dict[str, Any]:
-        """The driver's answer file ``name``, once written; PerfRunError if it exits or takes
+        """The driver's answer file ``name``, once written; PerfError if it exits or takes
         longer than ``timeout_s`` (a cluster process that dies meanwhile fails the config)."""
         path = self.folder / name
 
@@ -345,12 +343,12 @@ class Driver:
             end = time.monotonic() + timeout_s
             while not path.exists():
                 if self.proc.poll() is not None:
-                    raise PerfRunError(
+                    raise PerfError(
                         f"the bench driver exited with status {self.proc.poll()} waiting {what}; "
                         f"last lines of {self.proc.log_path}:\n{self.proc.log_tail(30)}"
                     )
                 if time.monotonic() > end:
-                    raise PerfRunError(
+                    raise PerfError(
                         f"the bench driver took over {timeout_s:g} s {what} ({self.proc.log_path})"
                     )
                 time.sleep(0.05)
@@ -363,9 +361,7 @@ class Driver:
         done = self.wait(f"done-{self.n}.json", RUN_TIMEOUT_S, f"for the bench run {label}")
         self.n += 1
         if not done.get("ok"):
-            raise PerfRunError(
-                f"vllm bench serve ({label}) failed: {done.get('error')} ({self.proc.log_path})"
-            )
+            raise PerfError(f"vllm bench serve ({label}) failed: {done.get('error')} ({self.proc.log_path})")
 
     def stop(self, grace_s: float) -> None:
         _write_json(self.folder / f"run-{self.n}.json", {"quit": True})
@@ -405,12 +401,18 @@ def _size(path: Path) -> int:
 def transfers_over(
     cluster: Cluster, before: Mapping[str, str], offsets: Mapping[str, int], completed: float
 ) -> tuple[Transfers | None, dict[str, str]]:
-    """The connector's transfers since ``before``/``offsets``, and the /metrics texts after.
-    The connector's stats are flushed on the stats interval: poll until they cover the run
-    (NIXL: a read per completed request; Mooncake: a stats line logged after the run), at most
-    one interval and 2 s."""
+    """The connector's transfers since ``before``/``offsets`` (the run's start), and the
+    /metrics texts after. Every transfer of a run ends before its request's first token, but the
+    connector's stats are flushed on the stats interval: poll until they cover the run, at most
+    one interval and 2 s.
+
+    nixl      done when the decodes' reads count one per completed request
+    mooncake  done when a prefill logs a stats line after the run ended (it covers every send
+              until then; a prefill logs none for an interval without sends, hence the bound)
+    """
     plan = cluster.plan
     decodes = [s.name for s in plan.decode]
+    ended = {s.name: _size(cluster.run_dir / s.log_name) for s in plan.prefill}
     end = time.monotonic() + stats_interval(plan) + 2.0
     while True:
         after = scrape_all(plan)
@@ -418,9 +420,11 @@ def transfers_over(
             t = nixl_transfers(hist_deltas(before, after, decodes))
             done = t is not None and t.count >= completed
         else:
-            logs = [_log_since(cluster.run_dir / s.log_name, offsets[s.name]) for s in plan.prefill]
-            t = mooncake_transfers(logs)
-            done = t is not None
+            t = mooncake_transfers(
+                [_log_since(cluster.run_dir / s.log_name, offsets[s.name]) for s in plan.prefill]
+            )
+            later = [_log_since(cluster.run_dir / s.log_name, ended[s.name]) for s in plan.prefill]
+            done = mooncake_transfers(later) is not None
         if done or time.monotonic() > end:
             return t, after
         time.sleep(0.25)
@@ -446,9 +450,10 @@ def measure_runs(
             driver.run(bench_argv(plan, run, options, folder), run.label)
             result_file = folder / f"{run.label}.json"
             try:
-                figs = bench_figures(json.loads(result_file.read_text()), source=str(result_file))
+                doc = json.loads(result_file.read_text())
             except (OSError, ValueError) as e:
-                raise PerfRunError(f"no usable result from vllm bench serve ({run.label}): {e}") from None
+                raise PerfError(f"no usable result from vllm bench serve ({run.label}): {e}") from None
+            figs = bench_figures(doc, source=str(result_file))
             if run.target != "pd":
                 records.append(RunRecord(run.target, run.concurrency, figs))
                 continue
@@ -495,8 +500,8 @@ def probe_link(cluster: Cluster, transfers: Transfers, folder: Path, env: Mappin
     finally:
         process.stop([proc], grace_s=5.0)
     doc = json.loads(out.read_text()) if out.exists() else {}
-    if rc != 0 or "error" in doc:
-        raise PerfRunError(
+    if rc != 0 or "error" in doc or "seconds" not in doc:
+        raise PerfError(
             f"python -m pd_sessions.link_probe exited with status {rc}: {doc.get('error', '')} "
             f"(log: {proc.log_path})\n{proc.log_tail(15)}"
         )
@@ -524,14 +529,14 @@ def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
         first = next((r.transfers for r in sorted(records, key=lambda r: r.concurrency) if r.transfers), None)
         if first is not None:
             link = probe_link(cluster, first, folder, env)
-    except PerfRunError as e:
+    except PerfError as e:
         error = str(e)
     if error and not records:
         return CheckResult("perf", FAIL, f"could not run: {error}", {"folder": str(folder)})
     key = (plan.config.model, plan.config.connector, plan.config.name, hardware(plan))
     path = Path(options.get("baselines") or perf_baselines.BASELINES)
     result = evaluate(
-        records, requests=requests, link=link, link_error=error, baselines=perf_baselines.load(path), key=key
+        records, requests=requests, link=link, error=error, baselines=perf_baselines.load(path), key=key
     )
     result.details["folder"] = str(folder)
     if options.get("record_baseline") and result.passed:

@@ -27,6 +27,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from pd_sessions.core.errors import PerfError
+
 # vLLM's histograms (seconds unless named otherwise), by a short key.
 HISTOGRAMS: dict[str, str] = {
     "ttft": "vllm:time_to_first_token_seconds",  # arrival at this instance -> its first token
@@ -44,25 +46,19 @@ PERCENTILES = (50, 99)
 _MB = 2**20
 
 
-class BenchResultError(ValueError):
-    """A bench result file without a figure the check needs (names the key)."""
-
-
 def bench_figures(result: Mapping[str, Any], *, source: str = "bench result") -> dict[str, float]:
     """The figures of one ``vllm bench serve`` result (its JSON file, parsed).
 
     -> {"ttft_p50_ms", "ttft_p99_ms", "ttft_mean_ms", ... for ttft, itl, tpot, e2el;
         "output_tok_s", "request_s", "completed", "failed", "duration_s"}
-    A missing key raises BenchResultError naming it and ``source``.
+    A missing key raises PerfError naming it and ``source``.
     """
     out: dict[str, float] = {}
 
     def take(key: str, name: str) -> None:
         value = result.get(key)
         if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise BenchResultError(
-                f"{source}: no number under {key!r} (has: {', '.join(sorted(result)[:40])})"
-            )
+            raise PerfError(f"{source}: no number under {key!r} (has: {', '.join(sorted(result)[:40])})")
         out[name] = float(value)
 
     for m in LATENCIES:
@@ -305,7 +301,7 @@ class LinkProbe:
 
 
 def link_probe_from(doc: Mapping[str, Any]) -> LinkProbe:
-    """A LinkProbe from the probe's JSON output (ValueError naming what is missing)."""
+    """A LinkProbe from the probe's JSON output (PerfError naming what is missing)."""
     try:
         return LinkProbe(
             transport=str(doc["transport"]),
@@ -314,7 +310,7 @@ def link_probe_from(doc: Mapping[str, Any]) -> LinkProbe:
             seconds=tuple(float(s) for s in doc["seconds"]),
         )
     except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"link probe output lacks {e}: {dict(doc)}") from None
+        raise PerfError(f"link probe output lacks {e}: {dict(doc)}") from None
 
 
 def link_ratio(effective_gb_s: float, raw: LinkProbe) -> float | None:
