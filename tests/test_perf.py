@@ -293,3 +293,19 @@ def test_the_driver_exits_when_nobody_asks(tmp_path):
     now = [0.0]
     assert perf_driver.serve_requests(tmp_path, lambda argv: None, idle_s=5, clock=lambda: now[0],
                                       sleep=lambda s: now.__setitem__(0, now[0] + 1)) == 0  # fmt: skip
+
+
+def test_every_table_row_has_a_value_or_none_per_column_when_a_level_lacks_a_figure():
+    nixl = pf.Transfers(
+        "decode /metrics", count=8, seconds=0.04, bytes=8 * 2**20, descriptors=16, post_seconds=0.01
+    )
+    recs = [
+        record("pd", 1, ttft=40, itl=4, tok_s=200),
+        *records()[1:2],
+        record("pd", 8, ttft=80, itl=5, tok_s=1, transfers=nixl),
+    ]
+    r = perf.evaluate(recs, requests=8, link=LINK, key=KEY)
+    for t in r.details["tables"]:
+        assert all(len(row) == len(t["columns"]) for row in t["rows"]), t
+    split = {row[0]: row[2:] for row in r.details["tables"][1]["rows"]}
+    assert split["KV transfer post"] == [None, 1.25] and split["KV transfer"][0] is None

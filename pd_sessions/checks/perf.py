@@ -100,7 +100,8 @@ def _tables(
     lat = [f"{m}_p{p}_ms" for m in ("ttft", "itl", "tpot") for p in (50, 99)]
     cols = ["concurrency", "run", *[k.replace("_ms", " (ms)").replace("_", " ") for k in lat]]
     vs_rows: list[list[Any]] = []
-    split_rows: dict[str, list[Any]] = {}
+    split: dict[str, dict[int, float | None]] = {}  # figure -> level -> ms
+    kinds: dict[str, str] = {}
     bw_rows: list[list[Any]] = []
     levels = sorted({r.concurrency for r in records})
     for c in levels:
@@ -120,8 +121,8 @@ def _tables(
             figures += [_fig(f"c{c}.ratio.{k.replace('_ms', '')}", v, "x") for k, v in ratios.items()]
         if pd:
             for row in ttft_split(pd.figures, pd.prefill_means, pd.decode_means, pd.transfers):
-                split_rows.setdefault(row.figure, [row.figure, row.kind])
-                split_rows[row.figure].append(None if row.ms is None else round(row.ms, 3))
+                kinds.setdefault(row.figure, row.kind)
+                split.setdefault(row.figure, {})[c] = None if row.ms is None else round(row.ms, 3)
                 figures.append(_fig(f"c{c}.split.{row.figure.replace(' ', '_')}", row.ms, "ms"))
             t = pd.transfers
             if t is not None:
@@ -155,7 +156,7 @@ def _tables(
             "title": "Where P/D TTFT goes (ms; per request = the bench's, window mean = the instances' "
             "/metrics over the run)",
             "columns": ["figure", "kind", *[f"c={c}" for c in levels]],
-            "rows": list(split_rows.values()),
+            "rows": [[f, kinds[f], *[split[f].get(c) for c in levels]] for f in split],
         },
         {
             "title": "KV bandwidth against the link (window over each P/D run; transport alone: the "
