@@ -21,7 +21,7 @@ def _perf(run: SweepRun) -> dict:
 def test_perf_passes_with_pd_and_colocated_figures_at_both_levels(nixl_sweep: SweepRun):
     perf = _perf(nixl_sweep)
     assert perf["verdict"] == "pass", perf["message"]
-    figures = {f["name"]: f for f in perf["details"]["figures"]}
+    figures = {f["name"]: f for f in perf["figures"]}
     for c in (1, 8):
         for target in ("pd", "colocated"):
             for name in (
@@ -52,17 +52,18 @@ def test_perf_figures_come_from_vllm_bench_serves_result_files(nixl_sweep: Sweep
 
 
 def test_the_ttft_split_and_the_link_ratio_are_measured(nixl_sweep: SweepRun):
-    details = _perf(nixl_sweep)["details"]
-    split = {row[0]: row for row in details["tables"][1]["rows"]}
+    perf = _perf(nixl_sweep)
+    details = perf["details"]
+    split = {row[0]: row for row in perf["tables"][1]["rows"]}
     for figure in ("prefill compute", "prefill request", "KV transfer", "decode TTFT", "handover"):
         assert all(v is not None for v in split[figure][2:]), split[figure]
     assert split["KV transfer"][1].startswith("window mean per transfer")
     assert split["client TTFT p50"][1].startswith("per request")
     link = details["link"]
     assert link["transport"] == "NIXL agents (UCX), DRAM to DRAM" and len(link["seconds"]) == 10
-    ratio = {f["name"]: f["value"] for f in details["figures"]}["link_ratio"]
+    ratio = {f["name"]: f["value"] for f in perf["figures"]}["link_ratio"]
     assert 0 < ratio < 100  # effective / what the transport alone moves (noisy: never judged here)
-    assert "% of what NIXL agents (UCX), DRAM to DRAM moves here" in _perf(nixl_sweep)["message"]
+    assert "% of what NIXL agents (UCX), DRAM to DRAM moves here" in perf["message"]
 
 
 def test_a_baseline_far_above_todays_figures_fails_and_todays_passes(nixl_sweep: SweepRun):

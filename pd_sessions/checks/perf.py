@@ -51,7 +51,7 @@ from pd_sessions.checks.perf_figures import (
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core.errors import ConfigError, PerfError
 from pd_sessions.core.plan import ClusterPlan
-from pd_sessions.core.results import FAIL, PASS, CheckResult
+from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, Value
 from pd_sessions.runtime import hosts, http, process
 from pd_sessions.runtime.cluster import Cluster
 
@@ -87,22 +87,19 @@ def baseline_figures(records: Sequence[RunRecord], ratio: float | None) -> dict[
     return out
 
 
-def _fig(name: str, value: float | None, unit: str) -> dict[str, Any]:
-    """One figure, as core/results' schema (issue 32) writes them: name, value, unit."""
-    return {"name": name, "value": None if value is None else round(value, 6), "unit": unit}
+def _fig(name: str, value: float | None, unit: str) -> Figure:
+    return Figure(name, None if value is None else round(value, 6), unit)
 
 
-def _tables(
-    records: Sequence[RunRecord], link: LinkProbe | None
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(figures, tables) for any reader of result.json (the HTML report renders them)."""
-    figures: list[dict[str, Any]] = []
+def _numbers(records: Sequence[RunRecord], link: LinkProbe | None) -> tuple[list[Figure], list[Table]]:
+    """(figures, tables) in the results schema, for any reader of result.json (report.html)."""
+    figures: list[Figure] = []
     lat = [f"{m}_p{p}_ms" for m in ("ttft", "itl", "tpot") for p in (50, 99)]
-    cols = ["concurrency", "run", *[k.replace("_ms", " (ms)").replace("_", " ") for k in lat]]
-    vs_rows: list[list[Any]] = []
+    cols = ("concurrency", "run", *[k.replace("_ms", " (ms)").replace("_", " ") for k in lat])
+    vs_rows: list[tuple[Value, ...]] = []
     split: dict[str, dict[int, float | None]] = {}  # figure -> level -> ms
     kinds: dict[str, str] = {}
-    bw_rows: list[list[Any]] = []
+    bw_rows: list[tuple[Value, ...]] = []
     levels = sorted({r.concurrency for r in records})
     for c in levels:
         pd = next((r for r in records if r.concurrency == c and r.target == "pd"), None)
@@ -111,13 +108,13 @@ def _tables(
             if r is None:
                 continue
             vs_rows.append(
-                [c, r.target, *[round(r.figures[k], 3) for k in lat], round(r.figures["output_tok_s"], 2)]
+                (c, r.target, *[round(r.figures[k], 3) for k in lat], round(r.figures["output_tok_s"], 2))
             )
             figures += [_fig(f"c{c}.{r.target}.{k}", r.figures[k], "ms") for k in lat]
             figures.append(_fig(f"c{c}.{r.target}.output_tok_s", r.figures["output_tok_s"], "tokens/s"))
         if pd and co:
             ratios = pd_over_colocated(pd.figures, co.figures)
-            vs_rows.append([c, "P/D / colocated", *[_r(ratios[k]) for k in lat], _r(ratios["output_tok_s"])])
+            vs_rows.append((c, "P/D / colocated", *[_r(ratios[k]) for k in lat], _r(ratios["output_tok_s"])))
             figures += [_fig(f"c{c}.ratio.{k.replace('_ms', '')}", v, "x") for k, v in ratios.items()]
         if pd:
             for row in ttft_split(pd.figures, pd.prefill_means, pd.decode_means, pd.transfers):
@@ -128,7 +125,7 @@ def _tables(
             if t is not None:
                 ratio = link_ratio(t.gb_s, link) if link else None
                 bw_rows.append(
-                    [
+                    (
                         c,
                         round(t.count),
                         round(t.bytes_per_transfer / 2**20, 3),
@@ -137,7 +134,7 @@ def _tables(
                         round(t.gb_s, 4),
                         round(link.gb_s, 4) if link else None,
                         _r(100 * ratio if ratio is not None else None),
-                    ]
+                    )
                 )
                 figures += [
                     _fig(f"c{c}.kv.gb_s", t.gb_s, "GB/s"),
@@ -147,21 +144,17 @@ def _tables(
     if link:
         figures.append(_fig("link.transport_gb_s", link.gb_s, "GB/s"))
     tables = [
-        {
-            "title": "P/D vs colocated (per request, vllm bench serve)",
-            "columns": [*cols, "output tok/s"],
-            "rows": vs_rows,
-        },
-        {
-            "title": "Where P/D TTFT goes (ms; per request = the bench's, window mean = the instances' "
+        Table("P/D vs colocated (per request, vllm bench serve)", (*cols, "output tok/s"), tuple(vs_rows)),
+        Table(
+            "Where P/D TTFT goes (ms; per request = the bench's, window mean = the instances' "
             "/metrics over the run)",
-            "columns": ["figure", "kind", *[f"c={c}" for c in levels]],
-            "rows": [[f, kinds[f], *[split[f].get(c) for c in levels]] for f in split],
-        },
-        {
-            "title": "KV bandwidth against the link (window over each P/D run; transport alone: the "
+            ("figure", "kind", *[f"c={c}" for c in levels]),
+            tuple((f, kinds[f], *[split[f].get(c) for c in levels]) for f in split),
+        ),
+        Table(
+            "KV bandwidth against the link (window over each P/D run; transport alone: the "
             "same bytes in the same descriptor size between two processes here)",
-            "columns": [
+            (
                 "concurrency",
                 "transfers",
                 "MiB per transfer",
@@ -170,9 +163,9 @@ def _tables(
                 "effective GB/s",
                 "transport alone GB/s",
                 "% of the transport",
-            ],
-            "rows": bw_rows,
-        },
+            ),
+            tuple(bw_rows),
+        ),
     ]
     return figures, tables
 
@@ -199,7 +192,7 @@ def evaluate(
     a figure regressed beyond a same-hardware baseline     -> FAIL, naming the figures
     otherwise                                             -> PASS (no baseline: recorded only)
     """
-    figures, tables = _tables(records, link)
+    figures, tables = _numbers(records, link)
     pds = sorted((r for r in records if r.target == "pd"), key=lambda r: r.concurrency)
     first = pds[0] if pds else None
     ratio = link_ratio(first.transfers.gb_s, link) if first and first.transfers and link else None
@@ -208,8 +201,6 @@ def evaluate(
         figures.append(_fig("link_ratio", ratio, "fraction"))
     regression, base = perf_baselines.judge(measured, baselines, key)
     details: dict[str, Any] = {
-        "figures": figures,
-        "tables": tables,
         "baseline": base,
         "baseline_figures": measured,
         "link": None
@@ -248,8 +239,9 @@ def evaluate(
         problems.append(f"baseline {base['key']['hardware']}: {regression}")
     summary = _summary(records, link, ratio, base)
     if problems:
-        return CheckResult("perf", FAIL, "; ".join(problems) + f" ({summary})", details)
-    return CheckResult("perf", PASS, summary, details)
+        message = "; ".join(problems) + f" ({summary})"
+        return CheckResult("perf", FAIL, message, details, figures=figures, tables=tables)
+    return CheckResult("perf", PASS, summary, details, figures=figures, tables=tables)
 
 
 def _summary(
@@ -556,8 +548,8 @@ def record(result: CheckResult, key: tuple[str, str, str, str], path: Path) -> C
     try:
         perf_baselines.record(path, entry)
     except ConfigError as e:
-        return CheckResult("perf", FAIL, f"{e}; measured: {result.message}", result.details)
+        result.verdict, result.message = FAIL, f"{e}; measured: {result.message}"
+        return result
     result.details["recorded"] = entry
-    return CheckResult(
-        "perf", PASS, f"recorded the perf baseline of {key} in {path}; {result.message}", result.details
-    )
+    result.message = f"recorded the perf baseline of {key} in {path}; {result.message}"
+    return result

@@ -37,8 +37,9 @@ SYSTEM_LIBS: Mapping[str, str] = {
 }
 
 # Commands the tests session needs beyond the lane, and the Debian packages that ship them: the
-# canary's tests build real ELF files with a C compiler.
-TEST_COMMANDS: Mapping[str, str] = {"gcc": "gcc"}
+# canary's tests build real ELF files with a C compiler; the report page is checked in headless
+# Chromium, driven through Debian's chromedriver (the same build: no browser download).
+TEST_COMMANDS: Mapping[str, str] = {"gcc": "gcc", "chromium": "chromium", "chromedriver": "chromium-driver"}
 
 
 class Installer(Protocol):
