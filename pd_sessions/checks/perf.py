@@ -183,7 +183,7 @@ def evaluate(
     baselines: Sequence[perf_baselines.PerfBaseline] = (),
     key: tuple[str, str, str, str] = ("", "", "", ""),
 ) -> CheckResult:
-    """Verdict on the runs, the transport probe and the baseline (the first problem wins the message):
+    """Verdict on the runs, the transport probe and the baseline (each problem named, in this order):
 
     ``error``: what stopped the measurement (a bench run, the probe), if anything did
     a run whose requests did not all complete              -> FAIL (the P/D path dropped them)
