@@ -22,9 +22,9 @@ USER = FIXTURES / "user_tests"
 T = TypeVar("T")
 
 
-def nox_no_venv(python: str | Path, *posargs: str) -> list[str]:
-    """argv of `nox --no-venv -s mooncake_sweep -- --platform cpu POSARGS` run by ``python``:
-    the installed-environment mode on that interpreter."""
+def nox_no_venv(python: str | Path, *posargs: str, session: str = "mooncake_sweep") -> list[str]:
+    """argv of `nox --no-venv -s SESSION -- --platform cpu POSARGS` run by ``python`` (default
+    mooncake_sweep): the installed-environment mode on that interpreter."""
     return [
         str(python),
         "-m",
@@ -33,7 +33,7 @@ def nox_no_venv(python: str | Path, *posargs: str) -> list[str]:
         str(ROOT / "noxfile.py"),
         "--no-venv",
         "-s",
-        "mooncake_sweep",
+        session,
         "--",
         "--platform",
         "cpu",
@@ -242,13 +242,27 @@ def _sweep_once(results: Path, *, argv: list[str] | None = None, args: tuple[str
     return SweepRun(rc=cli.wait(timeout=1400), cli=cli, results=results, extra={})
 
 
+# The fault scenarios each shared run adds after the default checks (test_e2e_faults asserts on
+# them): over both connectors the four that keep their promise every time on this stack (drop,
+# zero, swap, stall then abort). The two that kill a prefill are opt-in (PD_SESSIONS_E2E_KILLS=1
+# adds them to the NIXL run; `nox -s faults` runs them on both connectors): over Mooncake they
+# break the promise upstream (a pull from a dead or restarted prefill hangs), and over NIXL the
+# SIGKILLed prefill's worker outlived its SIGKILL for minutes in 2 of 3 runs on a loaded 2-core
+# host while the decode's worker spun and answered nothing (docs/failure-modes.md, rows 34-35).
+MOONCAKE_FAULTS = "fault_drop,fault_zero,fault_swap,fault_stall_abort"
+E2E_KILLS = os.environ.get("PD_SESSIONS_E2E_KILLS") == "1"
+NIXL_FAULTS = "faults" if E2E_KILLS else MOONCAKE_FAULTS
+
+
 @pytest.fixture(scope="session")
 def mooncake_sweep(tmp_path_factory) -> SweepRun:
-    """The built-in Mooncake sweep's 1x1, every default check, through `nox --no-venv` on this
-    (hand-prepared) environment as vLLM's CI runs it, with the user's passing test files
-    (`--pytest`: an env-style file and a pd_cluster-fixture file) against its cluster.
-    Shared by test_e2e_cpu_lane (all checks pass, nothing installed, nothing left) and
-    test_e2e_user_commands (the user's files pass against the sweep's cluster)."""
+    """The built-in Mooncake sweep's 1x1, every default check and the fault scenarios of
+    MOONCAKE_FAULTS (the connectors wrapped by the fault injector), through `nox --no-venv` on
+    this (hand-prepared) environment as vLLM's CI runs it, with the user's passing test files
+    (`--pytest`: an env-style file and a pd_cluster-fixture file) against its cluster, after the
+    faults. Shared by test_e2e_cpu_lane (all checks pass, nothing installed, nothing
+    left), test_e2e_user_commands (the user's files pass against the sweep's cluster) and
+    test_e2e_faults (every scenario keeps its promise)."""
     heavy("vllm")
     heavy("mooncake.engine")
     heavy("openai")
@@ -263,6 +277,8 @@ def mooncake_sweep(tmp_path_factory) -> SweepRun:
             "1x1",
             "--results-dir",
             str(results),
+            "--check",
+            MOONCAKE_FAULTS,
             "--pytest",
             str(USER / "pd_parity_env.py"),
             str(USER / "pd_parity_fixture.py"),
@@ -274,17 +290,16 @@ def mooncake_sweep(tmp_path_factory) -> SweepRun:
 
 @pytest.fixture(scope="session")
 def nixl_sweep(tmp_path_factory) -> SweepRun:
-    """The built-in NIXL sweep's 1x1, every default check, through the CLI, serving the
-    remote-code tiny model (trust_remote_code: vLLM and lm_eval load its own classes) with
+    """The built-in NIXL sweep's 1x1, every default check, the perf check (opt-in on the CPU
+    lane; CI runs it once, here) and the fault scenarios of NIXL_FAULTS, through the CLI, serving
+    the remote-code tiny model (trust_remote_code: vLLM and lm_eval load its own classes) with
     margin-mode parity forced (auto would pick exact on the CPU lane; exact parity on a healthy
-    pair is the Mooncake sweep's). Shared by test_e2e_cpu_lane (all checks pass, nothing left)
-    and test_e2e_nightly (remote code, margin parity passes on a healthy pair, NIXL evidence).
-    It also runs the perf check, opt-in on the CPU lane (`--set checks=[..., "perf"]`), once in
-    CI: test_e2e_perf reads its figures."""
+    pair is the Mooncake sweep's) and kv_load_failure_policy "recompute" (the Mooncake run keeps
+    vLLM's default, "fail": the drop scenario sees both). Shared by test_e2e_cpu_lane (all checks
+    pass, nothing left), test_e2e_nightly (remote code, margin parity passes on a healthy pair,
+    NIXL evidence), test_e2e_perf (its figures) and test_e2e_faults."""
     heavy("vllm")
     heavy("nixl._api")
-    from pd_sessions.core.check_registry import DEFAULTS
-
     results = e2e_dir(tmp_path_factory, "nixl") / "r"
     return _sweep_once(
         results,
@@ -302,11 +317,30 @@ def nixl_sweep(tmp_path_factory) -> SweepRun:
             "--set",
             "parity_mode=margin",
             "--set",
-            "checks=" + json.dumps([*DEFAULTS, "perf"]),
+            "kv_load_failure_policy=recompute",
+            "--check",
+            "perf",
+            "--check",
+            NIXL_FAULTS,
             "--results-dir",
             str(results),
         ),
     )
+
+
+@pytest.fixture(scope="session")
+def nixl_push_sweep(tmp_path_factory) -> SweepRun:
+    """The NIXL push sweep's 1x1 (NixlPushConnector: the third connector, one module,
+    pd_sessions/core/connectors/nixl_push.py), every default check, through the session the
+    noxfile makes from its spec (`nox --no-venv -s nixl_push_sweep`). Shared by test_e2e_cpu_lane's
+    tests over every sweep and its push-mode evidence test."""
+    heavy("vllm")
+    heavy("nixl._api")
+    results = tmp_path_factory.mktemp("nixl_push") / "r"
+    argv = nox_no_venv(
+        sys.executable, "--only", "1x1", "--results-dir", str(results), session="nixl_push_sweep"
+    )
+    return _sweep_once(results, argv=argv)
 
 
 # Fault injection, one cluster for four must-fail facts: the decode instance is started WITHOUT

@@ -44,12 +44,13 @@ def arg(argv, flag):
 @pytest.mark.parametrize(
     "connector,dp,labels",
     [
-        ("mooncake", 1, ["d-0.http", "d-0.internal", "d-0.mooncake_bootstrap"]),
-        ("nixl", 1, ["d-0.http", "d-0.internal", "d-0.nixl_side_channel"]),
+        ("mooncake", 1, ["d-0.http", "d-0.internal", "d-0.bootstrap"]),
+        ("nixl", 1, ["d-0.http", "d-0.internal", "d-0.side_channel"]),
+        ("nixl_push", 1, ["d-0.http", "d-0.internal", "d-0.side_channel"]),
         (
             "nixl",
             2,
-            ["d-0.http", "d-0.internal", "d-0.nixl_side_channel", "d-0.nixl_side_channel+1", "d-0.dp_rpc"],
+            ["d-0.http", "d-0.internal", "d-0.side_channel", "d-0.side_channel+1", "d-0.dp_rpc"],
         ),
     ],
 )
@@ -61,7 +62,7 @@ def test_reserve_ports_order_and_labels(connector, dp, labels):
     internal = [label for label, _ in ledger.taken if label.startswith("d-0.internal")]
     assert len(internal) == INTERNAL_PORT_BLOCK * dp
     assert (ports.bootstrap is not None) is (connector == "mooncake")
-    assert (ports.side_channel is not None) is (connector == "nixl")
+    assert (ports.side_channel is not None) is (connector != "mooncake")
     assert (ports.dp_rpc is not None) is (dp > 1)
 
 
@@ -153,6 +154,25 @@ def test_decode_without_kv_transfer_is_warned():
     assert json.loads(arg(argv, "--kv-transfer-config"))["kv_role"] == "kv_producer" and warnings == []
 
 
+@pytest.mark.parametrize("connector", ["mooncake", "nixl"])
+def test_the_fault_injector_wraps_the_connector_keeping_its_name_and_settings(connector):
+    from pd_sessions.core.plan.instance import kv_transfer_config
+
+    plain = kv_transfer_config(cfg(connector=connector), "decode", "cpu")
+    assert "kv_load_failure_policy" not in plain and "kv_connector_module_path" not in plain
+    c = cfg(connector=connector, kv_load_failure_policy="recompute")
+    kv = kv_transfer_config(c, "decode", "cpu", faults_control="/r/c/faults.json")
+    assert kv["kv_connector"] == plain["kv_connector"] and kv["kv_role"] == "kv_consumer"
+    assert kv["kv_load_failure_policy"] == "recompute"
+    assert kv["kv_connector_module_path"] == "pd_sessions.fault_connector"
+    extra = kv["kv_connector_extra_config"]
+    assert extra["pd_sessions_faults"] == {"control": "/r/c/faults.json"}
+    # the connector's own extra settings stay (mooncake: protocol, device)
+    assert {k: v for k, v in extra.items() if k != "pd_sessions_faults"} == plain.get(
+        "kv_connector_extra_config", {}
+    )
+
+
 def test_plan_instance_spec():
     ledger = PortLedger(FakePorts())
     got = plan_instance(Slot("prefill", 0, 1, 1, gpus=("0",), http_port=18001), launch(), ledger)
@@ -166,7 +186,7 @@ def test_plan_instance_spec():
     )
     base = dict(ledger.taken)["prefill-0.internal"]
     assert s.internal_ports == (base, base + INTERNAL_PORT_BLOCK - 1)
-    assert s.bootstrap_port == dict(ledger.taken)["prefill-0.mooncake_bootstrap"]
+    assert s.bootstrap_port == dict(ledger.taken)["prefill-0.bootstrap"]
     decode = plan_instance(Slot("decode", 0, 1, 1, gpus=("1",)), launch(), ledger).spec
     assert decode.bootstrap_port is None and "VLLM_MOONCAKE_BOOTSTRAP_PORT" in decode.env_dict()
 

@@ -20,13 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pd_sessions.checks import instances
-from pd_sessions.checks.evidence import (
-    NIXL_SUCCESS_BYTES,
-    NIXL_SUCCESS_COUNT,
-    Evidence,
-    evidence_wait,
-    success_verdict,
-)
+from pd_sessions.checks.evidence import Evidence, evidence_wait, success_verdict
 from pd_sessions.checks.instances import METRIC, SOURCE
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, pick, reporting
@@ -49,12 +43,15 @@ def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
         )
     ]
     success = details.get("success") or {}
-    nixl = success.get("nixl_delta") or {}
-    if NIXL_SUCCESS_COUNT in nixl:
-        out.append(Figure("nixl_transfers", nixl[NIXL_SUCCESS_COUNT]))
-    if NIXL_SUCCESS_BYTES in nixl:
-        out.append(Figure("nixl_bytes", nixl[NIXL_SUCCESS_BYTES], "bytes"))
-    out += pick(success, ("mooncake_successful_transfers", ""), ("mooncake_failed_transfers", ""))
+    # what the connector's evidence counted (checks/evidence.py): completed transfers and their
+    # bytes from metrics, or successful and failed transfers from the stats lines
+    out += pick(
+        success,
+        ("transfers", ""),
+        ("transfer_bytes", "bytes"),
+        ("successful_transfers", ""),
+        ("failed_transfers", ""),
+    )
     before, after = details.get("before") or {}, details.get("after") or {}
     if before:
         out.append(
@@ -132,17 +129,7 @@ def evaluate(
             f"{total:g} of {router_prompt_tokens} prompt tokens)",
             details,
         )
-    if evidence.connector == "nixl":
-        d = ev_details["nixl_delta"]
-        msg += (
-            f"; NIXL completed {d[NIXL_SUCCESS_COUNT]:g} transfers of {d[NIXL_SUCCESS_BYTES]:.0f} "
-            "bytes, no failures"
-        )
-    else:
-        msg += (
-            f"; Mooncake logged {ev_details['mooncake_successful_transfers']:g} successful "
-            "transfers, none failed"
-        )
+    msg += f"; {ev_details['summary']}"
     if control is not None:
         name, c0, c1 = control
         details["control"] = {"decode": name, "before": c0, "after": c1}

@@ -16,7 +16,10 @@ The order matters; the check window (checks/window.py) carries what the first ch
    the router and straight to prefill-0 must give identical samples; elsewhere the
    measured value is compared with the recorded baseline
 7. perf (vLLM's bench serve through the router and against prefill-0, the transport alone,
-   the perf baseline): last, so that nothing it loads the instances with disturbs the others
+   the perf baseline): after the others, so that nothing it loads the instances with disturbs
+   them, and before any fault, so that it measures a whole cluster
+8. the fault scenarios (checks/faults/, opt-in), last: they corrupt, stall, kill and restart;
+   fault_restart leaves the cluster whole again for the user's own commands
 
 Results are appended to ``results`` as they come, so a run cut short by a
 dying process still reports the checks that finished.
@@ -29,6 +32,7 @@ from typing import Any
 
 from pd_sessions.checks import abort_frees_kv, burst, cache_paths, kv_transfer, parity, perf, smoke, too_long
 from pd_sessions.checks import accuracy as acc
+from pd_sessions.checks.faults import corrupt, drop, peer_death, restart, stall_abort
 from pd_sessions.checks.instances import REQUEST_TIMEOUT_S
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core import check_registry as registry
@@ -48,6 +52,12 @@ GATHERERS: dict[str, Gatherer] = {
     "abort_frees_kv": abort_frees_kv.run,
     "accuracy": acc.run,
     "perf": perf.run,
+    "fault_drop": drop.run,
+    "fault_zero": corrupt.run_zero,
+    "fault_swap": corrupt.run_swap,
+    "fault_stall_abort": stall_abort.run,
+    "fault_peer_death": peer_death.run,
+    "fault_restart": restart.run,
 }
 
 # A check request that gets no answer this long is stuck (a KV pull that never completes):

@@ -61,6 +61,7 @@ def check_options(
     args: argparse.Namespace, sel: Selection, commands: Sequence[user_commands.UserCommand]
 ) -> dict[str, Any]:
     """SweepOptions' check fields, as the command line and the sweep's TOML set them."""
+    sweep = sel.sweep
     return {
         "accuracy": AccuracyOptions(
             mode=args.accuracy,
@@ -72,8 +73,8 @@ def check_options(
         "skip_checks": tuple(args.skip_check),
         "commands": tuple(commands),
         "exec_timeout_s": args.exec_timeout,
-        "selected_checks": sel.checks,
-        "check_options": sel.sweep.check_options,
+        "selected_checks": sel.checks or sweep.checks_on(sel.platform),
+        "check_options": sweep.check_options,
     }
 
 

@@ -30,15 +30,18 @@ def plan_cluster(
     overrides: Sequence[str] = (),
     decode_model: str | None = None,
     passthrough_env: Mapping[str, str] | None = None,
+    faults_control: str | None = None,
 ) -> ClusterPlan:
     """Plan every process of ``config``. ``model`` overrides what --model gets
     (e.g. the path of the generated tiny model); requests use ``config.model``.
     ``decode_model`` overrides it for decode instances only (parity's fault injection).
     ``passthrough_env``: the harness's values of GPU_PASSTHROUGH_ENV (cuda only).
+    ``faults_control``: the fault scenarios' control file; every connector is then wrapped by
+    pd-sessions' fault injector (see core/faults.py).
 
     The steps, in order; the first that fails raises a PlanError naming the field:
         platform                 -> "platform" unless cpu or cuda
-        connector_support.check  -> the connector and the pair it cannot serve
+        connector_support.check  -> the connector and the pair (or platform) it cannot serve
         model_settings           -> --model, remote-code flags ("revision", "model", "block_size")
         place                    -> one slot per instance: GPUs or cores ("gpus")
         lane_settings            -> dtype, block size, GPU env ("dtype", "block_size")
@@ -48,11 +51,11 @@ def plan_cluster(
     """
     if platform not in PLATFORMS:
         raise PlanError("platform", f"got {platform!r}; allowed: cpu, cuda")
-    connector_support.check(config)  # before anything else: names the connector and the pair
+    connector_support.check(config, platform)  # before anything else: names the connector and the pair
     models = model_settings(config, model=model, decode_model=decode_model, allow_unpinned=allow_unpinned)
     placement = place(config, inv, platform=platform, share_gpus=share_gpus)
     lane = lane_settings(config, platform, passthrough_env or {})
-    launch = Launch(config, platform, python, models, lane, placement.shared_gpus)
+    launch = Launch(config, platform, python, models, lane, placement.shared_gpus, faults_control)
     ledger = PortLedger(ports)
     prefill, decode, said = _plan_instances(placement, launch, ledger)
     router = plan_router(config, python, prefill, decode, ledger)
