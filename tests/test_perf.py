@@ -14,6 +14,7 @@ from pd_sessions import perf_driver
 from pd_sessions.checks import perf, perf_baselines
 from pd_sessions.checks import perf_figures as pf
 from pd_sessions.core import check_registry as registry
+from pd_sessions.core import selection
 from pd_sessions.core.config import load_sweep, make_overrides
 from pd_sessions.core.errors import ConfigError, PerfError
 
@@ -236,6 +237,9 @@ def test_perf_is_a_default_on_cuda_and_opt_in_on_the_cpu_lane(tmp_path):
     assert over.checks == ("smoke", "perf") and over.describe() == ["checks = ['smoke', 'perf']"]
     with pytest.raises(ConfigError, match=r"command line: checks: unknown check 'perff' \(did you mean"):
         make_overrides(sets=['checks=["perff"]'])
+    # --check adds to the platform's list or to --set's, in running order (perf before the faults)
+    assert selection.checks(registry.defaults("cpu"), ["perf"]) == (*registry.DEFAULTS, "perf")
+    assert selection.checks(["smoke"], ["faults,perf"]) == ("smoke", "perf", *registry.FAULTS)
 
 
 def test_perf_options_take_a_list_of_concurrency_levels():
