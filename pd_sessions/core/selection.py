@@ -74,8 +74,8 @@ def select_run(sweep_name: str, args: argparse.Namespace, inv: Inventory) -> Sel
     Decision table (every refusal raises a PdError naming the field; nothing has started):
         an override that is not a config field / a bad value   -> ConfigError
         an unknown sweep, or a bad sweep file                   -> ConfigError
-        --check names an unknown check                          -> ConfigError("--check")
         the sweep cannot run on this platform or host           -> ConfigError / PlanError
+        --check names an unknown check                          -> ConfigError("--check")
         --only names no config                                  -> ConfigError
         a host refusal, no --dry-run                            -> PlanError(its field)
         a host refusal, --dry-run                               -> a warning in the Selection
