@@ -290,13 +290,14 @@ def mooncake_sweep(tmp_path_factory) -> SweepRun:
 
 @pytest.fixture(scope="session")
 def nixl_sweep(tmp_path_factory) -> SweepRun:
-    """The built-in NIXL sweep's 1x1, every default check and the fault scenarios of NIXL_FAULTS, through the
-    CLI, serving the remote-code tiny model (trust_remote_code: vLLM and lm_eval load its own
-    classes) with margin-mode parity forced (auto would pick exact on the CPU lane; exact parity
-    on a healthy pair is the Mooncake sweep's) and kv_load_failure_policy "recompute" (the
-    Mooncake run keeps vLLM's default, "fail": the drop scenario sees both). Shared by
-    test_e2e_cpu_lane (all checks pass, nothing left), test_e2e_nightly (remote code, margin
-    parity passes on a healthy pair, NIXL evidence) and test_e2e_faults."""
+    """The built-in NIXL sweep's 1x1, every default check, the perf check (opt-in on the CPU
+    lane; CI runs it once, here) and the fault scenarios of NIXL_FAULTS, through the CLI, serving
+    the remote-code tiny model (trust_remote_code: vLLM and lm_eval load its own classes) with
+    margin-mode parity forced (auto would pick exact on the CPU lane; exact parity on a healthy
+    pair is the Mooncake sweep's) and kv_load_failure_policy "recompute" (the Mooncake run keeps
+    vLLM's default, "fail": the drop scenario sees both). Shared by test_e2e_cpu_lane (all checks
+    pass, nothing left), test_e2e_nightly (remote code, margin parity passes on a healthy pair,
+    NIXL evidence), test_e2e_perf (its figures) and test_e2e_faults."""
     heavy("vllm")
     heavy("nixl._api")
     results = e2e_dir(tmp_path_factory, "nixl") / "r"
@@ -317,6 +318,8 @@ def nixl_sweep(tmp_path_factory) -> SweepRun:
             "parity_mode=margin",
             "--set",
             "kv_load_failure_policy=recompute",
+            "--check",
+            "perf",
             "--check",
             NIXL_FAULTS,
             "--results-dir",
