@@ -50,7 +50,7 @@ PEER_TIMEOUT_S = 60.0
 
 @dataclass(frozen=True)
 class Args:
-    connector: str  # nixl | mooncake
+    connector: str  # the transport: its package's name (nixl | mooncake)
     device: str  # cpu | cuda
     bytes: int
     descriptors: int
@@ -249,7 +249,12 @@ def probe(args: Args) -> dict[str, Any]:
 
 def parse(argv: Sequence[str] | None = None) -> tuple[Args, Path]:
     p = argparse.ArgumentParser(prog="python -m pd_sessions.link_probe", description=__doc__)
-    p.add_argument("--connector", choices=sorted(TRANSPORTS), required=True)
+    p.add_argument(
+        "--transport",
+        choices=sorted(TRANSPORTS),
+        required=True,
+        help="a connector package (its transport)",
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--bytes", type=int, required=True, help="bytes per transfer")
     p.add_argument("--descriptors", type=int, default=1, help="pieces per transfer")
@@ -257,14 +262,27 @@ def parse(argv: Sequence[str] | None = None) -> tuple[Args, Path]:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--gpu", type=int, default=0)
     p.add_argument("--peer-gpu", type=int, default=0)
-    p.add_argument("--protocol", default="tcp", help="Mooncake's protocol (tcp, rdma)")
-    p.add_argument("--device-name", default="", help="Mooncake's RDMA device allow-list")
+    p.add_argument("--protocol", default=None, help="Mooncake's protocol (tcp, rdma)")
+    p.add_argument("--device-name", default=None, help="Mooncake's RDMA device allow-list")
+    p.add_argument(
+        "--kv-transfer-config",
+        default="{}",
+        help="the instances' --kv-transfer-config: Mooncake's protocol and device list unless given",
+    )
     p.add_argument("--out", type=Path, required=True)
     ns = p.parse_args(argv)
     if ns.bytes < 1 or not 1 <= ns.descriptors <= ns.bytes or ns.repeats < 1:
         p.error("need --bytes >= 1, 1 <= --descriptors <= --bytes and --repeats >= 1")
+    try:
+        kv = json.loads(ns.kv_transfer_config)
+        extra = kv.get("kv_connector_extra_config") or {}
+    except (ValueError, AttributeError):
+        p.error(f"--kv-transfer-config: not a JSON object: {ns.kv_transfer_config!r}")
+    # vLLM's Mooncake default is rdma; a probe without the instances' config: tcp
+    protocol = ns.protocol or extra.get("mooncake_protocol") or ("rdma" if kv else "tcp")
+    device_name = ns.device_name if ns.device_name is not None else extra.get("device_name", "")
     args = Args(
-        ns.connector,
+        ns.transport,
         ns.device,
         ns.bytes,
         ns.descriptors,
@@ -272,8 +290,8 @@ def parse(argv: Sequence[str] | None = None) -> tuple[Args, Path]:
         ns.host,
         ns.gpu,
         ns.peer_gpu,
-        ns.protocol,
-        ns.device_name,
+        protocol,
+        device_name,
     )
     return args, ns.out
 

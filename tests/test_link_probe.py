@@ -25,7 +25,7 @@ def probe(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
 def test_mooncake_moves_the_bytes_between_two_processes_and_times_each_transfer(tmp_path):
     heavy("mooncake.engine")
     p, doc = probe(
-        tmp_path, "--connector", "mooncake", "--bytes", "1048576", "--descriptors", "4", "--repeats", "5"
+        tmp_path, "--transport", "mooncake", "--bytes", "1048576", "--descriptors", "4", "--repeats", "5"
     )
     assert p.returncode == 0, p.stderr[-2000:]
     assert doc["transport"] == "Mooncake transfer engine (tcp), cpu to cpu"
@@ -35,5 +35,5 @@ def test_mooncake_moves_the_bytes_between_two_processes_and_times_each_transfer(
 
 
 def test_impossible_sizes_are_refused_before_anything_starts(tmp_path):
-    p, doc = probe(tmp_path, "--connector", "nixl", "--bytes", "4", "--descriptors", "8")
+    p, doc = probe(tmp_path, "--transport", "nixl", "--bytes", "4", "--descriptors", "8")
     assert p.returncode == 2 and "1 <= --descriptors <= --bytes" in p.stderr and doc == {}

@@ -14,8 +14,9 @@ from pd_sessions import perf_driver
 from pd_sessions.checks import perf, perf_baselines
 from pd_sessions.checks import perf_figures as pf
 from pd_sessions.core import check_registry as registry
-from pd_sessions.core import selection
+from pd_sessions.core import connectors, selection
 from pd_sessions.core.config import load_sweep, make_overrides
+from pd_sessions.core.connectors.base import MetricEvidence
 from pd_sessions.core.errors import ConfigError, PerfError
 
 PERF = FIXTURES / "perf"
@@ -85,13 +86,20 @@ def test_ratios_are_pd_over_colocated_and_none_without_a_colocated_figure():
 def test_window_deltas_of_real_scrapes_give_nixl_transfers_and_means():
     before = {"decode-0": (FIXTURES / "nixl_decode_metrics_before.txt").read_text()}
     after = {"decode-0": (FIXTURES / "nixl_decode_metrics_after.txt").read_text()}
-    d = pf.hist_deltas(before, after, ["decode-0"])
-    t = pf.nixl_transfers(d)
+    # the connector's histograms come from its spec (push mode: the same ones, on the prefill)
+    ev = connectors.NIXL.evidence
+    assert isinstance(ev, MetricEvidence) and connectors.NIXL_PUSH.evidence.histograms == ev.histograms
+    d = pf.hist_deltas(before, after, ["decode-0"], pf.transfer_histograms(ev))
+    t = pf.metric_transfers(d, ev)
     assert t is not None and t.count == 1 and t.bytes == 262144 and t.descriptors == 2
-    assert t.descriptor_bytes == 131072 and t.gb_s == pytest.approx(262144 / d["nixl_xfer"][0] / 1e9)
+    assert t.descriptor_bytes == 131072 and t.gb_s == pytest.approx(262144 / d["kv_xfer"][0] / 1e9)
+    assert t.source == "decode /metrics (vllm:nixl_xfer_time_seconds, vllm:nixl_bytes_transferred)"
+    assert t.post_seconds is not None and t.post_source == "decode vllm:nixl_post_time_seconds"
     means = pf.window_means(d)
     assert means["ttft"] == pytest.approx(2.7900941371917725 - 2.7541286945343018)
-    assert pf.nixl_transfers(pf.hist_deltas(before, before, ["decode-0"])) is None  # nothing moved
+    nothing = pf.hist_deltas(before, before, ["decode-0"], pf.transfer_histograms(ev))
+    assert pf.metric_transfers(nothing, ev) is None  # nothing moved
+    assert "kv_xfer" not in pf.hist_deltas(before, after, ["decode-0"])  # only what is asked for
 
 
 def test_mooncake_transfers_add_up_count_times_average_per_stats_line():

@@ -41,14 +41,17 @@ from pd_sessions.checks.perf_figures import (
     hist_deltas,
     link_probe_from,
     link_ratio,
+    metric_transfers,
     mooncake_transfers,
-    nixl_transfers,
     pd_over_colocated,
     probe_size,
+    transfer_histograms,
     ttft_split,
     window_means,
 )
 from pd_sessions.checks.window import CheckWindow
+from pd_sessions.core import connectors
+from pd_sessions.core.connectors.base import MetricEvidence
 from pd_sessions.core.errors import ConfigError, PerfError
 from pd_sessions.core.plan import ClusterPlan
 from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, Value
@@ -399,18 +402,20 @@ def transfers_over(
     connector's stats are flushed on the stats interval: poll until they cover the run, at most
     one interval and 2 s.
 
-    nixl      done when the decodes' reads count one per completed request
-    mooncake  done when a prefill logs a stats line after the run ended (it covers every send
-              until then; a prefill logs none for an interval without sends, hence the bound)
+    metric evidence (NIXL)  done when the histograms of the evidence's role (the decodes'
+                            reads; push mode: the prefills' writes) count one per completed request
+    log evidence (Mooncake) done when a prefill logs a stats line after the run ended (it covers
+                            every send until then; none for an interval without sends: the bound)
     """
     plan = cluster.plan
-    decodes = [s.name for s in plan.decode]
+    evidence = connectors.get(plan.config.connector).evidence
     ended = {s.name: _size(cluster.run_dir / s.log_name) for s in plan.prefill}
     end = time.monotonic() + stats_interval(plan) + 2.0
     while True:
         after = scrape_all(plan)
-        if plan.config.connector == "nixl":
-            t = nixl_transfers(hist_deltas(before, after, decodes))
+        if isinstance(evidence, MetricEvidence):
+            side = [s.name for s in (plan.decode if evidence.role == "decode" else plan.prefill)]
+            t = metric_transfers(hist_deltas(before, after, side, transfer_histograms(evidence)), evidence)
             done = t is not None and t.count >= completed
         else:
             t = mooncake_transfers(
@@ -473,7 +478,9 @@ def probe_link(cluster: Cluster, transfers: Transfers, folder: Path, env: Mappin
     nbytes, descs = probe_size(transfers)
     out = folder / "link-probe.json"
     out.unlink(missing_ok=True)
-    argv = [p0.argv[0], "-m", "pd_sessions.link_probe", "--connector", plan.config.connector,
+    argv = [p0.argv[0], "-m", "pd_sessions.link_probe",
+            "--transport", connectors.get(plan.config.connector).package.name,
+            "--kv-transfer-config", p0.argv[p0.argv.index("--kv-transfer-config") + 1],
             "--bytes", str(nbytes), "--descriptors", str(descs), "--repeats", str(PROBE_REPEATS),
             "--host", plan.config.host, "--out", str(out)]  # fmt: skip
     probe_env = {**env, **d0.env_dict()}
@@ -482,11 +489,6 @@ def probe_link(cluster: Cluster, transfers: Transfers, folder: Path, env: Mappin
         probe_env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         argv += ["--device", "cuda", "--peer-gpu", str(gpus.index(p0.gpus[0]))]
         argv += ["--gpu", str(gpus.index(d0.gpus[0]))]
-    if plan.config.connector == "mooncake":
-        kv = json.loads(p0.argv[p0.argv.index("--kv-transfer-config") + 1])
-        extra = kv.get("kv_connector_extra_config", {})
-        argv += ["--protocol", extra.get("mooncake_protocol", "rdma")]
-        argv += ["--device-name", extra.get("device_name", "")]
     proc = process.spawn("link-probe", argv, env=probe_env, log_path=folder / "link-probe.log")
     try:
         rc = cluster.guard(proc.popen.wait, when="while the transport probe ran", timeout=PROBE_TIMEOUT_S)

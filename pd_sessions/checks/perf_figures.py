@@ -27,6 +27,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from pd_sessions.core.connectors.base import MetricEvidence
 from pd_sessions.core.errors import PerfError
 
 # vLLM's histograms (seconds unless named otherwise), by a short key.
@@ -35,11 +36,10 @@ HISTOGRAMS: dict[str, str] = {
     "queue": "vllm:request_queue_time_seconds",  # waiting before first scheduled
     "prefill": "vllm:request_prefill_time_seconds",  # first scheduled -> first token
     "e2e": "vllm:e2e_request_latency_seconds",  # arrival -> finished
-    "nixl_xfer": "vllm:nixl_xfer_time_seconds",  # one KV read: posted -> done (decode side)
-    "nixl_post": "vllm:nixl_post_time_seconds",  # posting it
-    "nixl_bytes": "vllm:nixl_bytes_transferred",  # bytes of one read
-    "nixl_descs": "vllm:nixl_num_descriptors",  # descriptors of one read
 }
+# A connector's transfer histograms join these under "kv_" + the key of its spec's evidence
+# (MetricEvidence.histograms: kv_xfer, kv_bytes, kv_post, kv_descs): transfer_histograms().
+KV = "kv_"
 # The bench result's latency figures: what vLLM's tool calls them, and the percentiles asked for.
 LATENCIES = ("ttft", "itl", "tpot", "e2el")
 PERCENTILES = (50, 99)
@@ -84,10 +84,17 @@ def pd_over_colocated(pd: Mapping[str, float], colocated: Mapping[str, float]) -
 # ---------------------------------------------------------------- /metrics windows
 
 
-def hist_totals(metrics_text: str) -> dict[str, tuple[float, float]]:
-    """key of :data:`HISTOGRAMS` -> (sum, count) in one scrape, summed over label sets
-    (engines, models); histograms the instance does not expose are left out."""
-    wanted = {f"{name}_{part}": (key, part) for key, name in HISTOGRAMS.items() for part in ("sum", "count")}
+def transfer_histograms(evidence: MetricEvidence) -> dict[str, str]:
+    """The connector's transfer histograms, keyed as :func:`metric_transfers` reads them."""
+    return {KV + k: name for k, name in evidence.histograms.items()}
+
+
+def hist_totals(metrics_text: str, extra: Mapping[str, str] | None = None) -> dict[str, tuple[float, float]]:
+    """key of :data:`HISTOGRAMS` (and of ``extra``: key -> histogram) -> (sum, count) in one
+    scrape, summed over label sets (engines, models); histograms the instance does not expose
+    are left out."""
+    names = {**HISTOGRAMS, **(extra or {})}
+    wanted = {f"{name}_{part}": (key, part) for key, name in names.items() for part in ("sum", "count")}
     sums: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(metrics_text):
         for s in family.samples:
@@ -99,13 +106,16 @@ def hist_totals(metrics_text: str) -> dict[str, tuple[float, float]]:
 
 
 def hist_deltas(
-    before: Mapping[str, str], after: Mapping[str, str], names: Sequence[str]
+    before: Mapping[str, str],
+    after: Mapping[str, str],
+    names: Sequence[str],
+    extra: Mapping[str, str] | None = None,
 ) -> dict[str, tuple[float, float]]:
     """What the instances ``names`` gained over a window: key -> (sum, count), from their
-    /metrics texts before and after (instance name -> text)."""
+    /metrics texts before and after (instance name -> text); ``extra`` as in :func:`hist_totals`."""
     out: dict[str, list[float]] = {}
     for n in names:
-        b, a = hist_totals(before.get(n, "")), hist_totals(after.get(n, ""))
+        b, a = hist_totals(before.get(n, ""), extra), hist_totals(after.get(n, ""), extra)
         for key, (s, c) in a.items():
             s0, c0 = b.get(key, (0.0, 0.0))
             pair = out.setdefault(key, [0.0, 0.0])
@@ -126,12 +136,13 @@ def window_means(deltas: Mapping[str, tuple[float, float]]) -> dict[str, float]:
 class Transfers:
     """KV transfers over a window, from the connector's own figures."""
 
-    source: str  # where they come from ("decode /metrics (NIXL)", "prefill logs (Mooncake)")
+    source: str  # where they come from (a role's /metrics and histograms, or its log lines)
     count: float
     seconds: float  # summed transfer time
     bytes: float
     descriptors: float
-    post_seconds: float | None = None  # NIXL only: summed time to post the reads
+    post_seconds: float | None = None  # summed time to post the transfers, where measured
+    post_source: str = ""  # where post_seconds comes from
 
     @property
     def mean_ms(self) -> float:
@@ -152,18 +163,22 @@ class Transfers:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
-def nixl_transfers(deltas: Mapping[str, tuple[float, float]]) -> Transfers | None:
-    """The NIXL reads of a window (decode instances' histogram deltas); None when none completed."""
-    count = deltas.get("nixl_xfer", (0.0, 0.0))[1]
+def metric_transfers(deltas: Mapping[str, tuple[float, float]], evidence: MetricEvidence) -> Transfers | None:
+    """The transfers of a window from the connector's histograms (the deltas of ``evidence.role``'s
+    instances, keyed as :func:`transfer_histograms`); None when none completed."""
+    count = deltas.get(KV + "xfer", (0.0, 0.0))[1]
     if count <= 0:
         return None
+    h = evidence.histograms
+    post = deltas.get(KV + "post")
     return Transfers(
-        source="decode /metrics (vllm:nixl_xfer_time_seconds, vllm:nixl_bytes_transferred)",
+        source=f"{evidence.role} /metrics ({h['xfer']}, {h['bytes']})",
         count=count,
-        seconds=deltas["nixl_xfer"][0],
-        bytes=deltas.get("nixl_bytes", (0.0, 0.0))[0],
-        descriptors=deltas.get("nixl_descs", (0.0, 0.0))[0],
-        post_seconds=deltas.get("nixl_post", (0.0, 0.0))[0],
+        seconds=deltas[KV + "xfer"][0],
+        bytes=deltas.get(KV + "bytes", (0.0, 0.0))[0],
+        descriptors=deltas.get(KV + "descs", (0.0, 0.0))[0],
+        post_seconds=None if post is None else post[0],
+        post_source=f"{evidence.role} {h['post']}" if "post" in h else "",
     )
 
 
@@ -257,7 +272,7 @@ def ttft_split(
                 SplitRow(
                     "KV transfer post",
                     1000 * transfers.post_seconds / transfers.count,
-                    "window mean per transfer: decode vllm:nixl_post_time_seconds",
+                    f"window mean per transfer: {transfers.post_source}",
                 )
             )
     else:

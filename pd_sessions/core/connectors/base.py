@@ -161,10 +161,25 @@ class MetricEvidence:
     failures: tuple[str, ...]  # must stay still
     role: Role  # the side that completes (records) the transfers
     what: str  # for the verdict, e.g. "READ transfers"
+    # Histograms (names without _sum/_count) the perf check (checks/perf.py) times each transfer
+    # with: its time in seconds; optional, the time to post it and its descriptors. Its bytes are
+    # ``bytes``' histogram. None: the perf check reports no transfer.
+    time: str | None = None
+    post_time: str | None = None
+    descriptors: str | None = None
 
     @property
     def samples(self) -> tuple[str, ...]:
         return (self.count, self.bytes, *self.failures)
+
+    @property
+    def histograms(self) -> dict[str, str]:
+        """The perf check's transfer histograms: "xfer", "bytes", "post", "descs" -> name."""
+        named = {"xfer": self.time, "post": self.post_time, "descs": self.descriptors}
+        out = {k: v for k, v in named.items() if v}
+        if self.time:
+            out["bytes"] = self.bytes.removesuffix("_sum")
+        return out
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,10 @@ PROGRESS = ProgressShim(
 # Prometheus sample names after the text parser, summed over label sets (engine, model).
 XFER_COUNT = "vllm:nixl_xfer_time_seconds_count"
 XFER_BYTES = "vllm:nixl_bytes_transferred_sum"
+# One transfer's time, posting time and descriptors (histograms; the perf check's TTFT split).
+XFER_TIME = "vllm:nixl_xfer_time_seconds"
+POST_TIME = "vllm:nixl_post_time_seconds"
+DESCRIPTORS = "vllm:nixl_num_descriptors"
 FAILURE_COUNTERS = ("vllm:nixl_num_failed_transfers_total", "vllm:nixl_num_failed_notifications_total")
 
 # Lines of an instance log that mean a transfer failed (vLLM 0.26/0.32).
@@ -134,7 +138,14 @@ SPEC = ConnectorSpec(
     kv_config=kv_config,
     hops=HOPS,
     evidence=MetricEvidence(
-        count=XFER_COUNT, bytes=XFER_BYTES, failures=FAILURE_COUNTERS, role="decode", what="READ transfers"
+        count=XFER_COUNT,
+        bytes=XFER_BYTES,
+        failures=FAILURE_COUNTERS,
+        role="decode",
+        what="READ transfers",
+        time=XFER_TIME,
+        post_time=POST_TIME,
+        descriptors=DESCRIPTORS,
     ),
     failure_lines=FAILURE_LINES,
     ports=PORTS,
