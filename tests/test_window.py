@@ -15,6 +15,7 @@ from pd_sessions.checks.smoke import SMOKE_PROMPT
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core import check_registry as registry
 from pd_sessions.core.config import ClusterConfig
+from pd_sessions.runtime.launcher import LOCAL
 from pd_sessions.core.errors import ConfigError
 from pd_sessions.core.results import FAIL, PASS, CheckResult
 from pd_sessions.runtime import http
@@ -50,7 +51,7 @@ class FakeStack:
             served_model_name="m",
             config=ClusterConfig(name="c", model="tiny-llama", connector="mooncake"),
         )
-        self.cluster = SimpleNamespace(plan=plan, run_dir=run_dir)
+        self.cluster = SimpleNamespace(plan=plan, run_dir=run_dir, launcher=LOCAL)
 
     def get_text(self, url, *, timeout=5.0):
         name = url.split("/")[2]

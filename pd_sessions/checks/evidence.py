@@ -229,6 +229,10 @@ class Window:
             return {}
         return {n: sample_sums(self.scrape(u), NIXL_METRICS) for n, u in self.decode_urls.items()}
 
+    def window_text(self) -> dict[str, str]:
+        """Instance name -> what its log gained since the window opened."""
+        return self._log_text(since_window=True)
+
     def _log_text(self, *, since_window: bool) -> dict[str, str]:
         out = {}
         for n, p in self.logs.items():

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pd_sessions.checks import instances
+from pd_sessions.checks import instances, kv_link
 from pd_sessions.checks.evidence import (
     NIXL_SUCCESS_BYTES,
     NIXL_SUCCESS_COUNT,
@@ -153,8 +153,39 @@ def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
         control=(d0.name, after[d0.name], control_after),
         evidence=evidence,
     )
+    if window.link_before is not None and r.passed:
+        r = with_link(window, r, evidence)
     # the control request went to decode-0 only, after the window: compare up to `after`
     served_after = {**instances.scrape_served(window.plan), **after}
     return window.count_served(
         r, served_before, served_after, requests=window.router_requests, direct=window.direct
     )
+
+
+def with_link(window: CheckWindow, r: CheckResult, ev: Evidence | None) -> CheckResult:
+    """Across hosts, ``r`` judged also on the link (checks/kv_link.py): the interface counters
+    of the prefill and decode hosts over the window against the KV bytes the connector reports."""
+    plan, before = window.plan, window.link_before
+    after = window.cluster.launcher.link_counters(plan)
+    if before is None or after is None or ev is None:
+        return r
+    if plan.config.connector == "nixl":
+        d = r.details.get("success", {}).get("nixl_delta", {})
+        kv_bytes, source = float(d.get(NIXL_SUCCESS_BYTES, 0.0)), f"NIXL reported ({NIXL_SUCCESS_BYTES})"
+    else:
+        text = window.evidence.window_text() if window.evidence else {}
+        kv_bytes = sum(kv_link.mooncake_bytes(text.get(s.name, "")) for s in plan.prefill)
+        source = 'Mooncake logged ("KV Transfer metrics")'
+    reason, details = kv_link.evaluate(
+        before,
+        after,
+        prefill_hosts=sorted({s.node for s in plan.prefill if s.node}),
+        decode_hosts=sorted({s.node for s in plan.decode if s.node}),
+        kv_bytes=kv_bytes,
+        source=source,
+    )
+    r.details["link"] = details
+    if reason:
+        return CheckResult("kv_transfer", FAIL, f"{reason} ({r.message})", r.details)
+    r.message += "; " + kv_link.said(details)
+    return r

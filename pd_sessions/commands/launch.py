@@ -73,6 +73,8 @@ def run_options(
         allow_unpinned=args.allow_unpinned_remote_code,
         share_gpus=args.share_gpus,
         overrides=tuple(sel.over.describe()),
+        ray=args.ray,
+        allow_loopback_advertise=args.allow_loopback_advertise,
         **({"deadline_s": args.deadline} if args.deadline else {}),
         **({"grace_s": args.grace} if args.grace is not None else {}),
         **checks,

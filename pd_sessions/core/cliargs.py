@@ -96,6 +96,7 @@ def add_common_options(s: argparse.ArgumentParser) -> None:
         default=os.environ.get("MOONCAKE_DEVICE_NAME"),
         help="RDMA HCA allow-list (default: $MOONCAKE_DEVICE_NAME); same as --set mooncake_device_name=...",
     )
+    add_host_options(s)
     o = s.add_argument_group("per-run overrides (recorded in plan.txt, result.json and the summary)")
     o.add_argument(
         "--model",
@@ -124,6 +125,26 @@ def add_common_options(s: argparse.ArgumentParser) -> None:
         "--extra-arg=--enforce-eager for values that start with '-')",
     )
     s.add_argument("-v", "--verbose", action="store_true")
+
+
+def add_host_options(s: argparse.ArgumentParser) -> None:
+    """Across hosts: where the instances run, and the loopback refusal's way out."""
+    h = s.add_argument_group("across hosts (prefill and decode on different Ray nodes)")
+    h.add_argument(
+        "--ray",
+        default=None,
+        metavar="ADDRESS",
+        help="run each config across the nodes of this Ray cluster (HEAD:PORT, or 'auto'), started "
+        "with `ray start --head` / `ray start --address HEAD:PORT --labels KEY=VALUE`; prefill_hosts "
+        "/ decode_hosts select nodes by label (default: the nodes other than this one's, the first "
+        "half prefill); needs pip install 'pd-sessions[ray]'",
+    )
+    h.add_argument(
+        "--allow-loopback-advertise",
+        action="store_true",
+        help="across hosts, plan an instance that would advertise a loopback address to the other "
+        "hosts (refused otherwise): to see that bug fail",
+    )
 
 
 def add_sweep_options(s: argparse.ArgumentParser) -> None:

@@ -18,9 +18,12 @@ from pd_sessions.core.results import RUNNING, CheckResult, ConfigResult
 from pd_sessions.report import unfinished
 from pd_sessions.report.writers import write_config_result
 from pd_sessions.run import user_commands
+from pd_sessions.run.hosts import phase_one
 from pd_sessions.run.options import SweepOptions, make_plan
 from pd_sessions.runtime.cluster import Event, running_cluster
+from pd_sessions.runtime.launcher import LOCAL
 from pd_sessions.runtime.ports import PortAllocator
+from pd_sessions.runtime.raylaunch import RayHosts, RemotePorts
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +45,10 @@ def run_config(
     progress: Callable[[str], None],
     on_event: Callable[[Event], None] | None = None,
     into: ConfigResult | None = None,
+    hosts: RayHosts | None = None,
 ) -> ConfigResult:
-    """Plan, start, check, tear down and record one config (``on_event``: see running_cluster).
+    """Plan, start, check, tear down and record one config (``on_event``: see running_cluster;
+    ``hosts``: across the hosts of a Ray cluster, run/hosts.py).
 
     ``into``: the record to fill (else a new one). An unforeseen exception (not a PdError)
     errors this config, its traceback in ``error.log``; a stop (SIGINT, SIGTERM) marks it
@@ -54,9 +59,13 @@ def run_config(
     res.run_dir = str(run_dir)
     t = time.monotonic()
     ports = PortAllocator(config.host)
+    remote: dict[str, RemotePorts] = {}
     try:
         try:
-            plan = make_plan(config, inv, ports, opts, create_model=True)
+            layout = None
+            if hosts is not None:
+                layout, remote = phase_one(hosts, config, opts, create_model=True)
+            plan = make_plan(config, inv, ports, opts, create_model=True, layout=layout, host_ports=remote)
         finally:
             res.phases["plan"] = time.monotonic() - t
         res.warnings = list(plan.warnings)
@@ -73,6 +82,7 @@ def run_config(
                 progress=progress,
                 timings=res.timings,
                 on_event=on_event,
+                launcher=hosts.launcher(run_dir, remote) if hosts else LOCAL,
             ) as cluster:
                 t = time.monotonic()
                 try:
@@ -119,6 +129,8 @@ def run_config(
         raise
     finally:
         ports.release()
+        for p in remote.values():
+            p.release()
     res.decide(opts.checks)
     write_config_result(res, run_dir / "result.json")
     return res
@@ -141,6 +153,7 @@ def run_sweep(
     progress: Callable[[str], None],
     results: list[ConfigResult] | None = None,
     on_change: Callable[[list[ConfigResult]], None] | None = None,
+    hosts: RayHosts | None = None,
 ) -> list[ConfigResult]:
     """Run every config; one record each, returned (and appended to ``results`` if given).
 
@@ -156,7 +169,7 @@ def run_sweep(
         results.append(res)
         if on_change:
             on_change(results)
-        run_config(config, inv, opts, progress, into=res)
+        run_config(config, inv, opts, progress, into=res, hosts=hosts)
         progress(f"[{i}/{len(configs)}] {config.name}: {results[-1].outcome.upper()}")
         if on_change:
             on_change(results)

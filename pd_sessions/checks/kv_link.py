@@ -1,0 +1,109 @@
+"""Across hosts, proof that the KV crossed the link: part of the kv_transfer check.
+
+On one machine, simulated hosts share a kernel and /dev/shm, so a "transfer" could be shared
+memory in disguise; across real hosts a transfer could go over another path than the one meant.
+So over the check window the byte counters of the hosts' interfaces (read on each host by its
+agent: ``/sys/class/net/<interface>/statistics``) must have risen by at least the KV bytes the
+connector reports having moved:
+
+- NIXL: the decode instances' ``vllm:nixl_bytes_transferred_sum`` over the window;
+- Mooncake: the prefill instances' "KV Transfer metrics" log lines over the window
+  (``Num successful transfers`` x ``Avg MB per transfer``, see :func:`mooncake_bytes`).
+
+The KV flows from the prefill hosts to the decode hosts (NIXL's decode reads it, Mooncake's
+prefill writes it): the decode hosts' received bytes and the prefill hosts' sent bytes must
+each cover it. Both numbers are recorded in the result (``details["link"]``). A host serving
+both roles moves its KV without crossing a link: that fails too.
+
+Pure: :func:`evaluate`, :func:`mooncake_bytes`. The counters are read through the launcher.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Mapping
+from typing import Any
+
+# Mooncake's "Avg MB per transfer" is rounded to 3 decimals of a MiB: take each line's
+# average this much lower, so the bytes reported are never over-counted.
+MOONCAKE_MB_ROUNDING = 0.0005
+_LINE = re.compile(r"KV Transfer metrics: (.*)$")
+
+Counters = Mapping[str, tuple[int, int]]  # host -> (rx_bytes, tx_bytes) of its interface
+
+
+def mooncake_bytes(log_text: str) -> float:
+    """Bytes the "KV Transfer metrics" lines of ``log_text`` report, each line's
+    ``Num successful transfers`` x ``Avg MB per transfer`` (less its rounding) in bytes."""
+    total = 0.0
+    for line in log_text.splitlines():
+        m = _LINE.search(line)
+        if not m:
+            continue
+        fields = dict(part.partition("=")[::2] for part in m.group(1).split(", "))
+        try:
+            n = float(fields.get("Num successful transfers", 0))
+            avg = float(fields.get("Avg MB per transfer", 0))
+        except ValueError:
+            continue
+        total += n * max(0.0, avg - MOONCAKE_MB_ROUNDING) * 2**20
+    return total
+
+
+def evaluate(
+    before: Counters,
+    after: Counters,
+    *,
+    prefill_hosts: Collection[str],
+    decode_hosts: Collection[str],
+    kv_bytes: float,
+    source: str,
+) -> tuple[str | None, dict[str, Any]]:
+    """(failure reason or None, details) for the link proof.
+
+    a host serves both roles                      -> fail: its KV never crosses a link
+    counters missing for a host                   -> fail, naming it
+    kv_bytes <= 0                                 -> fail: the connector reported no bytes
+    decode hosts' rx rose < kv_bytes              -> fail: the KV did not come over the link
+    prefill hosts' tx rose < kv_bytes             -> fail: it did not leave the prefill hosts
+    otherwise                                     -> None
+    """
+    delta = {h: (after[h][0] - before[h][0], after[h][1] - before[h][1]) for h in after if h in before}
+    rx = sum(delta[h][0] for h in decode_hosts if h in delta)
+    tx = sum(delta[h][1] for h in prefill_hosts if h in delta)
+    details: dict[str, Any] = {
+        "kv_bytes": kv_bytes,
+        "kv_bytes_source": source,
+        "decode_hosts_rx": rx,
+        "prefill_hosts_tx": tx,
+        "before": {h: list(v) for h, v in before.items()},
+        "after": {h: list(v) for h, v in after.items()},
+    }
+    both = sorted(set(prefill_hosts) & set(decode_hosts))
+    if both:
+        return f"{', '.join(both)} serves prefill and decode: its KV never crosses a link", details
+    missing = sorted(h for h in (*prefill_hosts, *decode_hosts) if h not in delta)
+    if missing:
+        return f"no interface counters for {', '.join(missing)}", details
+    if kv_bytes <= 0:
+        return f"the connector reported no KV bytes moved ({source})", details
+    if rx < kv_bytes:
+        return (
+            f"the decode hosts ({', '.join(decode_hosts)}) received {rx} bytes over their interfaces, "
+            f"less than the {kv_bytes:.0f} KV bytes {source}: the KV did not cross the link"
+        ), details
+    if tx < kv_bytes:
+        return (
+            f"the prefill hosts ({', '.join(prefill_hosts)}) sent {tx} bytes over their interfaces, "
+            f"less than the {kv_bytes:.0f} KV bytes {source}: the KV did not cross the link"
+        ), details
+    return None, details
+
+
+def said(details: Mapping[str, Any]) -> str:
+    """The passing verdict's words."""
+    return (
+        f"the KV crossed the link: decode hosts received {details['decode_hosts_rx']} bytes, prefill "
+        f"hosts sent {details['prefill_hosts_tx']}, >= {details['kv_bytes']:.0f} KV bytes "
+        f"{details['kv_bytes_source']}"
+    )
