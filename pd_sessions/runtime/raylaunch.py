@@ -82,14 +82,25 @@ def import_ray() -> Any:
     return ray
 
 
-def node_env(environ: Mapping[str, str], spec_env: Mapping[str, str]) -> dict[str, str]:
+def node_env(environ: Mapping[str, str], spec_env: Mapping[str, str], package_root: str) -> dict[str, str]:
     """A spawned process's environment on a node: the node's, less Ray's own variables (so a vLLM
     started there never joins the harness's Ray cluster) and CUDA_VISIBLE_DEVICES (the plan
-    sets it where it places GPUs), plus the spec's."""
+    sets it where it places GPUs), with ``package_root`` (where the agent's pd_sessions lies: the
+    driver's, shipped by Ray) first on PYTHONPATH, so vLLM loads the driver's pd-sessions plugin;
+    plus the spec's."""
     kept = {
         k: v for k, v in environ.items() if not k.startswith(RAY_ENV_PREFIX) and k != "CUDA_VISIBLE_DEVICES"
     }
-    return {**kept, **spec_env}
+    path = [package_root] + ([kept["PYTHONPATH"]] if kept.get("PYTHONPATH") else [])
+    return {**kept, "PYTHONPATH": os.pathsep.join(path), **spec_env}
+
+
+def driver_address(address: str) -> dict[str, str]:
+    """ray.init's ``_node_ip_address`` when the head (``address``) is on one of this host's own
+    addresses (a bridge, 127.0.0.1): the driver joins the node there. Ray's own detection picks
+    the host's main address, where no node of that cluster may be."""
+    host = address.rpartition(":")[0].strip("[]")
+    return {"_node_ip_address": host} if host and interface_of(host) else {}
 
 
 def interface_of(address: str) -> str | None:
@@ -174,7 +185,7 @@ class NodeAgent:
         shared = marker.exists() and marker.read_text() == shared_token
         if not shared:
             path = Path(os.environ.get("TMPDIR", "/tmp")) / f"pd-sessions-{shared_token}" / path.name
-        env = node_env(os.environ, spec_env)
+        env = node_env(os.environ, spec_env, str(Path(__file__).resolve().parents[2]))
         r = process.spawn(name, argv, env=env, log_path=path, url=url, new_session=False)
         with self._lock:
             self._running[r.pid] = r
@@ -290,8 +301,20 @@ class RayHosts:
         handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         t0 = time.monotonic()
         try:
-            self.ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING,
-                          configure_logging=False, namespace="pd-sessions")  # fmt: skip
+            self.ray.init(
+                address=address,
+                log_to_driver=False,
+                logging_level=logging.WARNING,
+                configure_logging=False,
+                namespace="pd-sessions",
+                # the driver's pd_sessions, shipped: the agents run the driver's code (and vLLM
+                # there its plugin), whatever the nodes have installed
+                runtime_env={
+                    "py_modules": [str(Path(__file__).resolve().parents[1])],
+                    "excludes": ["__pycache__"],
+                },
+                **driver_address(address),
+            )
         except (ConnectionError, RuntimeError, ValueError) as e:
             raise PlanError(
                 "--ray",
