@@ -15,10 +15,10 @@ from pd_sessions.checks.smoke import SMOKE_PROMPT
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core import check_registry as registry
 from pd_sessions.core.config import ClusterConfig
-from pd_sessions.runtime.launcher import LOCAL
 from pd_sessions.core.errors import ConfigError
 from pd_sessions.core.results import FAIL, PASS, CheckResult
 from pd_sessions.runtime import http
+from pd_sessions.runtime.launcher import LOCAL
 
 ROUTER, P0, D0 = "http://router", "http://prefill-0", "http://decode-0"
 STATS = "INFO KV Transfer metrics: Num successful transfers=1, Num failed transfers=0\n"
