@@ -335,3 +335,26 @@ class NoxRun(Cli):
 
     def summary(self) -> dict:
         return json.loads((self.results / "summary.json").read_text())
+
+
+# --- the simulated hosts ---------------------------------------------------------------------
+
+
+def simhosts_leftovers(run_id: str, pids=()) -> list[str]:
+    """What simulated-hosts run ``run_id`` left on this machine: its namespaces, its links
+    (bridge, veths), its short link, its state file, and any of ``pids`` (its Ray processes)
+    or their session members still alive."""
+    from pyroute2 import IPRoute, netns
+
+    from pd_sessions.core import simhosts as core
+
+    left = [f"namespace {n}" for n in netns.listnetns() if n.startswith(f"{core.PREFIX}-{run_id}-")]
+    with IPRoute() as ip:
+        links = [link.get_attr("IFLA_IFNAME") for link in ip.get_links()]
+    left += [f"link {n}" for n in links if n.startswith(f"{core.PREFIX}{run_id}")]
+    for path in (Path(f"/tmp/{core.PREFIX}-{run_id}"), Path(core.STATE_DIR) / f"{run_id}.json"):
+        if os.path.lexists(path):
+            left.append(f"file {path}")
+    for sid in pids:
+        left += [f"process {pid} of session {sid}" for pid in session_members(sid)]
+    return left

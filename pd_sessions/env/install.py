@@ -37,8 +37,9 @@ SYSTEM_LIBS: Mapping[str, str] = {
 }
 
 # Commands the tests session needs beyond the lane, and the Debian packages that ship them: the
-# canary's tests build real ELF files with a C compiler.
-TEST_COMMANDS: Mapping[str, str] = {"gcc": "gcc"}
+# canary's tests build real ELF files with a C compiler; the simulated hosts run each Ray node
+# with `ip netns exec`.
+TEST_COMMANDS: Mapping[str, str] = {"gcc": "gcc", "ip": "iproute2"}
 
 
 class Installer(Protocol):
