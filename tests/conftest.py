@@ -366,3 +366,29 @@ def simulated_hosts_2(tmp_path_factory):
         if ray is not None and ray.is_initialized():
             ray.shutdown()
     assert simhosts_leftovers(sim.run_id, pids) == []
+
+
+# --- across hosts (issue 26): real vLLM on the simulated hosts, through --ray ----------------
+
+
+def rehearsal(tmp_path_factory, sim, sweep: str, *args: str) -> SweepRun:
+    """``pd-sessions sweep SWEEP --only 1x1 --ray <the simulated hosts' head>`` (prefill on host1,
+    decode on host2), with ``args``."""
+    heavy("vllm")
+    results = tmp_path_factory.mktemp(f"hosts_{sweep}") / "r"
+    base = ("sweep", sweep, "--only", "1x1", "--platform", "cpu", "--ray", sim.ray_address)
+    return _sweep_once(results, args=(*base, "--results-dir", str(results), *args))
+
+
+@pytest.fixture(scope="session")
+def hosts_mooncake(simulated_hosts_2, tmp_path_factory) -> SweepRun:
+    """The Mooncake sweep's 1x1 across the two simulated hosts, every default check."""
+    heavy("mooncake.engine")
+    return rehearsal(tmp_path_factory, simulated_hosts_2, "mooncake_sweep")
+
+
+@pytest.fixture(scope="session")
+def hosts_nixl(simulated_hosts_2, tmp_path_factory) -> SweepRun:
+    """The NIXL sweep's 1x1 across the two simulated hosts, every default check."""
+    heavy("nixl._api")
+    return rehearsal(tmp_path_factory, simulated_hosts_2, "nixl_sweep")

@@ -140,6 +140,15 @@ def add_host_options(s: argparse.ArgumentParser) -> None:
         "half prefill); needs pip install 'pd-sessions[ray]'",
     )
     h.add_argument(
+        "--simulate-hosts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="rehearse a multi-host run on this machine: N network namespaces on a bridge, each a "
+        "host with its own address (198.18.0.0/15), loopback, share of the cores and Ray node; "
+        "prefill on host1, decode on host2 (needs root and pip install 'pd-sessions[ray]')",
+    )
+    h.add_argument(
         "--allow-loopback-advertise",
         action="store_true",
         help="across hosts, plan an instance that would advertise a loopback address to the other "

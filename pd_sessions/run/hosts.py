@@ -4,7 +4,7 @@ launched on this host as before."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -17,12 +17,29 @@ from pd_sessions.runtime.raylaunch import RayHosts, RemotePorts, ray_hosts
 @contextmanager
 def hosts_for(opts: SweepOptions, say: Callable[[str], None]) -> Iterator[RayHosts | None]:
     """The Ray cluster of ``opts.ray`` joined for the whole run (its agents killed and the
-    driver disconnected at the end), or None on one host."""
-    if not opts.ray:
+    driver disconnected at the end); with ``opts.simulate_hosts``, that many simulated hosts made
+    for the run (runtime/simhosts.py) and joined the same way; else None (one host)."""
+    if opts.simulate_hosts:
+        from pd_sessions.runtime.simhosts import simulated_hosts
+
+        with (
+            simulated_hosts(opts.simulate_hosts, opts.results_dir, say=say) as sim,
+            ray_hosts(sim.ray_address, say=say) as hosts,
+        ):
+            yield hosts
+    elif opts.ray:
+        with ray_hosts(opts.ray, say=say) as hosts:
+            yield hosts
+    else:
         yield None
-        return
-    with ray_hosts(opts.ray, say=say) as hosts:
-        yield hosts
+
+
+def loopback_said(warnings: Sequence[str]) -> str:
+    """What a failure adds when the plan advertised loopback across hosts by request
+    (--allow-loopback-advertise): each such warning names the instance, its host and the
+    variable. "" when there is none."""
+    said = [w for w in warnings if "--allow-loopback-advertise" in w]
+    return ("; across hosts: " + "; ".join(said)) if said else ""
 
 
 def phase_one(

@@ -48,6 +48,8 @@ class SweepOptions:
     check_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Across hosts: the Ray cluster to run on (an address, or "auto"); None: this host only.
     ray: str | None = None
+    # Across the simulated hosts of this machine (--simulate-hosts N, runtime/simhosts.py); 0: none.
+    simulate_hosts: int = 0
     # Across hosts: plan an advertised loopback address anyway (it must then fail).
     allow_loopback_advertise: bool = False
 

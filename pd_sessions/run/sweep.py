@@ -18,7 +18,7 @@ from pd_sessions.core.results import RUNNING, CheckResult, ConfigResult
 from pd_sessions.report import unfinished
 from pd_sessions.report.writers import write_config_result
 from pd_sessions.run import user_commands
-from pd_sessions.run.hosts import phase_one
+from pd_sessions.run.hosts import loopback_said, phase_one
 from pd_sessions.run.options import SweepOptions, make_plan
 from pd_sessions.runtime.cluster import Event, running_cluster
 from pd_sessions.runtime.launcher import LOCAL
@@ -117,8 +117,8 @@ def run_config(
         finally:
             _fill_phases(res)
     except PdError as e:
-        res.error = str(e)
-        progress(f"{config.name}: ERROR: {str(e).splitlines()[0]}")
+        res.error = str(e) + loopback_said(res.warnings)
+        progress(f"{config.name}: ERROR: {str(e).splitlines()[0]}{loopback_said(res.warnings)}")
     except Exception as e:  # a bug, or a library failing in a way we did not foresee
         log_path = unfinished.crash_log(run_dir, "error", e)
         res.error = f"internal error: {type(e).__name__}: {e} (traceback in {log_path})"
@@ -132,6 +132,8 @@ def run_config(
         for p in remote.values():
             p.release()
     res.decide(opts.checks)
+    if res.outcome != "passed" and loopback_said(res.warnings):
+        progress(f"{config.name}: {res.outcome}{loopback_said(res.warnings)}")
     write_config_result(res, run_dir / "result.json")
     return res
 

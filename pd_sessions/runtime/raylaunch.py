@@ -126,6 +126,9 @@ class NodeAgent:
         self._ports: PortAllocator | None = None
         self._local_logs: dict[int, Path] = {}
 
+    def ping(self) -> bool:
+        return True
+
     def facts(self) -> dict[str, Any]:
         import ray
 
@@ -362,6 +365,11 @@ class RayHosts:
         only one), each node's facts."""
         users = [n for n in self.nodes if n.name != self.driver] or [self.node(self.driver)]
         for n in users:
+            if n.agent is not None:
+                try:  # an agent killed during an earlier config is started again
+                    self.ray.get(n.agent.ping.remote(), timeout=CALL_TIMEOUT_S)
+                except self.ray.exceptions.RayActorError:
+                    n.agent = None
             if n.agent is None:
                 n.agent = self._start_agent(n)
         t0 = time.monotonic()
