@@ -15,12 +15,14 @@ import itertools
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import psutil
 import pytest
 from conftest import ROOT
-from helpers import FAKE, GRACE, NoxRun, fake_sweep_toml, wait_until
+from helpers import FAKE, GRACE, NoxRun, fake_stack_env, fake_sweep_toml, wait_until
 
 from pd_sessions.runtime.process import alive
 
@@ -142,3 +144,28 @@ def test_a_nodes_agent_killed_fails_the_run_naming_the_instance_and_leaves_nothi
     assert "decode-0 (http://" in run.text and "exited with status -9" in run.text, run.text
     assert not any(alive(p) for p in servers)
     print(f"agent killed: the run failed and everything was gone {took:.2f} s after")
+
+
+USER_TEST = """
+def test_across_hosts(pd_cluster):
+    assert pd_cluster.prefill_urls[0].startswith("http://{host1}:")
+    assert pd_cluster.decode_urls[0].startswith("http://{host2}:")
+    out = pd_cluster.router.completions.create(model=pd_cluster.model, prompt="a b c", max_tokens=4)
+    assert out.choices[0].text
+"""
+
+
+def test_the_pd_cluster_fixture_starts_its_cluster_across_hosts_with_pd_ray(tmp_path, simulated_hosts_2):
+    sim = simulated_hosts_2
+    (tmp_path / "hosts.toml").write_text(hosts_sweep("ok", ("1x1",)))
+    user = tmp_path / "test_user.py"
+    user.write_text(USER_TEST.format(host1=sim.hosts[0].address, host2=sim.hosts[1].address))
+    env = {**fake_stack_env(), "PD_SESSIONS_CLUSTER": ""}
+    argv = [sys.executable, "-m", "pytest", "-p", "pd_sessions.pytest_plugin", "-p", "no:cacheprovider", "-q"]
+    argv += [str(user), "--pd-cluster", f"{tmp_path / 'hosts.toml'}:1x1", "--pd-platform", "cpu"]
+    argv += ["--pd-results-dir", str(tmp_path / "r"), "--pd-ray", sim.ray_address]
+    r = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "1 passed" in r.stdout
+    plan = (tmp_path / "r" / "hosts" / "1x1" / "plan.txt").read_text()
+    assert " on host1 (" in plan and " on host2 (" in plan
