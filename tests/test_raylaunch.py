@@ -119,3 +119,9 @@ def test_mooncake_bytes_add_each_lines_transfers_times_their_average_never_over(
     got = kv_link.mooncake_bytes(log)
     exact = (2 * 0.25 + 0.125) * 2**20
     assert exact - 3 * 0.0005 * 2**20 - 1 <= got < exact
+
+
+def test_ray_and_simulate_hosts_together_is_a_usage_error():
+    p = no_ray("sweep", "mooncake_sweep", "--dry-run", "--ray", "auto", "--simulate-hosts", "2")
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "--ray and --simulate-hosts: give one" in p.stderr
