@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -169,3 +170,52 @@ def test_the_pd_cluster_fixture_starts_its_cluster_across_hosts_with_pd_ray(tmp_
     assert "1 passed" in r.stdout
     plan = (tmp_path / "r" / "hosts" / "1x1" / "plan.txt").read_text()
     assert " on host1 (" in plan and " on host2 (" in plan
+
+
+SHOW = (
+    "import json, os, subprocess, sys, time; "
+    "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+    "e = os.environ; print(json.dumps({'pgid': os.getpgid(0), 'ppid': os.getppid(), "
+    "'ray': sorted(k for k in e if k.startswith('RAY_')), 'cuda': e.get('CUDA_VISIBLE_DEVICES'), "
+    "'path': e['PYTHONPATH']}), flush=True); time.sleep(600)"
+)
+
+
+def test_the_launcher_spawns_in_the_agents_group_streams_the_log_and_verifies_gone(
+    tmp_path, simulated_hosts_2
+):
+    """In this process as the driver: a spec for host2 runs there in its agent's worker group,
+    without Ray's variables, with the spec's CUDA_VISIBLE_DEVICES and the shipped pd_sessions first
+    on PYTHONPATH; a node that cannot see the results directory has its log streamed over; the stop
+    leaves nothing (the child included) and each node verifies it."""
+    import json
+
+    from pd_sessions.core.plan import ProcessSpec
+    from pd_sessions.runtime.raylaunch import SHARED_MARKER, ray_hosts
+
+    with ray_hosts(simulated_hosts_2.ray_address) as hosts:
+        hosts.layout()
+        launcher = hosts.launcher(tmp_path, hosts.port_sources())
+        (tmp_path / SHARED_MARKER).write_text("another run's")  # as if host2 saw another directory
+        spec = ProcessSpec(
+            name="decode-0", role="decode", argv=(sys.executable, "-c", SHOW),
+            env=(("CUDA_VISIBLE_DEVICES", "7"),), host=simulated_hosts_2.hosts[1].address, port=1,
+            log_name="decode-0.log", node="host2",
+        )  # fmt: skip
+        r = launcher.spawn(spec, tmp_path, {})
+        line = wait_until(
+            lambda: next((x for x in r.log_path.read_text().splitlines() if x.startswith("{")), None),
+            60,
+            "the log streamed over from host2",
+        )
+        seen = json.loads(line)
+        worker = psutil.Process(seen["ppid"])
+        assert seen["pgid"] == os.getpgid(worker.pid) and "ray::NodeAgent" in " ".join(worker.cmdline())
+        assert seen["ray"] == [] and seen["cuda"] == "7"
+        first = Path(seen["path"].split(os.pathsep)[0], "pd_sessions", "runtime", "raylaunch.py")
+        assert first.read_text() == (ROOT / "pd_sessions" / "runtime" / "raylaunch.py").read_text()
+        family = [r.pid] + [c.pid for c in psutil.Process(r.pid).children(recursive=True)]
+        assert r.poll() is None and len(family) == 2
+        rep = launcher.stop([r], grace_s=2.0)
+        assert sorted(rep.pids) == sorted(family) and launcher.verify() == []
+        assert not any(alive(p) for p in map(psutil.Process, family) if psutil.pid_exists(p.pid))
