@@ -33,7 +33,6 @@ MODES = ("one_host", "two_hosts")
 WALL_LIMIT_S = 30.0
 RAY_RSS_LIMIT_GIB = 1.5
 SAMPLE_S = 0.5
-RAY_MARKS = ("raylet", "gcs_server", "ray::", "ray.scripts", "ray/_private", "ray/dashboard")
 
 
 def is_ray(argv: list[str]) -> bool:
