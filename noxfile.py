@@ -120,7 +120,7 @@ def unit(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmark, not a test: harness overhead, readiness latency, parallel start, teardown,
     vllm-router vs a Python proxy, the upstream bash flow vs pd_sessions. Writes bench/.
-    [-- --repeats N --parts router,teardown,clusters,checks,startup --sweep NAME_OR_TOML --only CONFIG
+    [-- --repeats N --parts router,teardown,clusters,checks,startup,report --sweep NAME_OR_TOML --only CONFIG
     --check-sweeps A,B --startup-session NAME --out DIR]"""
     nox_support.bench(session, bench_parser(prog="nox -s bench --"))
 

@@ -1,6 +1,6 @@
 """Command line: ``pd-sessions <command>`` (or ``python -m pd_sessions <command>``), the one way in.
 
-Commands: sweep, serve, tiny-model, inventory, bench, bench-report, wheelhouse, buildkite; this
+Commands: sweep, serve, tiny-model, inventory, bench, bench-report, wheelhouse, buildkite, report; this
 module parses them and maps what they end with to an exit status, and each one lives in its own
 module in :mod:`pd_sessions.commands`. The other ``python -m pd_sessions.X`` entries are process
 boundaries (envfacts, canary, the lifeline reaper, the bench's fake servers); each module's
@@ -66,6 +66,11 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "buildkite", help="render .buildkite/ from the job registry in pd_sessions/report/ci_jobs.py"
     )
+    rep = sub.add_parser(
+        "report",
+        help="render DIR/report.html again from a sweep's result files (summary.json, */result.json)",
+    )
+    rep.add_argument("results_dir", type=Path, metavar="DIR", help="a results directory a sweep wrote")
     return p
 
 
@@ -95,6 +100,8 @@ def _command(name: str) -> Callable[[argparse.Namespace], int]:
         from pd_sessions.commands.wheelhouse import run
     elif name == "buildkite":
         from pd_sessions.commands.buildkite import run
+    elif name == "report":
+        from pd_sessions.commands.report import run
     else:  # argparse lets only the names above through
         raise ValueError(f"no module for the command {name!r}")
     return run

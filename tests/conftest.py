@@ -6,6 +6,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -226,6 +227,16 @@ class SweepRun:
         return self.cli.text
 
 
+def e2e_dir(tmp_path_factory, name: str) -> Path:
+    """A new folder for one shared end-to-end run: below $PD_SESSIONS_E2E_RESULTS when set (CI
+    uploads it: the runs' report.html, its browser screenshot and the logs), else a pytest tmp dir."""
+    root = os.environ.get("PD_SESSIONS_E2E_RESULTS")
+    if not root:
+        return tmp_path_factory.mktemp(name)
+    Path(root).mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root)).resolve()
+
+
 def _sweep_once(results: Path, *, argv: list[str] | None = None, args: tuple[str, ...] = ()) -> SweepRun:
     cli = Cli(*args, argv=argv)
     return SweepRun(rc=cli.wait(timeout=1400), cli=cli, results=results, extra={})
@@ -241,7 +252,7 @@ def mooncake_sweep(tmp_path_factory) -> SweepRun:
     heavy("vllm")
     heavy("mooncake.engine")
     heavy("openai")
-    tmp = tmp_path_factory.mktemp("mooncake_nox")
+    tmp = e2e_dir(tmp_path_factory, "mooncake_nox")
     results = tmp / "r"
     before = environment_facts(tmp)["installed"]
     run = _sweep_once(
@@ -270,7 +281,7 @@ def nixl_sweep(tmp_path_factory) -> SweepRun:
     and test_e2e_nightly (remote code, margin parity passes on a healthy pair, NIXL evidence)."""
     heavy("vllm")
     heavy("nixl._api")
-    results = tmp_path_factory.mktemp("nixl") / "r"
+    results = e2e_dir(tmp_path_factory, "nixl") / "r"
     return _sweep_once(
         results,
         args=(
@@ -320,7 +331,7 @@ def faulty_sweep(tmp_path_factory) -> SweepRun:
     heavy("vllm")
     heavy("mooncake.engine")
     heavy("openai")
-    tmp = tmp_path_factory.mktemp("faulty")
+    tmp = e2e_dir(tmp_path_factory, "faulty")
     toml = tmp / "faulty.toml"
     toml.write_text(FAULTY_SWEEP)
     failing = f"{sys.executable} -m pytest {USER / 'pd_fails_on_purpose.py'} --junitxml {{junitxml}}"

@@ -246,7 +246,8 @@ FAKE_ENV = FIXTURES / "fake_env"  # a CPU-only torch and the Mooncake connector,
 class NoxRun(Cli):
     """The project's noxfile running the sweep (two configs) on this interpreter
     (``nox --no-venv``, changing nothing in it: ``--no-install``), in its own process group,
-    output timestamped."""
+    output timestamped; ``session="serve"``: its serve session instead (name the config in
+    ``args``: ``("--only", "1x1")``)."""
 
     def __init__(
         self,
@@ -257,6 +258,7 @@ class NoxRun(Cli):
         grace: float = GRACE,
         sweep: str | None = None,
         fake: bool = True,
+        session: str = "sweep",
     ):
         """``sweep``: a built-in sweep (default: TWO_CONFIGS); ``fake``: the fake stack
         instead of real vLLM (and no accuracy check)."""
@@ -275,13 +277,13 @@ class NoxRun(Cli):
                 str(ROOT / "noxfile.py"),
                 "--no-venv",  # this interpreter, as found
                 "-s",
-                "sweep",
+                session,
                 "--",
                 sweep,
                 "--no-install",  # change nothing in it
                 "--platform",
                 "cpu",
-                *(("--skip-check", "accuracy") if fake else ()),
+                *(("--skip-check", "accuracy") if fake and session == "sweep" else ()),
                 "--results-dir",
                 str(self.results),
                 "--grace",

@@ -86,6 +86,8 @@ def test_the_noxfile_imports_what_this_test_expects():
     ):
         assert m in modules, modules
     assert "pd_sessions.env.envfacts" in modules  # imported by the helpers: still found
+    # the report page (and Jinja2, which it imports when it renders) stays out of nox's reach
+    assert not [m for m in modules if m.startswith("pd_sessions.report")], modules
     # an import inside a function is found too
     assert imported("def f():\n    from pd_sessions.env import envfacts\n") == {"pd_sessions.env.envfacts"}
 
@@ -117,7 +119,7 @@ def test_packaging_is_allowed_because_nox_depends_on_it():
 
 # Every subcommand whose options cli.py parses; bench and wheelhouse hand their command line to
 # their own module (wheelhouse's: test_wheelhouse_runs_where_nox_runs_it).
-HELP = ["sweep", "serve", "tiny-model", "inventory", "bench-report", "buildkite"]
+HELP = ["sweep", "serve", "tiny-model", "inventory", "bench-report", "buildkite", "report"]
 
 
 @pytest.mark.parametrize("args", [["--help"], *([c, "--help"] for c in HELP)], ids=" ".join)

@@ -116,6 +116,23 @@ def test_test_areas_run_the_images_vllm_and_the_pipeline_installs_its_own():
         assert step["command"].startswith("nox -s ") and "--no-venv" not in step["command"]
 
 
+def test_each_step_uploads_its_results_once():
+    """The standalone pipeline uploads through artifact_paths; vLLM's test_areas format has none,
+    so those steps ask the sweep to upload (--upload-artifacts); never both."""
+    jobs = {j.key: j for j in ci_jobs.JOBS}
+    for step in ci_jobs.pipeline()["steps"]:
+        assert step["artifact_paths"] == [f"{jobs[step['key']].results_dir}/**/*"]
+        assert "--upload-artifacts" not in step["command"]
+    for name in ("disaggregated", "disaggregated_mooncake"):
+        for step in ci_jobs.test_area(name)["steps"]:
+            assert "artifact_paths" not in step
+            run = step["commands"][-1]
+            assert run.endswith(f"--results-dir {jobs[step['key']].results_dir} --upload-artifacts")
+    # the CPU lane's end-to-end runs (their report.html and screenshot) land in what it uploads
+    cpu = next(s for s in ci_jobs.pipeline()["steps"] if s["key"] == "cpu-lane")
+    assert cpu["env"]["PD_SESSIONS_E2E_RESULTS"].startswith("results/cpu-lane/")
+
+
 def test_test_areas_validate_against_the_buildkite_step_schema():
     """Each test_areas step, rendered as the Buildkite command step vLLM's CI turns it into
     (commands, label, key, timeout), is schema-valid, and so is the group."""

@@ -28,7 +28,17 @@ def parse(*argv: str) -> argparse.Namespace:
 def test_every_subcommand_has_its_module_with_a_run():
     sub = next(a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction))
     assert sorted(sub.choices) == sorted(
-        ["sweep", "serve", "tiny-model", "inventory", "bench", "bench-report", "wheelhouse", "buildkite"]
+        [
+            "sweep",
+            "serve",
+            "tiny-model",
+            "inventory",
+            "bench",
+            "bench-report",
+            "wheelhouse",
+            "buildkite",
+            "report",
+        ]
     )
     for name in sub.choices:
         run = cli._command(name)
@@ -96,8 +106,9 @@ def test_the_banner_with_only_says_what_only_left_out():
 def test_the_metadata_recorded_in_the_summary():
     args = parse("sweep", "mooncake_sweep", "--platform", "cpu", "--skip-check", "accuracy", "--model", "m")
     sel = select_run("mooncake_sweep", args, CPUS)
-    meta = sweep_command.metadata(args, sel, ENV)
+    meta = sweep_command.metadata(args, sel, ENV, ["smoke", "parity"])
     assert meta["sweep"] == "mooncake_sweep" and meta["platform"] == "cpu" and meta["cpus"] == 4
+    assert meta["checks"] == ["smoke", "parity"] and meta["hostname"]  # the page's columns and host
     assert (
         meta["gpus"] == [] and meta["skipped_checks"] == ["accuracy"] and meta["accuracy_mode"] == "enforce"
     )

@@ -17,6 +17,8 @@ OUTSIDE_THE_FAMILY = {
     "PdError",  # the family's root
     # a stop (SIGTERM/SIGHUP), not an error: it must pass `except Exception` on its way up
     "Stopped",
+    # SIGTERM/SIGHUP in nox's interpreter, raised as nox's Ctrl-C so that nox waits for the harness
+    "NoxStopped",
     # an absent metric; every place that reads one catches it next to HttpError
     "MetricMissing",
 }

@@ -6,6 +6,7 @@ import pytest
 
 from pd_sessions.core.errors import InstallError
 from pd_sessions.env.install import (
+    TEST_COMMANDS,
     Action,
     Platform,
     apply_actions,
@@ -171,6 +172,8 @@ def test_missing_commands_name_their_debian_packages():
     assert missing_commands({"gcc": "gcc", "ls": "coreutils"}, which=on_path) == ["gcc"]
     assert missing_commands({"ls": "coreutils"}, which=on_path) == []
     assert missing_commands({}) == []
+    # the tests session's: a compiler for the canary's ELF files, Chromium and its driver for the page
+    assert missing_commands(TEST_COMMANDS, which=on_path) == ["chromium", "chromium-driver", "gcc"]
 
 
 def test_system_packages_and_index_env():

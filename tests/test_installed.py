@@ -28,7 +28,13 @@ from pd_sessions.env.installed import (
 
 PY = "/opt/img/bin/python3"
 HERE = {"location": "/x", "dist": "d", "version": "1", "editable": None}
-HARNESS_DEPS = {"psutil": "6", "prometheus-client": "0.21", "packaging": "24", "pyelftools": "0.31"}
+HARNESS_DEPS = {
+    "psutil": "6",
+    "prometheus-client": "0.21",
+    "packaging": "24",
+    "pyelftools": "0.31",
+    "jinja2": "3.1",
+}
 
 
 def doc(

@@ -1,14 +1,18 @@
 """The lifeline with real throwaway processes: the reaper stops what a dead harness left, a
-child hears its parent die, the harness hears its parent die; and the nox options."""
+child hears its parent die, the harness hears its parent die; and nox's side: the options,
+and SIGTERM/SIGHUP to nox passed on and waited for (through nox's own command runner)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -17,6 +21,7 @@ from helpers import FAMILY, IGNORES_TERM, wait_for_members, wait_gone
 
 from pd_sessions.runtime import parentwatch, process
 from pd_sessions.runtime.cluster import teardown
+from pd_sessions.runtime.process import alive
 from pd_sessions.runtime.reaper import Reaper
 
 
@@ -232,3 +237,127 @@ def test_the_noxfile_import_is_standard_library_only():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "['pd_sessions', 'pd_sessions.runtime', 'pd_sessions.runtime.parentwatch']"
+
+
+# ------------------------------------------------------------------ nox's side: it waits for the harness
+
+# nox's stand-in: nox's own command.run (its popen: Ctrl-C handling, interrupt_timeout) runs a
+# "harness" under parentwatch.nox_waits_for_the_harness, as the noxfile's sweep session does.
+NOX = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {root!r})
+    from nox.command import run
+    from pd_sessions.runtime import parentwatch
+    with parentwatch.nox_waits_for_the_harness(lambda m: print(m, flush=True)):
+        run([sys.executable, "-c", {harness!r}], interrupt_timeout={budget})
+""")
+
+# A harness whose teardown takes 1 s on SIGTERM, ignoring later signals, then exits 143.
+SLOW_TEARDOWN = textwrap.dedent("""
+    import signal, sys, time
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print(f"harness got signal {signum}", flush=True)
+        time.sleep(1.0)
+        print("harness" + " torn down", flush=True)
+        sys.exit(128 + signum)
+    signal.signal(signal.SIGTERM, stop)
+    print("harness" + " up", flush=True)
+    time.sleep(600)
+""")
+
+
+STUBBORN = textwrap.dedent("""
+    import signal, time
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, signal.SIG_IGN)
+    print("ignoring" + " both", flush=True)
+    time.sleep(600)
+""")
+
+
+def _nox(tmp_path, harness: str, budget: float) -> tuple[subprocess.Popen, Path]:
+    log = tmp_path / "nox.log"
+    with open(log, "w") as out:
+        nox = subprocess.Popen(
+            [sys.executable, "-c", NOX.format(root=str(ROOT), harness=harness, budget=budget)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return nox, log
+
+
+def _harness_pid(log) -> int:
+    return int(re.search(r"passed it on to pid (\d+)\)", log.read_text()).group(1))
+
+
+def test_sigterm_to_nox_alone_is_passed_on_and_nox_exits_143_after_the_harness(tmp_path):
+    """SIGTERM to nox alone (e.g. ``timeout``) reaches the harness through nox; a second one
+    does not cut nox's wait short; nox exits 143 only once the harness has ended."""
+    nox, log = _nox(tmp_path, SLOW_TEARDOWN, budget=20.0)
+    try:
+        wait_for_text(log, "harness up")
+        harness = psutil.Process(nox.pid).children()[0]
+        t0 = time.monotonic()
+        os.kill(nox.pid, signal.SIGTERM)
+        wait_for_text(log, "harness got signal 15", 5)
+        os.kill(nox.pid, signal.SIGTERM)  # again, while it waits
+        assert nox.wait(10) == 143, log.read_text()
+        took = time.monotonic() - t0
+        text = log.read_text()
+        assert not alive(harness) and _harness_pid(log) == harness.pid
+        assert text.index("harness torn down") < text.index("nox got SIGTERM (passed it on to pid")
+        assert "for pd-sessions to end: nox exits 143" in text
+        assert 1.0 <= took < 3.0, took
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(nox.pid, signal.SIGKILL)
+
+
+def test_a_harness_that_outlasts_the_budget_is_killed_and_nox_still_exits_with_the_signal(tmp_path):
+    """nox waits the budget (interrupt_timeout), as on Ctrl-C, then SIGTERM and SIGKILL 0.2 s
+    later (the reaper's case): it never waits longer than that, and exits 129 for SIGHUP."""
+    nox, log = _nox(tmp_path, STUBBORN, budget=1.0)
+    try:
+        wait_for_text(log, "ignoring both")
+        harness = psutil.Process(nox.pid).children()[0]
+        t0 = time.monotonic()
+        os.kill(nox.pid, signal.SIGHUP)
+        assert nox.wait(10) == 129, log.read_text()
+        took = time.monotonic() - t0
+        assert not alive(harness) and _harness_pid(log) == harness.pid
+        assert 1.0 <= took < 1.0 + 1.5, took
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(nox.pid, signal.SIGKILL)
+
+
+def test_child_pids_are_the_live_children_only(tmp_path):
+    parent = subprocess.Popen(
+        [sys.executable, "-c", FAMILY], stdout=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        members = wait_for_members(parent.pid, 3)
+        assert parent.pid in parentwatch.child_pids()
+        children = psutil.Process(parent.pid).children()  # the Popen'd child, the fork that exited
+        assert set(parentwatch.child_pids(parent.pid)) == {c.pid for c in children if alive(c)} != set()
+        assert not set(parentwatch.child_pids()) & (set(members) - {parent.pid})  # no grandchild
+        os.killpg(parent.pid, signal.SIGKILL)
+        wait_until(lambda: psutil.Process(parent.pid).status() == psutil.STATUS_ZOMBIE, 5, "a zombie")
+        assert parent.pid not in parentwatch.child_pids()  # a zombie has ended
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait(5)
+
+
+def test_without_a_signal_nox_keeps_its_own_handlers():
+    before = {s: signal.getsignal(s) for s in parentwatch.NOX_STOP_SIGNALS}
+    said: list[str] = []
+    with parentwatch.nox_waits_for_the_harness(said.append):
+        assert signal.getsignal(signal.SIGTERM) is not before[signal.SIGTERM]
+    assert {s: signal.getsignal(s) for s in parentwatch.NOX_STOP_SIGNALS} == before and said == []
+    with pytest.raises(ValueError), parentwatch.nox_waits_for_the_harness(said.append):
+        raise ValueError("the harness failed")  # not a stop: goes on up as it was
+    assert {s: signal.getsignal(s) for s in parentwatch.NOX_STOP_SIGNALS} == before

@@ -4,6 +4,7 @@ what a session would install, run and log; nothing is installed or started here.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,7 +20,7 @@ from pd_sessions.commands import launch
 from pd_sessions.core.errors import PlanError
 from pd_sessions.core.inventory import Inventory
 from pd_sessions.env import installed, nox_support
-from pd_sessions.runtime import hosts
+from pd_sessions.runtime import hosts, parentwatch
 
 CPU_HOST = Inventory(gpus=(), cpus=(0, 1), gpu_source="test")
 RDMA_HOST = Inventory(gpus=("0", "1"), cpus=(0, 1), gpu_source="test", rdma_devices=("mlx5_0",))
@@ -193,6 +194,62 @@ def test_a_dry_run_in_a_venv_installs_only_the_package_then_plans():
         *("--dry-run", "--only", "1x1", "--grace", "3"),
     )
     assert kw == {"external": False, "env": None, "interrupt_timeout": 3.0 + 5.0 + 5.0}
+
+
+class SignalledSession(FakeSession):
+    """A session during whose run of the harness nox gets ``sig``; then the harness ends with
+    ``harness_status``: non-zero, nox's popen re-raises the KeyboardInterrupt once it has waited;
+    0 (``serve`` stopped), it returns."""
+
+    def __init__(self, posargs, sig: int, harness_status: int, **kw: Any):
+        super().__init__(posargs, **kw)
+        self.sig, self.harness_status = sig, harness_status
+
+    def run(self, *args: str, **kw: Any) -> None:
+        super().run(*args, **kw)
+        if "pd_sessions" in args:
+            try:
+                signal.raise_signal(self.sig)
+            except KeyboardInterrupt:  # what nox's popen does after its wait
+                if self.harness_status != 0:
+                    raise
+
+
+@pytest.fixture
+def nox_handlers(monkeypatch):
+    """nox's handlers as they are without the helpers: SIGTERM/SIGHUP end it at once (here an
+    AssertionError, not this test process's death); put back after the test. No child of this
+    test process is signalled."""
+
+    def dies(signum, frame):
+        raise AssertionError(f"nox died of {signal.Signals(signum).name} while the harness ran")
+
+    monkeypatch.setattr(parentwatch, "child_pids", lambda pid=None: [])
+    saved = {s: signal.signal(s, dies) for s in parentwatch.NOX_STOP_SIGNALS}
+    yield
+    for s, h in saved.items():
+        signal.signal(s, h)
+
+
+@pytest.mark.parametrize(
+    "posargs,kw,sig,harness_status",
+    [
+        (["--dry-run"], {}, signal.SIGTERM, 143),  # a venv
+        (["--no-install", "--skip-check", "accuracy"], {"venv_backend": "none"}, signal.SIGHUP, 129),
+        (["--only", "1x1", "--dry-run"], {"name": "serve"}, signal.SIGTERM, 0),  # serve's normal end
+    ],
+    ids=["venv-SIGTERM", "installed-SIGHUP", "serve-SIGTERM"],
+)
+@pytest.mark.usefixtures("nox_handlers")
+def test_a_stop_signal_while_the_harness_runs_ends_the_session_with_its_status(
+    posargs, kw, sig, harness_status
+):
+    command = "serve" if kw.get("name") == "serve" else "sweep"
+    session = SignalledSession(posargs, sig, harness_status, **kw)
+    assert stopped(nox_support.sweep, session, "mooncake_sweep", ["mooncake"], command=command) == 128 + sig
+    assert session.ran("-m", "pd_sessions", command)
+    assert f"nox got {signal.Signals(sig).name} (no child left) and waited" in session.logged
+    assert f"nox exits {128 + sig}" in session.logged
 
 
 def test_a_dry_run_on_cuda_shows_the_connectors_for_cuda_12_and_13():

@@ -81,10 +81,3 @@ def test_junit_one_case_per_config_and_check(tmp_path):
     assert "0 prompt tokens by KV transfer" in f.message and "KV pull failed: boom" in f.text
     (e,) = [r for r in by[("mooncake_sweep.4x4", "smoke")].result if isinstance(r, Error)]
     assert "SIGKILL" in e.message
-
-
-def test_annotation_is_skipped_without_agent(monkeypatch):
-    from pd_sessions.report.writers import annotate
-
-    monkeypatch.setenv("PATH", "/nonexistent")
-    assert annotate([result([])], sweep="s") is False

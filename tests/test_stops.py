@@ -1,5 +1,7 @@
-"""Every way of stopping a run, driven through nox itself: nothing outlives it (within grace
-+ 2 s), it exits non-zero, and it leaves summary.json, summary.txt and junit.xml.
+"""Every way of stopping a run, driven through nox itself: nox exits with the signal's status
+(128 + N) only once nothing is left and summary.json, summary.txt, junit.xml and report.html are written
+(SIGKILL to nox: it dies at once, and nothing outlives it by more than grace + 2 s); the same
+for the serve session.
 
 The project's own noxfile runs the sweep: its generic ``sweep`` session in installed-environment
 mode (``nox --no-venv -s sweep -- FILE.toml ... --no-install``: this interpreter as found, nothing
@@ -30,7 +32,7 @@ import pytest
 from conftest import ROOT
 from helpers import GRACE, TWO_CONFIGS, NoxRun, assert_nothing_left, fake_stack_env
 
-from pd_sessions.runtime.process import alive
+from pd_sessions.runtime.process import alive, session_family
 
 
 def assert_cancel_recorded(run: NoxRun, cause: str) -> None:
@@ -47,6 +49,8 @@ def assert_cancel_recorded(run: NoxRun, cause: str) -> None:
     assert cases[("fake.1x1", "smoke")].find("error").get("type") == "Cancelled"
     assert cases[("fake.1x1b", "smoke")].find("skipped") is not None
     assert json.loads((run.results / "1x1" / "result.json").read_text())["outcome"] == "cancelled"
+    page = (run.results / "report.html").read_text()  # the page too, saying the same
+    assert page.count('class="config-row"') == 2 and "CANCELLED" in page and "NOT RUN" in page
 
 
 def _start(tmp_path, **kw) -> tuple[NoxRun, psutil.Process, list[psutil.Process]]:
@@ -61,18 +65,26 @@ def _start(tmp_path, **kw) -> tuple[NoxRun, psutil.Process, list[psutil.Process]
     return run, harness, procs
 
 
+def gone_when_nox_exits(run: NoxRun, procs: list[psutil.Process]) -> list[psutil.Process]:
+    """What of ``procs`` (nox's session family) is still alive, read the moment nox has exited."""
+    return [p for p in procs if p.pid != run.proc.pid and alive(p)]
+
+
 @pytest.mark.parametrize(
-    "how,cause,said",
+    "how,status,cause,said",
     [
-        ("ctrl_c", "stopped by SIGINT", "stopped by SIGINT: teardown done"),
-        ("term_group", "stopped by SIGTERM", "stopped by SIGTERM"),
-        ("term_nox", "stopped by SIGTERM: the parent process", "the parent process (pid"),
-        ("kill_nox", "stopped by SIGTERM: the parent process", "the parent process (pid"),
-        ("hup_group", "stopped by SIGHUP", "stopped by SIGHUP"),
+        ("ctrl_c", 130, "stopped by SIGINT", "stopped by SIGINT: teardown done"),
+        ("term_group", 143, "stopped by SIGTERM", "nox got SIGTERM (passed it on to pid"),
+        # e.g. timeout(1): nox passes it on, so the harness hears it while nox waits for it
+        ("term_nox", 143, "stopped by SIGTERM", "nox got SIGTERM (passed it on to pid"),
+        ("hup_group", 129, "stopped by SIGHUP", "nox got SIGHUP (passed it on to pid"),
+        ("kill_nox", -signal.SIGKILL, "stopped by SIGTERM: the parent process", "the parent process (pid"),
     ],
 )
 @pytest.mark.usefixtures("bystander")
-def test_each_way_of_stopping_leaves_nothing_and_records_the_cancel(tmp_path, how, cause, said):
+def test_each_way_of_stopping_leaves_nothing_and_records_the_cancel(tmp_path, how, status, cause, said):
+    """nox exits with the signal's status only once everything is gone and the results are
+    written (SIGKILL aside: nox dies at once; the harness hears it and stops within grace + 2 s)."""
     run, harness, procs = _start(tmp_path)
     pgid = run.proc.pid
     t0 = time.monotonic()
@@ -81,16 +93,39 @@ def test_each_way_of_stopping_leaves_nothing_and_records_the_cancel(tmp_path, ho
         "term_group": lambda: os.killpg(pgid, signal.SIGTERM),  # e.g. a CI agent's cancel
         "term_nox": lambda: os.kill(pgid, signal.SIGTERM),  # e.g. timeout(1): nox alone
         "kill_nox": lambda: os.kill(pgid, signal.SIGKILL),
-        "hup_group": lambda: os.killpg(pgid, signal.SIGHUP),
-    }[how]()  # the terminal closed
-    took = run.all_gone_within(procs, t0, GRACE + 2)
-    assert run.wait(10) != 0
+        "hup_group": lambda: os.killpg(pgid, signal.SIGHUP),  # the terminal closed
+    }[how]()
+    if how == "kill_nox":
+        assert run.wait(10) == status
+        took = run.all_gone_within(procs, t0, GRACE + 2)
+    else:
+        assert run.wait(GRACE + 15) == status, run.text
+        took = time.monotonic() - t0
+        assert gone_when_nox_exits(run, procs) == [], run.text
+    assert_cancel_recorded(run, cause)  # read the moment nox exited (SIGKILL: once all is gone)
     run.reader.join(5)
     assert said in run.text and "teardown done" in run.text, run.text
-    assert_cancel_recorded(run, cause)
     assert_nothing_left(run.results / "1x1")
     assert not alive(harness)
-    print(f"{how}: everything gone {took:.2f} s after the stop")
+    print(f"{how}: nox exited {status}, everything gone {took:.2f} s after the stop")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+@pytest.mark.usefixtures("bystander")
+def test_the_serve_session_waits_for_the_teardown_then_exits_with_the_signal(tmp_path, sig):
+    """``nox -s serve``: the harness ends a stop with 0 (serve's normal end); nox still exits
+    128 + N, once the cluster it held up is gone."""
+    run = NoxRun(tmp_path, session="serve", args=("--only", "1x1"))
+    run.wait_for("serving until Ctrl-C")
+    procs = session_family(psutil.Process(run.proc.pid))
+    assert len(procs) >= 6, procs  # nox, the harness, 2 servers + their engine cores, the router
+    os.killpg(run.proc.pid, sig)
+    assert run.wait(GRACE + 15) == 128 + sig, run.text
+    assert gone_when_nox_exits(run, procs) == [], run.text
+    run.reader.join(5)
+    assert f"stopped by {sig.name}: torn down, nothing left running" in run.text, run.text
+    assert f"nox got {sig.name} (passed it on to pid" in run.text, run.text
+    assert_nothing_left(run.results / "1x1")
 
 
 @pytest.mark.usefixtures("bystander")
@@ -104,7 +139,7 @@ def test_buildkite_cancel_healthy_teardown_fits_well_inside_its_10s_grace(tmp_pa
     with contextlib.suppress(ProcessLookupError):
         os.killpg(run.proc.pid, signal.SIGKILL)  # the agent's SIGKILL: nothing alive is left for it
     assert took < 5.0, f"teardown took {took:.2f} s of Buildkite's 10 s grace"
-    assert run.wait(10) != 0
+    assert run.wait(10) == 143
     run.reader.join(5)
     assert_cancel_recorded(run, "stopped by SIGTERM")
     assert_nothing_left(run.results / "1x1")
@@ -133,6 +168,7 @@ def test_buildkite_sigkill_mid_teardown_the_reaper_finishes_it(tmp_path):
     assert doc["provisional"] and [c["outcome"] for c in doc["configs"]] == ["cancelled", "not run"]
     assert "killed with SIGKILL?" in doc["configs"][0]["error"]
     assert ET.parse(run.results / "junit.xml").getroot().find("testsuite") is not None
+    assert 'id="provisional"' in (run.results / "report.html").read_text()  # the page says so
     assert_nothing_left(run.results / "1x1")
     print(f"SIGKILL mid-teardown: the reaper had everything gone {took:.2f} s after SIGTERM")
 

@@ -19,10 +19,11 @@ from typing import Any
 
 import psutil
 
-from pd_sessions.bench import clusters, multihost, report, routers, startup, teardown
+from pd_sessions.bench import clusters, multihost, page, report, routers, startup, teardown
 from pd_sessions.bench.options import PARTS, bench_parser
 from pd_sessions.checks.accuracy import AccuracyOptions
 from pd_sessions.core.config import ClusterConfig, Sweep, load, select
+from pd_sessions.core.errors import BenchError
 from pd_sessions.core.inventory import Inventory
 from pd_sessions.core.preflight import preflight
 from pd_sessions.run.options import SweepOptions
@@ -119,6 +120,14 @@ def run(args: argparse.Namespace) -> int:
                 progress=say,
             )
             failed |= any(not r["ok"] for r in doc["startup"]["runs"])
+        if "report" in parts:
+            source = args.report_from or (logs / "clusters" if (logs / "clusters").is_dir() else None)
+            if source is None:
+                raise BenchError(
+                    "the report part needs real results: give --report-from DIR (a results "
+                    "directory a sweep wrote), or run it with the clusters part"
+                )
+            doc["report_page"] = page.run(source, logs / "report", repeats=args.repeats, progress=say)
         if "multihost" in parts:
             doc["multihost"] = multihost.run(
                 logs / "multihost",

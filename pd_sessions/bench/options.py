@@ -12,9 +12,9 @@ DESCRIPTION = (
     "``pd-sessions bench`` (``nox -s bench``): run the benchmark and write "
     "bench/results.{json,md} + phases.png."
 )
-PARTS = ("router", "teardown", "clusters", "checks", "startup", "multihost")
+PARTS = ("router", "teardown", "clusters", "checks", "startup", "report", "multihost")
 # multihost (two simulated hosts: root and the [ray] extra) runs only when --parts names it.
-DEFAULT_PARTS = ("router", "teardown", "clusters", "checks", "startup")
+DEFAULT_PARTS = ("router", "teardown", "clusters", "checks", "startup", "report")
 # The checks part: what each check costs over each connector (the clusters part's pd_sessions
 # runs count for its own sweep, so that one is not run again).
 CHECK_SWEEPS = ("mooncake_sweep", "nixl_sweep")
@@ -66,6 +66,14 @@ def bench_parser(prog: str = "pd-sessions bench") -> argparse.ArgumentParser:
         default="mooncake_sweep",
         help="startup part: the nox session whose second-run start-up is measured, with "
         "--only (first name given, default 1x1) and this lane's --platform (default mooncake_sweep)",
+    )
+    p.add_argument(
+        "--report-from",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="report part: the results directory whose configs the 6-config page is built from "
+        "(default: the one this bench's clusters part wrote)",
     )
     p.add_argument("--router-requests", type=int, default=600)
     p.add_argument("--router-concurrent-requests", type=int, default=2000)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pd_sessions.bench import multihost
+from pd_sessions.bench.page import PAGE_GOAL_BYTES, PAGE_GOAL_S
 from pd_sessions.bench.stats import Goal, ratio, summary
 from pd_sessions.core.check_registry import NAMES as CHECK_ORDER
 
@@ -171,6 +172,27 @@ def goals(doc: dict[str, Any]) -> list[Goal]:
                 "(pd_sessions driver), on top of " + " + ".join(BASE_CHECKS),
             )
         )
+    rp = doc.get("report_page")
+    if rp:
+        gs.append(
+            Goal(
+                "report.html: rendering adds to a run",
+                PAGE_GOAL_S,
+                "s",
+                rp["cold_s"]["median"],
+                f"a fresh process imports the writer and Jinja2 and writes the page of {rp['configs']} "
+                "configs (the first write of a run; later ones are the warm figure)",
+            )
+        )
+        gs.append(
+            Goal(
+                f"report.html: size for {rp['configs']} configs",
+                PAGE_GOAL_BYTES / 2**20,
+                "MiB",
+                rp["page_bytes"] / 2**20,
+                "every config failed, so every log's tail is on the page (tails capped)",
+            )
+        )
     td = doc.get("teardown")
     if td:
         gs.append(
@@ -207,6 +229,7 @@ def markdown(doc: dict[str, Any]) -> str:
         lines += cluster_markdown(name, c)
     lines += checks_markdown(doc.get("checks_cost", {}))
     lines += startup_markdown(doc.get("startup"))
+    lines += page_markdown(doc.get("report_page"))
     lines += multihost.markdown(doc.get("multihost"))
     lines += teardown_markdown(doc.get("teardown"))
     lines += router_markdown(doc.get("router"))
@@ -253,17 +276,17 @@ def goals_markdown(gs: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def _goal_limit(g: dict[str, Any]) -> str:
-    """A goal's limit: a percentage for a fraction, else seconds."""
-    return f"{g['limit'] * 100:g} %" if g["unit"].startswith("fraction") else f"{g['limit']:g} s"
+    """A goal's limit: a percentage for a fraction, else in its unit."""
+    return f"{g['limit'] * 100:g} %" if g["unit"].startswith("fraction") else f"{g['limit']:g} {g['unit']}"
 
 
 def _goal_measured(g: dict[str, Any]) -> str:
-    """A goal's measured median: '-' when not measured, a percentage for a fraction, else seconds."""
+    """A goal's measured median: '-' when not measured, a percentage for a fraction, else in its unit."""
     if g["measured"] is None:
         return "-"
     if g["unit"].startswith("fraction"):
         return f"{g['measured'] * 100:.2f} %"
-    return f"{g['measured']:.3f} s"
+    return f"{g['measured']:.3f} {g['unit']}"
 
 
 def cluster_markdown(name: str, c: dict[str, Any]) -> list[str]:
@@ -403,6 +426,20 @@ def checks_markdown(cost: dict[str, Any]) -> list[str]:
         )
     lines.append("")
     return lines
+
+
+def page_markdown(rp: dict[str, Any] | None) -> list[str]:
+    """What report.html costs: a cold write (fresh process), a warm one, its size."""
+    if not rp:
+        return []
+    return [
+        f"## report.html of {rp['configs']} configs (from {rp['source']})",
+        "",
+        "| first write, fresh process (s) | later writes (s) | size |",
+        "| --- | --- | --- |",
+        f"| **{_fmt(rp['cold_s'])}** | {_fmt(rp['warm_s'])} | **{rp['page_bytes'] / 1024:.0f} KiB** |",
+        "",
+    ]
 
 
 def startup_markdown(su: dict[str, Any] | None) -> list[str]:

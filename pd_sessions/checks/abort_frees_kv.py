@@ -17,7 +17,7 @@ from typing import Any
 
 from pd_sessions.checks.instances import KV_USAGE, RUNNING, scrape_gauges
 from pd_sessions.checks.window import CheckWindow
-from pd_sessions.core.results import FAIL, PASS, CheckResult
+from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, pick, reporting
 from pd_sessions.runtime import http as pdhttp
 
 # KV usage is a fraction of blocks in use; one block of 1 GiB CPU cache is far below this.
@@ -42,6 +42,23 @@ def settled(idle: Mapping[str, float], now: Mapping[str, float]) -> str | None:
     return None
 
 
+def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
+    """What the report shows: the streams aborted, how long the instances took to be idle, and
+    what each held at the end."""
+    out: list[Figure | Table] = [
+        *pick(
+            details, ("requests", ""), ("aborted_after_first_tokens", ""), ("waited_s", "s"), ("bound_s", "s")
+        )
+    ]
+    held = details.get("held") or {}
+    if held:
+        out.append(
+            Table("held at the end", ("instance", "held"), tuple((n, h or "idle") for n, h in held.items()))
+        )
+    return out
+
+
+@reporting(numbers)
 def evaluate(
     aborted: int,
     requests: int,
@@ -158,4 +175,6 @@ def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
         time.sleep(POLL_S)
     result = evaluate(n - len(errors), n, errors, held, bound_s=bound, waited_s=waited, last=last)
     result.details["first_token_s"] = sorted(first_token_s)
+    if first_token_s:
+        result.figures.append(Figure("first_token_s_max", max(first_token_s), "s"))
     return result

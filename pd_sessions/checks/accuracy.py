@@ -30,7 +30,7 @@ from pd_sessions.checks.offline_task import TASK as OFFLINE_TASK
 from pd_sessions.checks.offline_task import write_task
 from pd_sessions.core.config import TINY_MODELS
 from pd_sessions.core.errors import ConfigError
-from pd_sessions.core.results import FAIL, PASS, CheckResult
+from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, pick, reporting
 
 if TYPE_CHECKING:  # types only: the CLI imports AccuracyOptions on a bare interpreter (test_bare_imports)
     from pd_sessions.checks.window import CheckWindow
@@ -105,6 +105,29 @@ def wilson_lower(successes: float, n: int, z: float = 1.96) -> float:
     return max(0.0, (centre - margin) / denom)
 
 
+def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
+    """What the report shows: the value measured against its baseline and bounds, the samples;
+    per-sample identity: the samples and how many differ."""
+    out: list[Figure | Table] = [
+        *pick(
+            details,
+            ("metric", ""),
+            ("measured", ""),
+            ("baseline", ""),
+            ("lower", ""),
+            ("upper", ""),
+            ("wilson_lower", ""),
+            ("required", ""),
+            ("samples", ""),
+            ("baseline_samples", ""),
+        )
+    ]
+    if "differing_doc_ids" in details:
+        out.append(Figure("samples_differing", len(details["differing_doc_ids"])))
+    return out
+
+
+@reporting(numbers)
 def compare(
     measured: float,
     n: int,
@@ -206,6 +229,7 @@ def responses(results: Mapping[str, Any], task: str) -> dict[int, list[Any]]:
     return {int(s["doc_id"]): s.get("resps") for s in results.get("samples", {}).get(task, [])}
 
 
+@reporting(numbers)
 def compare_samples(pd: Mapping[int, Any], base: Mapping[int, Any], *, baseline: str) -> CheckResult:
     """Per-sample identity of two greedy runs (the CPU lane's accuracy rule)."""
     details: dict[str, Any] = {"samples": len(pd), "baseline": baseline}

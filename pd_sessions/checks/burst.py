@@ -18,7 +18,7 @@ from pd_sessions.checks import evidence, instances, kv_transfer, parity
 from pd_sessions.checks.completions import Completion
 from pd_sessions.checks.instances import REQUEST_TIMEOUT_S
 from pd_sessions.checks.window import CheckWindow
-from pd_sessions.core.results import FAIL, PASS, CheckResult
+from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, pick, reporting
 from pd_sessions.runtime import http
 
 
@@ -32,6 +32,16 @@ def prompts(n: int) -> list[str]:
     ]
 
 
+def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
+    """What the report shows: the requests, how many failed, how long the burst took."""
+    return [
+        *pick(details, ("requests", "")),
+        Figure("failed", len(details.get("failed") or [])),
+        *pick(details, ("burst_seconds", "s")),
+    ]
+
+
+@reporting(numbers)
 def evaluate(
     pairs: Sequence[tuple[str, Completion | None, parity.Reference]],
     errors: Sequence[str],

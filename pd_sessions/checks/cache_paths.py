@@ -26,7 +26,7 @@ from pd_sessions.checks import parity
 from pd_sessions.checks.completions import MAX_TOKENS, Completion
 from pd_sessions.checks.instances import REQUEST_TIMEOUT_S, block_size, tokenize
 from pd_sessions.checks.window import CheckWindow
-from pd_sessions.core.results import FAIL, PASS, CheckResult
+from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, pick, reporting
 from pd_sessions.runtime import http
 
 # One word per token in every tokenizer we have met (the space is part of the word).
@@ -88,6 +88,31 @@ def situation_errors(
     return errors
 
 
+def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
+    """What the report shows: the mode and a row per prefix-cache situation."""
+    situations = details.get("situations") or []
+    out: list[Figure | Table] = [*pick(details, ("mode", ""))]
+    if situations:
+        out.append(
+            Table(
+                "situations",
+                ("situation", "prompt tokens", "block size", "compared with", "same"),
+                tuple(
+                    (
+                        s.get("name"),
+                        s.get("prompt_tokens"),
+                        s.get("block_size"),
+                        s.get("baseline"),
+                        s.get("same"),
+                    )
+                    for s in situations
+                ),
+            )
+        )
+    return out
+
+
+@reporting(numbers)
 def evaluate(
     situations: Sequence[Situation], build_errors: Sequence[str] = (), *, judge: parity.Judge | None = None
 ) -> CheckResult:

@@ -14,13 +14,14 @@ Parsing is pure; the scrapes and requests make one request each, or read one pla
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from pd_sessions.core.plan import CPU_DEFAULT_BLOCK_SIZE, ClusterPlan, ProcessSpec
-from pd_sessions.core.results import FAIL, CheckResult
+from pd_sessions.core.results import FAIL, CheckResult, Table
 from pd_sessions.runtime import http
 
 # vLLM counts each prompt token a request did not compute itself by source;
@@ -186,14 +187,18 @@ def apply_served(
     result.details["served_by_instance"] = {
         n: after.get(n, 0.0) - before[n] - direct.get(n, 0.0) for n in before
     }
+    result.tables.append(
+        Table(
+            "served by instance", ("instance", "served"), tuple(result.details["served_by_instance"].items())
+        )
+    )
     idle = idle_instances(before, after, requests=requests, roles=roles, direct=direct)
     if idle and result.passed:
-        return CheckResult(
-            result.name,
-            FAIL,
-            f"{', '.join(idle)} served none of {requests} router "
+        return dataclasses.replace(
+            result,
+            verdict=FAIL,
+            message=f"{', '.join(idle)} served none of {requests} router "
             f"requests (counter unchanged: {PREFILL_METRIC} on prefills, external KV "
             f"tokens on decodes): the router ignores it; {result.message}",
-            result.details,
         )
     return result

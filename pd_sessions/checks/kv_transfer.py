@@ -29,13 +29,45 @@ from pd_sessions.checks.evidence import (
 )
 from pd_sessions.checks.instances import METRIC, SOURCE
 from pd_sessions.checks.window import CheckWindow
-from pd_sessions.core.results import FAIL, PASS, CheckResult
+from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, pick, reporting
 
 # A connector may recompute the last prompt token locally; allow that much per request.
 SLACK_PER_REQUEST = 1
 CONTROL_PROMPT = "A request sent straight to the decode instance, not through the router:"
 
 
+def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
+    """What the report shows: the router requests and their prompt tokens, the tokens the decodes
+    received by KV transfer (needed and per decode), and the connector's success evidence."""
+    out: list[Figure | Table] = [
+        *pick(
+            details,
+            ("router_requests", ""),
+            ("router_prompt_tokens", "tokens"),
+            ("required", "tokens"),
+            ("delta", "tokens"),
+        )
+    ]
+    success = details.get("success") or {}
+    nixl = success.get("nixl_delta") or {}
+    if NIXL_SUCCESS_COUNT in nixl:
+        out.append(Figure("nixl_transfers", nixl[NIXL_SUCCESS_COUNT]))
+    if NIXL_SUCCESS_BYTES in nixl:
+        out.append(Figure("nixl_bytes", nixl[NIXL_SUCCESS_BYTES], "bytes"))
+    out += pick(success, ("mooncake_successful_transfers", ""), ("mooncake_failed_transfers", ""))
+    before, after = details.get("before") or {}, details.get("after") or {}
+    if before:
+        out.append(
+            Table(
+                "external KV tokens by decode",
+                ("decode", "before", "after", "delta"),
+                tuple((n, b, after.get(n), (after.get(n) or 0.0) - b) for n, b in before.items()),
+            )
+        )
+    return out
+
+
+@reporting(numbers)
 def evaluate(
     before: Mapping[str, float],
     after: Mapping[str, float],

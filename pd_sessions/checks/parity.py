@@ -29,7 +29,7 @@ from typing import Any
 from pd_sessions.checks import instances
 from pd_sessions.checks.completions import MAX_TOKENS, Completion
 from pd_sessions.checks.window import CheckWindow
-from pd_sessions.core.results import FAIL, PASS, CheckResult
+from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, pick, reporting
 from pd_sessions.runtime import http
 
 # Distinct prompts (distinct prefixes too) so no router request can be served from
@@ -135,6 +135,32 @@ def _first_diff(a: Sequence[Any], b: Sequence[Any]) -> int:
     return min(len(a), len(b))
 
 
+def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
+    """What the report shows: the mode, the prompts compared and, in margin mode, the tokens,
+    near-ties and the largest gap against the margin; a row per prompt."""
+    prompts = details.get("prompts") or []
+    out: list[Figure | Table] = [
+        *pick(details, ("mode", "")),
+        Figure("prompts", len(prompts)),
+        Figure("prompts_same", sum(1 for p in prompts if p.get("same"))),
+        *pick(details, ("tokens", "tokens"), ("near_ties", ""), ("max_gap", "nats"), ("margin", "nats")),
+    ]
+    if prompts:
+        margin = details.get("mode") == "margin"
+        out.append(
+            Table(
+                "prompts",
+                ("prompt", "same", *(("tokens", "max gap (nats)") if margin else ())),
+                tuple(
+                    (p.get("prompt"), p.get("same"), *((p.get("tokens"), p.get("max_gap")) if margin else ()))
+                    for p in prompts
+                ),
+            )
+        )
+    return out
+
+
+@reporting(numbers)
 def evaluate_exact(
     pairs: Sequence[tuple[str, Completion, Completion]], *, baseline: str, why: str = ""
 ) -> CheckResult:
@@ -250,6 +276,7 @@ def forced_tokens(resp: Mapping[str, Any], n_prompt: int, pd_ids: Sequence[int])
     return out
 
 
+@reporting(numbers)
 def evaluate_margin(
     rows: Sequence[tuple[str, Sequence[ForcedToken]]],
     *,

@@ -7,11 +7,17 @@ from typing import Any
 
 from pd_sessions.checks.completions import MAX_TOKENS, Completion
 from pd_sessions.checks.window import CheckWindow
-from pd_sessions.core.results import FAIL, PASS, CheckResult
+from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, pick, reporting
 
 SMOKE_PROMPT = "Hello from pd-sessions: the smoke test says"
 
 
+def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
+    """What the report shows: the completion's token counts."""
+    return [*pick(details, ("completion_tokens", "tokens"), ("prompt_tokens", "tokens"))]
+
+
+@reporting(numbers)
 def evaluate(c: Completion, *, max_tokens: int = MAX_TOKENS) -> CheckResult:
     """Pass when the router answered with exactly ``max_tokens`` generated tokens."""
     details = {"text": c.text, "completion_tokens": c.completion_tokens, "prompt_tokens": c.prompt_tokens}

@@ -15,7 +15,7 @@ from typing import Any
 
 from pd_sessions.checks.instances import REQUEST_TIMEOUT_S, health, tokenize
 from pd_sessions.checks.window import CheckWindow
-from pd_sessions.core.results import FAIL, PASS, CheckResult
+from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, pick, reporting
 from pd_sessions.runtime import http
 
 WORD = " hello"
@@ -30,6 +30,21 @@ class Answer:
     body: str = ""  # the error body (first 300 characters) or why there was none
 
 
+def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
+    """What the report shows: the answer's status and time against the bound, the prompt's length."""
+    return [
+        *pick(
+            details,
+            ("status", ""),
+            ("seconds", "s"),
+            ("bound_s", "s"),
+            ("prompt_tokens", "tokens"),
+            ("max_model_len", "tokens"),
+        )
+    ]
+
+
+@reporting(numbers)
 def evaluate(
     answer: Answer,
     *,

@@ -122,7 +122,10 @@ class CheckWindow:
         a failure that is a request timeout  -> "; stuck: <diagnosis>" added; the path is stuck
         """
         if self.stuck:
-            self.results.append(CheckResult(name, FAIL, f"not run: the P/D path is stuck ({self.stuck})"))
+            r = CheckResult(
+                name, FAIL, f"not run: the P/D path is stuck ({self.stuck})", started_at=time.time()
+            )
+            self.results.append(r)
             return
         r = _run(name, check)
         self.results.append(r)
@@ -134,8 +137,8 @@ class CheckWindow:
 
 
 def _run(name: str, check: Callable[[], CheckResult]) -> CheckResult:
-    """``check()`` with its seconds; what it raised as its result (see CheckWindow.timed)."""
-    t0 = time.monotonic()
+    """``check()`` with its start and seconds; what it raised as its result (see CheckWindow.timed)."""
+    started, t0 = time.time(), time.monotonic()
     try:
         r = check()
     except (http.HttpError, instances.MetricMissing) as e:
@@ -145,4 +148,5 @@ def _run(name: str, check: Callable[[], CheckResult]) -> CheckResult:
     except Exception as e:  # unforeseen (e.g. from lm_eval): this check fails, the others run
         r = crashed(name, e)
     r.seconds = time.monotonic() - t0
+    r.started_at = started
     return r

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import socket
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -17,8 +18,9 @@ from pd_sessions.core.inventory import Inventory
 from pd_sessions.core.results import ConfigResult
 from pd_sessions.core.selection import Selection
 from pd_sessions.env.envfacts import facts
-from pd_sessions.report import unfinished
-from pd_sessions.report.writers import annotate, table, write_junit, write_summary
+from pd_sessions.report import buildkite, unfinished
+from pd_sessions.report.html import PAGE
+from pd_sessions.report.writers import table
 from pd_sessions.run import user_commands
 from pd_sessions.run.hosts import hosts_for, phase_one
 from pd_sessions.run.options import SweepOptions, make_plan
@@ -49,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         return dry_run(sel, opts)
     unfinished.check_writable(opts.results_dir)  # exit 2 before anything starts
     say(f"results and logs: {opts.results_dir}")
-    results = run_configs(sel, opts, metadata(args, sel, env))
+    results = run_configs(sel, opts, metadata(args, sel, env, opts.checks), upload=args.upload_artifacts)
     failed = [r.name for r in results if r.outcome != "passed"]
     say(
         f"{len(results) - len(failed)}/{len(results)} configs passed"
@@ -157,11 +159,15 @@ def plan_text(config: ClusterConfig, inv: Inventory, opts: SweepOptions, hosts: 
     return plan.render()
 
 
-def metadata(args: argparse.Namespace, sel: Selection, env: dict[str, Any]) -> dict[str, Any]:
+def metadata(
+    args: argparse.Namespace, sel: Selection, env: dict[str, Any], checks: Sequence[str]
+) -> dict[str, Any]:
     """The run's facts, recorded in summary.json (and in the provisional summary of a stopped run)."""
     return {
         "sweep": sel.sweep.name,
         "platform": sel.platform,
+        "hostname": socket.gethostname(),
+        "checks": list(checks),
         "pd_sessions": __version__,
         "allow_unpinned_remote_code": args.allow_unpinned_remote_code,
         "accuracy_mode": args.accuracy,
@@ -174,7 +180,9 @@ def metadata(args: argparse.Namespace, sel: Selection, env: dict[str, Any]) -> d
     }
 
 
-def run_configs(sel: Selection, opts: SweepOptions, meta: dict[str, Any]) -> list[ConfigResult]:
+def run_configs(
+    sel: Selection, opts: SweepOptions, meta: dict[str, Any], *, upload: bool = False
+) -> list[ConfigResult]:
     """Run every selected config under the lifeline; whatever happens, write what there is."""
     results: list[ConfigResult] = []
     provisional = unfinished.Provisional(
@@ -201,20 +209,21 @@ def run_configs(sel: Selection, opts: SweepOptions, meta: dict[str, Any]) -> lis
         raise
     finally:
         if results:
-            write_results(results, sel.sweep.name, opts, meta)
+            write_results(results, sel.sweep.name, opts, meta, upload=upload)
     return results
 
 
-def write_results(results: list[ConfigResult], suite: str, opts: SweepOptions, meta: dict[str, Any]) -> None:
-    """summary.json/.txt, junit.xml, the table on stdout and, under Buildkite, an annotation."""
-    write_summary(results, opts.results_dir, meta)
-    write_junit(
-        results,
-        opts.results_dir / "junit.xml",
-        suite=suite,
-        expected_checks=opts.checks,
-        skipped_checks=opts.skip_checks,
+def write_results(
+    results: list[ConfigResult], suite: str, opts: SweepOptions, meta: dict[str, Any], *, upload: bool = False
+) -> None:
+    """summary.json/.txt, junit.xml, report.html, the table on stdout and, under Buildkite, an
+    annotation linking the page (and with ``upload``, the results directory uploaded)."""
+    page = unfinished.write_all(
+        results, opts.results_dir, meta, suite=suite, checks=opts.checks, skipped=opts.skip_checks
     )
     print("\n" + table(results), flush=True)
-    if annotate(results, sweep=suite):
+    say(f"report: {page}" if page else f"report: {PAGE} could not be written (see the warning above)")
+    if buildkite.annotate(results, sweep=suite, page=page):
         say("summary added as a Buildkite annotation")
+    if upload:
+        say(buildkite.upload(opts.results_dir))

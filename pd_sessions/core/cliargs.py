@@ -207,6 +207,13 @@ def add_sweep_options(s: argparse.ArgumentParser) -> None:
         help="shorthand for --exec 'python -m pytest PATH... --junitxml={junitxml}' with "
         "this environment's python (repeatable)",
     )
+    s.add_argument_group("results").add_argument(
+        "--upload-artifacts",
+        action="store_true",
+        help="as the sweep ends, upload the results directory (report.html, logs, JUnit) with "
+        "`buildkite-agent artifact upload` when it is on PATH: for Buildkite steps without "
+        "artifact_paths (vLLM's test_areas)",
+    )
     u.add_argument(
         "--exec-timeout",
         type=positive_seconds,

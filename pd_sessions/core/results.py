@@ -1,11 +1,61 @@
+"""The results model: one record per check and per config, and the schema they are written in.
+
+What a check measured goes into one generic structure that any reader can show without knowing
+the check: named :class:`Figure` s (a value and its unit) and small :class:`Table` s; ``details``
+keeps the check's own raw record beside them. Every phase, process and check records when it
+started (wall-clock seconds since the epoch) as well as how long it took, so that a timeline can
+be drawn. ``result.json`` and ``summary.json`` carry :data:`SCHEMA_VERSION`.
+"""
+
 from __future__ import annotations
 
+import functools
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ParamSpec
 
 PASS, FAIL = "pass", "fail"
+
+# The version of result.json and summary.json ("schema"): 1 (no key) had no figures, tables,
+# start times or processes; 2 added them.
+SCHEMA_VERSION = 2
+
+Value = float | int | str | bool | None
+P = ParamSpec("P")
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One thing a check measured: ``name`` (a details key, e.g. "max_gap"), its value and unit
+    ("s", "tokens", "nats", "bytes", "GB/s", "%"; "" for a count, a ratio or a text)."""
+
+    name: str
+    value: Value
+    unit: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "value": self.value, "unit": self.unit}
+
+
+@dataclass(frozen=True)
+class Table:
+    """A small table a check measured: rows of values under named columns (a unit, if any, is
+    part of the column's name: "ttft p50 (ms)")."""
+
+    title: str
+    columns: tuple[str, ...]
+    rows: tuple[tuple[Value, ...], ...]
+
+    def __post_init__(self) -> None:
+        for i, row in enumerate(self.rows):
+            if len(row) != len(self.columns):
+                raise ValueError(
+                    f"table {self.title!r}: row {i} has {len(row)} values for {len(self.columns)} columns"
+                )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"title": self.title, "columns": list(self.columns), "rows": [list(r) for r in self.rows]}
 
 
 @dataclass
@@ -13,8 +63,11 @@ class CheckResult:
     name: str  # "smoke", "parity", "kv_transfer", ...
     verdict: str  # "pass" | "fail"
     message: str  # one line a person reads first
-    details: dict[str, Any] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)  # the check's own raw record
     seconds: float = 0.0
+    figures: list[Figure] = field(default_factory=list)  # what it measured, for any reader
+    tables: list[Table] = field(default_factory=list)
+    started_at: float | None = None  # time.time() when it started
 
     @property
     def passed(self) -> bool:
@@ -25,9 +78,47 @@ class CheckResult:
             "name": self.name,
             "verdict": self.verdict,
             "message": self.message,
+            "started_at": None if self.started_at is None else round(self.started_at, 3),
             "seconds": round(self.seconds, 3),
+            "figures": [f.to_dict() for f in self.figures],
+            "tables": [t.to_dict() for t in self.tables],
             "details": self.details,
         }
+
+
+Numbers = Callable[[Mapping[str, Any]], Sequence[Figure | Table]]
+
+
+def reporting(numbers: Numbers) -> Callable[[Callable[P, CheckResult]], Callable[P, CheckResult]]:
+    """Decorates a check's pure ``evaluate``: every result it returns also carries the figures
+    and tables that ``numbers`` (pure, beside it) reads from the result's details, whichever
+    branch returned it. ``numbers`` must cope with the keys a failing branch leaves out."""
+
+    def wrap(evaluate: Callable[P, CheckResult]) -> Callable[P, CheckResult]:
+        @functools.wraps(evaluate)
+        def evaluated(*args: P.args, **kwargs: P.kwargs) -> CheckResult:
+            r = evaluate(*args, **kwargs)
+            for n in numbers(r.details):
+                if isinstance(n, Figure):
+                    r.figures.append(n)
+                else:
+                    r.tables.append(n)
+            return r
+
+        return evaluated
+
+    return wrap
+
+
+def pick(details: Mapping[str, Any], *spec: tuple[str, str]) -> list[Figure]:
+    """A Figure for each (key, unit) of ``spec`` whose value in ``details`` is a number or a text
+    (absent keys and None are left out), in ``spec``'s order."""
+    out = []
+    for key, unit in spec:
+        v = details.get(key)
+        if isinstance(v, (int, float, str)):
+            out.append(Figure(key, round(v, 6) if isinstance(v, float) else v, unit))
+    return out
 
 
 def crashed(name: str, exc: BaseException) -> CheckResult:
@@ -54,6 +145,29 @@ PHASES = ("plan", "start", "router", "checks", "teardown")
 
 
 @dataclass
+class ProcessRecord:
+    """One process of a config's cluster: where it ran, its log, when it started and how long
+    it took to be ready (None: never noticed ready)."""
+
+    name: str  # "prefill-0", "decode-0", "router"
+    role: str  # "prefill" | "decode" | "router"
+    host: str  # the address it served on
+    log: str  # its log file's name, in the config's run directory
+    started_at: float | None = None  # time.time() when spawned
+    ready_s: float | None = None  # seconds from spawn to ready
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "role": self.role,
+            "host": self.host,
+            "log": self.log,
+            "started_at": None if self.started_at is None else round(self.started_at, 3),
+            "ready_s": None if self.ready_s is None else round(self.ready_s, 3),
+        }
+
+
+@dataclass
 class ConfigResult:
     name: str
     shape: str
@@ -67,6 +181,10 @@ class ConfigResult:
     warnings: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)  # per-process readiness etc.
     overrides: list[str] = field(default_factory=list)  # the command line's, described
+    model: str = ""  # what the instances served (path or hub id)
+    started_at: float | None = None  # time.time() when the config started (its plan phase)
+    phase_starts: dict[str, float] = field(default_factory=dict)  # PHASES -> time.time() at its start
+    processes: list[ProcessRecord] = field(default_factory=list)
 
     def decide(self, expected_checks: Sequence[str]) -> None:
         """passed only if no error and every expected check ran and passed."""
@@ -87,13 +205,18 @@ class ConfigResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "schema": SCHEMA_VERSION,
             "name": self.name,
             "shape": self.shape,
             "connector": self.connector,
             "platform": self.platform,
+            "model": self.model,
             "outcome": self.outcome,
             "error": self.error,
+            "started_at": None if self.started_at is None else round(self.started_at, 3),
             "phases": {k: round(v, 3) for k, v in self.phases.items()},
+            "phase_starts": {k: round(v, 3) for k, v in self.phase_starts.items()},
+            "processes": [p.to_dict() for p in self.processes],
             "total_seconds": round(self.total_seconds, 3),
             "timings": {k: round(v, 3) for k, v in self.timings.items()},
             "checks": [c.to_dict() for c in self.checks],

@@ -310,17 +310,19 @@ def sweep(
     else:
         accuracy = "accuracy" not in getattr(args, "skip_check", ["accuracy"])
         connectors(session, target, platform, names, accuracy=accuracy)
-    # parentwatch.nox_run_options: on Ctrl-C, nox waits for the teardown instead of SIGKILLing it.
-    target.run(
-        "-m",
-        "pd_sessions",
-        command,
-        name,
-        *extra,
-        *target.rest,
-        env=target.env,
-        **parentwatch.nox_run_options(target.rest),
-    )
+    # On Ctrl-C (nox_run_options), SIGTERM and SIGHUP (nox_waits_for_the_harness), nox waits for
+    # the teardown and the results instead of SIGKILLing the harness or exiting before it.
+    with parentwatch.nox_waits_for_the_harness(session.log):
+        target.run(
+            "-m",
+            "pd_sessions",
+            command,
+            name,
+            *extra,
+            *target.rest,
+            env=target.env,
+            **parentwatch.nox_run_options(target.rest),
+        )
 
 
 def imports(session: Session, names: Sequence[str]) -> None:

@@ -57,24 +57,26 @@ class CiJob:
     def results_dir(self) -> str:
         return f"{RESULTS}/{self.key}"
 
-    @property
-    def _tail(self) -> str:
+    def _tail(self, *, upload: bool = False) -> str:
+        """The session's posargs; ``upload``: a sweep uploads its results directory itself."""
         args = list(self.posargs)
         if self.gpus:
             args = ["--platform", "cuda", *args]
         if self.session != "tests":
-            args += ["--results-dir", self.results_dir]
+            args += ["--results-dir", self.results_dir] + (["--upload-artifacts"] if upload else [])
         return f" -- {shlex.join(args)}" if args else ""
 
     @property
     def command(self) -> str:
-        """The standalone pipeline's command: the session builds its own environment."""
-        return f"nox -s {self.session}{self._tail}"
+        """The standalone pipeline's command: the session builds its own environment; the step's
+        artifact_paths upload the results directory."""
+        return f"nox -s {self.session}{self._tail()}"
 
     @property
     def image_commands(self) -> list[str]:
-        """In vLLM's image: nox into the image's interpreter, then the installed-environment mode."""
-        return [IMAGE_NOX_INSTALL, f"python3 -m nox --no-venv -s {self.session}{self._tail}"]
+        """In vLLM's image: nox into the image's interpreter, then the installed-environment mode;
+        vLLM's test_areas have no artifact_paths, so the sweep uploads its results itself."""
+        return [IMAGE_NOX_INSTALL, f"python3 -m nox --no-venv -s {self.session}{self._tail(upload=True)}"]
 
 
 HARNESS_PATHS = ("pd_sessions/**", "noxfile.py", "requirements/**", "pyproject.toml")
@@ -87,6 +89,9 @@ JOBS: tuple[CiJob, ...] = (
         posargs=("--junitxml", f"{RESULTS}/cpu-lane/junit.xml"),
         pool="cpu",
         timeout_min=90,
+        # the end-to-end tests' shared runs (their report.html and its browser screenshot, the
+        # logs) go below the uploaded results directory (tests/conftest.py)
+        env=(("PD_SESSIONS_E2E_RESULTS", f"{RESULTS}/cpu-lane/e2e"),),
     ),
     CiJob(
         key="distributed-mooncakeconnector-pd-accuracy-4-gpus",

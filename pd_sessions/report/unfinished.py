@@ -1,5 +1,5 @@
 """What a stopped or broken sweep still records: every way out leaves summary.json,
-summary.txt and junit.xml.
+summary.txt, junit.xml and report.html.
 
 - A cancel (Ctrl-C, SIGTERM, the parent gone): configs that finished keep their results; the
   one it interrupted is ``cancelled`` (its finished checks kept, the rest errors of type
@@ -26,6 +26,7 @@ from pd_sessions.core.cliargs import positive_seconds  # noqa: F401  (the sweep'
 from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.errors import UsageError
 from pd_sessions.core.results import CANCELLED, NOT_RUN, RUNNING, ConfigResult
+from pd_sessions.report import html
 from pd_sessions.report.writers import write_junit, write_summary
 
 # What a provisional summary says (see Provisional): still there, it means pd-sessions was killed.
@@ -125,12 +126,14 @@ def write_all(
     suite: str,
     checks: Sequence[str],
     skipped: Sequence[str],
-) -> None:
-    """summary.json, summary.txt and junit.xml for ``results``."""
+) -> Path | None:
+    """summary.json, summary.txt, junit.xml and report.html for ``results``; the page's path
+    (None if it could not be written: logged)."""
     write_summary(results, results_dir, meta)
     write_junit(
         results, results_dir / "junit.xml", suite=suite, expected_checks=checks, skipped_checks=skipped
     )
+    return html.write_or_log(results_dir)
 
 
 class Provisional:

@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import subprocess
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pd_sessions.core.results import CANCELLED, ERROR, NOT_RUN, PASSED, PHASES, CheckResult, ConfigResult
+from pd_sessions.core.results import (
+    CANCELLED,
+    ERROR,
+    NOT_RUN,
+    PASSED,
+    PHASES,
+    SCHEMA_VERSION,
+    CheckResult,
+    ConfigResult,
+)
 from pd_sessions.runtime.logtail import log_tail
 
 
@@ -45,6 +52,7 @@ def write_summary(results: Sequence[ConfigResult], results_dir: Path, meta: dict
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / "summary.json"
     doc = {
+        "schema": SCHEMA_VERSION,
         **meta,
         "passed": all(r.outcome == PASSED for r in results) and bool(results),
         "configs": [r.to_dict() for r in results],
@@ -147,21 +155,3 @@ def external_cases(check: CheckResult, *, classname: str) -> list[ET.Element]:
         case.set("classname", f"{classname}.{case.get('classname', '')}".rstrip("."))
         out.append(case)
     return out
-
-
-def annotate(results: Sequence[ConfigResult], *, sweep: str) -> bool:
-    """Add a Buildkite annotation with the summary table when buildkite-agent is on PATH.
-
-    Returns whether an annotation was made; without the agent nothing happens."""
-    agent = shutil.which("buildkite-agent")
-    if agent is None:
-        return False
-    ok = all(r.outcome == PASSED for r in results) and bool(results)
-    body = f"**{sweep}**: {'passed' if ok else 'FAILED'}\n\n```\n{table(results)}\n```\n"
-    subprocess.run(
-        [agent, "annotate", "--style", "success" if ok else "error", "--context", f"pd-sessions-{sweep}"],
-        input=body,
-        text=True,
-        check=False,
-    )
-    return True

@@ -14,7 +14,8 @@ from pd_sessions.checks.runner import run_checks
 from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.errors import PdError
 from pd_sessions.core.inventory import Inventory
-from pd_sessions.core.results import RUNNING, CheckResult, ConfigResult
+from pd_sessions.core.plan import ClusterPlan
+from pd_sessions.core.results import RUNNING, CheckResult, ConfigResult, ProcessRecord
 from pd_sessions.report import unfinished
 from pd_sessions.report.writers import write_config_result
 from pd_sessions.run import user_commands
@@ -58,6 +59,7 @@ def run_config(
     run_dir = opts.results_dir / config.name
     res.run_dir = str(run_dir)
     t = time.monotonic()
+    res.started_at = res.phase_starts["plan"] = time.time()
     ports = PortAllocator(config.host)
     remote: dict[str, RemotePorts] = {}
     try:
@@ -69,9 +71,11 @@ def run_config(
         finally:
             res.phases["plan"] = time.monotonic() - t
         res.warnings = list(plan.warnings)
+        res.model = plan.model
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "plan.txt").write_text(plan.render() + "\n")
         checks: list[CheckResult] = []
+        res.phase_starts["start"] = time.time()
         try:
             with running_cluster(
                 plan,
@@ -81,10 +85,11 @@ def run_config(
                 grace_s=opts.grace_s,
                 progress=progress,
                 timings=res.timings,
-                on_event=on_event,
+                on_event=_recorder(res, plan, on_event),
                 launcher=hosts.launcher(run_dir, remote) if hosts else LOCAL,
             ) as cluster:
                 t = time.monotonic()
+                res.phase_starts["checks"] = time.time()
                 try:
                     cluster.guard(
                         lambda: run_checks(
@@ -138,14 +143,41 @@ def run_config(
     return res
 
 
+def _recorder(
+    res: ConfigResult, plan: ClusterPlan, on_event: Callable[[Event], None] | None
+) -> Callable[[Event], None]:
+    """Records in ``res.processes`` when each process of ``plan`` was spawned and how long it
+    took to be ready (the timeline's bars), then passes the event on to ``on_event``."""
+    res.processes = [ProcessRecord(s.name, s.role, s.host, s.log_name) for s in plan.processes]
+    by_name = {p.name: p for p in res.processes}
+    spawned: dict[str, float] = {}
+
+    def record(event: Event) -> None:
+        p = by_name.get(event.name)
+        if p is not None and event.kind == "spawned":
+            spawned[event.name] = event.at
+            p.started_at = time.time() - (time.monotonic() - event.at)  # event.at is monotonic
+        elif p is not None and event.kind == "ready" and event.name in spawned:
+            p.ready_s = event.at - spawned[event.name]
+        if on_event is not None:
+            on_event(event)
+
+    return record
+
+
 def _fill_phases(res: ConfigResult) -> None:
+    """The phases the cluster timed (called as its teardown ends), with their starts."""
     timings = res.timings
+    start = res.phase_starts.get("start")
     if "instances_ready" in timings:
         res.phases["start"] = timings["instances_ready"]
+        if start is not None:  # the router phase begins once every instance is ready
+            res.phase_starts["router"] = start + timings["instances_ready"]
     if "router_ready" in timings:
         res.phases["router"] = timings["router_ready"]
     if "teardown" in timings:
         res.phases["teardown"] = timings["teardown"]
+        res.phase_starts["teardown"] = time.time() - timings["teardown"]  # it has just ended
 
 
 def run_sweep(

@@ -32,7 +32,7 @@ from typing import Any
 
 from pd_sessions.core.cliargs import EXEC_TIMEOUT_S
 from pd_sessions.core.errors import GuardTimeout, ProcessExited, UsageError
-from pd_sessions.core.results import FAIL, PASS, CheckResult
+from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, pick, reporting
 from pd_sessions.runtime import process
 from pd_sessions.runtime.clusterenv import cluster_env, write_cluster_file
 
@@ -158,6 +158,16 @@ def from_cli(
 # --- the verdict (pure) --------------------------------------------------------------------
 
 
+def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
+    """What the report shows: the command as given, its exit status and its JUnit's counts."""
+    junit = details.get("junit") or {}
+    return [
+        *pick(details, ("given", ""), ("returncode", "")),
+        *pick(junit, ("tests", ""), ("failures", ""), ("errors", ""), ("skipped", "")),
+    ]
+
+
+@reporting(numbers)
 def evaluate(
     cmd: UserCommand,
     *,
@@ -294,7 +304,7 @@ def run_commands(
         log_path = run_dir / cmd.log_name
         argv = _argv(cmd, junit)
         say(f"{plan.config.name}: {cmd.name}: running {shlex.join(argv)} (output: {log_path})")
-        t0 = time.monotonic()
+        started, t0 = time.time(), time.monotonic()
         running = process.spawn(
             cmd.name, argv, env={**env, "PD_SESSIONS_JUNITXML": str(junit)}, log_path=log_path
         )
@@ -331,6 +341,7 @@ def run_commands(
                     junit=junit_summary(junit),
                     dead=dead,
                 )
+                r.started_at = started
                 results.append(r)
                 if not r.passed:
                     say(

@@ -8,18 +8,24 @@
   and exec, so a server whose PID the reaper never heard of (the harness killed in the
   microseconds between fork and recording it) still hears that the harness is gone.
 - **How long a stop may take** (:func:`teardown_budget_s`): what nox is told to wait on Ctrl-C.
+- **nox's side** (:func:`nox_waits_for_the_harness`, in nox's interpreter around the harness's
+  ``session.run``): SIGTERM and SIGHUP to nox are passed on to the harness and handled as nox
+  handles Ctrl-C, so nox exits (128 + N) only once the harness has torn down and written results.
 
 The reaper, which outlives the harness to stop what it left, is ``runtime.reaper``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from types import FrameType
 
 PR_SET_PDEATHSIG = 1
 
@@ -155,3 +161,106 @@ def nox_run_options(posargs: Sequence[str]) -> dict[str, float]:
     the reaper still covers a teardown that overruns it.
     """
     return {"interrupt_timeout": teardown_budget_s(grace_from_args(posargs))}
+
+
+# ---------------------------------------------------------------- nox's side of a stop
+# What nox must not die of while the harness runs: passed on, then waited for as Ctrl-C is
+# (SIGHUP where it exists: nox imports this module wherever it runs).
+NOX_STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
+
+
+class NoxStopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP to nox while it runs the harness, raised in nox's main thread as a
+    KeyboardInterrupt: nox's ``popen`` then does what it does on Ctrl-C (waits
+    ``interrupt_timeout`` for its command, then SIGTERM, SIGKILL 0.2 s later)."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+def child_pids(pid: int | None = None) -> list[int]:
+    """The live (not zombie) children of ``pid`` (default: this process), read from /proc;
+    [] where there is no /proc."""
+    parent = os.getpid() if pid is None else pid
+    try:
+        names = [n for n in os.listdir("/proc") if n.isdigit()]
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        # "PID (COMM) STATE PPID ...": COMM may hold spaces and parentheses, so split after the last ")"
+        fields = stat.rpartition(b")")[2].split()
+        if len(fields) > 1 and fields[0] != b"Z" and int(fields[1]) == parent:
+            found.append(int(name))
+    return found
+
+
+@contextlib.contextmanager
+def nox_waits_for_the_harness(say: Callable[[str], None]) -> Iterator[None]:
+    """Around nox's ``session.run`` of the harness (with :func:`nox_run_options`), in nox's
+    interpreter: nox exits only after the harness, and with the status of the signal it got.
+
+    Left alone, SIGTERM and SIGHUP kill nox at once (it handles only SIGINT), while the harness
+    it was running still tears down: a job whose main process is nox ends before the servers
+    are gone and the results written. Here:
+
+    | what nox gets while the harness runs | what nox does                                   |
+    | ------------------------------------ | ----------------------------------------------- |
+    | SIGTERM or SIGHUP, the first         | passes it on to its children (the harness: sent |
+    |                                      | to nox alone, it would never hear of it; sent   |
+    |                                      | to the group, the harness ignores the second    |
+    |                                      | copy), raises :class:`NoxStopped`: nox waits as |
+    |                                      | on Ctrl-C, then this exits 128 + N, also when   |
+    |                                      | the harness ends with 0 (``serve``)             |
+    | SIGTERM or SIGHUP again              | nothing (it already waits)                      |
+    | SIGINT (Ctrl-C)                      | nox's own: waits for the harness, exits 130     |
+    |                                      | (0 when the harness ends with 0: ``serve``)     |
+    | nothing                              | the handlers nox had are back; nothing changes  |
+
+    Python runs signal handlers in the main thread only: elsewhere (never under nox) this
+    changes nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    forwarded: list[int] = []
+    t0 = 0.0
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        nonlocal t0
+        if got:
+            return
+        got.append(signum)
+        t0 = time.monotonic()
+        for pid in child_pids():
+            with contextlib.suppress(OSError):  # ended meanwhile
+                os.kill(pid, signum)
+                forwarded.append(pid)
+        raise NoxStopped(signum)
+
+    old = {s: signal.signal(s, handler) for s in NOX_STOP_SIGNALS}
+    try:
+        yield
+    except BaseException:
+        if not got:
+            raise
+        # NoxStopped: nox waited for its command as on Ctrl-C (or the command failed meanwhile)
+    finally:
+        if not got:
+            for s, h in old.items():
+                if h is not None:  # None: set outside Python, cannot be restored
+                    signal.signal(s, h)
+    if got:  # the handler stays: a later copy of the signal is ignored until nox has exited
+        passed = f"passed it on to pid {', '.join(map(str, forwarded))}" if forwarded else "no child left"
+        say(
+            f"nox got {signal.Signals(got[0]).name} ({passed}) and waited "
+            f"{time.monotonic() - t0:.1f} s for pd-sessions to end: nox exits {128 + got[0]}"
+        )
+        raise SystemExit(128 + got[0])

@@ -7,7 +7,8 @@ Each way a run can be stopped, and what catches it:
 | --- | --- | --- |
 | Ctrl-C (SIGINT to the foreground group) | SIGINT | its own teardown (cluster.py) |
 | SIGTERM to the group (Buildkite's cancel) | SIGTERM | its own teardown |
-| SIGTERM or SIGKILL to nox alone | SIGTERM (parent death) | its own teardown |
+| SIGTERM or SIGHUP to nox alone | the same, passed on by nox (which then waits for it) | its own teardown |
+| SIGKILL to nox | SIGTERM (parent death) | its own teardown |
 | SIGKILL to the harness (*) | nothing | the reaper; each server's parent-death SIGTERM |
 
 (*) Buildkite 10 s after its SIGTERM, nox 0.5 s after Ctrl-C unless told to wait
