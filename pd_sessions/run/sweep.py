@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from pd_sessions.checks.runner import run_checks
 from pd_sessions.core.config import ClusterConfig
@@ -113,12 +114,7 @@ def run_config(
                         )
                 finally:
                     res.phases["checks"] = time.monotonic() - t
-                    res.checks = list(checks)
-                    for c in checks:
-                        progress(f"{config.name}: {c.name} {c.verdict.upper()}: {c.message}")
-                        if "traceback" in c.details:  # it crashed: see checks.base.crashed
-                            with open(run_dir / "checks.log", "a") as f:
-                                f.write(f"--- {c.name} crashed ---\n{c.details['traceback']}")
+                    _record_checks(res, checks, run_dir, progress)
         finally:
             _fill_phases(res)
     except PdError as e:
@@ -141,6 +137,18 @@ def run_config(
         progress(f"{config.name}: {res.outcome}{loopback_said(res.warnings)}")
     write_config_result(res, run_dir / "result.json")
     return res
+
+
+def _record_checks(
+    res: ConfigResult, checks: list[CheckResult], run_dir: Path, progress: Callable[[str], None]
+) -> None:
+    """The checks that ran, into ``res`` and said; a crashed one's traceback into checks.log."""
+    res.checks = list(checks)
+    for c in checks:
+        progress(f"{res.name}: {c.name} {c.verdict.upper()}: {c.message}")
+        if "traceback" in c.details:  # it crashed: see checks.base.crashed
+            with open(run_dir / "checks.log", "a") as f:
+                f.write(f"--- {c.name} crashed ---\n{c.details['traceback']}")
 
 
 def _recorder(
