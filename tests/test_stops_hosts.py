@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import ROOT
-from helpers import FAKE, GRACE, NoxRun, fake_stack_env, fake_sweep_toml, wait_until
+from helpers import FAKE, GRACE, NoxRun, fake_stack_env, fake_sweep_toml, gone, wait_until
 
 from pd_sessions.runtime.process import alive
 
@@ -218,4 +218,4 @@ def test_the_launcher_spawns_in_the_agents_group_streams_the_log_and_verifies_go
         assert r.poll() is None and len(family) == 2
         rep = launcher.stop([r], grace_s=2.0)
         assert sorted(rep.pids) == sorted(family) and launcher.verify() == []
-        assert not any(alive(p) for p in map(psutil.Process, family) if psutil.pid_exists(p.pid))
+        assert all(gone(pid) for pid in family)
