@@ -2,9 +2,11 @@
 
 On one machine, simulated hosts share a kernel and /dev/shm, so a "transfer" could be shared
 memory in disguise; across real hosts a transfer could go over another path than the one meant.
-So over the check window the byte counters of the hosts' interfaces (read on each host by its
-agent: ``/sys/class/net/<interface>/statistics``) must have risen by at least the KV bytes the
-connector reports having moved:
+So the byte counters of the hosts' interfaces (read on each host by its agent:
+``/sys/class/net/<interface>/statistics``), from before the host's first process started to the
+end of the check window, must have risen by at least the KV bytes the connector reports having
+moved over the window (from the start, not the window's: a transfer just before the window may be
+logged in it; the counters then include it too):
 
 - NIXL: the decode instances' ``vllm:nixl_bytes_transferred_sum`` over the window;
 - Mooncake: the prefill instances' "KV Transfer metrics" log lines over the window

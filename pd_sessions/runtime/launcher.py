@@ -34,6 +34,9 @@ class Launcher(Protocol):
         """Across hosts: host -> (rx_bytes, tx_bytes) of the interface of every host the plan runs
         instances on (checks/kv_link.py); None on one host."""
 
+    def link_baseline(self) -> dict[str, tuple[int, int]] | None:
+        """Across hosts: the same, as read on each host before its first process started."""
+
 
 class LocalLauncher:
     """Every process on this host."""
@@ -48,6 +51,9 @@ class LocalLauncher:
         return process.stop(group, grace_s=grace_s, early=early)
 
     def link_counters(self, plan: ClusterPlan) -> dict[str, tuple[int, int]] | None:
+        return None
+
+    def link_baseline(self) -> dict[str, tuple[int, int]] | None:
         return None
 
 

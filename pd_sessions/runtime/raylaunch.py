@@ -558,6 +558,8 @@ class RayLauncher:
     run_dir: Path
     ports: Mapping[str, RemotePorts]
     remote: dict[int, _Remote] = field(default_factory=dict)
+    # host -> its interface's counters before its first process started (link_baseline)
+    baseline: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -570,6 +572,8 @@ class RayLauncher:
         node = self.hosts.node(spec.node)
         if spec.node in self.ports:
             self.ports[spec.node].release()  # held until the first spawn on that host
+        if spec.node not in self.baseline:
+            self.baseline.update(self._counters([spec.node]))
         log_path = run_dir / spec.log_name
         ref = node.agent.spawn.remote(
             spec.name, list(spec.argv), spec.env_dict(), str(log_path), spec.url, self.hosts.token
@@ -631,8 +635,16 @@ class RayLauncher:
 
     def link_counters(self, plan: ClusterPlan) -> dict[str, tuple[int, int]] | None:
         """Each instance host's interface counters, read there by its agent."""
+        return self._counters(
+            sorted({s.node for s in plan.instances if s.node and s.node != self.hosts.driver})
+        )
+
+    def link_baseline(self) -> dict[str, tuple[int, int]] | None:
+        return dict(self.baseline)
+
+    def _counters(self, names: Sequence[str]) -> dict[str, tuple[int, int]]:
         out = {}
-        for name in sorted({s.node for s in plan.instances if s.node and s.node != self.hosts.driver}):
+        for name in names:
             node = self.hosts.node(name)
             if node.facts is not None and node.facts.interface:
                 rx, tx = self.hosts._call(node.agent.counters.remote(node.facts.interface))
