@@ -133,7 +133,7 @@ def run_config(
         for p in remote.values():
             p.release()
     res.decide(opts.checks)
-    if res.outcome != "passed" and loopback_said(res.warnings):
+    if res.outcome != "passed" and loopback_said(res.warnings) not in (res.error or "-"):
         progress(f"{config.name}: {res.outcome}{loopback_said(res.warnings)}")
     write_config_result(res, run_dir / "result.json")
     return res
