@@ -46,6 +46,15 @@ def link_exists(name: str) -> bool:
     return (SYSFS_NET / name).exists()
 
 
+def _plain_children() -> None:
+    """pyroute2 does namespace work in a forked child and ends it with SIGTERM: the child must not
+    keep the harness's signal handlers, or that SIGTERM runs the harness's stop and teardown in
+    the child (seen: a forked child removed the run's links while the run went on)."""
+    from pyroute2 import config
+
+    config.disable_mp_signal = True
+
+
 def netns_exists(name: str) -> bool:
     from pyroute2 import netns
 
@@ -74,6 +83,7 @@ def add_host(
     default route via ``gateway``), ``peer`` on ``bridge``."""
     from pyroute2 import IPRoute, NetlinkError, NetNS, netns
 
+    _plain_children()
     try:
         netns.create(ns)
         with IPRoute() as ip:
@@ -113,6 +123,7 @@ def remove_netns(name: str) -> bool:
     was gone."""
     from pyroute2 import netns
 
+    _plain_children()
     if not netns_exists(name):
         return False
     try:
