@@ -3,6 +3,10 @@ the two that only a multi-host run has (a node's agent killed, the driver SIGKIL
 nox as in test_stops.py, with the instances on the simulated hosts (``--ray``, the session's
 simulated_hosts_2) and the router here. After each, nothing of the run is left on any host.
 
+Also here, on the same hosts: the launcher's own contract driven in-process (the agent's process
+group, the environment, the log streamed from a node that cannot see the results), and the
+pd_cluster fixture started with --pd-ray.
+
 The servers are the fake stack (tests/fixtures/fake_stack): what is under test is the harness's own
 handling across hosts. The instances run on the Ray nodes with the node's environment, so the fake
 stack's path and behaviours reach them through the config's extra_env.
