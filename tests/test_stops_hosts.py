@@ -194,11 +194,16 @@ def test_the_launcher_spawns_in_the_agents_group_streams_the_log_and_verifies_go
     leaves nothing (the child included) and each node verifies it."""
     import json
 
+    from pd_sessions.core.errors import PlanError
     from pd_sessions.core.plan import ProcessSpec
     from pd_sessions.runtime.raylaunch import SHARED_MARKER, ray_hosts
 
     with ray_hosts(simulated_hosts_2.ray_address) as hosts:
-        hosts.layout()
+        layout = hosts.layout()
+        with pytest.raises(PlanError) as e:  # a local model path is checked on each host
+            hosts.with_models(layout, [], None, [str(tmp_path / "no-model")])
+        assert e.value.field == "model"
+        assert re.search(r"no-model does not exist on host[12] \(198\.", str(e.value)), e.value
         launcher = hosts.launcher(tmp_path, hosts.port_sources())
         (tmp_path / SHARED_MARKER).write_text("another run's")  # as if host2 saw another directory
         spec = ProcessSpec(
