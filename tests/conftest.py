@@ -349,7 +349,6 @@ def simhosts_available() -> None:
     """Skip (with the reason) where the simulated hosts cannot run, except in the full
     environment (`nox -s tests`, as root on CI), where a missing piece fails instead."""
     heavy("ray")
-    heavy("pyroute2")
     from pd_sessions.core import simhosts as core
     from pd_sessions.runtime.simhosts import facts
 

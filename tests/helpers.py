@@ -346,14 +346,12 @@ def simhosts_leftovers(run_id: str, pids=()) -> list[str]:
     """What simulated-hosts run ``run_id`` left on this machine: its namespaces, its links
     (bridge, veths), its short link, its state file, and any of ``pids`` (its Ray processes)
     or their session members still alive."""
-    from pyroute2 import IPRoute, netns
-
     from pd_sessions.core import simhosts as core
+    from pd_sessions.runtime import netns
 
-    left = [f"namespace {n}" for n in netns.listnetns() if n.startswith(f"{core.PREFIX}-{run_id}-")]
-    with IPRoute() as ip:
-        links = [link.get_attr("IFLA_IFNAME") for link in ip.get_links()]
-    left += [f"link {n}" for n in links if n.startswith(f"{core.PREFIX}{run_id}")]
+    spaces = os.listdir(netns.NETNS_DIR) if netns.NETNS_DIR.exists() else []
+    left = [f"namespace {n}" for n in spaces if n.startswith(f"{core.PREFIX}-{run_id}-")]
+    left += [f"link {n}" for n in os.listdir(netns.SYSFS_NET) if n.startswith(f"{core.PREFIX}{run_id}")]
     for path in (Path(f"/tmp/{core.PREFIX}-{run_id}"), Path(core.STATE_DIR) / f"{run_id}.json"):
         if os.path.lexists(path):
             left.append(f"file {path}")

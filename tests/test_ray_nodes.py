@@ -63,9 +63,9 @@ def own_ray_cluster(tmp_path):
     finally:
         process.stop(running, grace_s=5.0)
         for h in plan.hosts:
-            netns.remove_netns(h.netns)
-            netns.remove_link(h.peer)
-        netns.remove_link(plan.bridge)
+            netns.remove(netns.NETNS, h.netns)
+            netns.remove(netns.LINK, h.peer)
+        netns.remove(netns.LINK, plan.bridge)
         for path in (f"{short}/head", *(f"{short}/{h.name}" for h in plan.hosts)):
             shutil.rmtree(path, ignore_errors=True)
         assert not any(netns.netns_exists(h.netns) for h in plan.hosts) and not netns.link_exists(plan.bridge)

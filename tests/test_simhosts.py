@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -17,7 +18,7 @@ from conftest import ROOT, Cli, simhosts_available, wait_for_text, wait_until
 from helpers import simhosts_leftovers
 
 from pd_sessions.core import simhosts as core
-from pd_sessions.core.errors import ConfigError
+from pd_sessions.core.errors import ConfigError, ProcessExited
 from pd_sessions.runtime import simhosts
 
 # Listens on HOST:0 and 127.0.0.1:0 (in its namespace), prints both ports, then answers each
@@ -51,6 +52,14 @@ CLIENT = textwrap.dedent("""
 """)
 
 
+def _env() -> dict[str, str]:
+    """This environment, with the package under test first on the path (scripts run with -c)."""
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+
+
 def _in(ns: str | None, *argv: str) -> list[str]:
     return (["ip", "netns", "exec", ns] if ns else []) + list(argv)
 
@@ -72,9 +81,14 @@ def test_each_host_is_a_ray_node_with_its_address_label_cores_and_network(simula
     import ray
 
     sim = simulated_hosts_2
-    if not ray.is_initialized():
-        ray.init(**sim.ray_init_kwargs(), logging_level="warning")
+    ray.init(**sim.ray_init_kwargs(), logging_level="warning")
+    try:
+        _each_host_is_its_node(ray, sim)
+    finally:
+        ray.shutdown()  # the next test using the hosts may join them as its own driver
 
+
+def _each_host_is_its_node(ray, sim) -> None:
     @ray.remote(num_cpus=0)
     class Where:
         def report(self) -> dict:
@@ -145,9 +159,7 @@ def test_a_sigkilled_holder_leaves_nothing_its_reaper_removes_the_nodes_and_the_
     """The harness SIGKILLed with a host up: its reaper stops the Ray nodes (each ``ray start
     --block`` also hears its parent die) and removes the namespace, links and files."""
     simhosts_available()
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path}
-    holder = Cli(argv=[sys.executable, "-c", HOLDER, str(tmp_path)], env=env)
+    holder = Cli(argv=[sys.executable, "-c", HOLDER, str(tmp_path)], env=_env())
     try:
         holder.wait_for("HOSTS ", timeout=300)
     finally:
@@ -162,6 +174,56 @@ def test_a_sigkilled_holder_leaves_nothing_its_reaper_removes_the_nodes_and_the_
     log = tmp_path / "simhosts" / "reaper.log"
     wait_for_text(log, f"netns pds-{info['run_id']}-host1: removed")
     assert "FAILED" not in log.read_text()
+
+
+# Holds one host whose "Ray" is a sleeper (the real nodes are the SIGKILL test's and the
+# fixture's): the CLI's signal handlers turn a signal into Stopped, and the context manager's
+# exit removes everything.
+STOPPED_HOLDER = textwrap.dedent("""
+    import json, os, sys, time
+    from pathlib import Path
+    from pd_sessions.runtime import console, simhosts
+    def sleeper(self, timeout_s):
+        argv = [sys.executable, "-c", "import time; time.sleep(600)"]
+        self._spawn("ray-head", argv, dict(os.environ), self.results_dir / "sleeper.log")
+    simhosts.SimulatedHosts.start_ray = sleeper
+    console.install_signal_handlers()
+    with simhosts.simulated_hosts(1, Path(sys.argv[1]), say=lambda m: print(m, flush=True)) as sim:
+        info = {"run_id": sim.run_id, "pids": [r.pid for r in sim.processes]}
+        print("HOSTS " + json.dumps(info), flush=True)
+        time.sleep(600)
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_stop_signal_removes_the_hosts_on_the_way_out(tmp_path, sig):
+    simhosts_available()
+    holder = Cli(argv=[sys.executable, "-c", STOPPED_HOLDER, str(tmp_path)], env=_env())
+    try:
+        holder.wait_for("HOSTS ", timeout=60)
+        holder.proc.send_signal(sig)
+        holder.wait(timeout=60)
+    finally:
+        holder.proc.kill()
+        holder.wait()
+    info = json.loads(holder.text.split("HOSTS ", 1)[1].splitlines()[0])
+    assert simhosts_leftovers(info["run_id"], info["pids"]) == []  # at once: the harness did it
+    assert f"run {info['run_id']} removed" in holder.text
+    wait_for_text(tmp_path / "simhosts" / "reaper.log", "nothing to do")
+
+
+def test_a_failed_start_removes_what_it_made_and_names_the_cause(tmp_path, monkeypatch):
+    """The head dies at start: the error names it and its log; the network is gone."""
+    simhosts_available()
+    dies = [sys.executable, "-c", "import sys; print('no head today'); sys.exit(3)"]
+    monkeypatch.setattr(core, "head_argv", lambda *a: dies)
+    said: list[str] = []
+    states = tmp_path / "states"
+    with pytest.raises(ProcessExited, match=r"(?s)ray-head exited with status 3.*no head today"):
+        simhosts.start(1, tmp_path / "r", say=said.append, state_dir=states)
+    run_id = said[0].split("run ", 1)[1].split(",")[0]
+    assert simhosts_leftovers(run_id) == []
+    assert list(states.glob("*.json")) == []
 
 
 def test_the_next_run_removes_what_a_dead_run_listed_and_nothing_else(tmp_path):
@@ -243,7 +305,7 @@ def test_the_reaper_removes_recorded_links_and_files_when_the_harness_is_gone(tm
         text = (tmp_path / "reaper.log").read_text()
         assert f"link {bridge}: removed" in text and f"file {state}: removed" in text
     finally:
-        netns.remove_link(bridge)
+        netns.remove(netns.LINK, bridge)
 
 
 def test_without_the_privilege_it_is_refused_before_anything_is_made(tmp_path, monkeypatch):
@@ -253,7 +315,6 @@ def test_without_the_privilege_it_is_refused_before_anything_is_made(tmp_path, m
         ip_command=True,
         taskset_command=True,
         ray_module=True,
-        pyroute2_module=True,
     )
     monkeypatch.setattr(simhosts, "facts", lambda: lacking)
     needs = r"(?s)--simulate-hosts: .*CAP_NET_ADMIN and CAP_SYS_ADMIN.*run as root"
@@ -264,17 +325,17 @@ def test_without_the_privilege_it_is_refused_before_anything_is_made(tmp_path, m
         simhosts.start(2, tmp_path / "results", cpus=(0,), state_dir=tmp_path / "states")
 
 
-def test_single_host_code_imports_the_simulated_hosts_without_ray_or_pyroute2(tmp_path):
+def test_single_host_code_imports_the_simulated_hosts_without_ray(tmp_path):
     """The sweep may import runtime.simhosts at the top: that must not need the [ray] extra."""
     code = textwrap.dedent("""
         import sys
         class Block:
             def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in ("ray", "pyroute2"):
+                if name.split(".")[0] == "ray":
                     raise ImportError(f"blocked: {name}")
         sys.meta_path.insert(0, Block())
         import pd_sessions.runtime.simhosts, pd_sessions.runtime.reaper
-        assert "ray" not in sys.modules and "pyroute2" not in sys.modules
+        assert "ray" not in sys.modules
         print("ok")
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)

@@ -99,8 +99,8 @@ class SimHost:
     cpus: tuple[int, ...]
     # its share of the machine's GPUs, as CUDA_VISIBLE_DEVICES spells them (none on the CPU lane)
     gpus: tuple[str, ...] = ()
-    # its Ray node's labels
-    labels: Mapping[str, str] = field(default_factory=dict)
+    # its Ray node's labels (left out of the hash, so that a host can key a dict)
+    labels: Mapping[str, str] = field(default_factory=dict, hash=False)
     # its Ray node's id (hex), once the node has registered with the head
     node_id: str | None = None
 
@@ -261,8 +261,6 @@ class PrivilegeFacts:
     taskset_command: bool
     # `import ray` works (the [ray] extra: requirements/ray.txt)
     ray_module: bool
-    # `import pyroute2` works (the same extra)
-    pyroute2_module: bool
 
 
 CAP_NET_ADMIN = 12
@@ -288,9 +286,8 @@ def missing(f: PrivilegeFacts) -> list[str]:
         out.append("the `ip` command: apt-get install iproute2")
     if not f.taskset_command:
         out.append("the `taskset` command: apt-get install util-linux")
-    if not f.ray_module or not f.pyroute2_module:
-        what = ", ".join(m for m, ok in (("ray", f.ray_module), ("pyroute2", f.pyroute2_module)) if not ok)
-        out.append(f"the Python modules {what}: pip install 'pd-sessions[ray]' (or -r requirements/ray.txt)")
+    if not f.ray_module:
+        out.append("the Python module ray: pip install 'pd-sessions[ray]' (or -r requirements/ray.txt)")
     return out
 
 
@@ -335,6 +332,8 @@ def head_argv(ray: Sequence[str], plan: NetPlan, ports: Mapping[str, int], temp_
         "--include-dashboard",
         "false",
         "--no-monitor",  # no autoscaler: the nodes are fixed
+        "--include-log-monitor",
+        "false",  # nobody reads workers' output through the driver: each process logs to a file
         "--object-store-memory",
         str(OBJECT_STORE_BYTES),
         "--temp-dir",
@@ -380,6 +379,8 @@ def node_argv(ray: Sequence[str], plan: NetPlan, host: SimHost, head_port: int, 
         str(OBJECT_STORE_BYTES),
         "--temp-dir",
         temp_dir,
+        "--include-log-monitor",
+        "false",
         "--labels",
         labels_arg(host.labels),
         "--resources",

@@ -1,9 +1,16 @@
-"""Network namespaces, a bridge and veth pairs, through netlink (edge; pyroute2, the [ray] extra).
+"""Network namespaces, a bridge and veth pairs (edge): iproute2's ``ip``, run as argv lists.
 
 The simulated hosts (runtime/simhosts.py) build their network with these, and the reaper
 (runtime/reaper.py) removes what a killed run left with :func:`remove`. Every function here
 names what it touches; none looks anything up by pattern: the caller passes the exact names it
 created (all of them ``pds<run id>...``, see core/simhosts.py).
+
+Why ``ip`` and not a netlink library in this process: making a namespace and configuring inside
+it means entering it, and pyroute2 does that by forking the calling process without exec. In a
+process with threads, and a Ray driver's gRPC among them, the fork broke the driver (its
+``ray.shutdown`` hung) and the child replayed the parent's buffered output. ``ip`` enters the
+namespace in a process of its own (``ip netns add``, ``ip -n NS ...``), and the Ray nodes run
+under ``ip netns exec`` anyway.
 
 Nothing here sends a packet: a bridge forwards nothing it receives to another interface
 (``/proc/sys/net/ipv4/conf/<bridge>/forwarding`` = 0, whatever the machine's ``ip_forward``), so
@@ -13,67 +20,58 @@ route lookup (no packet).
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import os
+import json
+import subprocess
 from pathlib import Path
 
 from pd_sessions.core.errors import HostSetupError
 
 SYSFS_NET = Path("/sys/class/net")
 PROC_CONF = Path("/proc/sys/net/ipv4/conf")
+NETNS_DIR = Path("/run/netns")  # where `ip netns add` names namespaces
 # Kinds of what this module creates, as the reaper records them.
 LINK, NETNS = "link", "netns"
 
 
-def _fail(step: str, e: OSError) -> HostSetupError:
-    return HostSetupError(f"simulated hosts: {step}: {os.strerror(e.errno or 0) or e} (errno {e.errno})")
+def _ip(*args: str, step: str) -> str:
+    """``ip ARGS``'s output; HostSetupError naming ``step``, the command and its message."""
+    try:
+        out = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise HostSetupError(f"simulated hosts: {step}: `ip {' '.join(args)}`: {e}") from e
+    if out.returncode != 0:
+        raise HostSetupError(
+            f"simulated hosts: {step}: `ip {' '.join(args)}` failed: {out.stderr.strip() or out.returncode}"
+        )
+    return out.stdout
 
 
 def root_addresses() -> list[str]:
     """Every IPv4 address of the root namespace, with its prefix ("198.18.0.254/24")."""
-    from pyroute2 import IPRoute
-
-    with IPRoute() as ip:
-        return [
-            f"{a.get_attr('IFA_ADDRESS')}/{a['prefixlen']}"
-            for a in ip.get_addr(family=2)
-            if a.get_attr("IFA_ADDRESS")
-        ]
+    links = json.loads(_ip("-j", "-4", "addr", "show", step="listing this machine's addresses") or "[]")
+    return [
+        f"{a['local']}/{a['prefixlen']}" for link in links for a in link.get("addr_info", []) if "local" in a
+    ]
 
 
 def link_exists(name: str) -> bool:
     return (SYSFS_NET / name).exists()
 
 
-def _plain_children() -> None:
-    """pyroute2 does namespace work in a forked child and ends it with SIGTERM: the child must not
-    keep the harness's signal handlers, or that SIGTERM runs the harness's stop and teardown in
-    the child (seen: a forked child removed the run's links while the run went on)."""
-    from pyroute2 import config
-
-    config.disable_mp_signal = True
-
-
 def netns_exists(name: str) -> bool:
-    from pyroute2 import netns
-
-    return name in netns.listnetns()
+    return (NETNS_DIR / name).exists()
 
 
 def create_bridge(name: str, address: str, prefixlen: int) -> None:
     """A bridge ``name`` with ``address``/``prefixlen``, up, forwarding nothing elsewhere."""
-    from pyroute2 import IPRoute, NetlinkError
-
+    step = f"creating bridge {name} ({address}/{prefixlen})"
+    _ip("link", "add", name, "type", "bridge", step=step)
     try:
-        with IPRoute() as ip:
-            ip.link("add", ifname=name, kind="bridge")
-            idx = ip.link_lookup(ifname=name)[0]
-            (PROC_CONF / name / "forwarding").write_text("0\n")
-            ip.addr("add", index=idx, address=address, prefixlen=prefixlen)
-            ip.link("set", index=idx, state="up")
-    except (NetlinkError, OSError) as e:
-        raise _fail(f"creating bridge {name} ({address}/{prefixlen})", e) from e
+        (PROC_CONF / name / "forwarding").write_text("0\n")
+    except OSError as e:
+        raise HostSetupError(f"simulated hosts: {step}: turning its forwarding off: {e}") from e
+    _ip("addr", "add", f"{address}/{prefixlen}", "dev", name, step=step)
+    _ip("link", "set", name, "up", step=step)
 
 
 def add_host(
@@ -81,67 +79,29 @@ def add_host(
 ) -> None:
     """Namespace ``ns`` with ``lo`` up and a veth pair: ``ifname`` inside (``address``,
     default route via ``gateway``), ``peer`` on ``bridge``."""
-    from pyroute2 import IPRoute, NetlinkError, NetNS, netns
-
-    _plain_children()
-    try:
-        netns.create(ns)
-        with IPRoute() as ip:
-            ip.link("add", ifname=peer, kind="veth", peer={"ifname": ifname, "net_ns_fd": ns})
-            idx = ip.link_lookup(ifname=peer)[0]
-            ip.link("set", index=idx, master=ip.link_lookup(ifname=bridge)[0], state="up")
-        with NetNS(ns) as nsip:
-            nsip.link("set", index=nsip.link_lookup(ifname="lo")[0], state="up")
-            idx = nsip.link_lookup(ifname=ifname)[0]
-            nsip.addr("add", index=idx, address=address, prefixlen=prefixlen)
-            nsip.link("set", index=idx, state="up")
-            nsip.route("add", dst="0.0.0.0/0", gateway=gateway)
-    except (NetlinkError, OSError) as e:
-        step = f"creating namespace {ns} ({ifname} {address}/{prefixlen}, peer {peer} on {bridge})"
-        raise _fail(step, e) from e
-
-
-def remove_link(name: str) -> bool:
-    """Delete link ``name`` (a veth's root end takes its pair with it); False if it was gone."""
-    from pyroute2 import IPRoute, NetlinkError
-
-    try:
-        with IPRoute() as ip:
-            found = ip.link_lookup(ifname=name)
-            if not found:
-                return False
-            ip.link("del", index=found[0])
-            return True
-    except NetlinkError as e:
-        if e.code == errno.ENODEV:
-            return False
-        raise _fail(f"removing link {name}", e) from e
-
-
-def remove_netns(name: str) -> bool:
-    """Delete namespace ``name`` (its interfaces go with the last process in it); False if it
-    was gone."""
-    from pyroute2 import netns
-
-    _plain_children()
-    if not netns_exists(name):
-        return False
-    try:
-        netns.remove(name)
-    except OSError as e:
-        if e.errno == errno.ENOENT:
-            return False
-        raise _fail(f"removing namespace {name}", e) from e
-    return True
+    step = f"creating namespace {ns} ({ifname} {address}/{prefixlen}, peer {peer} on {bridge})"
+    _ip("netns", "add", ns, step=step)
+    _ip("link", "add", peer, "type", "veth", "peer", "name", ifname, "netns", ns, step=step)
+    _ip("link", "set", peer, "master", bridge, "up", step=step)
+    _ip("-n", ns, "link", "set", "lo", "up", step=step)
+    _ip("-n", ns, "addr", "add", f"{address}/{prefixlen}", "dev", ifname, step=step)
+    _ip("-n", ns, "link", "set", ifname, "up", step=step)
+    _ip("-n", ns, "route", "add", "default", "via", gateway, step=step)
 
 
 def remove(kind: str, name: str) -> bool:
-    """Remove one thing the simulated hosts created, by kind (:data:`LINK`, :data:`NETNS`)."""
+    """Remove one thing the simulated hosts created, by kind (:data:`LINK`: a veth's root end
+    takes its pair with it; :data:`NETNS`: its interfaces go with the last process in it);
+    False if it was gone already."""
+    if kind not in (LINK, NETNS):
+        raise ValueError(f"unknown kind {kind!r}")
+    if not exists(kind, name):
+        return False
     if kind == LINK:
-        return remove_link(name)
-    if kind == NETNS:
-        return remove_netns(name)
-    raise ValueError(f"unknown kind {kind!r}")
+        _ip("link", "del", name, step=f"removing link {name}")
+    else:
+        _ip("netns", "del", name, step=f"removing namespace {name}")
+    return True
 
 
 def exists(kind: str, name: str) -> bool:
@@ -156,17 +116,14 @@ def counters(peer: str) -> tuple[int, int]:
         rx = int((stats / "tx_bytes").read_text())
         tx = int((stats / "rx_bytes").read_text())
     except OSError as e:
-        raise _fail(f"reading the counters of {peer}", e) from e
+        raise HostSetupError(f"simulated hosts: reading the counters of {peer}: {e}") from e
     return rx, tx
 
 
 def forwards_out(bridge: str, src: str, dst: str = "203.0.113.7") -> bool:
     """Would the root namespace forward a packet from ``src`` arriving on ``bridge`` to ``dst``
     (TEST-NET-3 by default)? A route lookup, no packet."""
-    from pyroute2 import IPRoute, NetlinkError
-
-    with IPRoute() as ip, contextlib.suppress(NetlinkError):
-        idx = ip.link_lookup(ifname=bridge)[0]
-        ip.route("get", dst=dst, src=src, iif=idx)
-        return True
-    return False
+    out = subprocess.run(
+        ["ip", "route", "get", dst, "from", src, "iif", bridge], capture_output=True, timeout=30, check=False
+    )
+    return out.returncode == 0

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from pd_sessions.core.errors import PdError, StopError
-from pd_sessions.runtime import parentwatch, process
+from pd_sessions.runtime import netns, parentwatch, process
 from pd_sessions.runtime.parentwatch import KILL_WAIT_S
 
 
@@ -239,10 +239,8 @@ def _remove_left(resources: list[tuple[str, str]], say: Callable[[str], None], *
                     continue
                 gone = _remove_file(Path(name))
             else:
-                from pd_sessions.runtime import netns  # only runs that created some have pyroute2
-
                 gone = netns.remove(kind, name)
-        except (OSError, PdError, ValueError, ImportError) as e:
+        except (OSError, PdError, ValueError) as e:
             failed.append(f"{kind} {name}: {e}")
             continue
         say(f"{kind} {name}: {'removed' if gone else 'already gone'}")

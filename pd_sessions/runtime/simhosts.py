@@ -6,7 +6,7 @@ driver and the router stay on the root side, on the bridge's address. A server b
 loopback is NOT reachable from another host: the bugs that hide behind one shared loopback
 (NIXL's side channel on localhost, Mooncake advertising 127.0.0.1) show as they do across real
 hosts. The names, addresses and shares are decided in core/simhosts.py (its docstring has the
-tables); the network calls are runtime/netns.py (pyroute2).
+tables); the network calls are runtime/netns.py (iproute2).
 
 The interface (issue 26; part B's launcher and tests build on it)
 ------------------------------------------------------------------
@@ -104,7 +104,6 @@ def facts() -> core.PrivilegeFacts:
         ip_command=shutil.which("ip") is not None,
         taskset_command=shutil.which("taskset") is not None,
         ray_module=importable("ray"),
-        pyroute2_module=importable("pyroute2"),
     )
 
 
