@@ -17,7 +17,7 @@ from conftest import Cli, rehearsal
 
 from pd_sessions.core import check_registry
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.multihost]
 
 
 def host_ports(run_dir: Path) -> dict[str, list[int]]:

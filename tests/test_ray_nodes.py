@@ -19,6 +19,8 @@ from helpers import FAKE, fake_sweep_toml
 from pd_sessions.runtime import process
 from pd_sessions.runtime.ports import PortAllocator
 
+pytestmark = pytest.mark.multihost
+
 
 @pytest.fixture
 def own_ray_cluster(tmp_path):

@@ -21,6 +21,8 @@ from pd_sessions.core import simhosts as core
 from pd_sessions.core.errors import ConfigError, ProcessExited
 from pd_sessions.runtime import simhosts
 
+pytestmark = pytest.mark.multihost
+
 # Listens on HOST:0 and 127.0.0.1:0 (in its namespace), prints both ports, then answers each
 # connection with the number of bytes it received.
 SERVER = textwrap.dedent("""

@@ -31,6 +31,8 @@ from helpers import FAKE, GRACE, NoxRun, fake_stack_env, fake_sweep_toml, gone, 
 
 from pd_sessions.runtime.process import alive
 
+pytestmark = pytest.mark.multihost
+
 
 def hosts_sweep(behaviour: str = "never_healthy", configs=("1x1", "1x1b")) -> str:
     """Two configs of the fake stack whose instances find it on the Ray nodes (their decode
