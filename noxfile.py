@@ -1,6 +1,7 @@
 """nox sessions: thin wrappers; all logic lives in the pd_sessions package (pd_sessions/env/nox_support.py).
 
     nox -s mooncake_sweep [-- --platform cpu|cuda --only 1x1 --dry-run --results-dir DIR ...]
+                        # one <connector>_sweep per connector (pd_sessions/core/connectors/)
     nox -s mooncake_imports / nixl_imports [-- --dry-run]   # install + import canary only
     nox -s serve -- mooncake_sweep --only 1x1   # hold one cluster up (URLs, env, curl) until Ctrl-C
     nox -s tests        # unit + end-to-end (real vLLM on the CPU lane)
@@ -26,6 +27,7 @@ ROOT = Path(__file__).parent
 sys.path.insert(0, str(ROOT))
 
 from pd_sessions.bench.options import bench_parser  # noqa: E402
+from pd_sessions.core import connectors  # noqa: E402
 from pd_sessions.env import nox_support  # noqa: E402
 
 nox.options.default_venv_backend = "uv"
@@ -33,56 +35,60 @@ nox.options.sessions = ["unit"]
 PYTHON = "3.11"
 
 
-@nox.session(python=PYTHON, reuse_venv=True, tags=["cpu", "gpu", "ci"])
-def mooncake_sweep(session: nox.Session) -> None:
-    """Mooncake P/D sweep (TP 1x1, 2x2): install + canary, then real clusters, all checks.
-    [-- --platform cpu|cuda --only NAME --dry-run --model ID --set F=V --extra-arg ARG
-    --installed --no-install --find-links DIR; --help lists all]"""
-    nox_support.sweep(session, "mooncake_sweep", ["mooncake"])
+def _connector_sessions() -> None:
+    """One sweep session per connector (``nox -s <connector>_sweep``: its spec's ``sweep``) and one
+    imports session per connector package (``nox -s <package>_imports``), from the registry in
+    pd_sessions/core/connectors/: adding a connector adds its sessions."""
+    for spec in connectors.ALL:
+
+        def run_sweep(session: nox.Session, name: str = spec.sweep) -> None:
+            nox_support.sweep(session, name)
+
+        run_sweep.__doc__ = (
+            f"{spec.title} P/D sweep ({spec.vllm_class}; TP 1x1 on the CPU lane, more on GPUs): "
+            "install + canary, then real clusters, all checks.\n    [-- --platform cpu|cuda --only NAME "
+            "--dry-run --model ID --set F=V --extra-arg ARG --installed --no-install --find-links DIR; "
+            "--help lists all]"
+        )
+        nox.session(run_sweep, name=spec.sweep, python=PYTHON, reuse_venv=True, tags=["cpu", "gpu", "ci"])
+    for package in connectors.packages():
+
+        def run_imports(session: nox.Session, name: str = package.name) -> None:
+            nox_support.imports(session, [name])
+
+        run_imports.__doc__ = (
+            f"Install the {package.title} environment (wheel variant per host) and run the import canary."
+            "\n    [-- --dry-run --platform cpu|cuda --installed --no-install --find-links DIR]"
+        )
+        nox.session(
+            run_imports, name=f"{package.name}_imports", python=PYTHON, reuse_venv=True, tags=["cpu", "gpu"]
+        )
 
 
-@nox.session(python=PYTHON, reuse_venv=True, tags=["cpu", "gpu", "ci"])
-def nixl_sweep(session: nox.Session) -> None:
-    """NIXL P/D sweep (TP 1x1, 2x2): install + canary, then real clusters, all checks.
-    [-- same options as mooncake_sweep; --help lists all]"""
-    nox_support.sweep(session, "nixl_sweep", ["nixl"])
+_connector_sessions()
 
 
 @nox.session(python=PYTHON, reuse_venv=True, tags=["cpu", "gpu"])
 def sweep(session: nox.Session) -> None:
     """Any sweep: a built-in name or your own TOML file, with the connectors its configs use.
-    [-- NAME_OR_TOML, then the options of mooncake_sweep]"""
-    name, connectors = nox_support.named_sweep(session)
-    nox_support.sweep(session, name, connectors, posargs=session.posargs[1:])
+    [-- NAME_OR_TOML, then the options of a connector's sweep session]"""
+    name = nox_support.named_sweep(session)
+    nox_support.sweep(session, name, posargs=session.posargs[1:])
 
 
 @nox.session(python=PYTHON, reuse_venv=True, tags=["gpu", "nightly"])
 def kimi_linear_nightly(session: nox.Session) -> None:
     """Kimi-Linear-48B-A3B over NIXL, prefill TP2 + decode DP2/EP on 4 GPUs (runs unpinned, said so).
-    [-- same options as mooncake_sweep; --dry-run plans anywhere]"""
-    nox_support.sweep(session, "kimi_linear_nightly", ["nixl"], extra=("--allow-unpinned-remote-code",))
+    [-- the options of a connector's sweep session; --dry-run plans anywhere]"""
+    nox_support.sweep(session, "kimi_linear_nightly", extra=("--allow-unpinned-remote-code",))
 
 
 @nox.session(python=PYTHON, reuse_venv=True, tags=["cpu", "gpu"])
 def serve(session: nox.Session) -> None:
     """Hold one config up for your own tests until Ctrl-C: `nox -s serve -- SWEEP --only CONFIG`.
-    [-- SWEEP --only CONFIG, then the options of mooncake_sweep except the checks']"""
-    name, connectors = nox_support.named_sweep(session)
-    nox_support.sweep(session, name, connectors, posargs=session.posargs[1:], command="serve")
-
-
-@nox.session(python=PYTHON, reuse_venv=True, tags=["cpu", "gpu"])
-def mooncake_imports(session: nox.Session) -> None:
-    """Install the Mooncake environment (wheel variant per host) and run the import canary.
-    [-- --dry-run --platform cpu|cuda --installed --no-install --find-links DIR]"""
-    nox_support.imports(session, ["mooncake"])
-
-
-@nox.session(python=PYTHON, reuse_venv=True, tags=["cpu", "gpu"])
-def nixl_imports(session: nox.Session) -> None:
-    """Install the NIXL environment (nixl + nixl-cuN per host) and run the import canary.
-    [-- --dry-run --platform cpu|cuda --installed --no-install --find-links DIR]"""
-    nox_support.imports(session, ["nixl"])
+    [-- SWEEP --only CONFIG, then the options of a sweep session except the checks']"""
+    name = nox_support.named_sweep(session)
+    nox_support.sweep(session, name, posargs=session.posargs[1:], command="serve")
 
 
 @nox.session(python=PYTHON, reuse_venv=True, tags=["cpu", "ci"])

@@ -23,7 +23,7 @@ from pathlib import Path
 # subcommand's) works on a bare interpreter (tests/test_bare_imports.py); each command's module,
 # and what it needs, is imported only when that command runs (_command).
 from pd_sessions import __version__
-from pd_sessions.core.cliargs import add_common_options, add_sweep_options
+from pd_sessions.core.cliargs import SWEEP_HELP, add_common_options, add_sweep_options
 from pd_sessions.runtime.console import install_signal_handlers, run_command
 
 
@@ -34,13 +34,13 @@ def _parser() -> argparse.ArgumentParser:
 
     # The options live in cliargs (standard library only): the noxfile parses posargs with them.
     s = sub.add_parser("sweep", help="run (or --dry-run) a sweep of P/D clusters")
-    s.add_argument("sweep", help="a built-in sweep name (e.g. mooncake_sweep) or a .toml path")
+    s.add_argument("sweep", help=SWEEP_HELP)
     add_sweep_options(s)
 
     v = sub.add_parser(
         "serve", help="start one config, print how to reach it, and keep it up until Ctrl-C or SIGTERM"
     )
-    v.add_argument("sweep", help="a built-in sweep name (e.g. mooncake_sweep) or a .toml path")
+    v.add_argument("sweep", help=SWEEP_HELP)
     add_common_options(v)
 
     t = sub.add_parser("tiny-model", help="generate (once) the tiny model and print its path")

@@ -35,7 +35,9 @@ from typing import Any
 
 import pytest
 
-DEFAULT_CLUSTER = "mooncake_sweep:1x1"
+from pd_sessions.core import connectors
+
+DEFAULT_CLUSTER = f"{connectors.DEFAULT.sweep}:1x1"
 ENV_CLUSTER = "PD_SESSIONS_CLUSTER"
 _LIVE: list[PdCluster] = []  # clusters this process started and has not torn down yet
 

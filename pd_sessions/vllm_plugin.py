@@ -19,13 +19,18 @@ vLLM loads general plugins in every process it starts (API server, engine core, 
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from pd_sessions.core.envnames import NIXL_DELAY_ENV
+from pd_sessions.core.connectors import MOONCAKE, NIXL
+from pd_sessions.core.connectors.nixl import PROGRESS
+
+# The variable the planner sets for the CPU lane (the NIXL spec's cpu_lane.env names it).
+NIXL_DELAY_ENV = PROGRESS.env
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +53,7 @@ def nixl_delay_us(environ: Mapping[str, str]) -> int | None:
     if value <= 0:
         raise ValueError(
             f"{NIXL_DELAY_ENV}={raw!r}: give a whole number of microseconds above 0 "
-            "(e.g. 1000), or leave it unset for NIXL's own busy polling"
+            f"(e.g. 1000), or leave it unset for {NIXL.title}'s own busy polling"
         )
     return value
 
@@ -61,7 +66,7 @@ def with_progress_delay(create: Callable[..., Any], delay_us: int) -> Callable[.
         if getattr(config, "useProgThread", False) and getattr(config, "pthrDelay", None) == 0:
             config.pthrDelay = delay_us
             print(
-                f"pd_sessions: NIXL agent {name}: progress thread polls every {delay_us} us "
+                f"pd_sessions: {NIXL.title} agent {name}: progress thread polls every {delay_us} us "
                 f"instead of spinning ({NIXL_DELAY_ENV})",
                 file=sys.stderr,
                 flush=True,
@@ -74,7 +79,8 @@ def with_progress_delay(create: Callable[..., Any], delay_us: int) -> Callable[.
 
 def apply_nixl_progress_delay(environ: Mapping[str, str]) -> bool:
     """Wrap the installed NIXL's agent constructor when ``environ`` asks for a delay; whether
-    it was wrapped now (not when unset, already wrapped, or NIXL is not installed)."""
+    it was wrapped now (not when unset, already wrapped, or NIXL is not installed). Where to wrap
+    is the NIXL spec's :data:`~pd_sessions.core.connectors.nixl.PROGRESS`."""
     try:
         delay = nixl_delay_us(environ)
     except ValueError as e:
@@ -83,22 +89,24 @@ def apply_nixl_progress_delay(environ: Mapping[str, str]) -> bool:
     if delay is None:
         return False
     try:
-        import nixl._api  # the front package; it re-exports the backend built for this host
+        # the front package; it re-exports the backend built for this host
+        api = importlib.import_module(PROGRESS.api_module)
     except ImportError:
         return False
-    bind = getattr(sys.modules[nixl._api.nixl_agent.__module__], "nixlBind", None)
-    if bind is None or not hasattr(bind, "nixlAgent"):
+    front = getattr(api, PROGRESS.agent_class).__module__
+    bind = getattr(sys.modules[front], PROGRESS.bindings, None)
+    create = getattr(bind, PROGRESS.constructor, None)
+    if create is None:
         print(
-            f"pd_sessions: {NIXL_DELAY_ENV} not applied: this NIXL's Python API "
-            f"({nixl._api.nixl_agent.__module__}) has no nixlBind.nixlAgent to wrap; its progress "
-            "thread keeps NIXL's own setting",
+            f"pd_sessions: {NIXL_DELAY_ENV} not applied: this {NIXL.title} Python API ({front}) has no "
+            f"{PROGRESS.bindings}.{PROGRESS.constructor} to wrap; its progress thread keeps its own setting",
             file=sys.stderr,
             flush=True,
         )
         return False
-    if hasattr(bind.nixlAgent, "_pd_sessions_delay_us"):
+    if hasattr(create, "_pd_sessions_delay_us"):
         return False
-    bind.nixlAgent = with_progress_delay(bind.nixlAgent, delay)
+    setattr(bind, PROGRESS.constructor, with_progress_delay(create, delay))
     return True
 
 
@@ -119,4 +127,7 @@ def register() -> None:
 
     acc.current_device_index = current_device_index
     acc._pd_sessions_cpu_shim = True
-    log.info("pd_sessions: no accelerator: torch.accelerator.current_device_index() -> 0 (Mooncake CPU shim)")
+    log.info(
+        "pd_sessions: no accelerator: torch.accelerator.current_device_index() -> 0 (%s CPU shim)",
+        MOONCAKE.title,
+    )

@@ -22,9 +22,9 @@ USER = FIXTURES / "user_tests"
 T = TypeVar("T")
 
 
-def nox_no_venv(python: str | Path, *posargs: str) -> list[str]:
-    """argv of `nox --no-venv -s mooncake_sweep -- --platform cpu POSARGS` run by ``python``:
-    the installed-environment mode on that interpreter."""
+def nox_no_venv(python: str | Path, *posargs: str, session: str = "mooncake_sweep") -> list[str]:
+    """argv of `nox --no-venv -s SESSION -- --platform cpu POSARGS` run by ``python`` (default
+    mooncake_sweep): the installed-environment mode on that interpreter."""
     return [
         str(python),
         "-m",
@@ -33,7 +33,7 @@ def nox_no_venv(python: str | Path, *posargs: str) -> list[str]:
         str(ROOT / "noxfile.py"),
         "--no-venv",
         "-s",
-        "mooncake_sweep",
+        session,
         "--",
         "--platform",
         "cpu",
@@ -301,6 +301,21 @@ def nixl_sweep(tmp_path_factory) -> SweepRun:
             str(results),
         ),
     )
+
+
+@pytest.fixture(scope="session")
+def nixl_push_sweep(tmp_path_factory) -> SweepRun:
+    """The NIXL push sweep's 1x1 (NixlPushConnector: the third connector, one module,
+    pd_sessions/core/connectors/nixl_push.py), every default check, through the session the
+    noxfile makes from its spec (`nox --no-venv -s nixl_push_sweep`). Shared by test_e2e_cpu_lane's
+    tests over every sweep and its push-mode evidence test."""
+    heavy("vllm")
+    heavy("nixl._api")
+    results = tmp_path_factory.mktemp("nixl_push") / "r"
+    argv = nox_no_venv(
+        sys.executable, "--only", "1x1", "--results-dir", str(results), session="nixl_push_sweep"
+    )
+    return _sweep_once(results, argv=argv)
 
 
 # Fault injection, one cluster for four must-fail facts: the decode instance is started WITHOUT

@@ -26,7 +26,7 @@ from pd_sessions.core.errors import ConfigError
         (
             "connector",
             "mooncak",
-            "connector: got 'mooncak'; allowed: mooncake, nixl (did you mean \"mooncake\"?)",
+            "connector: got 'mooncak'; allowed: mooncake, nixl, nixl_push (did you mean \"mooncake\"?)",
         ),
         ("mooncake_protocol", "udp", "mooncake_protocol: got 'udp'; allowed: rdma, tcp"),
         ("num_decode", True, "num_decode: got True"),

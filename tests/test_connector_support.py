@@ -1,25 +1,27 @@
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
 from helpers import cfg
 
-from pd_sessions.core import connector_support
+from pd_sessions.core import connector_support, connectors
+from pd_sessions.core.connectors.base import Refusal
 from pd_sessions.core.errors import PlanError
 from pd_sessions.core.inventory import Inventory
 from pd_sessions.core.plan import plan_cluster
 from pd_sessions.runtime.ports import PortAllocator
 
 
-@pytest.mark.parametrize("connector", ["mooncake", "nixl"])
+@pytest.mark.parametrize("connector", connectors.names())
 @pytest.mark.parametrize("p,d", [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (1, 8)])
 def test_dividing_tp_sizes_and_xpyd_are_accepted(connector, p, d):
     connector_support.check(cfg(connector=connector, prefill_tp=p, decode_tp=d))
     connector_support.check(cfg(connector=connector, num_prefill=2, num_decode=3))
 
 
-@pytest.mark.parametrize("connector", ["mooncake", "nixl"])
+@pytest.mark.parametrize("connector", connectors.names())
 def test_tp_sizes_that_do_not_divide_are_refused_naming_connector_and_pair(connector):
     with pytest.raises(PlanError) as e:
         connector_support.check(cfg(name="odd", connector=connector, prefill_tp=2, decode_tp=3))
@@ -29,16 +31,34 @@ def test_tp_sizes_that_do_not_divide_are_refused_naming_connector_and_pair(conne
 
 
 def test_a_connector_without_heterogeneous_tp_is_refused(monkeypatch):
-    monkeypatch.setitem(connector_support.SUPPORT, "nixl", (False, True))
+    """The limits are the spec's data: a connector that says it cannot is refused by name."""
+    nixl = connectors.get("nixl")
+    swap = lambda **kw: monkeypatch.setitem(
+        connectors._BY_NAME, "nixl", dataclasses.replace(nixl, limits=dataclasses.replace(nixl.limits, **kw))
+    )
+    swap(hetero_tp=False)
     with pytest.raises(
         PlanError,
         match="connector nixl does not support heterogeneous TP "
         r"\(prefill TP1 \+ decode TP2\)",
     ):
         connector_support.check(cfg(connector="nixl", prefill_tp=1, decode_tp=2))
-    monkeypatch.setitem(connector_support.SUPPORT, "nixl", (True, False))
+    swap(many_per_role=False)
     with pytest.raises(PlanError, match=r"several instances per role \(2P1D\)"):
         connector_support.check(cfg(connector="nixl", num_prefill=2))
+
+
+def test_a_connector_that_refuses_a_platform_is_refused_before_anything_is_planned(monkeypatch):
+    nixl = connectors.get("nixl")
+    no_cpu = lambda config, platform: (
+        Refusal("connector", "not on the CPU lane") if platform == "cpu" else None
+    )
+    limits = dataclasses.replace(nixl.limits, refuse=no_cpu)
+    monkeypatch.setitem(connectors._BY_NAME, "nixl", dataclasses.replace(nixl, limits=limits))
+    with pytest.raises(PlanError, match="connector: not on the CPU lane"):
+        connector_support.check(cfg(connector="nixl"), "cpu")
+    connector_support.check(cfg(connector="nixl"), "cuda")
+    connector_support.check(cfg(connector="nixl"))  # no platform: not asked
 
 
 def test_the_planner_refuses_before_taking_any_port():
@@ -139,3 +159,60 @@ def test_the_cli_refuses_before_launch_and_only_warns_on_a_dry_run(tmp_path):
     assert "WARNING: k: vLLM 0.26.0 cannot pull KV" in "\n".join(warnings)  # the banner prints them
     env = {"modules": {"vllm": {"version": "0.32.0"}}}
     launch.refuse_before_launch(sel, env, dry_run=False)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- a vLLM without the connector
+
+
+FACTORY = """KVConnectorFactory.register_connector(
+    "NixlConnector",
+    "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector",
+    "NixlConnector",
+)
+"""
+
+
+def test_a_vllm_whose_factory_lacks_the_connector_is_refused_naming_it_and_where_it_came():
+    push = cfg(name="p", connector="nixl_push")
+    problem = connector_support.vllm_lacks_connector(push, FACTORY, "0.26.0")
+    assert problem is not None
+    assert "p: the installed vLLM 0.26.0 does not register NixlPushConnector" in problem
+    assert "vllm-project/vllm#35264" in problem
+    assert connector_support.vllm_lacks_connector(cfg(connector="nixl"), FACTORY, "0.26.0") is None
+    assert connector_support.vllm_lacks_connector(push, None, None) is None  # not known: vLLM will say
+
+
+def test_launch_reads_the_installed_vllms_factory(tmp_path):
+    """The refusal before launch reads the factory of the vLLM envfacts found; a dry run warns."""
+    from types import SimpleNamespace
+
+    from pd_sessions.commands import launch
+
+    vllm_dir = tmp_path / "vllm"
+    (vllm_dir / launch.FACTORY).parent.mkdir(parents=True)
+    (vllm_dir / launch.FACTORY).write_text(FACTORY)
+    sel = SimpleNamespace(configs=[cfg(name="p", connector="nixl_push")], warnings=())
+    env = {"modules": {"vllm": {"version": "0.26.0", "location": str(vllm_dir)}}}
+    with pytest.raises(PlanError) as e:
+        launch.refuse_before_launch(sel, env, dry_run=False)  # type: ignore[arg-type]
+    assert e.value.field == "connector" and "does not register NixlPushConnector" in str(e.value)
+    assert "WARNING: p: the installed vLLM" in "\n".join(launch.refuse_before_launch(sel, env, dry_run=True))  # type: ignore[arg-type]
+    (vllm_dir / launch.FACTORY).write_text(FACTORY.replace('"NixlConnector"', '"NixlPushConnector"', 1))
+    assert launch.refuse_before_launch(sel, env, dry_run=False) == []  # type: ignore[arg-type]
+
+
+def test_the_vllm_here_registers_every_connector():
+    """The CPU lane's vLLM (its installed factory, as launch reads it) has every registered one."""
+    import importlib.util
+    import os
+
+    from pd_sessions.commands import launch
+
+    found = importlib.util.find_spec("vllm")
+    if found is None or not found.submodule_search_locations:
+        assert os.environ.get("PD_SESSIONS_FULL_ENV") != "1", "vllm missing from the full environment"
+        pytest.skip("vllm not installed (run `nox -s tests`)")
+    source = launch._factory_source(next(iter(found.submodule_search_locations)))
+    assert source is not None
+    for name in connectors.names():
+        assert connector_support.vllm_lacks_connector(cfg(connector=name), source, "here") is None, name

@@ -23,17 +23,18 @@ def _full_env():
     heavy("mooncake.engine")
 
 
-# --- the two healthy sweeps (Mooncake, NIXL): one run each, shared by the tests below -----------
+# --- the healthy sweeps (Mooncake, NIXL, NIXL push): one run each, shared by the tests below -----
 
 
-@pytest.fixture(params=["mooncake_sweep", "nixl_sweep"])
+@pytest.fixture(params=["mooncake_sweep", "nixl_sweep", "nixl_push_sweep"])
 def sweep(request) -> str:
-    """Each test below runs over both healthy sweeps: conftest's session fixtures named like the
+    """Each test below runs over every healthy sweep: conftest's session fixtures named like the
     sweeps, one run each, shared (no test here starts a cluster of its own). Mooncake runs
     through `nox --no-venv` on this (hand-prepared) environment, as vLLM's CI runs it in the pull
     request's image: it must pass and install nothing (that run, shared with
     test_e2e_user_commands, also runs the user's passing test files). NIXL runs the CLI, serving
-    the remote-code tiny model with margin parity (shared with test_e2e_nightly)."""
+    the remote-code tiny model with margin parity (shared with test_e2e_nightly). NIXL push (the
+    connector added as one module) runs through its own nox session, made from its spec."""
     return request.param
 
 
@@ -125,7 +126,10 @@ def test_kv_transfer_moved_the_prompts_and_not_the_control(run: SweepRun):
 def test_parity_mode_and_every_prompt_the_same(run: SweepRun, sweep: str):
     parity = _checks(run)["parity"]["details"]
     # auto picks exact on the CPU lane; the NIXL run forces margin (see conftest.nixl_sweep)
-    assert parity["mode"] == {"mooncake_sweep": "exact", "nixl_sweep": "margin"}[sweep]
+    assert (
+        parity["mode"]
+        == {"mooncake_sweep": "exact", "nixl_sweep": "margin", "nixl_push_sweep": "exact"}[sweep]
+    )
     assert len(parity["prompts"]) >= 4 and all(p["same"] for p in parity["prompts"]), parity
 
 
@@ -142,6 +146,23 @@ def test_nixl_agents_got_the_cpu_lanes_progress_delay(nixl_sweep: SweepRun):
     for log in ("prefill-0.log", "decode-0.log"):
         text = (nixl_sweep.run_dir / log).read_text()
         assert "progress thread polls every 1000 us instead of spinning" in text
+
+
+def test_push_mode_moved_the_kv_by_writes_the_prefill_completed(nixl_push_sweep: SweepRun):
+    """NixlPushConnector on both sides; the KV proof's success evidence is the prefill's: it
+    WRITEs, so its /metrics count the completed transfers (one per router request at least)."""
+    plan = (nixl_push_sweep.run_dir / "plan.txt").read_text()
+    assert plan.count('"kv_connector":"NixlPushConnector"') == 2 and "--kv-connector nixl" in plan
+    for log in ("prefill-0.log", "decode-0.log"):
+        assert "nixl-push-writer thread started" in (nixl_push_sweep.run_dir / log).read_text()
+    kv = _checks(nixl_push_sweep)["kv_transfer"]
+    success = kv["details"]["success"]
+    assert success["metrics_on"] == "prefill" and list(success["metrics_after"]) == ["prefill-0"]
+    delta = success["metrics_delta"]
+    assert delta["vllm:nixl_xfer_time_seconds_count"] >= kv["details"]["router_requests"] > 0
+    assert delta["vllm:nixl_bytes_transferred_sum"] > 0
+    assert "WRITE transfers" in kv["message"] and "(prefill /metrics)" in kv["message"]
+    assert "nox > Running session nixl_push_sweep" in nixl_push_sweep.cli.text
 
 
 def test_cpu_lane_banner_and_the_config_left_out(run: SweepRun):

@@ -45,10 +45,10 @@ def test_remote_code_model_passes_every_check_with_margin_parity_and_nixl_eviden
     kv = checks["kv_transfer"]["details"]["success"]
     assert kv["connector"] == "nixl" and kv["log_failures"] == {}
     assert (
-        kv["nixl_delta"]["vllm:nixl_xfer_time_seconds_count"]
+        kv["metrics_delta"]["vllm:nixl_xfer_time_seconds_count"]
         >= checks["kv_transfer"]["details"]["router_requests"]
     )
-    assert kv["nixl_delta"]["vllm:nixl_bytes_transferred_sum"] > 0
+    assert kv["metrics_delta"]["vllm:nixl_bytes_transferred_sum"] > 0 and kv["metrics_on"] == "decode"
     # lm_eval loaded the model's own tokenizer class: only possible with trust_remote_code=True
     assert checks["accuracy"]["details"]["samples"] == 24
     plan = (nixl_sweep.run_dir / "plan.txt").read_text()

@@ -60,7 +60,7 @@ def strs(actions):
     ],
 )
 def test_mooncake_decision_table(platform, installed, expected):
-    actions = connector_actions(platform, installed, connectors=["mooncake"], mooncake_req=REQ)
+    actions = connector_actions(platform, installed, connectors=["mooncake"], requirements={"mooncake": REQ})
     assert strs(actions) == expected
     if actions and actions[0].op == "uninstall":
         assert actions[-1].op == "install"  # conflicting variants go first
@@ -82,7 +82,7 @@ def test_requested_version_missing_for_variant():
             CUDA13,
             {"mooncake-transfer-engine": "0.3.12.post1"},
             connectors=["mooncake"],
-            mooncake_req=REQ,
+            requirements={"mooncake": REQ},
             available={"mooncake-transfer-engine-cuda13": ["0.3.13", "0.3.14"]},
         )
     msg = str(e.value)
@@ -104,7 +104,25 @@ def test_requested_version_missing_for_variant():
     ],
 )
 def test_nixl_decision_table(platform, installed, expected):
-    assert strs(connector_actions(platform, installed, connectors=["nixl"], nixl_version="1.5.1")) == expected
+    reqs = {"nixl": "nixl==1.5.1"}
+    assert strs(connector_actions(platform, installed, connectors=["nixl"], requirements=reqs)) == expected
+    # push mode needs the same wheels (its spec names NIXL's package)
+    assert (
+        strs(connector_actions(platform, installed, connectors=["nixl_push"], requirements=reqs)) == expected
+    )
+
+
+def test_without_a_requirement_the_installed_version_is_kept():
+    """The installed-environment mode passes no requirements: any Mooncake variant's version, and
+    the installed nixl's version for its backend."""
+    got = connector_actions(
+        CUDA13, {"mooncake-transfer-engine": "0.3.1", "nixl": "1.4.0"}, connectors=["mooncake", "nixl"]
+    )
+    assert strs(got) == [
+        "uninstall mooncake-transfer-engine",
+        "install mooncake-transfer-engine-cuda13==0.3.1",
+        "install nixl-cu13==1.4.0 (--no-deps)",
+    ]
 
 
 def test_requirements_file_is_the_source():

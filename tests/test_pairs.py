@@ -1,4 +1,5 @@
-"""pd_sessions.runtime.pairs: per-pair warm-up parameters (pure), the error-line filter, the retry
+"""pd_sessions.runtime.pairs: the error-line filter (the per-pair warm-up parameters are the
+connector specs', tests/test_connectors.py), the retry
 loop's budget (with a fake hop), and the whole readiness path against the fake stack: a
 cluster whose every instance is healthy but whose P/D path keeps failing ends the wait
 within the budget, with the answer and the decode's error lines."""
@@ -19,32 +20,6 @@ from pd_sessions.core.plan import plan_cluster
 from pd_sessions.runtime import http, pairs
 from pd_sessions.runtime.cluster import running_cluster
 from pd_sessions.runtime.ports import PortAllocator
-
-
-def test_mooncake_params_share_the_transfer_id_and_name_the_bootstrap():
-    assert pairs.prefill_params("mooncake", "t1") == {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "transfer_id": "t1",
-    }
-    d = pairs.decode_params("mooncake", "t1", {}, bootstrap_url="http://127.0.0.1:9", engine_id="e")
-    assert d == {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "transfer_id": "t1",
-        "remote_bootstrap_addr": "http://127.0.0.1:9",
-        "remote_engine_id": "e",
-    }
-
-
-def test_nixl_decode_gets_what_the_prefill_answered():
-    assert pairs.prefill_params("nixl", "t")["do_remote_decode"] is True
-    ans = {"kv_transfer_params": {"remote_engine_id": "p0", "remote_block_ids": [1]}}
-    assert pairs.decode_params("nixl", "t", ans) == ans["kv_transfer_params"]
-    with pytest.raises(ValueError, match="no kv_transfer_params"):
-        pairs.decode_params("nixl", "t", {})
-    with pytest.raises(ValueError, match="no pair warm-up"):
-        pairs.prefill_params("lmcache", "t")
 
 
 def test_error_lines_keep_the_last_matching_ones():
@@ -171,3 +146,47 @@ def test_a_router_whose_pd_hop_keeps_failing_ends_readiness_with_its_answer(tmp_
     assert re.match(head, msg), msg
     assert "router's answer to a 1-token completion:" in msg and "HTTP 500" in msg
     assert "decode hop failed: KV transfer error" in msg and "--- decode-0's error lines" in msg
+
+
+def test_both_hops_carry_one_request_id_and_the_specs_params():
+    """A real HTTP server stands in for both instances: the prefill hop asks for a remote decode,
+    the decode hop carries what the prefill answered, and both carry the same X-Request-Id (push
+    mode matches the decode's registration to the prefill's finished blocks by it; vllm-router
+    sends it too)."""
+    import json as _json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from types import SimpleNamespace
+
+    seen: list[tuple[str, str | None, dict]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = _json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append((self.path, self.headers.get("X-Request-Id"), body["kv_transfer_params"]))
+            out = {"kv_transfer_params": {"remote_engine_id": "p0", "transfer_mode": "push"}}
+            data = _json.dumps(out).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        spec = lambda name: SimpleNamespace(name=name, url=url, host="127.0.0.1", bootstrap_port=None)
+        plan = SimpleNamespace(
+            config=ClusterConfig(name="c", model="m", connector="nixl_push"), served_model_name="m"
+        )
+        pairs.warm_pair(plan, pairs.Pair(spec("prefill-0"), spec("decode-0")), timeout=10)
+    finally:
+        server.shutdown()
+        server.server_close()
+    (_, pid, pparams), (_, did, dparams) = seen
+    assert pid == did and pid.startswith("pd-warm-")
+    assert pparams["do_remote_decode"] is True
+    assert dparams == {"remote_engine_id": "p0", "transfer_mode": "push"}

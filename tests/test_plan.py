@@ -174,10 +174,10 @@ def test_nixl_side_channel_ports_one_per_dp_rank():
     p = plan(cfg(connector="nixl", prefill_tp=2, decode_dp=2, expert_parallel=True, moe=True))
     pre, dec = p.prefill[0], p.decode[0]
     ports = dict(p.ports)
-    assert int(env(pre)["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == ports["prefill-0.nixl_side_channel"]
+    assert int(env(pre)["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == ports["prefill-0.side_channel"]
     base = int(env(dec)["VLLM_NIXL_SIDE_CHANNEL_PORT"])
     # decode rank r listens on base + r: both are reserved in the plan
-    assert ports["decode-0.nixl_side_channel"] == base and ports["decode-0.nixl_side_channel+1"] == base + 1
+    assert ports["decode-0.side_channel"] == base and ports["decode-0.side_channel+1"] == base + 1
     assert env(dec)["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
     assert "VLLM_MOONCAKE_BOOTSTRAP_PORT" not in env(pre) and pre.bootstrap_port is None
     values = [v for _, v in p.ports]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from helpers import FakePorts, cfg
 
+from pd_sessions.core import connectors
 from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.errors import ConfigError, PlanError
 from pd_sessions.core.inventory import Inventory
@@ -172,8 +173,8 @@ def test_each_host_places_its_own_gpus_and_a_host_with_too_few_is_named():
 @pytest.mark.parametrize(
     "rdma,name,field,needle",
     [
-        ((), "", "mooncake_protocol", "there is none on host2 (198.18.0.2)"),
-        (("mlx5_0",), "mlx5_12", "mooncake_device_name", "names mlx5_12, not an RDMA device on host2"),
+        ((), "", "mooncake_protocol", "this host has none"),
+        (("mlx5_0",), "mlx5_12", "mooncake_device_name", "names mlx5_12, not an RDMA device of this host"),
         (("mlx5_12", "mlx5_0"), "mlx5_12", None, None),
     ],
 )
@@ -186,6 +187,7 @@ def test_mooncake_rdma_devices_are_checked_against_each_host(rdma, name, field, 
     with pytest.raises(PlanError) as e:
         plan(c, lay, platform="cuda")
     assert e.value.field == field and needle in str(e.value)
+    assert str(e.value).startswith(f"{field}: on host2 (198.18.0.2): "), e.value  # the host named
 
 
 def test_ucx_net_devices_must_be_a_device_of_the_host():
@@ -250,3 +252,20 @@ def test_the_single_host_plan_has_no_host_fields():
     p = plan_cluster(tiny(), Inventory((), (0, 1)), FakePorts(), platform="cpu", python="/py", model="/m")
     assert all(s.node is None and s.bind is None for s in p.processes) and p.hosts == ()
     assert "  ports: all " in p.render() and "  prefill-0: http://127.0.0.1:40001 (cores 0," in p.render()
+
+
+@pytest.mark.parametrize("spec", connectors.ALL, ids=lambda s: s.name)
+def test_every_connectors_advertised_variables_carry_the_hosts_address_and_loopback_there_is_refused(spec):
+    """Each registered connector, across hosts on the CPU lane: every variable its spec says it
+    advertises (its side-channel host, ``across_hosts.advertised_env``) holds the instance's host
+    address; forced to loopback, each is refused naming it and the host."""
+    c = tiny(connector=spec.name)
+    p = plan(c, layout(host(1), host(2)))
+    for inst, h in ((p.prefill[0], "198.18.0.1"), (p.decode[0], "198.18.0.2")):
+        e = env(inst)
+        assert e["VLLM_HOST_IP"] == h
+        assert {v: e.get(v) for v in spec.advertised_env()} == dict.fromkeys(spec.advertised_env(), h)
+    for var in spec.advertised_env():
+        with pytest.raises(PlanError) as err:
+            plan(tiny(connector=spec.name, extra_env=((var, "127.0.0.1"),)), layout(host(1), host(2)))
+        assert err.value.field == var and "prefill-0 on host1 (198.18.0.1)" in str(err.value)

@@ -44,12 +44,13 @@ def arg(argv, flag):
 @pytest.mark.parametrize(
     "connector,dp,labels",
     [
-        ("mooncake", 1, ["d-0.http", "d-0.internal", "d-0.mooncake_bootstrap"]),
-        ("nixl", 1, ["d-0.http", "d-0.internal", "d-0.nixl_side_channel"]),
+        ("mooncake", 1, ["d-0.http", "d-0.internal", "d-0.bootstrap"]),
+        ("nixl", 1, ["d-0.http", "d-0.internal", "d-0.side_channel"]),
+        ("nixl_push", 1, ["d-0.http", "d-0.internal", "d-0.side_channel"]),
         (
             "nixl",
             2,
-            ["d-0.http", "d-0.internal", "d-0.nixl_side_channel", "d-0.nixl_side_channel+1", "d-0.dp_rpc"],
+            ["d-0.http", "d-0.internal", "d-0.side_channel", "d-0.side_channel+1", "d-0.dp_rpc"],
         ),
     ],
 )
@@ -61,7 +62,7 @@ def test_reserve_ports_order_and_labels(connector, dp, labels):
     internal = [label for label, _ in ledger.taken if label.startswith("d-0.internal")]
     assert len(internal) == INTERNAL_PORT_BLOCK * dp
     assert (ports.bootstrap is not None) is (connector == "mooncake")
-    assert (ports.side_channel is not None) is (connector == "nixl")
+    assert (ports.side_channel is not None) is (connector != "mooncake")
     assert (ports.dp_rpc is not None) is (dp > 1)
 
 
@@ -157,7 +158,7 @@ def test_plan_instance_spec():
     )
     base = dict(ledger.taken)["prefill-0.internal"]
     assert s.internal_ports == (base, base + INTERNAL_PORT_BLOCK - 1)
-    assert s.bootstrap_port == dict(ledger.taken)["prefill-0.mooncake_bootstrap"]
+    assert s.bootstrap_port == dict(ledger.taken)["prefill-0.bootstrap"]
     decode = plan_instance(Slot("decode", 0, 1, 1, gpus=("1",)), launch(), ledger).spec
     assert decode.bootstrap_port is None and "VLLM_MOONCAKE_BOOTSTRAP_PORT" in decode.env_dict()
 

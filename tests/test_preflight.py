@@ -5,7 +5,7 @@ import pytest
 from pd_sessions.core.config import ClusterConfig, builtin_sweep
 from pd_sessions.core.errors import ConfigError, PlanError
 from pd_sessions.core.inventory import Inventory
-from pd_sessions.core.preflight import preflight, rdma_problem
+from pd_sessions.core.preflight import host_refusal, preflight
 
 KIMI = builtin_sweep("kimi_linear_nightly")
 NONE = Inventory(gpus=(), cpus=(0, 1))
@@ -85,7 +85,12 @@ RDMA_CFG = ClusterConfig(name="1x1", model="m", connector="mooncake", mooncake_p
 @pytest.mark.parametrize(
     "platform,devices,config,needle",
     [
-        ("cuda", (), RDMA_CFG, "has none (/sys/class/infiniband is empty); use --mooncake-protocol tcp"),
+        (
+            "cuda",
+            (),
+            RDMA_CFG,
+            ("mooncake_protocol", "has none (/sys/class/infiniband is empty); use --mooncake-protocol tcp"),
+        ),
         ("cuda", ("mlx5_0",), RDMA_CFG, None),
         ("cuda", None, RDMA_CFG, None),  # not looked at
         ("cpu", (), RDMA_CFG, None),  # the CPU lane uses tcp
@@ -95,11 +100,16 @@ RDMA_CFG = ClusterConfig(name="1x1", model="m", connector="mooncake", mooncake_p
             "cuda",
             ("mlx5_0", "mlx5_1"),
             ClusterConfig(name="d", model="m", mooncake_device_name="mlx5_12"),
-            "names mlx5_12, not an RDMA device of this host (mlx5_0, mlx5_1)",
+            ("mooncake_device_name", "names mlx5_12, not an RDMA device of this host (mlx5_0, mlx5_1)"),
         ),
     ],
 )
 def test_rdma_without_a_device_is_said_before_launch(platform, devices, config, needle):
+    """The Mooncake spec's host refusal, asked through preflight's loop over the connectors."""
     inv = Inventory(gpus=("0",), cpus=(0,), rdma_devices=devices)
-    got = rdma_problem([config], platform, inv)
-    assert (got is None) if needle is None else (needle in got and config.name in got)
+    got = host_refusal([config], platform, inv)
+    if needle is None:
+        assert got is None
+    else:
+        assert got is not None and got.field == needle[0]
+        assert needle[1] in got.message and config.name in got.message

@@ -11,6 +11,8 @@ import pytest
 from conftest import ROOT
 
 from pd_sessions.checks import kv_link
+from pd_sessions.core import connectors
+from pd_sessions.core.connectors.base import LogEvidence
 from pd_sessions.runtime import raylaunch
 
 # An interpreter in which `import ray` fails, as where the extra is not installed.
@@ -116,7 +118,9 @@ def test_mooncake_bytes_add_each_lines_transfers_times_their_average_never_over(
         "INFO ... KV Transfer metrics: Num successful transfers=1, Avg MB per transfer=0.125\n"
         "INFO ... KV Transfer metrics: Num successful transfers=0, Avg MB per transfer=0\n"
     )
-    got = kv_link.mooncake_bytes(log)
+    ev = connectors.MOONCAKE.evidence
+    assert isinstance(ev, LogEvidence) and ev.mean_mib
+    got = kv_link.logged_bytes(log, ev.success, ev.mean_mib)
     exact = (2 * 0.25 + 0.125) * 2**20
     assert exact - 3 * 0.0005 * 2**20 - 1 <= got < exact
 

@@ -157,7 +157,7 @@ def test_kv_transfer_reports_tokens_evidence_and_a_row_per_decode():
     assert (
         f["delta"] == (100, "tokens") and f["required"] == (95, "tokens") and f["router_requests"] == (5, "")
     )
-    assert f["mooncake_successful_transfers"] == (5, "") and f["mooncake_failed_transfers"] == (0, "")
+    assert f["successful_transfers"] == (5, "") and f["failed_transfers"] == (0, "")
     assert r.tables[0].rows == (("decode-0", 10, 110, 100),)
     silent = kv_transfer.evaluate(
         {"decode-0": 10}, {"decode-0": 10}, router_prompt_tokens=100, router_requests=5

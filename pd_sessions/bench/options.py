@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pd_sessions.core.connectors import DEFAULT, MOONCAKE, NIXL
+
 # The first line of pd_sessions/bench/cli.py's docstring, as `--help` has always shown it.
 DESCRIPTION = (
     "``pd-sessions bench`` (``nox -s bench``): run the benchmark and write "
@@ -17,7 +19,7 @@ PARTS = ("router", "teardown", "clusters", "checks", "startup", "report", "multi
 DEFAULT_PARTS = ("router", "teardown", "clusters", "checks", "startup", "report")
 # The checks part: what each check costs over each connector (the clusters part's pd_sessions
 # runs count for its own sweep, so that one is not run again).
-CHECK_SWEEPS = ("mooncake_sweep", "nixl_sweep")
+CHECK_SWEEPS = (MOONCAKE.sweep, NIXL.sweep)
 
 
 def bench_parser(prog: str = "pd-sessions bench") -> argparse.ArgumentParser:
@@ -31,7 +33,7 @@ def bench_parser(prog: str = "pd-sessions bench") -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--sweep",
-        default="mooncake_sweep",
+        default=DEFAULT.sweep,
         help="the sweep whose configs run: a built-in name or a .toml file",
     )
     p.add_argument(
@@ -63,9 +65,9 @@ def bench_parser(prog: str = "pd-sessions bench") -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--startup-session",
-        default="mooncake_sweep",
+        default=DEFAULT.sweep,
         help="startup part: the nox session whose second-run start-up is measured, with "
-        "--only (first name given, default 1x1) and this lane's --platform (default mooncake_sweep)",
+        f"--only (first name given, default 1x1) and this lane's --platform (default {DEFAULT.sweep})",
     )
     p.add_argument(
         "--report-from",

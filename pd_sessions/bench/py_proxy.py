@@ -21,14 +21,10 @@ import uuid
 import aiohttp
 from aiohttp import web
 
-PREFILL_KV = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+from pd_sessions.core.connectors import NIXL
+
+# The prefill hop's kv_transfer_params as the NIXL connector's spec makes them (no transfer id).
+PREFILL_KV = NIXL.hops.prefill_params("")
 
 
 def make_app(prefill: str, decode: str) -> web.Application:

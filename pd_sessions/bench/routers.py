@@ -29,6 +29,7 @@ import aiohttp
 
 from pd_sessions.bench.py_proxy import PREFILL_KV
 from pd_sessions.bench.stats import percentile, summary
+from pd_sessions.core.connectors import NIXL
 from pd_sessions.core.errors import BenchError
 from pd_sessions.core.plan import router_argv
 from pd_sessions.runtime import http, process
@@ -89,7 +90,7 @@ def _start(python: str, log_dir: Path, host: str) -> tuple[dict[str, str], list[
                 python,
                 [(urls["prefill"], None)],
                 [urls["decode"]],
-                connector="nixl",
+                kv_connector=NIXL.router_flag,
                 host=host,
                 port=rp,
                 metrics_port=rm,
@@ -254,7 +255,7 @@ def run(
         "backend": "fake OpenAI-compatible backends (pd_sessions.bench.fake_backend): "
         "answers at once; the proxies are what is measured, not vLLM",
         "hop": "prefill (max_tokens=1, kv_transfer_params.do_remote_decode) then decode "
-        "(vllm-router --vllm-pd-disaggregation --kv-connector nixl)",
+        f"(vllm-router --vllm-pd-disaggregation --kv-connector {NIXL.router_flag})",
         "max_tokens": max_tokens,
         "concurrency": concurrency,
         "rounds": rounds,

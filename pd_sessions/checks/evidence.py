@@ -3,21 +3,21 @@
 vLLM's external-KV counter counts when a request is *scheduled* with external tokens, not when
 the transfer succeeds: on an H200 every NIXL handshake failed (unequal block sizes), every
 request returned empty text, and the counter still rose by nearly every prompt token. So the
-KV proof also requires success evidence:
+KV proof also requires success evidence, of the kind the connector's spec names
+(``evidence`` in pd_sessions/core/connectors/):
 
-- NIXL: the decode side's ``vllm:nixl_xfer_time_seconds_count`` (one observation per
-  completed transfer) must rise by at least one per router request and
-  ``vllm:nixl_bytes_transferred_sum`` must rise; ``vllm:nixl_num_failed_transfers``
-  and ``vllm:nixl_num_failed_notifications`` must not move.
-- Mooncake: vLLM (0.26 and 0.32) exposes no Mooncake Prometheus metrics (its stats.py
-  says "TODO(mooncake-stats): add MooncakePromMetrics"); the sender (prefill) logs
-  "KV Transfer metrics: Num successful transfers=N, ... Num failed transfers=M ..." on
-  each stats interval. Over the window at least one transfer must have succeeded and
-  none failed (several small requests may share one logged transfer batch).
-- Every connector: no line of any instance's log (from its start: the router's readiness
-  probe is a P/D request too) may match the connectors' failure messages
-  (:data:`FAILURE_PATTERNS`); the first ones are named in the verdict (e.g. NIXL's
-  "handshake_setup_failed ... Local block size 240 is not divisible by remote block size 128").
+- metrics (:class:`~pd_sessions.core.connectors.base.MetricEvidence`, NIXL): on the side that
+  completes the transfers (the decode when it READs, the prefill when it pushes WRITEs), the
+  completed-transfer count must rise by at least one per router request and the bytes must
+  rise; the failure counters must not move;
+- log stats (:class:`~pd_sessions.core.connectors.base.LogEvidence`, Mooncake, which exposes no
+  Prometheus metrics): vLLM's periodic "KV Transfer metrics: Num successful transfers=N, ...
+  Num failed transfers=M ..." lines; over the window at least one transfer must have succeeded
+  and none failed (several small requests may share one logged transfer batch);
+- every connector: no line of any instance's log (from its start: the router's readiness probe
+  is a P/D request too) may match the connector's failure lines (``failure_lines``); the first
+  ones are named in the verdict (e.g. NIXL's "handshake_setup_failed ... Local block size 240 is
+  not divisible by remote block size 128").
 
 Pure: :func:`failure_lines`, :func:`transfer_stats`, :func:`success_verdict`,
 :func:`evidence_wait`. :class:`Window` reads the logs and the connector metrics (its scrape is
@@ -34,40 +34,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pd_sessions.checks.instances import sample_sums
+from pd_sessions.core import connectors
+from pd_sessions.core.connectors.base import ConnectorSpec, LogEvidence, MetricEvidence
+from pd_sessions.core.errors import ConfigError
 
-# Prometheus sample names (after the text parser: counters end in _total, histograms
-# have _count/_sum), summed over every label set (engine, model) of one scrape.
-NIXL_SUCCESS_COUNT = "vllm:nixl_xfer_time_seconds_count"
-NIXL_SUCCESS_BYTES = "vllm:nixl_bytes_transferred_sum"
-NIXL_FAILURES = ("vllm:nixl_num_failed_transfers_total", "vllm:nixl_num_failed_notifications_total")
-NIXL_METRICS = (NIXL_SUCCESS_COUNT, NIXL_SUCCESS_BYTES, *NIXL_FAILURES)
-
-# Lines of an instance log that mean a transfer failed (vLLM 0.26/0.32 NIXL and Mooncake
-# connectors). Matched case-sensitively, anywhere in the line.
-FAILURE_PATTERNS: tuple[str, ...] = (
-    r"NIXL transfer failure",  # nixl base_worker._log_failure (all kinds)
-    r"handshake_setup_failed",
-    r"is not divisible by remote block size",  # the handshake's block-size check
-    r"pulling kv_caches for .* failed",  # mooncake decode
-    r"Mooncake transfer engine returned",
-    r"Sending to \S+ failed \(ret=",  # mooncake prefill
-    r"Error in Mooncake sender thread",
-    r"Error processing Mooncake xfer request",
-)
-_FAILURE_RE = re.compile("|".join(f"(?:{p})" for p in FAILURE_PATTERNS))
 # vLLM's periodic connector-stats line ("KV Transfer metrics: Num successful transfers=3, ...").
 _STATS_RE = re.compile(r"KV Transfer metrics: (.*)$")
 MAX_LOG_LINES_SHOWN = 5
 
 
-def failure_lines(log_text: str) -> list[str]:
-    """Lines of ``log_text`` that match a connector failure message, in order.
+def failure_lines(log_text: str, patterns: Sequence[str]) -> list[str]:
+    """Lines of ``log_text`` that match one of a connector's failure ``patterns``, in order.
 
     A failure logged with a traceback ends with the exception's own line (e.g.
     "RuntimeError: Local block size 240 is not divisible ..."); the pattern for that
     text catches it too, so no traceback parsing is needed.
     """
-    return [line.strip() for line in log_text.splitlines() if _FAILURE_RE.search(line)]
+    failure = re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns else None
+    if failure is None:
+        return []
+    return [line.strip() for line in log_text.splitlines() if failure.search(line)]
 
 
 def transfer_stats(log_text: str) -> dict[str, float]:
@@ -92,13 +78,14 @@ def transfer_stats(log_text: str) -> dict[str, float]:
 class Evidence:
     """What the gatherer saw besides the scheduling-time counter (all over the window)."""
 
-    connector: str  # "nixl" | "mooncake"
-    # decode name -> {sample name: value} before/after (NIXL_METRICS; empty for mooncake)
+    connector: str  # the config's connector (its spec says which evidence counts)
+    # instance name -> {sample name: value} before/after, on the instances of the role whose
+    # /metrics carry the connector's metrics (empty for a connector with log evidence)
     metrics_before: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     metrics_after: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     # instance name -> failure lines in its log (from the start: the readiness probe counts too)
     log_failures: Mapping[str, Sequence[str]] = field(default_factory=dict)
-    # prefill name -> summed "KV Transfer metrics" fields its log gained (mooncake)
+    # instance name -> summed "KV Transfer metrics" fields its log gained
     log_stats: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
 
 
@@ -115,15 +102,17 @@ def success_verdict(ev: Evidence, *, router_requests: int) -> tuple[str | None, 
     """(failure reason or None, details) from the success evidence alone.
 
     log failure lines in the window                  -> fail, naming the first lines
-    nixl: metrics absent from decode /metrics        -> fail (cannot prove success)
-    nixl: a failure counter rose                     -> fail
-    nixl: xfer count rose < router_requests, or
-          bytes transferred did not rise             -> fail (scheduled, not transferred)
-    mooncake: no "KV Transfer metrics" line          -> fail (cannot prove success; the
+    a connector the registry does not know           -> fail (no rule)
+    metrics: absent from the role's /metrics         -> fail (cannot prove success)
+    metrics: a failure counter rose                  -> fail
+    metrics: count rose < router_requests, or
+             bytes transferred did not rise          -> fail (scheduled, not transferred)
+    log stats: no "KV Transfer metrics" line         -> fail (cannot prove success; the
                                                         line needs log stats on)
-    mooncake: failed transfers/recvs > 0             -> fail
-    mooncake: successful transfers < 1               -> fail
-    otherwise                                        -> None (pass)
+    log stats: failed transfers/recvs > 0            -> fail
+    log stats: successful transfers < 1              -> fail
+    otherwise                                        -> None (pass); details["summary"] says what
+                                                        succeeded, for the verdict
     """
     details: dict[str, Any] = {"connector": ev.connector}
     bad_logs = {n: list(lines) for n, lines in ev.log_failures.items() if lines}
@@ -134,49 +123,68 @@ def success_verdict(ev: Evidence, *, router_requests: int) -> tuple[str | None, 
         return (
             f"{total} connector failure line(s) in the instance logs: " + " | ".join(s[:300] for s in shown)
         ), details
-    if ev.connector == "nixl":
-        d = _deltas(ev)
-        details["nixl_before"] = {k: dict(v) for k, v in ev.metrics_before.items()}
-        details["nixl_after"] = {k: dict(v) for k, v in ev.metrics_after.items()}
-        details["nixl_delta"] = d
-        if NIXL_SUCCESS_COUNT not in d or NIXL_SUCCESS_BYTES not in d:
-            return (
-                f"decode /metrics has no {NIXL_SUCCESS_COUNT} / {NIXL_SUCCESS_BYTES}: the NIXL "
-                "connector's success cannot be proven (is the decode a NIXL consumer?)"
-            ), details
-        failed = {k: d[k] for k in NIXL_FAILURES if d.get(k, 0) > 0}
-        if failed:
-            return f"NIXL failure counters rose: {failed}", details
-        count, nbytes = d[NIXL_SUCCESS_COUNT], d[NIXL_SUCCESS_BYTES]
-        if count < router_requests or nbytes <= 0:
-            return (
-                f"NIXL completed {count:g} transfers ({nbytes:g} bytes) for {router_requests} "
-                f"router requests: requests were scheduled for KV transfer but the transfers "
-                f"did not complete"
-            ), details
-        return None, details
-    if ev.connector == "mooncake":
-        details["mooncake_log_stats"] = {k: dict(v) for k, v in ev.log_stats.items()}
-        if not ev.log_stats:
-            return (
-                'no prefill logged "KV Transfer metrics" in the window: Mooncake\'s success '
-                "cannot be proven (vLLM exposes no Mooncake metrics; its stats line needs log "
-                "stats on, i.e. no --disable-log-stats)"
-            ), details
-        ok = sum(s.get("Num successful transfers", 0) for s in ev.log_stats.values())
-        failed_n = sum(
-            s.get("Num failed transfers", 0) + s.get("Num failed recvs", 0) for s in ev.log_stats.values()
+    try:
+        spec = connectors.get(ev.connector)
+    except ConfigError:
+        return f"no success evidence rule for connector {ev.connector!r}", details
+    if isinstance(spec.evidence, MetricEvidence):
+        return _metric_verdict(spec, spec.evidence, ev, router_requests, details)
+    return _log_verdict(spec, spec.evidence, ev, router_requests, details)
+
+
+def _metric_verdict(
+    spec: ConnectorSpec, m: MetricEvidence, ev: Evidence, router_requests: int, details: dict[str, Any]
+) -> tuple[str | None, dict[str, Any]]:
+    d = _deltas(ev)
+    details["metrics_on"] = m.role
+    details["metrics_before"] = {k: dict(v) for k, v in ev.metrics_before.items()}
+    details["metrics_after"] = {k: dict(v) for k, v in ev.metrics_after.items()}
+    details["metrics_delta"] = d
+    if m.count not in d or m.bytes not in d:
+        return (
+            f"{m.role} /metrics has no {m.count} / {m.bytes}: the {spec.title} connector's success "
+            f"cannot be proven (is the {m.role} a {spec.vllm_class} instance?)"
+        ), details
+    failed = {k: d[k] for k in m.failures if d.get(k, 0) > 0}
+    if failed:
+        return f"{spec.title} failure counters rose: {failed}", details
+    count, nbytes = d[m.count], d[m.bytes]
+    details["transfers"], details["transfer_bytes"] = count, nbytes
+    if count < router_requests or nbytes <= 0:
+        return (
+            f"{spec.title} completed {count:g} {m.what} ({nbytes:g} bytes) for {router_requests} "
+            f"router requests: requests were scheduled for KV transfer but the transfers "
+            f"did not complete"
+        ), details
+    details["summary"] = (
+        f"{spec.title} completed {count:g} {m.what} of {nbytes:.0f} bytes ({m.role} /metrics), no failures"
+    )
+    return None, details
+
+
+def _log_verdict(
+    spec: ConnectorSpec, lg: LogEvidence, ev: Evidence, router_requests: int, details: dict[str, Any]
+) -> tuple[str | None, dict[str, Any]]:
+    details["log_stats"] = {k: dict(v) for k, v in ev.log_stats.items()}
+    if not ev.log_stats:
+        return (
+            f'no instance logged "KV Transfer metrics" in the window: {spec.title}\'s success '
+            f"cannot be proven (vLLM exposes no {spec.title} metrics; its stats line needs log "
+            "stats on, i.e. no --disable-log-stats)"
+        ), details
+    ok = sum(s.get(lg.success, 0) for s in ev.log_stats.values())
+    failed_n = sum(s.get(f, 0) for s in ev.log_stats.values() for f in lg.failures)
+    details["successful_transfers"] = ok
+    details["failed_transfers"] = failed_n
+    if failed_n > 0:
+        return f"{spec.title} logged {failed_n:g} failed transfers/recvs in the window", details
+    if ok < 1:
+        return (
+            f"{spec.title} logged {ok:g} successful transfers for {router_requests} router requests",
+            details,
         )
-        details["mooncake_successful_transfers"] = ok
-        details["mooncake_failed_transfers"] = failed_n
-        if failed_n > 0:
-            return f"Mooncake logged {failed_n:g} failed transfers/recvs in the window", details
-        if ok < 1:
-            return (
-                f"Mooncake logged {ok:g} successful transfers for {router_requests} router requests"
-            ), details
-        return None, details
-    return f"no success evidence rule for connector {ev.connector!r}", details
+    details["summary"] = f"{spec.title} logged {ok:g} successful transfers, none failed"
+    return None, details
 
 
 # ---------------------------------------------------------------- gathering (edge)
@@ -203,11 +211,13 @@ class Window:
     """The success evidence of one check window: log offsets and connector metrics at its
     start; :meth:`close` reads the stats added since and the failure lines of whole logs.
     ``scrape(url) -> metrics text`` and the log paths are passed in, so tests can drive it with
-    recorded data."""
+    recorded data. ``metric_urls``: the /metrics of the instances whose metrics count (the
+    spec's ``evidence.role``; none for log evidence)."""
 
-    def __init__(self, connector: str, decode_urls: Mapping[str, str], logs: Mapping[str, Any], scrape: Any):
+    def __init__(self, connector: str, metric_urls: Mapping[str, str], logs: Mapping[str, Any], scrape: Any):
         self.connector = connector
-        self.decode_urls = dict(decode_urls)
+        self.spec = connectors.get(connector)
+        self.metric_urls = dict(metric_urls) if isinstance(self.spec.evidence, MetricEvidence) else {}
         self.logs = dict(logs)  # instance name -> Path of its log
         self.scrape = scrape
         self.offsets = {n: _size(p) for n, p in self.logs.items()}
@@ -215,19 +225,24 @@ class Window:
 
     @classmethod
     def for_cluster(cls, cluster: Any, scrape: Any) -> Window:
-        """A window over a running cluster's decode metrics and instance logs."""
+        """A window over a running cluster's instance logs and the /metrics its connector's
+        evidence is read from (the decode's when it pulls, the prefill's when it pushes)."""
         plan = cluster.plan
+        ev = connectors.get(plan.config.connector).evidence
+        role = ev.role if isinstance(ev, MetricEvidence) else None
+        counted = {"prefill": plan.prefill, "decode": plan.decode}.get(role or "", ())
         return cls(
             plan.config.connector,
-            {s.name: s.url + "/metrics" for s in plan.decode},
+            {s.name: s.url + "/metrics" for s in counted},
             {s.name: cluster.run_dir / s.log_name for s in plan.instances},
             scrape,
         )
 
     def _metrics(self) -> dict[str, dict[str, float]]:
-        if self.connector != "nixl":
+        ev = self.spec.evidence
+        if not isinstance(ev, MetricEvidence):
             return {}
-        return {n: sample_sums(self.scrape(u), NIXL_METRICS) for n, u in self.decode_urls.items()}
+        return {n: sample_sums(self.scrape(u), ev.samples) for n, u in self.metric_urls.items()}
 
     def window_text(self) -> dict[str, str]:
         """Instance name -> what its log gained since the window opened."""
@@ -252,6 +267,7 @@ class Window:
         clock = clock or time.monotonic
         sleep = sleep or time.sleep
         end = clock() + wait_s
+        patterns = self.spec.failure_lines
         while True:
             # Failure lines count from each log's start: the router's readiness probe before
             # the window was a P/D request too (a failed handshake may be logged only then).
@@ -260,7 +276,7 @@ class Window:
                 connector=self.connector,
                 metrics_before=self.before,
                 metrics_after=self._metrics(),
-                log_failures={n: failure_lines(t) for n, t in whole.items()},
+                log_failures={n: failure_lines(t, patterns) for n, t in whole.items()},
                 log_stats={n: s for n, t in window.items() if (s := transfer_stats(t))},
             )
             reason, _ = success_verdict(ev, router_requests=router_requests)

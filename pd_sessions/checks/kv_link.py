@@ -8,16 +8,19 @@ end of the check window, must have risen by at least the KV bytes the connector 
 moved over the window (from the start, not the window's: a transfer just before the window may be
 logged in it; the counters then include it too):
 
-- NIXL: the decode instances' ``vllm:nixl_bytes_transferred_sum`` over the window;
-- Mooncake: the prefill instances' "KV Transfer metrics" log lines over the window
-  (``Num successful transfers`` x ``Avg MB per transfer``, see :func:`mooncake_bytes`).
+- a connector with metric evidence (NIXL): the bytes its metric says over the window (the spec's
+  ``evidence.bytes``, e.g. the decode's ``vllm:nixl_bytes_transferred_sum``);
+- a connector with log evidence (Mooncake): the prefill instances' "KV Transfer metrics" lines
+  over the window, successes x their mean size (the spec's ``evidence.success`` and
+  ``evidence.mean_mib``, e.g. ``Num successful transfers`` x ``Avg MB per transfer``; see
+  :func:`logged_bytes`).
 
 The KV flows from the prefill hosts to the decode hosts (NIXL's decode reads it, Mooncake's
 prefill writes it): the decode hosts' received bytes and the prefill hosts' sent bytes must
 each cover it. Both numbers are recorded in the result (``details["link"]``). A host serving
 both roles moves its KV without crossing a link: that fails too.
 
-Pure: :func:`evaluate`, :func:`mooncake_bytes`. The counters are read through the launcher.
+Pure: :func:`evaluate`, :func:`logged_bytes`. The counters are read through the launcher.
 """
 
 from __future__ import annotations
@@ -26,17 +29,18 @@ import re
 from collections.abc import Collection, Mapping
 from typing import Any
 
-# Mooncake's "Avg MB per transfer" is rounded to 3 decimals of a MiB: take each line's
-# average this much lower, so the bytes reported are never over-counted.
-MOONCAKE_MB_ROUNDING = 0.0005
+# The mean size field is rounded to 3 decimals of a MiB (Mooncake's "Avg MB per transfer"): take
+# each line's mean this much lower, so the bytes reported are never over-counted.
+MEAN_MIB_ROUNDING = 0.0005
 _LINE = re.compile(r"KV Transfer metrics: (.*)$")
 
 Counters = Mapping[str, tuple[int, int]]  # host -> (rx_bytes, tx_bytes) of its interface
 
 
-def mooncake_bytes(log_text: str) -> float:
-    """Bytes the "KV Transfer metrics" lines of ``log_text`` report, each line's
-    ``Num successful transfers`` x ``Avg MB per transfer`` (less its rounding) in bytes."""
+def logged_bytes(log_text: str, count_field: str, mean_mib_field: str) -> float:
+    """Bytes the "KV Transfer metrics" lines of ``log_text`` report: each line's ``count_field``
+    (e.g. "Num successful transfers") x ``mean_mib_field`` (e.g. "Avg MB per transfer", MiB, less
+    its rounding), in bytes."""
     total = 0.0
     for line in log_text.splitlines():
         m = _LINE.search(line)
@@ -44,11 +48,11 @@ def mooncake_bytes(log_text: str) -> float:
             continue
         fields = dict(part.partition("=")[::2] for part in m.group(1).split(", "))
         try:
-            n = float(fields.get("Num successful transfers", 0))
-            avg = float(fields.get("Avg MB per transfer", 0))
+            n = float(fields.get(count_field, 0))
+            avg = float(fields.get(mean_mib_field, 0))
         except ValueError:
             continue
-        total += n * max(0.0, avg - MOONCAKE_MB_ROUNDING) * 2**20
+        total += n * max(0.0, avg - MEAN_MIB_ROUNDING) * 2**20
     return total
 
 

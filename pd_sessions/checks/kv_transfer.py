@@ -20,15 +20,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from pd_sessions.checks import instances, kv_link
-from pd_sessions.checks.evidence import (
-    NIXL_SUCCESS_BYTES,
-    NIXL_SUCCESS_COUNT,
-    Evidence,
-    evidence_wait,
-    success_verdict,
-)
+from pd_sessions.checks.evidence import Evidence, evidence_wait, success_verdict
 from pd_sessions.checks.instances import METRIC, SOURCE
 from pd_sessions.checks.window import CheckWindow
+from pd_sessions.core import connectors
+from pd_sessions.core.connectors.base import MetricEvidence
 from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, pick, reporting
 
 # A connector may recompute the last prompt token locally; allow that much per request.
@@ -49,12 +45,15 @@ def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
         )
     ]
     success = details.get("success") or {}
-    nixl = success.get("nixl_delta") or {}
-    if NIXL_SUCCESS_COUNT in nixl:
-        out.append(Figure("nixl_transfers", nixl[NIXL_SUCCESS_COUNT]))
-    if NIXL_SUCCESS_BYTES in nixl:
-        out.append(Figure("nixl_bytes", nixl[NIXL_SUCCESS_BYTES], "bytes"))
-    out += pick(success, ("mooncake_successful_transfers", ""), ("mooncake_failed_transfers", ""))
+    # what the connector's evidence counted (checks/evidence.py): completed transfers and their
+    # bytes from metrics, or successful and failed transfers from the stats lines
+    out += pick(
+        success,
+        ("transfers", ""),
+        ("transfer_bytes", "bytes"),
+        ("successful_transfers", ""),
+        ("failed_transfers", ""),
+    )
     before, after = details.get("before") or {}, details.get("after") or {}
     if before:
         out.append(
@@ -132,17 +131,7 @@ def evaluate(
             f"{total:g} of {router_prompt_tokens} prompt tokens)",
             details,
         )
-    if evidence.connector == "nixl":
-        d = ev_details["nixl_delta"]
-        msg += (
-            f"; NIXL completed {d[NIXL_SUCCESS_COUNT]:g} transfers of {d[NIXL_SUCCESS_BYTES]:.0f} "
-            "bytes, no failures"
-        )
-    else:
-        msg += (
-            f"; Mooncake logged {ev_details['mooncake_successful_transfers']:g} successful "
-            "transfers, none failed"
-        )
+    msg += f"; {ev_details['summary']}"
     if control is not None:
         name, c0, c1 = control
         details["control"] = {"decode": name, "before": c0, "after": c1}
@@ -194,6 +183,21 @@ def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
     )
 
 
+def link_bytes(plan: Any, r: CheckResult, log_text: Mapping[str, str]) -> tuple[float, str]:
+    """(the KV bytes the connector reports for the window, where from): its metric evidence's bytes
+    (the success verdict's ``transfer_bytes``), or for log evidence the prefill logs' "KV Transfer
+    metrics" lines (successes x their mean size)."""
+    spec = connectors.get(plan.config.connector)
+    ev = spec.evidence
+    if isinstance(ev, MetricEvidence):
+        nbytes = float(r.details.get("success", {}).get("transfer_bytes", 0.0))
+        return nbytes, f"{spec.title} reported ({ev.role} {ev.bytes})"
+    if ev.mean_mib is None:
+        return 0.0, f"{spec.title} reports no transfer sizes"
+    total = sum(kv_link.logged_bytes(log_text.get(s.name, ""), ev.success, ev.mean_mib) for s in plan.prefill)
+    return total, f'{spec.title} logged ("KV Transfer metrics": {ev.success} x {ev.mean_mib})'
+
+
 def with_link(window: CheckWindow, r: CheckResult, ev: Evidence | None) -> CheckResult:
     """Across hosts, ``r`` judged also on the link (checks/kv_link.py): the interface counters
     of the prefill and decode hosts over the window against the KV bytes the connector reports."""
@@ -201,13 +205,7 @@ def with_link(window: CheckWindow, r: CheckResult, ev: Evidence | None) -> Check
     after = window.cluster.launcher.link_counters(plan)
     if before is None or after is None or ev is None:
         return r
-    if plan.config.connector == "nixl":
-        d = r.details.get("success", {}).get("nixl_delta", {})
-        kv_bytes, source = float(d.get(NIXL_SUCCESS_BYTES, 0.0)), f"NIXL reported ({NIXL_SUCCESS_BYTES})"
-    else:
-        text = window.evidence.window_text() if window.evidence else {}
-        kv_bytes = sum(kv_link.mooncake_bytes(text.get(s.name, "")) for s in plan.prefill)
-        source = 'Mooncake logged ("KV Transfer metrics")'
+    kv_bytes, source = link_bytes(plan, r, window.evidence.window_text() if window.evidence else {})
     reason, details = kv_link.evaluate(
         before,
         after,

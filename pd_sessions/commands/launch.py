@@ -36,18 +36,40 @@ def refuse_before_launch(sel: Selection, env: dict[str, Any], *, dry_run: bool) 
     With --dry-run, the banner's warnings instead (the selection's own first), so that the plans
     can still be read."""
     vllm = (env.get("modules") or {}).get("vllm") or {}
+    factory = _factory_source(vllm.get("location"))
     problems = [
-        connector_support.vllm_problem(
-            c,
-            vllm.get("version"),
-            hybrid_mla=connector_support.is_hybrid_mla(c, _model_config(c.model)),
-        )
+        (field, problem)
         for c in sel.configs
+        for field, problem in (
+            ("connector", connector_support.vllm_lacks_connector(c, factory, vllm.get("version"))),
+            (
+                "prefill_tp",
+                connector_support.vllm_problem(
+                    c,
+                    vllm.get("version"),
+                    hybrid_mla=connector_support.is_hybrid_mla(c, _model_config(c.model)),
+                ),
+            ),
+        )
     ]
-    for problem in problems:
+    for field, problem in problems:
         if problem and not dry_run:
-            raise PlanError("prefill_tp", problem)
-    return [f"WARNING: {p}" for p in (*sel.warnings, *problems) if p]
+            raise PlanError(field, problem)
+    return [f"WARNING: {p}" for p in (*sel.warnings, *(p for _, p in problems)) if p]
+
+
+# Where a vLLM registers its KV connectors, relative to its package folder.
+FACTORY = Path("distributed", "kv_transfer", "kv_connector", "factory.py")
+
+
+def _factory_source(vllm_location: str | None) -> str | None:
+    """The text of the installed vLLM's connector factory (envfacts gives its folder), else None."""
+    if not vllm_location:
+        return None
+    try:
+        return (Path(vllm_location) / FACTORY).read_text()
+    except OSError:
+        return None
 
 
 def setup_lines(sel: Selection, env: dict[str, Any], warnings: list[str]) -> list[str]:

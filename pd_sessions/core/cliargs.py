@@ -14,6 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pd_sessions.core import check_registry as check_registry
+from pd_sessions.core import connectors
+
+# The sweep positional's help (the CLI's `sweep` and `serve` say it too).
+SWEEP_HELP = f"a built-in sweep name (e.g. {connectors.DEFAULT.sweep}) or a .toml path"
 
 
 def positive_seconds(text: str) -> float:
@@ -85,17 +89,14 @@ def add_common_options(s: argparse.ArgumentParser) -> None:
         help="let instances share GPUs when the host has fewer than the config needs "
         "(each gets explicit KV-cache bytes); prints a warning",
     )
-    s.add_argument(
-        "--mooncake-protocol",
-        choices=["rdma", "tcp"],
-        default=None,
-        help="same as --set mooncake_protocol=...",
-    )
-    s.add_argument(
-        "--mooncake-device-name",
-        default=os.environ.get("MOONCAKE_DEVICE_NAME"),
-        help="RDMA HCA allow-list (default: $MOONCAKE_DEVICE_NAME); same as --set mooncake_device_name=...",
-    )
+    for option in connectors.options():  # each connector's own fields (its spec's options)
+        s.add_argument(
+            option.flag,
+            dest=option.field,
+            choices=list(option.choices) or None,
+            default=os.environ.get(option.env) if option.env else None,
+            help=option.help,
+        )
     add_host_options(s)
     o = s.add_argument_group("per-run overrides (recorded in plan.txt, result.json and the summary)")
     o.add_argument(
@@ -235,7 +236,7 @@ def sweep_parser(
         ),
     )
     if positional:
-        p.add_argument("sweep", help="a built-in sweep name (e.g. mooncake_sweep) or a .toml path")
+        p.add_argument("sweep", help=SWEEP_HELP)
     (add_common_options if serve else add_sweep_options)(p)
     return p
 

@@ -22,16 +22,13 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from pd_sessions.core import check_registry as registry
+from pd_sessions.core import connectors
 from pd_sessions.core.errors import ConfigError, did_you_mean
 
 # The closed choices: the Literal types for mypy, the tuples (the same values) for the runtime checks
 # that name the field and the allowed values when a TOML file or a --set override gets one wrong.
-Connector = Literal["mooncake", "nixl"]
-MooncakeProtocol = Literal["rdma", "tcp"]
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 Platform = Literal["cpu", "cuda"]
-CONNECTORS: tuple[Connector, ...] = get_args(Connector)
-MOONCAKE_PROTOCOLS: tuple[MooncakeProtocol, ...] = get_args(MooncakeProtocol)
 DTYPES: tuple[Dtype, ...] = get_args(Dtype)
 PLATFORMS: tuple[Platform, ...] = get_args(Platform)
 PARITY_MODES = ("auto", "exact", "margin")
@@ -49,8 +46,8 @@ class ClusterConfig:
     name: str
     # Hub id or local path of the model, or "tiny-llama" for the generated model.
     model: str
-    # KV connector: "mooncake" (now) or "nixl".
-    connector: Connector = "mooncake"
+    # KV connector: one of the registry's (pd_sessions/core/connectors/: "mooncake", "nixl", ...).
+    connector: str = connectors.DEFAULT.name
     # How many prefill and decode vLLM instances to start.
     num_prefill: int = 1
     num_decode: int = 1
@@ -85,8 +82,9 @@ class ClusterConfig:
     extra_env: tuple[tuple[str, str], ...] = ()
     # VLLM_ATTENTION_BACKEND / --attention-backend value; None = vLLM chooses.
     attention_backend: str | None = None
-    # Mooncake transport: "rdma" or "tcp" (the CPU lane always uses tcp).
-    mooncake_protocol: MooncakeProtocol = "rdma"
+    # Mooncake transport: "rdma" or "tcp" (the CPU lane always uses tcp). The connector options
+    # (these two) are declared with their choices and flags in their connector's module.
+    mooncake_protocol: str = "rdma"
     # Mooncake RDMA device (HCA) allow-list, e.g. "mlx5_12"; "" = let Mooncake choose.
     mooncake_device_name: str = ""
     # Explicit ports; None/() = allocate free ones on the host. Honoured and checked.
@@ -199,7 +197,7 @@ def validate_cluster(c: ClusterConfig) -> None:
         raise ConfigError(
             "model", f"got {c.model!r}; allowed: a hub id, a local path or one of {', '.join(TINY_MODELS)}"
         )
-    _check_choice("connector", c.connector, CONNECTORS)
+    connectors.get(c.connector)  # ConfigError("connector") naming the registered ones
     _check_int("num_prefill", c.num_prefill, 1, MAX_INSTANCES)
     _check_int("num_decode", c.num_decode, 1, MAX_INSTANCES)
     _check_int("prefill_tp", c.prefill_tp, 1, MAX_TP)
@@ -234,9 +232,12 @@ def validate_cluster(c: ClusterConfig) -> None:
         isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in c.extra_env
     ):
         raise ConfigError("extra_env", f"got {c.extra_env!r}; allowed: a table of string values")
-    _check_choice("mooncake_protocol", c.mooncake_protocol, MOONCAKE_PROTOCOLS)
-    if not isinstance(c.mooncake_device_name, str):
-        raise ConfigError("mooncake_device_name", f"got {c.mooncake_device_name!r}; allowed: a string")
+    for option in connectors.options():
+        value = getattr(c, option.field)
+        if option.choices:
+            _check_choice(option.field, value, option.choices)
+        elif not isinstance(value, str):
+            raise ConfigError(option.field, f"got {value!r}; allowed: a string")
     if c.router_port is not None:
         _check_port("router_port", c.router_port)
     for name, ports, count in (

@@ -9,7 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+from pd_sessions.core import connectors
 from pd_sessions.core.config import ClusterConfig, Sweep
+from pd_sessions.core.connectors.base import Refusal
 from pd_sessions.core.errors import ConfigError, PlanError
 from pd_sessions.core.inventory import Inventory, resolve_platform
 
@@ -57,33 +59,12 @@ def preflight(
     )
 
 
-def rdma_problem(configs: Sequence[ClusterConfig], platform: str, inv: Inventory) -> str | None:
-    """Why Mooncake over RDMA cannot work on this host, or None.
-
-    platform  connector  protocol  RDMA devices            -> result
-    cpu       any        any       any                     -> None (the CPU lane uses tcp)
-    cuda      mooncake   rdma      unknown (None)          -> None (not looked at)
-    cuda      mooncake   rdma      none                    -> "no RDMA device ... --mooncake-protocol tcp"
-    cuda      mooncake   rdma      some, device_name set   -> every listed name must be one of them
-    cuda      other / tcp                                  -> None
-    """
-    if platform != "cuda" or inv.rdma_devices is None:
-        return None
-    for c in configs:
-        if c.connector != "mooncake" or c.mooncake_protocol != "rdma":
-            continue
-        if not inv.rdma_devices:
-            return (
-                f"config {c.name}: Mooncake over RDMA (mooncake_protocol = 'rdma') needs an RDMA "
-                "device, and this host has none (/sys/class/infiniband is empty); use "
-                "--mooncake-protocol tcp (or --set mooncake_protocol=tcp)"
-            )
-        wanted = [d for d in c.mooncake_device_name.split(",") if d]
-        unknown = [d for d in wanted if d not in inv.rdma_devices]
-        if unknown:
-            return (
-                f"config {c.name}: mooncake_device_name names {', '.join(unknown)}, not an RDMA "
-                f"device of this host ({', '.join(inv.rdma_devices)}); set --mooncake-device-name "
-                "or $MOONCAKE_DEVICE_NAME to one of them"
-            )
+def host_refusal(configs: Sequence[ClusterConfig], platform: str, inv: Inventory) -> Refusal | None:
+    """Why this host cannot run ``configs``' connectors, or None: each connector's
+    ``limits.host_refusal`` is asked about the configs over it, in registry order (Mooncake over
+    RDMA without an RDMA device, or with HCAs the host does not have)."""
+    for spec in connectors.ALL:
+        mine = tuple(c for c in configs if c.connector == spec.name)
+        if mine and (refusal := spec.limits.host_refusal(mine, platform, inv)):
+            return refusal
     return None

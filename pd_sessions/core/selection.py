@@ -14,10 +14,11 @@ import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from pd_sessions.core import connectors
 from pd_sessions.core.config import ClusterConfig, Overrides, Sweep, SweepEntry, load, make_overrides, select
 from pd_sessions.core.errors import PlanError
 from pd_sessions.core.inventory import Inventory
-from pd_sessions.core.preflight import preflight, rdma_problem
+from pd_sessions.core.preflight import host_refusal, preflight
 
 
 @dataclass(frozen=True)
@@ -47,24 +48,23 @@ def overrides(args: argparse.Namespace) -> Overrides:
         model=args.model,
         revision=args.revision,
         extra_args=args.extra_arg,
-        named={
-            "mooncake_protocol": args.mooncake_protocol,
-            "mooncake_device_name": args.mooncake_device_name or None,
-        },
+        # the connectors' own fields, set by their flags (an empty value: not set)
+        named={o.field: getattr(args, o.field, None) or None for o in connectors.options()},
     )
 
 
 def select_run(sweep_name: str, args: argparse.Namespace, inv: Inventory) -> Selection:
     """Load the sweep, check the overrides, preflight it on ``inv``, select its configs and
-    refuse what this host cannot run (Mooncake over RDMA without the device).
+    refuse what this host cannot run (a connector's host refusal: Mooncake over RDMA without the
+    device).
 
     Decision table (every refusal raises a PdError naming the field; nothing has started):
         an override that is not a config field / a bad value   -> ConfigError
         an unknown sweep, or a bad sweep file                   -> ConfigError
         the sweep cannot run on this platform or host           -> ConfigError / PlanError
         --only names no config                                  -> ConfigError
-        RDMA problem, no --dry-run                              -> PlanError("mooncake_protocol")
-        RDMA problem, --dry-run                                 -> a warning in the Selection
+        a host refusal, no --dry-run                            -> PlanError(its field)
+        a host refusal, --dry-run                               -> a warning in the Selection
         otherwise                                               -> the Selection
     """
     over = overrides(args)
@@ -77,9 +77,9 @@ def select_run(sweep_name: str, args: argparse.Namespace, inv: Inventory) -> Sel
         sweep.entries(platform), platform, only=only, include_opt_in=args.include_opt_in
     )
     configs = tuple(over.apply(e.config) for e in entries)
-    rdma = rdma_problem(configs, platform, planned_inv)
-    if rdma and not args.dry_run:
-        raise PlanError("mooncake_protocol", rdma)
+    refusal = host_refusal(configs, platform, planned_inv)
+    if refusal and not args.dry_run:
+        raise PlanError(refusal.field, refusal.message)
     return Selection(
         sweep=sweep,
         platform=platform,
@@ -89,5 +89,5 @@ def select_run(sweep_name: str, args: argparse.Namespace, inv: Inventory) -> Sel
         left_out=tuple(dataclasses.replace(e, config=over.apply(e.config)) for e in left_out),
         only=only,
         over=over,
-        warnings=(rdma,) if rdma else (),
+        warnings=(refusal.message,) if refusal else (),
     )

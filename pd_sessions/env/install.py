@@ -19,6 +19,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
+from pd_sessions.core import connectors as kv_connectors
+from pd_sessions.core.connectors.base import Package
 from pd_sessions.core.errors import InstallError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -150,13 +152,16 @@ def install_lane(
 
 
 def kv_requirements(path: Path | None = None) -> dict[str, str]:
-    """{'mooncake': 'mooncake-transfer-engine>=0.3.12', 'nixl': 'nixl==1.5.1'} from the file."""
+    """{'mooncake': 'mooncake-transfer-engine>=0.3.12', 'nixl': 'nixl==1.5.1'} from the file: each
+    line keyed by the connector package whose distribution it names."""
     out = {}
     for line in (path or REQUIREMENTS / "kv_connectors.txt").read_text().splitlines():
         line = line.split("#", 1)[0].strip()
         if line:
             req = Requirement(line)
-            out["mooncake" if req.name.startswith("mooncake") else req.name] = str(req).replace(" ", "")
+            name = canonicalize_name(req.name)
+            package = next((p for p in kv_connectors.packages() if name in p.distributions), None)
+            out[package.name if package else name] = str(req).replace(" ", "")
     return out
 
 
@@ -174,27 +179,14 @@ def facts_from_json(doc: Mapping[str, object]) -> tuple[Platform, dict[str, str]
     return platform, dict(doc.get("installed") or {})  # type: ignore[call-overload]
 
 
-def plan_connectors(doc: Mapping[str, object], connectors: Sequence[str]) -> tuple[Platform, list[Action]]:
+def plan_connectors(doc: Mapping[str, object], names: Sequence[str]) -> tuple[Platform, list[Action]]:
+    """What torch is built for in ``doc``'s interpreter, and the actions that leave the variants of
+    the named connectors' packages it needs, at requirements/kv_connectors.txt's versions."""
     platform, installed = facts_from_json(doc)
-    reqs = kv_requirements()
-    nixl = reqs.get("nixl", "")
-    return platform, connector_actions(
-        platform,
-        installed,
-        connectors=connectors,
-        mooncake_req=reqs["mooncake"],
-        nixl_version=nixl.split("==")[1] if "==" in nixl else None,
-    )
+    return platform, connector_actions(platform, installed, connectors=names, requirements=kv_requirements())
 
 
 # ------------------------------------------------------------------ connector variants
-
-MOONCAKE = {
-    12: "mooncake-transfer-engine",
-    13: "mooncake-transfer-engine-cuda13",
-    None: "mooncake-transfer-engine-non-cuda",
-}
-NIXL_BACKENDS = {12: "nixl-cu12", 13: "nixl-cu13"}
 
 
 @dataclass(frozen=True)
@@ -224,65 +216,105 @@ def connector_actions(
     installed: Mapping[str, str],
     *,
     connectors: Sequence[str],
-    mooncake_req: str = "mooncake-transfer-engine>=0.3.12",
-    nixl_version: str | None = None,
+    requirements: Mapping[str, str] | None = None,
     available: Mapping[str, Sequence[str]] | None = None,
 ) -> list[Action]:
-    """Ordered install actions that leave exactly the connector variants ``platform`` needs.
+    """Ordered install actions that leave exactly the variants ``platform`` needs of the packages
+    of ``connectors`` (connector or package names; each package's ``variants`` table in
+    pd_sessions/core/connectors/ says which distribution each torch build takes).
 
-    Decision table (Mooncake; the requirement names the default wheel, its specifier
-    is kept for whichever variant is chosen):
-        platform     wanted variant                       other variants installed
-        CUDA 12      mooncake-transfer-engine              uninstalled first
-        CUDA 13      mooncake-transfer-engine-cuda13       uninstalled first
-        CPU          mooncake-transfer-engine-non-cuda     uninstalled first
-        ROCm / other CUDA major -> InstallError "unsupported"
-    Version: the wanted variant already installed at a version the requirement allows
-    -> nothing to do; else the version of an installed variant that the requirement
-    allows (a swap keeps the version); else the requirement's specifier. With
-    ``available`` (variant -> versions on the index), a pinned version the wanted
-    variant does not have is an InstallError.
-    NIXL: ``nixl`` (meta) plus ``nixl-cuN`` for torch's CUDA major (nixl-cu12 with
-    --no-deps on CPU, whose DRAM backend works without a GPU); other backends uninstalled.
+    ``requirements``: package name -> requirement (requirements/kv_connectors.txt); a package
+    without one takes any version (the installed-environment mode keeps what it finds).
+        ROCm, or a CUDA major no table has           -> InstallError "unsupported"
+        a package of variants only (Mooncake)        -> :func:`_variant_actions`
+        a base package plus a backend variant (NIXL) -> :func:`_base_actions`
     """
     inst: dict[str, str] = {canonicalize_name(k): v for k, v in installed.items()}
+    packages = kv_connectors.packages(connectors)
     if platform.kind == "rocm":
         raise InstallError(
             "ROCm is not supported yet by pd-sessions' connector install "
-            "(no ROCm Mooncake/NIXL variant is known); use a CUDA or CPU host"
+            f"(no ROCm {'/'.join(p.title for p in packages)} variant is known); use a CUDA or CPU host"
         )
     major = platform.cuda_major if platform.kind == "cuda" else None
     if platform.kind == "cuda" and major not in (12, 13):
         raise InstallError(f"torch is built for CUDA {major}; supported: CUDA 12, CUDA 13, CPU")
     actions: list[Action] = []
-    if "mooncake" in connectors:
-        req = Requirement(mooncake_req)
-        want = MOONCAKE[major]
-        others = [d for d in MOONCAKE.values() if d != want and d in inst]
-        actions += [Action("uninstall", d) for d in others]
-        have = inst.get(want)
-        if have is not None and Version(have) in req.specifier and not others:
-            pass  # already right
+    for package in packages:
+        requirement = (requirements or {}).get(package.name)
+        if package.base is None:
+            actions += _variant_actions(package, requirement, platform, major, inst, available)
         else:
-            keep = next((inst[d] for d in others if Version(inst[d]) in req.specifier), None)
-            spec = f"=={keep}" if keep else str(req.specifier)
-            if keep and available is not None and keep not in available.get(want, ()):
-                raise InstallError(
-                    f"{want}=={keep} (to replace {', '.join(others)} at the same version) "
-                    f"does not exist for {platform.describe()}; available: "
-                    f"{', '.join(available.get(want, ())) or 'none'}"
-                )
-            actions.append(Action("install", want, spec))
-    if "nixl" in connectors:
-        backend = NIXL_BACKENDS[major] if major else NIXL_BACKENDS[12]
-        actions += [Action("uninstall", d) for d in NIXL_BACKENDS.values() if d != backend and d in inst]
-        version = nixl_version or inst.get("nixl")
-        spec = f"=={version}" if version else ""
-        if "nixl" not in inst:
-            actions.append(Action("install", "nixl", spec, no_deps=True))
-        if backend not in inst or (version and inst.get(backend) != version):
-            actions.append(Action("install", backend, spec, no_deps=True))
+            actions += _base_actions(package, requirement, major, inst)
     return actions
+
+
+def _variant_actions(
+    package: Package,
+    requirement: str | None,
+    platform: Platform,
+    major: int | None,
+    inst: Mapping[str, str],
+    available: Mapping[str, Sequence[str]] | None,
+) -> list[Action]:
+    """A package of variants only, exactly one installed (they overwrite each other). The
+    requirement names the default wheel; its specifier is kept for whichever variant is chosen.
+
+        platform     wanted variant                       other variants installed
+        CUDA 12      mooncake-transfer-engine              uninstalled first
+        CUDA 13      mooncake-transfer-engine-cuda13       uninstalled first
+        CPU          mooncake-transfer-engine-non-cuda     uninstalled first
+    Version: the wanted variant already installed at a version the requirement allows
+    -> nothing to do; else the version of an installed variant that the requirement
+    allows (a swap keeps the version); else the requirement's specifier. With
+    ``available`` (variant -> versions on the index), a pinned version the wanted
+    variant does not have is an InstallError.
+    """
+    req = Requirement(requirement or package.requirement)
+    want = package.variant_for(major)
+    if want is None:
+        raise InstallError(f"{package.title} has no variant for {platform.describe()}")
+    others = [d for d in package.variant_dists if d != want and d in inst]
+    actions = [Action("uninstall", d) for d in others]
+    have = inst.get(want)
+    if have is not None and Version(have) in req.specifier and not others:
+        return actions  # already right
+    keep = next((inst[d] for d in others if Version(inst[d]) in req.specifier), None)
+    spec = f"=={keep}" if keep else str(req.specifier)
+    if keep and available is not None and keep not in available.get(want, ()):
+        raise InstallError(
+            f"{want}=={keep} (to replace {', '.join(others)} at the same version) "
+            f"does not exist for {platform.describe()}; available: "
+            f"{', '.join(available.get(want, ())) or 'none'}"
+        )
+    return actions + [Action("install", want, spec, no_deps=package.no_deps)]
+
+
+def _base_actions(
+    package: Package, requirement: str | None, major: int | None, inst: Mapping[str, str]
+) -> list[Action]:
+    """A base distribution plus the backend variant for torch's CUDA major (NIXL: ``nixl`` and
+    ``nixl-cuN``; nixl-cu12 on CPU, whose DRAM backend works without a GPU), both at one version
+    (the requirement's ``==`` pin, else the installed base's); other backends uninstalled."""
+    base = package.base
+    assert base is not None
+    backend = package.variant_for(major) or package.variant_dists[0]
+    actions = [Action("uninstall", d) for d in package.variant_dists if d != backend and d in inst]
+    version = _pinned(requirement) or inst.get(base)
+    spec = f"=={version}" if version else ""
+    if base not in inst:
+        actions.append(Action("install", base, spec, no_deps=package.no_deps))
+    if backend not in inst or (version and inst.get(backend) != version):
+        actions.append(Action("install", backend, spec, no_deps=package.no_deps))
+    return actions
+
+
+def _pinned(requirement: str | None) -> str | None:
+    """The version a requirement pins with ``==`` (None when it pins none)."""
+    if not requirement:
+        return None
+    pins = [s.version for s in Requirement(requirement).specifier if s.operator == "=="]
+    return pins[0] if pins else None
 
 
 def apply_actions(

@@ -23,10 +23,9 @@ from typing import Any, Literal
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from pd_sessions.core import connectors as kv_connectors
 from pd_sessions.core.errors import UsageError
 from pd_sessions.env.install import (
-    MOONCAKE,
-    NIXL_BACKENDS,
     REQUIREMENTS,
     ROOT,
     Action,
@@ -99,10 +98,9 @@ def plan_installed(
         torch absent                               -> M torch
         vllm_router module absent                  -> M vllm-router (lane pin)
         lm_eval absent and the accuracy check runs -> M lm-eval (or --skip-check accuracy)
-        Mooncake wanted, no variant installed      -> M the variant torch needs
+        a connector's package absent               -> M what torch needs (_connectors_found)
         Mooncake wanted, a variant installed       -> A the swap connector_actions decides,
                                                       keeping the installed version (any)
-        NIXL wanted, nixl absent                   -> M nixl + nixl-cuN
         NIXL wanted, nixl present                  -> A the nixl-cuN for torch, at nixl's version
         pd-sessions or one of its dependencies
         not installed there                        -> A install it (editable; pip adds only what
@@ -121,13 +119,8 @@ def plan_installed(
     missing += missing_kv
     actions: list[Action] = []
     if present and doc.get("torch") is not None:
-        actions = connector_actions(
-            platform,
-            installed,
-            connectors=present,
-            mooncake_req="mooncake-transfer-engine",
-            nixl_version=installed.get("nixl"),
-        )
+        # no requirements: every package keeps the version it has (any variant's, or the base's)
+        actions = connector_actions(platform, installed, connectors=present)
     install_harness = _harness_incomplete(modules.get("pd_sessions"), installed)
     if install_harness and no_install:
         missing.append(
@@ -182,28 +175,30 @@ def _missing_runtime(
 def _connectors_found(
     platform: Platform, installed: Mapping[str, str], connectors: Sequence[str], python: str, has_pip: bool
 ) -> tuple[list[str], list[Missing]]:
-    """The wanted connectors that are installed (in some variant), and the ones missing.
+    """The wanted connectors' packages that are installed (in some variant), and the ones missing.
 
-    Mooncake: a variant installed -> present; none -> missing, the variant torch needs
-              (on a platform that is neither CUDA nor CPU: neither)
-    NIXL:     nixl installed      -> present; absent -> missing, nixl + the nixl-cuN for torch
+    variants only (Mooncake): a variant installed -> present; none -> missing, the variant torch
+                              needs (on a platform that is neither CUDA nor CPU: neither)
+    base + backend (NIXL):    the base installed  -> present; absent -> missing, the base and the
+                              backend for torch
     """
     major = platform.cuda_major if platform.kind == "cuda" else None
     present: list[str] = []
     missing: list[Missing] = []
-    if "mooncake" in connectors:
-        if any(d in installed for d in MOONCAKE.values()):
-            present.append("mooncake")
-        elif platform.kind in ("cuda", "cpu"):
-            missing.append(
-                _missing(python, has_pip, "the Mooncake connector", MOONCAKE.get(major, MOONCAKE[None]))
-            )
-    if "nixl" in connectors:
-        if installed.get("nixl") is not None:
-            present.append("nixl")
+    for package in kv_connectors.packages(connectors):
+        what = f"the {package.title} connector"
+        no_deps = ("--no-deps",) if package.no_deps else ()
+        if package.base is None:
+            if any(d in installed for d in package.variant_dists):
+                present.append(package.name)
+            elif platform.kind in ("cuda", "cpu"):
+                want = package.variant_for(major) or package.variant_for(None) or package.variant_dists[0]
+                missing.append(_missing(python, has_pip, what, want, *no_deps))
+        elif installed.get(package.base) is not None:
+            present.append(package.name)
         else:
-            backend = NIXL_BACKENDS.get(major or 12, "nixl-cu12")
-            missing.append(_missing(python, has_pip, "the NIXL connector", f"nixl {backend}", "--no-deps"))
+            backend = package.variant_for(major) or package.variant_for(None) or package.variant_dists[0]
+            missing.append(_missing(python, has_pip, what, f"{package.base} {backend}", *no_deps))
     return present, missing
 
 

@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
+from pd_sessions.core import connectors as kv_connectors
 from pd_sessions.core.cliargs import split_session_args, sweep_parser
 from pd_sessions.core.config import load
 from pd_sessions.core.errors import PdError
@@ -275,34 +276,39 @@ def dry_run_install(session: Session, target: Target, platform: str, names: Sequ
     session.log(f"  then: python -m pd_sessions.env.canary {' '.join(names)}")
 
 
-def named_sweep(session: Session) -> tuple[str, list[str]]:
-    """(the sweep named by the first posarg, the connectors its configs use)."""
+def named_sweep(session: Session) -> str:
+    """The sweep named by the first posarg."""
     if not session.posargs or session.posargs[0].startswith("-"):
         fail(session, f"name the sweep first: nox -s {session.name} -- NAME_OR_TOML [options]")
-    name = session.posargs[0]
+    return session.posargs[0]
+
+
+def sweep_connectors(session: Session, name: str) -> list[str]:
+    """The connectors the configs of sweep ``name`` use (what its session installs)."""
     try:
         sweep = load(name)
     except PdError as e:
         fail(session, str(e), e.exit_status)
-    return name, sorted({e.config.connector for plat in sweep.platforms for e in sweep.entries(plat)})
+    return sorted({e.config.connector for plat in sweep.platforms for e in sweep.entries(plat)})
 
 
 def sweep(
     session: Session,
     name: str,
-    names: Sequence[str],
     extra: tuple[str, ...] = (),
     posargs: list[str] | None = None,
     command: str = "sweep",
 ) -> None:
-    """A sweep session (``command`` "serve": the serve session): check the posargs, install
-    (only the package for a --dry-run), then run ``python -m pd_sessions COMMAND NAME ...``."""
+    """A sweep session (``command`` "serve": the serve session): check the posargs, install the
+    connectors its configs use (only the package for a --dry-run), then run
+    ``python -m pd_sessions COMMAND NAME ...``."""
     target = Target(session, posargs)
     parser = sweep_parser(prog=f"nox -s {session.name} --", positional=False, serve=command == "serve")
     if "-h" in target.rest or "--help" in target.rest:
         parser.print_help()
         return
     platform, args = check(session, target, name, parser)
+    names = sweep_connectors(session, name)
     if args.dry_run:  # plans need only the package itself
         dry_run_install(session, target, platform, names)
         if not target.installed:
@@ -338,11 +344,12 @@ def imports(session: Session, names: Sequence[str]) -> None:
 
 
 def tests(session: Session) -> None:
-    """The tests session: the CPU lane with both connectors, the test requirements, then pytest
+    """The tests session: the CPU lane with every connector, the test requirements, then pytest
     in the full environment (PD_SESSIONS_FULL_ENV=1: a missing heavy module fails, never skips)."""
     target = Target(session)
+    every = [p.name for p in kv_connectors.packages()]
     # gcc: the canary's tests build real ELF files (installed with the lane's Debian packages)
-    connectors(session, target, "cpu", ["mooncake", "nixl"], commands=install.TEST_COMMANDS)
+    connectors(session, target, "cpu", every, commands=install.TEST_COMMANDS)
     if not target.installed:
         target.venv_install(*requirements(*TEST_REQUIREMENTS, *MULTIHOST_REQUIREMENTS))
     target.run("-m", "pytest", *target.rest, env={**(target.env or {}), "PD_SESSIONS_FULL_ENV": "1"})

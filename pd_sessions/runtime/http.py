@@ -11,7 +11,7 @@ import json
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 # Re-exported: callers catch ``http.HttpError``; it lives with the rest of the family in errors.py.
@@ -33,7 +33,13 @@ def held() -> Iterator[None]:
         _held.clear()
 
 
-def request(url: str, *, payload: dict[str, Any] | None = None, timeout: float = 5.0) -> tuple[int, bytes]:
+def request(
+    url: str,
+    *,
+    payload: dict[str, Any] | None = None,
+    timeout: float = 5.0,
+    headers: Mapping[str, str] | None = None,
+) -> tuple[int, bytes]:
     if _held.is_set():
         raise HttpError(url, "not sent: the cluster is being torn down")
     data = None if payload is None else json.dumps(payload).encode()
@@ -41,7 +47,7 @@ def request(url: str, *, payload: dict[str, Any] | None = None, timeout: float =
         url,
         data=data,
         method="GET" if data is None else "POST",
-        headers={"Content-Type": "application/json"} if data else {},
+        headers={**({"Content-Type": "application/json"} if data else {}), **(headers or {})},
     )
     try:
         with _OPENER.open(req, timeout=timeout) as resp:
@@ -62,8 +68,10 @@ def get_text(url: str, *, timeout: float = 5.0) -> str:
     return request(url, timeout=timeout)[1].decode("utf-8", errors="replace")
 
 
-def post_json(url: str, payload: dict[str, Any], *, timeout: float = 60.0) -> dict[str, Any]:
-    _, body = request(url, payload=payload, timeout=timeout)
+def post_json(
+    url: str, payload: dict[str, Any], *, timeout: float = 60.0, headers: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    _, body = request(url, payload=payload, timeout=timeout, headers=headers)
     try:
         return json.loads(body)
     except json.JSONDecodeError:

@@ -9,7 +9,8 @@ Mooncake and NIXL), so readiness warms every pair, and a pair whose path keeps f
 ends the wait within a bounded time (``PD_PATH_BUDGET_S``, about a minute) with the
 answer it got and the decode's error lines, instead of running to the 1200 s deadline.
 
-Pure: the kv_transfer_params per connector and the error-line filter. Edge: the hops.
+Pure: the error-line filter (the kv_transfer_params of each hop are the connector spec's
+``hops``). Edge: the hops.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
 
+from pd_sessions.core import connectors
 from pd_sessions.core.errors import PdError
 from pd_sessions.core.plan import ClusterPlan, ProcessSpec
 from pd_sessions.runtime import http, stuck
@@ -85,53 +86,6 @@ def pairs(plan: ClusterPlan) -> list[Pair]:
     return [Pair(p, d) for p in plan.prefill for d in plan.decode]
 
 
-def prefill_params(connector: str, transfer_id: str) -> dict[str, Any]:
-    """kv_transfer_params of the prefill hop.
-
-    mooncake -> do_remote_decode + a transfer id the decode hop repeats
-    nixl     -> do_remote_decode; the prefill's answer carries what the decode needs
-    """
-    if connector == "mooncake":
-        return {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
-    if connector == "nixl":
-        return {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        }
-    raise ValueError(f"no pair warm-up for connector {connector!r}")
-
-
-def decode_params(
-    connector: str,
-    transfer_id: str,
-    prefill_answer: dict[str, Any],
-    *,
-    bootstrap_url: str | None = None,
-    engine_id: str | None = None,
-) -> dict[str, Any]:
-    """kv_transfer_params of the decode hop.
-
-    mooncake -> do_remote_prefill, the prefill's bootstrap URL and engine id, the transfer id
-    nixl     -> the kv_transfer_params the prefill answered with (ValueError when absent)
-    """
-    if connector == "mooncake":
-        return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "transfer_id": transfer_id,
-            "remote_bootstrap_addr": bootstrap_url,
-            "remote_engine_id": engine_id,
-        }
-    params = prefill_answer.get("kv_transfer_params")
-    if not params:
-        raise ValueError("the prefill's answer has no kv_transfer_params")
-    return params
-
-
 def error_lines(log_text: str, limit: int = 15) -> list[str]:
     """The last ``limit`` log lines that look like errors (markers in ERROR_MARKERS)."""
     hits = [line for line in log_text.splitlines() if any(m in line for m in ERROR_MARKERS)]
@@ -146,7 +100,7 @@ def log_errors(path: Path | None, limit: int = 15) -> list[str]:
 
 def warm_pair(plan: ClusterPlan, pair: Pair, *, timeout: float = HOP_TIMEOUT_S) -> None:
     """Send one request over ``pair``; raises http.HttpError (naming the hop) when it fails."""
-    c = plan.config
+    hops = connectors.get(plan.config.connector).hops
     tid = f"pd-warm-{uuid.uuid4().hex}"
     body = {
         "model": plan.served_model_name,
@@ -155,23 +109,31 @@ def warm_pair(plan: ClusterPlan, pair: Pair, *, timeout: float = HOP_TIMEOUT_S) 
         "temperature": 0.0,
     }
     bootstrap = engine = None
-    if c.connector == "mooncake":
+    if hops.bootstrap_query and hops.engine_id:
         bootstrap = f"http://{pair.prefill.host}:{pair.prefill.bootstrap_port}"
-        entries = json.loads(http.get_text(f"{bootstrap}/query", timeout=timeout))
-        if "0" not in entries:
-            raise http.HttpError(f"{bootstrap}/query", f"no DP rank 0 registered yet ({entries})")
-        engine = entries["0"]["engine_id"]
+        query = f"{bootstrap}{hops.bootstrap_query}"
+        try:
+            engine = hops.engine_id(json.loads(http.get_text(query, timeout=timeout)))
+        except ValueError as e:  # not JSON, or no rank registered yet
+            raise http.HttpError(query, str(e)) from None
+    # One request id for both hops, as vllm-router and upstream's toy proxy send it: push mode
+    # matches the decode's registration to the prefill's finished blocks by it.
+    same_id = {"X-Request-Id": tid}
     answer = http.post_json(
         f"{pair.prefill.url}/v1/completions",
-        {**body, "kv_transfer_params": prefill_params(c.connector, tid)},
+        {**body, "kv_transfer_params": hops.prefill_params(tid)},
         timeout=timeout,
+        headers=same_id,
     )
     try:
-        params = decode_params(c.connector, tid, answer, bootstrap_url=bootstrap, engine_id=engine)
+        params = hops.decode_params(tid, answer, bootstrap, engine)
     except ValueError as e:
         raise http.HttpError(f"{pair.prefill.url}/v1/completions", str(e)) from None
     http.post_json(
-        f"{pair.decode.url}/v1/completions", {**body, "kv_transfer_params": params}, timeout=timeout
+        f"{pair.decode.url}/v1/completions",
+        {**body, "kv_transfer_params": params},
+        timeout=timeout,
+        headers=same_id,
     )
 
 

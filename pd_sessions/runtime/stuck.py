@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from pd_sessions.core import connectors
 from pd_sessions.core.plan import ClusterPlan
 from pd_sessions.runtime import http
 
@@ -85,13 +86,17 @@ def gather(plan: ClusterPlan, timeout: float = 3.0) -> str:
 
 
 def sources(plan: ClusterPlan) -> dict[str, str]:
+    """Where a decode gets each prefill's KV from, for people: its bootstrap server, else its
+    connector's side channel (the port its spec's ``ports`` put in the environment), else its URL."""
+    spec = connectors.get(plan.config.connector)
     out = {}
     for p in plan.prefill:
         if p.bootstrap_port:
             out[p.name] = f"bootstrap http://{p.host}:{p.bootstrap_port}"
+        elif side := dict(p.env).get(spec.ports.side_channel_env or ""):
+            out[p.name] = f"{spec.title} side channel {p.host}:{side}"
         else:
-            side = dict(p.env).get("VLLM_NIXL_SIDE_CHANNEL_PORT")
-            out[p.name] = f"NIXL side channel {p.host}:{side}" if side else p.url
+            out[p.name] = p.url
     return out
 
 

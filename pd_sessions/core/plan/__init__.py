@@ -22,9 +22,10 @@ Rules (each enforced in those modules, each unit-tested):
   a multiple of 32 (default 128), one core list per TP rank in
   VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_KVCACHE_SPACE, Mooncake over tcp, and
   --enforce-eager (no torch.compile: the CPU build spends 10-27 s per instance
-  start in inductor, and upstream's own P/D tests run eager too), and for NIXL
-  PD_SESSIONS_NIXL_PROGRESS_DELAY_US (CPU_NIXL_PROGRESS_DELAY_US; vllm_plugin.py: NIXL's
-  progress thread otherwise spins a core per instance, and 2 cores cannot spare two).
+  start in inductor, and upstream's own P/D tests run eager too), and the connector's
+  CPU-lane environment (its spec's ``cpu_lane.env``: for NIXL
+  PD_SESSIONS_NIXL_PROGRESS_DELAY_US, see vllm_plugin.py: NIXL's progress thread otherwise
+  spins a core per instance, and 2 cores cannot spare two).
 - Every process advertises and binds ``config.host`` (VLLM_HOST_IP too). Across hosts (a
   HostLayout) each instance binds and advertises its own host's address (VLLM_HOST_IP, NIXL's
   side channel, Mooncake's TCP transport), its ports unique on its host; the router stays on
@@ -32,7 +33,8 @@ Rules (each enforced in those modules, each unit-tested):
   itself (loopback, localhost) is a PlanError naming the variable and the host.
 - Ports: HTTP, bootstrap and internal (VLLM_PORT block) ports come from the
   PortSource; explicit ports in a config are claimed; all are unique in the plan.
-- kv-transfer-config JSON is built from data: producer for prefill, consumer for decode.
+- kv-transfer-config JSON, the connector's ports and env, the router's --kv-connector: from the
+  connector's spec (pd_sessions/core/connectors/): producer for prefill, consumer for decode.
 
 The names below are the planner's face: callers import them from ``pd_sessions.core.plan``.
 """

@@ -20,16 +20,15 @@ import ipaddress
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from pd_sessions.core import connectors
 from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.errors import PlanError
 from pd_sessions.core.inventory import Inventory
 
-# What a process tells other hosts to reach it by (a loopback value here is the classic bug:
-# vllm-project/vllm#27083 for NIXL's side channel, Mooncake's workers registering 127.0.0.1).
-ADVERTISED_ENV = ("VLLM_HOST_IP", "VLLM_NIXL_SIDE_CHANNEL_HOST", "MC_TCP_BIND_ADDRESS")
-# UCX transports that cross hosts on the CPU lane: TCP only. Namespaces on one machine share
-# /dev/shm and a kernel, so shm or cma would move the KV without crossing the link.
-CPU_UCX_TLS = "tcp"
+# What every process tells other hosts to reach it by; each connector adds its own
+# (ConnectorSpec.advertised_env). A loopback value there is the classic bug: vllm-project/vllm#27083
+# for NIXL's side channel, Mooncake's workers registering 127.0.0.1.
+ADVERTISED_ENV = ("VLLM_HOST_IP",)
 
 
 @dataclass(frozen=True)
@@ -141,56 +140,40 @@ def assign_hosts(config: ClusterConfig, layout: HostLayout) -> Assignment:
 
 
 def host_env(host: HostFacts, config: ClusterConfig, platform: str) -> dict[str, str]:
-    """What ``host`` adds to an instance's environment, beside VLLM_HOST_IP and NIXL's side-channel
-    host (which take its address like every advertised address). The config's extra_env wins.
+    """What ``host`` adds to an instance's environment, beside VLLM_HOST_IP and the connector's
+    side-channel host (which take its address like every advertised address). The config's
+    extra_env wins.
 
     always, interface known    GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME (torch.distributed's
                                sockets on the interface that carries the address)
-    mooncake, tcp              MC_TCP_BIND_ADDRESS: Mooncake's TCP transport on the address
-    nixl on cpu                UCX_TLS=tcp (not shm or cma: they never cross a host), and
-                               UCX_NET_DEVICES = the interface when known
+    the connector              its spec's ``across_hosts.env`` (e.g. Mooncake's TCP transport
+                               bound to the address; on the CPU lane, UCX over TCP only)
     """
     env: dict[str, str] = {}
     if host.interface:
         env["GLOO_SOCKET_IFNAME"] = host.interface
         env["NCCL_SOCKET_IFNAME"] = host.interface
-    tcp = platform == "cpu" or config.mooncake_protocol == "tcp"
-    if config.connector == "mooncake" and tcp:
-        env["MC_TCP_BIND_ADDRESS"] = host.address
-    if config.connector == "nixl" and platform == "cpu":
-        env["UCX_TLS"] = CPU_UCX_TLS
-        if host.interface:
-            env["UCX_NET_DEVICES"] = host.interface
+    spec = connectors.get(config.connector)
+    env.update(spec.across_hosts.env(config, platform, host.address, host.interface))
     return env
 
 
 def host_problems(host: HostFacts, config: ClusterConfig, platform: str, env: Mapping[str, str]) -> None:
     """Raise PlanError when what an instance on ``host`` is told names a device that host lacks.
 
-    cuda, mooncake over rdma, host's RDMA devices known:
-        none                                  -> "mooncake_protocol": no RDMA device on the host
-        device_name names another             -> "mooncake_device_name", listing the host's
-    UCX_NET_DEVICES set, RDMA devices known:
+    host's RDMA devices unknown                  -> nothing to check
+    the connector refuses the host's inventory   -> its field (its spec's ``limits.host_refusal``,
+                                                    e.g. RDMA devices named that the host lacks)
+    UCX_NET_DEVICES set, not "all":
         a device neither an RDMA device nor the host's interface -> "UCX_NET_DEVICES"
     """
     devices = host.inventory.rdma_devices
     if devices is None:
         return
     where = f"on {host.name} ({host.address})"
-    if platform == "cuda" and config.connector == "mooncake" and config.mooncake_protocol == "rdma":
-        if not devices:
-            raise PlanError(
-                "mooncake_protocol",
-                f"Mooncake over RDMA needs an RDMA device, and there is none {where} "
-                "(/sys/class/infiniband is empty there); use --mooncake-protocol tcp",
-            )
-        unknown = [d for d in config.mooncake_device_name.split(",") if d and d not in devices]
-        if unknown:
-            raise PlanError(
-                "mooncake_device_name",
-                f"names {', '.join(unknown)}, not an RDMA device {where} ({', '.join(devices)}); "
-                "name devices every host has, or leave it empty to let Mooncake choose",
-            )
+    refusal = connectors.get(config.connector).limits.host_refusal((config,), platform, host.inventory)
+    if refusal:
+        raise PlanError(refusal.field, f"{where}: {refusal.message}")
     ucx = env.get("UCX_NET_DEVICES")
     if ucx and ucx != "all":
         known = {*devices, *([host.interface] if host.interface else [])}
@@ -215,13 +198,14 @@ def is_loopback(value: str) -> bool:
 
 
 def loopback_advertised(
-    name: str, host: HostFacts, env: Mapping[str, str], url_host: str
+    name: str, host: HostFacts, env: Mapping[str, str], url_host: str, connector: str
 ) -> list[tuple[str, str]]:
     """(variable, message) for every address instance ``name`` on ``host`` would give the other
     hosts that only reaches itself: its URL's host (what the router is told) and each of
-    ADVERTISED_ENV that is set."""
+    ADVERTISED_ENV and the connector's advertised variables that is set."""
+    advertised = (*ADVERTISED_ENV, *connectors.get(connector).advertised_env())
     found = [("--host", url_host)] if is_loopback(url_host) else []
-    found += [(var, env[var]) for var in ADVERTISED_ENV if var in env and is_loopback(env[var])]
+    found += [(var, env[var]) for var in advertised if var in env and is_loopback(env[var])]
     return [
         (
             var,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from pd_sessions.core import connectors
 from pd_sessions.core.config import ClusterConfig
-from pd_sessions.core.envnames import NIXL_DELAY_ENV
 from pd_sessions.core.errors import PlanError
 from pd_sessions.core.plan.hosts import host_env, host_problems, loopback_advertised
 from pd_sessions.core.plan.ledger import PortLedger
@@ -19,8 +19,6 @@ from pd_sessions.core.plan.specs import ProcessSpec
 # (engine-core handshake, ZMQ sockets, torch.distributed for TP ranks).
 INTERNAL_PORT_BLOCK = 16
 CPU_KVCACHE_GIB = 1
-# NIXL's progress thread polls at least this often (microseconds) instead of spinning (CPU lane)
-CPU_NIXL_PROGRESS_DELAY_US = 1000
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 
@@ -44,8 +42,8 @@ class InstancePorts:
 
     http: int
     internal: int  # VLLM_PORT: the first of INTERNAL_PORT_BLOCK ports per DP rank
-    bootstrap: int | None  # Mooncake's bootstrap port (every instance; only prefill serves it)
-    side_channel: int | None  # NIXL's side channel: the first of one port per DP rank
+    bootstrap: int | None  # the connector's bootstrap port (every instance; only prefill serves it)
+    side_channel: int | None  # the connector's side channel: the first of one port per DP rank
     dp_rpc: int | None  # --data-parallel-rpc-port (DP > 1)
 
 
@@ -93,7 +91,7 @@ def _loopback(slot: Slot, launch: Launch, env: dict[str, str]) -> list[str]:
     """Warnings for the loopback addresses the instance would advertise (allowed), or PlanError
     naming the first one: the variable, the instance and its host."""
     assert slot.host is not None
-    found = loopback_advertised(slot.name, slot.host, env, address(slot, launch))
+    found = loopback_advertised(slot.name, slot.host, env, address(slot, launch), launch.config.connector)
     if found and not launch.allow_loopback:
         var, msg = found[0]
         raise PlanError(
@@ -107,20 +105,20 @@ def _loopback(slot: Slot, launch: Launch, env: dict[str, str]) -> list[str]:
 def reserve_ports(slot: Slot, connector: str, ledger: PortLedger) -> InstancePorts:
     """Take the instance's ports, labelled ``<name>.<use>``, in this order:
 
-    always          http (the slot's explicit port when set), internal (a block)
-    mooncake        mooncake_bootstrap: every instance its own, so none falls back to the
-                    fixed default (8998); only prefill instances serve it
-    nixl            nixl_side_channel: a block, one per DP rank (vLLM listens on port + rank)
-    DP > 1          dp_rpc
+    always                       http (the slot's explicit port when set), internal (a block)
+    connector with a bootstrap   bootstrap: every instance its own, so none falls back to the
+                                 connector's fixed default; only prefill instances serve it
+    connector with side channel  side_channel: a block, one per DP rank (vLLM listens on port + rank)
+    DP > 1                       dp_rpc
     """
-    name = slot.name
+    name, spec = slot.name, connectors.get(connector)
     http = ledger.get(f"{name}.http", slot.http_port)
     internal = ledger.block(f"{name}.internal", INTERNAL_PORT_BLOCK * slot.dp)
     # Fresh ports every run. (vLLM hashes these two ports into its torch.compile cache
     # key, so on GPU hosts each run compiles again; fixed ports would collide between
     # clusters on one host, because vLLM binds them long after the plan was made.)
-    bootstrap = ledger.get(f"{name}.mooncake_bootstrap") if connector == "mooncake" else None
-    side_channel = ledger.block(f"{name}.nixl_side_channel", slot.dp) if connector == "nixl" else None
+    bootstrap = ledger.get(f"{name}.bootstrap") if spec.ports.bootstrap_env else None
+    side_channel = ledger.block(f"{name}.side_channel", slot.dp) if spec.ports.side_channel_env else None
     dp_rpc = ledger.get(f"{name}.dp_rpc") if slot.dp > 1 else None
     return InstancePorts(http, internal, bootstrap, side_channel, dp_rpc)
 
@@ -129,29 +127,26 @@ def instance_env(slot: Slot, launch: Launch, ports: InstancePorts) -> dict[str, 
     """The environment added to the instance's, in this order (later entries win):
 
     always         VLLM_HOST_IP, VLLM_PORT, PYTHONUNBUFFERED
-    mooncake       VLLM_MOONCAKE_BOOTSTRAP_PORT
-    nixl           VLLM_NIXL_SIDE_CHANNEL_HOST, VLLM_NIXL_SIDE_CHANNEL_PORT
+    the connector  its ports' variables (spec.ports: a bootstrap port; a side channel and the host
+                   it advertises)
     GPUs placed    CUDA_VISIBLE_DEVICES, then the lane's passed-through GPU env
     cpu            VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND ("auto" when unbound),
-                   and for NIXL the progress-thread delay (NIXL_DELAY_ENV)
+                   then the connector's CPU-lane environment (spec.cpu_lane.env, e.g. NIXL's
+                   progress-thread delay)
     across hosts   the host's own address above (not config.host), and hosts.host_env
     last           the config's extra_env: its value wins ("" turns the delay off)
     """
     c, host = launch.config, address(slot, launch)
+    spec = connectors.get(c.connector)
     env = {"VLLM_HOST_IP": host, "VLLM_PORT": str(ports.internal), "PYTHONUNBUFFERED": "1"}
-    if ports.bootstrap is not None:
-        env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(ports.bootstrap)
-    if ports.side_channel is not None:
-        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host
-        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ports.side_channel)
+    env.update(spec.port_env(host, ports.bootstrap, ports.side_channel))
     if slot.gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(slot.gpus)
         env.update(dict(launch.lane.gpu_env))
     if launch.platform == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(CPU_KVCACHE_GIB)
         env["VLLM_CPU_OMP_THREADS_BIND"] = slot.cpu_bind or "auto"
-        if c.connector == "nixl":
-            env[NIXL_DELAY_ENV] = str(CPU_NIXL_PROGRESS_DELAY_US)
+        env.update(dict(spec.cpu_lane.env))
     if slot.host:
         env.update(host_env(slot.host, c, launch.platform))
     env.update(dict(c.extra_env))
@@ -230,27 +225,5 @@ def _engine_args(launch: Launch) -> list[str]:
 
 
 def kv_transfer_config(config: ClusterConfig, role: str, platform: str) -> dict[str, object]:
-    """The --kv-transfer-config value for an instance of ``role``."""
-    kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
-    if config.connector == "mooncake":
-        protocol = "tcp" if platform == "cpu" else config.mooncake_protocol
-        return {
-            "kv_connector": "MooncakeConnector",
-            "kv_role": kv_role,
-            "kv_connector_extra_config": {
-                "mooncake_protocol": protocol,
-                "device_name": config.mooncake_device_name,
-            },
-        }
-    if config.connector == "nixl":
-        out: dict[str, object] = {
-            "kv_connector": "NixlConnector",
-            "kv_role": kv_role,
-            "kv_buffer_device": "cpu" if platform == "cpu" else "cuda",
-        }
-        if config.decode_weights_seed is not None:
-            # Parity's fault injection: the decode's model path differs, and NIXL's handshake
-            # compares a hash that includes it; let the KV move so only the weights differ.
-            out["kv_connector_extra_config"] = {"enforce_handshake_compat": False}
-        return out
-    raise PlanError("connector", f"no planner rule for connector {config.connector!r}")
+    """The --kv-transfer-config value for an instance of ``role`` (the connector's spec builds it)."""
+    return connectors.get(config.connector).kv_transfer_config(config, role, platform)

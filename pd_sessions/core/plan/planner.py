@@ -45,7 +45,7 @@ def plan_cluster(
 
     The steps, in order; the first that fails raises a PlanError naming the field:
         platform                 -> "platform" unless cpu or cuda
-        connector_support.check  -> the connector and the pair it cannot serve
+        connector_support.check  -> the connector and the pair (or platform) it cannot serve
         model_settings           -> --model, remote-code flags ("revision", "model", "block_size")
         place                    -> one slot per instance: GPUs or cores ("gpus"); across
                                     hosts first its host (assign_hosts: "prefill_hosts", ...)
@@ -57,7 +57,7 @@ def plan_cluster(
     """
     if platform not in PLATFORMS:
         raise PlanError("platform", f"got {platform!r}; allowed: cpu, cuda")
-    connector_support.check(config)  # before anything else: names the connector and the pair
+    connector_support.check(config, platform)  # before anything else: names the connector and the pair
     models = model_settings(config, model=model, decode_model=decode_model, allow_unpinned=allow_unpinned)
     host_notes: tuple[str, ...] = ()
     if layout is None:

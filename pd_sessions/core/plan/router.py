@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pd_sessions.core import connectors
 from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.plan.ledger import PortLedger
 from pd_sessions.core.plan.specs import ProcessSpec
@@ -21,14 +22,15 @@ def plan_router(
     ledger: PortLedger,
 ) -> ProcessSpec:
     """The router's spec: its HTTP port (the config's router_port when set) and metrics port are
-    the plan's last; it routes to every prefill (with its Mooncake bootstrap port) and decode."""
+    the plan's last; it routes to every prefill (with its bootstrap port, where its connector has
+    one) and decode, with the connector's ``--kv-connector``."""
     port = ledger.get("router.http", config.router_port)
     metrics_port = ledger.get("router.prometheus")
     argv = router_argv(
         python,
         [(s.url, s.bootstrap_port) for s in prefill],
         [s.url for s in decode],
-        connector=config.connector,
+        kv_connector=connectors.get(config.connector).router_flag,
         host=config.host,
         port=port,
         metrics_port=metrics_port,
@@ -49,12 +51,13 @@ def router_argv(
     prefill: Sequence[tuple[str, int | None]],
     decode: Sequence[str],
     *,
-    connector: str,
+    kv_connector: str,
     host: str,
     port: int,
     metrics_port: int,
 ) -> list[str]:
-    """vllm-router in vLLM P/D mode: ``prefill`` is (url, Mooncake bootstrap port or None)."""
+    """vllm-router in vLLM P/D mode: ``prefill`` is (url, bootstrap port or None); ``kv_connector``
+    is the router's name for the connector (a spec's ``router_flag``)."""
     argv = [python, "-m", ROUTER_MODULE, "--vllm-pd-disaggregation"]
     for url, bootstrap in prefill:
         argv += ["--prefill", url] + ([str(bootstrap)] if bootstrap else [])
@@ -62,7 +65,7 @@ def router_argv(
         argv += ["--decode", url]
     return argv + [
         "--kv-connector",
-        connector,
+        kv_connector,
         "--host",
         host,
         "--port",

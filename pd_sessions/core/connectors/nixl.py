@@ -1,0 +1,169 @@
+"""NixlConnector (vLLM's pull mode, NixlPullConnector): everything the harness knows about it.
+
+- Install: the ``nixl`` meta package plus the backend for torch's CUDA major (``nixl-cu12``,
+  ``nixl-cu13``; CPU-only torch takes ``nixl-cu12``, whose UCX backend moves DRAM without a GPU),
+  both ``--no-deps`` at one version. The canary imports ``nixl._api`` (native ``_bindings``,
+  ``_utils``; the expert-parallel ``nixl_ep_*`` extensions are never loaded by it, so not judged).
+- vLLM: ``{"kv_connector": "NixlConnector", "kv_buffer_device": "cuda"|"cpu"}``; every instance
+  gets a block of side-channel ports (``VLLM_NIXL_SIDE_CHANNEL_PORT``, one per DP rank) and
+  advertises ``VLLM_NIXL_SIDE_CHANNEL_HOST``.
+- vllm-router: ``--kv-connector nixl``.
+- Pair warm-up: the prefill hop asks for a remote decode; the decode hop carries the
+  kv_transfer_params the prefill answered with.
+- Success evidence: the decode READs, so the decode's ``vllm:nixl_xfer_time_seconds_count`` (one
+  per completed transfer) must rise by one per router request and ``vllm:nixl_bytes_transferred``
+  must rise, with its failure counters still.
+- Limits: a hybrid model needs one explicit block size (vLLM derives unequal ones under different
+  TP and every handshake fails); vLLM < 0.27.0 cannot feed lower-TP decode ranks from a
+  higher-TP prefill for a hybrid model with MLA layers.
+- CPU lane: ``kv_buffer_device: cpu``; NIXL's UCX progress thread is created with ``pthrDelay = 0``
+  and spins a core per instance, so the planner sets ``PROGRESS.env`` (the CPU lane's environment)
+  and pd-sessions' vLLM plugin creates agents with that delay (docs/cpu-lane.md, "What the 30 s stalls were").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pd_sessions.core.connectors.base import (
+    AcrossHosts,
+    ConfigView,
+    ConnectorSpec,
+    CpuLane,
+    Hops,
+    HybridMlaHeteroTp,
+    Limits,
+    MetricEvidence,
+    Package,
+    Ports,
+)
+
+PACKAGE = Package(
+    name="nixl",
+    title="NIXL",
+    module="nixl",
+    requirement="nixl",
+    base="nixl",
+    variants={12: "nixl-cu12", 13: "nixl-cu13", None: "nixl-cu12"},
+    imports=("nixl._api",),
+    native_prefixes=("_bindings.", "_utils."),
+    no_deps=True,
+)
+
+
+@dataclass(frozen=True)
+class ProgressShim:
+    """Where pd-sessions' vLLM plugin wraps NIXL's agent constructor, and the variable that asks it to."""
+
+    env: str  # the delay in microseconds; unset = NIXL's own busy polling
+    api_module: str  # NIXL's Python front (re-exports the backend built for this host)
+    agent_class: str  # the front's class whose module holds the bindings
+    bindings: str  # the attribute of that module holding the native bindings
+    constructor: str  # the bindings' agent constructor, ``(name, config)``
+    cpu_delay_us: int  # what the CPU lane asks for
+
+
+PROGRESS = ProgressShim(
+    env="PD_SESSIONS_NIXL_PROGRESS_DELAY_US",
+    api_module="nixl._api",
+    agent_class="nixl_agent",
+    bindings="nixlBind",
+    constructor="nixlAgent",
+    cpu_delay_us=1000,
+)
+
+# Prometheus sample names after the text parser, summed over label sets (engine, model).
+XFER_COUNT = "vllm:nixl_xfer_time_seconds_count"
+XFER_BYTES = "vllm:nixl_bytes_transferred_sum"
+FAILURE_COUNTERS = ("vllm:nixl_num_failed_transfers_total", "vllm:nixl_num_failed_notifications_total")
+
+# Lines of an instance log that mean a transfer failed (vLLM 0.26/0.32).
+FAILURE_LINES = (
+    r"NIXL transfer failure",  # base_worker._log_failure (all kinds)
+    r"handshake_setup_failed",
+    r"is not divisible by remote block size",  # the handshake's block-size check
+)
+
+
+def kv_config(config: ConfigView, platform: str) -> dict[str, object]:
+    out: dict[str, object] = {"kv_buffer_device": "cpu" if platform == "cpu" else "cuda"}
+    if config.decode_weights_seed is not None:
+        # Parity's fault injection: the decode's model path differs, and NIXL's handshake
+        # compares a hash that includes it; let the KV move so only the weights differ.
+        out["kv_connector_extra_config"] = {"enforce_handshake_compat": False}
+    return out
+
+
+def prefill_params(transfer_id: str) -> dict[str, object]:
+    """do_remote_decode; the prefill's answer carries what the decode needs."""
+    return {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+
+
+def decode_params(
+    transfer_id: str, answer: Mapping[str, object], bootstrap_url: str | None, engine_id: str | None
+) -> dict[str, object]:
+    """The kv_transfer_params the prefill answered with (ValueError when absent)."""
+    params = answer.get("kv_transfer_params")
+    if not isinstance(params, Mapping) or not params:
+        raise ValueError("the prefill's answer has no kv_transfer_params")
+    return dict(params)
+
+
+HOPS = Hops(prefill_params, decode_params)
+PORTS = Ports(
+    side_channel_env="VLLM_NIXL_SIDE_CHANNEL_PORT", side_channel_host_env="VLLM_NIXL_SIDE_CHANNEL_HOST"
+)
+# UCX transports that cross hosts on the CPU lane: TCP only. Simulated hosts (network namespaces
+# of one machine) share /dev/shm and a kernel, so shm or cma would move the KV without crossing
+# the link.
+CPU_UCX_TLS = "tcp"
+
+
+def host_env(config: ConfigView, platform: str, address: str, interface: str | None) -> dict[str, str]:
+    """Across hosts on the CPU lane: UCX over TCP, on the host's interface when known. (The side
+    channel's host is a port variable: ``PORTS.side_channel_host_env``.)"""
+    if platform != "cpu":
+        return {}
+    return {"UCX_TLS": CPU_UCX_TLS, **({"UCX_NET_DEVICES": interface} if interface else {})}
+
+
+ACROSS_HOSTS = AcrossHosts(env=host_env)
+CPU_LANE = CpuLane(
+    env=((PROGRESS.env, str(PROGRESS.cpu_delay_us)),),
+    shims=(f"NIXL agents poll every {PROGRESS.cpu_delay_us} us instead of spinning ({PROGRESS.env})",),
+)
+
+SPEC = ConnectorSpec(
+    name="nixl",
+    title="NIXL",
+    vllm_class="NixlConnector",
+    router_flag="nixl",
+    package=PACKAGE,
+    kv_config=kv_config,
+    hops=HOPS,
+    evidence=MetricEvidence(
+        count=XFER_COUNT, bytes=XFER_BYTES, failures=FAILURE_COUNTERS, role="decode", what="READ transfers"
+    ),
+    failure_lines=FAILURE_LINES,
+    ports=PORTS,
+    across_hosts=ACROSS_HOSTS,
+    limits=Limits(
+        hybrid_needs_block_size=True,
+        hybrid_mla_hetero_tp=HybridMlaHeteroTp(
+            fixed_in="0.27.0",
+            why="its pull worker asserts a single source rank for MLA (`assert len(read_specs) == 1`, "
+            "nixl/pull_worker.py) and the first transfer kills the decode's engine",
+            fix="vllm-project/vllm#49297",
+        ),
+    ),
+    cpu_lane=CPU_LANE,
+    sweep="nixl_sweep",
+)

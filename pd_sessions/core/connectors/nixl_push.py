@@ -1,0 +1,57 @@
+"""NixlPushConnector (vLLM's push mode of the NIXL connector): everything the harness knows about it.
+
+vLLM's connector factory lists NixlPullConnector (alias NixlConnector, see :mod:`.nixl`) and
+NixlPushConnector. In push mode the decode does not READ: it registers its freshly allocated
+blocks with the prefill through a NIXL notification, and the prefill's ``nixl-push-writer`` thread
+WRITEs the KV into them (vllm/distributed/kv_transfer/kv_connector/v1/nixl/push_*.py, vLLM 0.32).
+
+What it shares with pull mode: the wheels, the kv-transfer-config's keys (``kv_buffer_device``),
+the side-channel ports, the CPU lane's progress-thread delay, vllm-router's ``--kv-connector nixl``
+(the router learns push mode from the ``transfer_mode`` the prefill answers with) and the pair
+warm-up's two hops (the decode hop carries what the prefill answered).
+
+What differs:
+- success evidence: the transfers complete (and are recorded) on the side that WRITEs, so the
+  *prefill's* ``vllm:nixl_xfer_time_seconds_count`` must rise by one per router request (and its
+  bytes), with the failure counters still on both sides;
+- failure lines: push's own (the writer thread's errors, a registration that never reaches the
+  prefill or times out waiting for its WRITE), beside NIXL's.
+"""
+
+from __future__ import annotations
+
+from pd_sessions.core.connectors import nixl
+from pd_sessions.core.connectors.base import ConnectorSpec, MetricEvidence
+
+FAILURE_LINES = (
+    *nixl.FAILURE_LINES,  # push_reg_handshake_failed / push_reg_notif_failed / transfer_failed go there too
+    r"nixl-push-writer error",
+    r"Failed to decode PUSH_REG notification payload",
+    r"PUSH_REG notif missing request_id",
+    r"cannot send registration for",  # the decode has no agent of the prefill to notify
+    r"registration for request \S+ timed out",  # the decode waited past its lease for the WRITE
+)
+
+SPEC = ConnectorSpec(
+    name="nixl_push",
+    title="NIXL push",
+    vllm_class="NixlPushConnector",
+    router_flag="nixl",
+    package=nixl.PACKAGE,
+    kv_config=nixl.kv_config,
+    hops=nixl.HOPS,
+    evidence=MetricEvidence(
+        count=nixl.XFER_COUNT,
+        bytes=nixl.XFER_BYTES,
+        failures=nixl.FAILURE_COUNTERS,
+        role="prefill",
+        what="WRITE transfers",
+    ),
+    failure_lines=FAILURE_LINES,
+    ports=nixl.PORTS,
+    across_hosts=nixl.ACROSS_HOSTS,
+    limits=nixl.SPEC.limits,
+    cpu_lane=nixl.CPU_LANE,
+    sweep="nixl_push_sweep",
+    added_by="vllm-project/vllm#35264",
+)
