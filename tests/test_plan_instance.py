@@ -145,6 +145,25 @@ def test_decode_without_kv_transfer_is_warned():
     assert json.loads(arg(argv, "--kv-transfer-config"))["kv_role"] == "kv_producer" and warnings == []
 
 
+@pytest.mark.parametrize("connector", ["mooncake", "nixl"])
+def test_the_fault_injector_wraps_the_connector_keeping_its_name_and_settings(connector):
+    from pd_sessions.core.plan.instance import kv_transfer_config
+
+    plain = kv_transfer_config(cfg(connector=connector), "decode", "cpu")
+    assert "kv_load_failure_policy" not in plain and "kv_connector_module_path" not in plain
+    c = cfg(connector=connector, kv_load_failure_policy="recompute")
+    kv = kv_transfer_config(c, "decode", "cpu", faults_control="/r/c/faults.json")
+    assert kv["kv_connector"] == plain["kv_connector"] and kv["kv_role"] == "kv_consumer"
+    assert kv["kv_load_failure_policy"] == "recompute"
+    assert kv["kv_connector_module_path"] == "pd_sessions.fault_connector"
+    extra = kv["kv_connector_extra_config"]
+    assert extra["pd_sessions_faults"] == {"control": "/r/c/faults.json"}
+    # the connector's own extra settings stay (mooncake: protocol, device)
+    assert {k: v for k, v in extra.items() if k != "pd_sessions_faults"} == plain.get(
+        "kv_connector_extra_config", {}
+    )
+
+
 def test_plan_instance_spec():
     ledger = PortLedger(FakePorts())
     got = plan_instance(Slot("prefill", 0, 1, 1, gpus=("0",), http_port=18001), launch(), ledger)

@@ -204,7 +204,7 @@ def test_a_request_with_no_answer_makes_the_path_stuck_and_fails_the_rest_at_onc
 def test_the_runner_runs_every_check_in_order_around_one_window(fake, monkeypatch):
     seen = []
     gather = recorder(fake, seen)
-    for name in ("cache_paths", "too_long", "burst", "abort_frees_kv", "accuracy"):
+    for name in ("cache_paths", "too_long", "burst", "abort_frees_kv", "accuracy", *registry.FAULTS):
         monkeypatch.setitem(runner.GATHERERS, name, gather(name))
     results = []
     runner.run_checks(
@@ -246,6 +246,13 @@ def test_the_runner_runs_every_check_in_order_around_one_window(fake, monkeypatc
         ("burst", {"requests": 6, "max_tokens": 8}, n),
         ("abort_frees_kv", {"requests": 4, "bound_s": 15.0, "first_token_s": 150.0}, n),
         ("accuracy", acc.as_options(acc.AccuracyOptions(task="t")), n),
+        # the fault scenarios last (opt-in): they corrupt, stall, kill and restart
+        ("fault_drop", {"requests": 4}, n),
+        ("fault_zero", {"requests": 32, "max_tokens": 8}, n),
+        ("fault_swap", {"requests": 32, "max_tokens": 8}, n),
+        ("fault_stall_abort", {"requests": 2, "stall_s": 8.0, "bound_s": 15.0}, n),
+        ("fault_peer_death", {"stall_s": 5.0, "bound_s": 60.0}, n),
+        ("fault_restart", {"deadline_s": 600.0, "bound_s": 120.0}, n),
     ]
 
 
@@ -271,7 +278,7 @@ def test_a_stuck_path_fails_every_later_check_without_running_it(fake, monkeypat
     monkeypatch.setattr(runner, "CHECK_REQUEST_TIMEOUT_S", 2.0)
     seen = []
     gather = recorder(fake, seen)
-    for name in ("cache_paths", "too_long", "burst", "abort_frees_kv", "accuracy"):
+    for name in ("cache_paths", "too_long", "burst", "abort_frees_kv", "accuracy", *registry.FAULTS):
         monkeypatch.setitem(runner.GATHERERS, name, gather(name))
     fake.router_hangs = True
     results = []

@@ -15,6 +15,8 @@ The order matters; the check window (checks/window.py) carries what the first ch
 6. accuracy (lm_eval through the router): on the CPU lane an offline task run through
    the router and straight to prefill-0 must give identical samples; elsewhere the
    measured value is compared with the recorded baseline
+7. the fault scenarios (checks/faults/, opt-in), last: they corrupt, stall, kill and restart;
+   fault_restart leaves the cluster whole again for the user's own commands
 
 Results are appended to ``results`` as they come, so a run cut short by a
 dying process still reports the checks that finished.
@@ -27,6 +29,7 @@ from typing import Any
 
 from pd_sessions.checks import abort_frees_kv, burst, cache_paths, kv_transfer, parity, smoke, too_long
 from pd_sessions.checks import accuracy as acc
+from pd_sessions.checks.faults import corrupt, drop, peer_death, restart, stall_abort
 from pd_sessions.checks.instances import REQUEST_TIMEOUT_S
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core import check_registry as registry
@@ -45,6 +48,12 @@ GATHERERS: dict[str, Gatherer] = {
     "burst": burst.run,
     "abort_frees_kv": abort_frees_kv.run,
     "accuracy": acc.run,
+    "fault_drop": drop.run,
+    "fault_zero": corrupt.run_zero,
+    "fault_swap": corrupt.run_swap,
+    "fault_stall_abort": stall_abort.run,
+    "fault_peer_death": peer_death.run,
+    "fault_restart": restart.run,
 }
 
 # A check request that gets no answer this long is stuck (a KV pull that never completes):

@@ -12,7 +12,7 @@ from typing import Any
 from pd_sessions import __version__
 from pd_sessions.checks.accuracy import AccuracyOptions
 from pd_sessions.commands import launch
-from pd_sessions.core.config import ClusterConfig, Sweep
+from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.errors import UsageError
 from pd_sessions.core.inventory import Inventory
 from pd_sessions.core.results import ConfigResult
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     sel = launch.checked(args)
     env = facts(import_torch=False, full=False)
     warnings = launch.refuse_before_launch(sel, env, dry_run=args.dry_run)
-    checks = check_options(args, sel.sweep, commands)
+    checks = check_options(args, sel, commands)
     opts = launch.run_options(args, sel, results_name=sel.sweep.name, **checks)
     for line in banner(args, sel, env, opts.checks, commands, warnings):
         say(line)
@@ -61,9 +61,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def check_options(
-    args: argparse.Namespace, sweep: Sweep, commands: Sequence[user_commands.UserCommand]
+    args: argparse.Namespace, sel: Selection, commands: Sequence[user_commands.UserCommand]
 ) -> dict[str, Any]:
     """SweepOptions' check fields, as the command line and the sweep's TOML set them."""
+    sweep = sel.sweep
     return {
         "accuracy": AccuracyOptions(
             mode=args.accuracy,
@@ -75,7 +76,7 @@ def check_options(
         "skip_checks": tuple(args.skip_check),
         "commands": tuple(commands),
         "exec_timeout_s": args.exec_timeout,
-        "selected_checks": sweep.checks,
+        "selected_checks": sel.checks or sweep.checks,
         "check_options": sweep.check_options,
     }
 

@@ -24,6 +24,11 @@ class CheckInfo:
     summary: str  # one line for docs and --help
     default: bool = True  # run when a sweep does not list its checks
     options: Mapping[str, Any] = field(default_factory=dict)  # option -> default value
+    # It injects faults: its cluster's connectors are then wrapped by the fault injector
+    # (pd_sessions/fault_connector.py). Never a default: select it (`checks`, `--check`).
+    faults: bool = False
+    # Checks that must run after it when it runs (the cluster needs them to be whole again).
+    requires: tuple[str, ...] = ()
 
 
 # In running order.
@@ -66,10 +71,68 @@ CHECKS: tuple[CheckInfo, ...] = (
         "lm_eval through the router against a recorded baseline (CPU lane: "
         "per-sample identity with prefill-direct)",
     ),
+    # The fault scenarios (pd_sessions/checks/faults/): each injects one fault through the
+    # wrapped connector and holds the promise: every request equals prefill-direct or fails
+    # with a clear HTTP error within the request bound, then the cluster recovers.
+    CheckInfo(
+        "fault_drop",
+        "KV loads reported failed: each request is still correct (recompute) or fails with a "
+        "clear HTTP error, per kv_load_failure_policy; the cluster recovers",
+        default=False,
+        options={"requests": 4},
+        faults=True,
+    ),
+    CheckInfo(
+        "fault_zero",
+        "received KV blocks overwritten with zeros: the burst's comparison with prefill-direct "
+        "must fail naming the requests; detection rate recorded; the cluster recovers",
+        default=False,
+        options={"requests": 32, "max_tokens": 8},
+        faults=True,
+    ),
+    CheckInfo(
+        "fault_swap",
+        "received KV blocks overwritten with another request's: the burst's comparison must "
+        "fail naming the requests; detection rate recorded; the cluster recovers",
+        default=False,
+        options={"requests": 32, "max_tokens": 8},
+        faults=True,
+    ),
+    CheckInfo(
+        "fault_stall_abort",
+        "clients disconnect before the first token, while the prefill is stalled and while the "
+        "decode waits for stalled KV: every block on both sides free within bound_s",
+        default=False,
+        options={"requests": 2, "stall_s": 8.0, "bound_s": 15.0},
+        faults=True,
+    ),
+    CheckInfo(
+        "fault_peer_death",
+        "the prefill SIGKILLed while a decode waits for its stalled KV: the decode answers with "
+        "an error or a correct recompute, stays healthy and frees its blocks",
+        default=False,
+        options={"stall_s": 5.0, "bound_s": 60.0},
+        faults=True,
+        requires=("fault_restart",),
+    ),
+    CheckInfo(
+        "fault_restart",
+        "the killed prefill started again with the same ports and role: time until P/D answers "
+        "correctly again",
+        default=False,
+        options={"deadline_s": 600.0, "bound_s": 120.0},
+        faults=True,
+    ),
 )
 BY_NAME = {c.name: c for c in CHECKS}
 NAMES = tuple(BY_NAME)
 DEFAULTS = tuple(c.name for c in CHECKS if c.default)
+FAULTS = tuple(c.name for c in CHECKS if c.faults)
+
+
+def injects_faults(names: Sequence[str]) -> bool:
+    """Whether any of ``names`` (checks, or other names such as exec[0]) injects faults."""
+    return any(BY_NAME[n].faults for n in names if n in BY_NAME)
 
 
 def resolve(
@@ -81,6 +144,8 @@ def resolve(
     [] (empty list)         -> ConfigError: a sweep must run at least one check
     an unknown name         -> ConfigError naming it, with a did-you-mean and the known names
     a name twice            -> ConfigError
+    a check whose ``requires`` are not all selected (fault_peer_death without
+    fault_restart: the cluster would stay without its prefill) -> ConfigError naming them
     known names             -> those names, in the registry's running order
     """
     if selected is None:
@@ -108,6 +173,15 @@ def resolve(
     dupes = sorted({s for s in selected if list(selected).count(s) > 1})
     if dupes:
         raise ConfigError(field_name, f"check(s) {dupes} listed more than once", source=source)
+    for s in selected:
+        missing = [r for r in BY_NAME[s].requires if r not in selected]
+        if missing:
+            raise ConfigError(
+                field_name,
+                f"{s} needs {', '.join(missing)} after it (the cluster is not whole again "
+                f"without it); add it",
+                source=source,
+            )
     return tuple(n for n in NAMES if n in selected)
 
 

@@ -182,6 +182,16 @@ def add_sweep_options(s: argparse.ArgumentParser) -> None:
         "--record-baseline", action="store_true", help="measure accuracy and write it as the model's baseline"
     )
     c.add_argument(
+        "--check",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also run this check besides the sweep's own (repeatable, or comma-separated), e.g. "
+        "an opt-in one; 'faults' adds every fault scenario ("
+        + ", ".join(check_registry.FAULTS)
+        + "); names are checked like the TOML's",
+    )
+    c.add_argument(
         "--skip-check",
         action="append",
         default=[],

@@ -32,6 +32,7 @@ Platform = Literal["cpu", "cuda"]
 DTYPES: tuple[Dtype, ...] = get_args(Dtype)
 PLATFORMS: tuple[Platform, ...] = get_args(Platform)
 PARITY_MODES = ("auto", "exact", "margin")
+KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
 # Model values that ask for one of the project's own generated tiny models.
 TINY_MODELS = ("tiny-llama", "tiny-mixtral", "tiny-kimi-linear", "tiny-llama-remote")
 MAX_TP = 8
@@ -115,6 +116,9 @@ class ClusterConfig:
     # with this weight seed (same tokenizer and shapes, other weights). Tiny models only;
     # never set it in a real sweep.
     decode_weights_seed: int | None = None
+    # vLLM's kv_load_failure_policy for a KV load that fails: "fail" (the request ends with an
+    # error) or "recompute" (the decode computes the prompt itself); None = vLLM's default.
+    kv_load_failure_policy: str | None = None
 
     def __post_init__(self) -> None:
         validate_cluster(self)
@@ -269,6 +273,8 @@ def validate_cluster(c: ClusterConfig) -> None:
                 "decode_weights_seed",
                 f"only for the generated tiny models ({', '.join(TINY_MODELS)}), not {c.model!r}",
             )
+    if c.kv_load_failure_policy is not None:
+        _check_choice("kv_load_failure_policy", c.kv_load_failure_policy, KV_LOAD_FAILURE_POLICIES)
     if c.host != "127.0.0.1" and not c.host:
         raise ConfigError("host", "must not be empty")
     for name in ("prefill_hosts", "decode_hosts"):

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pd_sessions.core import connectors
+from pd_sessions.core import check_registry, connectors
 from pd_sessions.core.config import ClusterConfig, Overrides, Sweep, SweepEntry, load, make_overrides, select
 from pd_sessions.core.errors import PlanError
 from pd_sessions.core.inventory import Inventory
@@ -34,11 +34,22 @@ class Selection:
     only: tuple[str, ...]  # the names --only gave (comma lists split)
     over: Overrides  # the command line's overrides
     warnings: tuple[str, ...]  # what --dry-run plans in spite of (refused without --dry-run)
+    checks: tuple[str, ...] = ()  # the sweep's checks and --check's, in running order
 
 
 def only_names(items: Iterable[str]) -> tuple[str, ...]:
     """``--only a,b --only c`` -> ("a", "b", "c"); empty names are dropped."""
     return tuple(name for item in items for name in item.split(",") if name)
+
+
+def checks(sweep: Sweep, added: Iterable[str]) -> tuple[str, ...]:
+    """The sweep's checks plus ``added`` (--check: names, comma lists, "faults" for every fault
+    scenario), validated like the TOML's ``checks`` (ConfigError naming an unknown one), in
+    running order."""
+    extra = [
+        n for name in only_names(added) for n in (check_registry.FAULTS if name == "faults" else (name,))
+    ]
+    return check_registry.resolve(list(dict.fromkeys([*sweep.checks, *extra])), field_name="--check")
 
 
 def overrides(args: argparse.Namespace) -> Overrides:
@@ -61,6 +72,7 @@ def select_run(sweep_name: str, args: argparse.Namespace, inv: Inventory) -> Sel
     Decision table (every refusal raises a PdError naming the field; nothing has started):
         an override that is not a config field / a bad value   -> ConfigError
         an unknown sweep, or a bad sweep file                   -> ConfigError
+        --check names an unknown check                          -> ConfigError("--check")
         the sweep cannot run on this platform or host           -> ConfigError / PlanError
         --only names no config                                  -> ConfigError
         a host refusal, no --dry-run                            -> PlanError(its field)
@@ -69,6 +81,7 @@ def select_run(sweep_name: str, args: argparse.Namespace, inv: Inventory) -> Sel
     """
     over = overrides(args)
     sweep = load(sweep_name)
+    selected = checks(sweep, getattr(args, "check", []))
     platform, planned_inv, note = preflight(
         sweep, args.platform, inv, dry_run=args.dry_run, share_gpus=args.share_gpus
     )
@@ -90,4 +103,5 @@ def select_run(sweep_name: str, args: argparse.Namespace, inv: Inventory) -> Sel
         only=only,
         over=over,
         warnings=(refusal.message,) if refusal else (),
+        checks=selected,
     )

@@ -71,6 +71,14 @@ def model_path(
     return str(path)
 
 
+def faults_control(config: ClusterConfig, opts: SweepOptions) -> str | None:
+    """The control file of a config whose checks inject faults (its connectors are then wrapped
+    by the fault injector), else None."""
+    if not check_registry.injects_faults(opts.checks):
+        return None
+    return str((opts.results_dir / config.name / "faults.json").resolve())
+
+
 def make_plan(
     config: ClusterConfig,
     inv: Inventory,
@@ -102,4 +110,5 @@ def make_plan(
         passthrough_env={k: os.environ[k] for k in GPU_PASSTHROUGH_ENV if k in os.environ},
         layout=layout,
         host_ports=host_ports,
+        faults_control=faults_control(config, opts),
     )

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit
 
-from pd_sessions.core.errors import PdError, ReadinessTimeout
+from pd_sessions.core.errors import PdError, ReadinessTimeout, StopError
 from pd_sessions.core.plan import ClusterPlan, ProcessSpec
 from pd_sessions.runtime import http, pairs, process
 from pd_sessions.runtime.launcher import LOCAL, Launcher
@@ -67,9 +67,14 @@ class Cluster:
     timings: dict[str, float] = field(default_factory=dict)
     # what started the processes and stops them (here, or each on its Ray node)
     launcher: Launcher = LOCAL
+    # the environment the processes started with (a restart uses it again)
+    base_env: dict[str, str] = field(default_factory=dict)
+    # instances stopped on purpose (a fault scenario), name -> the process that was stopped
+    down: dict[str, Running] = field(default_factory=dict)
 
     @property
     def processes(self) -> list[Running]:
+        """What must stay alive: every instance not stopped on purpose, and the router."""
         return self.instances + ([self.router] if self.router else [])
 
     @property
@@ -85,7 +90,62 @@ class Cluster:
         heartbeat: Callable[[], None] | None = None,
     ) -> T:
         """Run ``call``; fail at once if any process of the cluster exits meanwhile."""
-        return guarded(call, watch=self.processes, when=when, timeout=timeout, heartbeat=heartbeat)
+        return guarded(call, watch=lambda: self.processes, when=when, timeout=timeout, heartbeat=heartbeat)
+
+    def instance(self, name: str) -> Running:
+        """The running instance ``name`` (KeyError naming the ones there are)."""
+        for r in self.instances:
+            if r.name == name:
+                return r
+        raise KeyError(f"no running instance {name!r} (running: {', '.join(r.name for r in self.instances)})")
+
+    def kill_instance(self, name: str) -> Running:
+        """SIGKILL instance ``name`` on purpose (a fault scenario: a peer dying mid-transfer).
+
+        It leaves the watched processes first, so no guard takes this death for a failure;
+        then its group is SIGKILLed and every PID verified gone (process.kill; the reaper hears
+        of it). It stays in ``down`` until :meth:`restart_instance`; teardown skips it."""
+        r = self.instance(name)
+        self.down[name] = r
+        self.instances = [x for x in self.instances if x is not r]  # one assignment: guards read it
+        process.kill(r)
+        log.info("%s (pid %d) SIGKILLed on purpose", name, r.pid)
+        return r
+
+    def restart_instance(
+        self, name: str, *, deadline_s: float, say: Callable[[str], None] | None = None
+    ) -> Running:
+        """Start instance ``name``, stopped by :meth:`kill_instance`, again from its planned spec:
+        the same argv, environment, ports and role, its output appended to the same log. It is
+        watched (and torn down) from its spawn on; the reaper hears of it as of any spawn. Waits
+        until it is ready (alive, /health 200, the model listed) while every other process
+        stays alive; ReadinessTimeout or ProcessExited as at start-up; StopError, starting
+        nothing, while a process of the killed one is still alive."""
+        if name not in self.down:
+            raise KeyError(f"{name} was not stopped on purpose (stopped: {', '.join(self.down) or 'none'})")
+        if left := process.still_running([self.down[name]]):
+            # a SIGKILLed process that outlived kill_instance's wait still holds the ports
+            raise StopError(
+                f"{name} not started again: its killed processes are still alive ({', '.join(left)})"
+            )
+        spec = next(s for s in self.plan.instances if s.name == name)
+        order = [s.name for s in self.plan.instances]
+        with process.signals_deferred():
+            new = self.launcher.spawn(spec, self.run_dir, self.base_env)
+            self.instances = sorted([*self.instances, new], key=lambda r: order.index(r.name))
+        del self.down[name]
+        others = [p for p in self.processes if p is not new]
+        wait_ready(
+            [
+                Target(
+                    new, [health_probe(spec.health_url), models_probe(spec.url, self.plan.served_model_name)]
+                )
+            ],
+            deadline=time.monotonic() + deadline_s,
+            also_alive=others,
+            progress=say,
+        )
+        return new
 
 
 def spawn_spec(spec: ProcessSpec, run_dir: Path, base_env: Mapping[str, str]) -> Running:
@@ -182,7 +242,13 @@ def running_cluster(
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ if base_env is None else base_env)
-    cluster = Cluster(plan, run_dir, timings={} if timings is None else timings, launcher=launcher)
+    cluster = Cluster(
+        plan=plan,
+        run_dir=run_dir,
+        timings={} if timings is None else timings,
+        launcher=launcher,
+        base_env=env,
+    )
     t0 = time.monotonic()
     deadline = t0 + deadline_s
     say = progress or (lambda msg: log.info("%s", msg))

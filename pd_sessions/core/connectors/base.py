@@ -291,6 +291,11 @@ class ConnectorSpec:
     sweep: str = ""  # its built-in sweep (configs/<sweep>.toml)
     # where vLLM added the class, for a vLLM that lacks it (e.g. "vllm-project/vllm#35264")
     added_by: str = ""
+    # how its decode worker's connector metadata lists the loads to start (reqs_to_recv), for
+    # pd-sessions' fault injector (pd_sessions/fault_connector.py): "flat" {req: meta},
+    # "by_engine" {remote engine: {req: meta}}; None (unknown): the injector's zero, swap and
+    # decode stall are logged as skipped
+    recv_layout: str | None = None
 
     def kv_transfer_config(self, config: ConfigView, role: str, platform: str) -> dict[str, object]:
         """The ``--kv-transfer-config`` value for an instance of ``role`` on ``platform``."""

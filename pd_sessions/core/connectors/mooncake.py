@@ -186,4 +186,5 @@ SPEC = ConnectorSpec(
         ),
     ),
     sweep="mooncake_sweep",
+    recv_layout="by_engine",  # vLLM 0.32's mooncake_connector.py: reqs_to_recv
 )

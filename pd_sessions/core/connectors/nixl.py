@@ -166,4 +166,5 @@ SPEC = ConnectorSpec(
     ),
     cpu_lane=CPU_LANE,
     sweep="nixl_sweep",
+    recv_layout="flat",  # vLLM 0.32's nixl/metadata.py: reqs_to_recv
 )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from pd_sessions.core import connectors
+from pd_sessions.core import connectors, faults
 from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.errors import PlanError
 from pd_sessions.core.plan.hosts import host_env, host_problems, loopback_advertised
@@ -34,6 +34,9 @@ class Launch:
     shared_gpus: bool  # instances share GPUs: explicit KV cache bytes, not a memory share
     # across hosts: plan an instance that would advertise loopback anyway (warned), not refuse it
     allow_loopback: bool = False
+    # The fault scenarios' control file (absolute path): every instance's connector is then
+    # pd-sessions' fault-injecting wrapper of it (pd_sessions/fault_connector.py); None = plain.
+    faults_control: str | None = None
 
 
 @dataclass(frozen=True)
@@ -187,7 +190,9 @@ def _kv_args(slot: Slot, launch: Launch) -> tuple[list[str], list[str]]:
     decode with decode_kv_transfer = false        -> nothing, and a warning (fault injection)
     """
     if slot.role == "prefill" or launch.config.decode_kv_transfer:
-        kv = kv_transfer_config(launch.config, slot.role, launch.platform)
+        kv = kv_transfer_config(
+            launch.config, slot.role, launch.platform, faults_control=launch.faults_control
+        )
         return ["--kv-transfer-config", json.dumps(kv, sort_keys=True, separators=(",", ":"))], []
     return [], [
         f"{slot.name} starts WITHOUT --kv-transfer-config (decode_kv_transfer = "
@@ -224,6 +229,23 @@ def _engine_args(launch: Launch) -> list[str]:
     return argv + list(c.extra_args)
 
 
-def kv_transfer_config(config: ClusterConfig, role: str, platform: str) -> dict[str, object]:
-    """The --kv-transfer-config value for an instance of ``role`` (the connector's spec builds it)."""
-    return connectors.get(config.connector).kv_transfer_config(config, role, platform)
+def kv_transfer_config(
+    config: ClusterConfig, role: str, platform: str, *, faults_control: str | None = None
+) -> dict[str, object]:
+    """The --kv-transfer-config value for an instance of ``role``.
+
+    the connector's spec builds its own settings, then
+    kv_load_failure_policy set    -> "kv_load_failure_policy" (else vLLM's default, "fail")
+    faults_control set            -> "kv_connector_module_path": pd-sessions' fault-injecting
+                                     wrapper, which keeps the connector's name, and its settings
+                                     under kv_connector_extra_config (see core/faults.py)
+    """
+    kv = connectors.get(config.connector).kv_transfer_config(config, role, platform)
+    if config.kv_load_failure_policy is not None:
+        kv["kv_load_failure_policy"] = config.kv_load_failure_policy
+    if faults_control is not None:
+        kv["kv_connector_module_path"] = faults.CONNECTOR_MODULE
+        extra = dict(kv.get("kv_connector_extra_config") or {})  # type: ignore[call-overload]
+        extra[faults.EXTRA_CONFIG_KEY] = {"control": faults_control}
+        kv["kv_connector_extra_config"] = extra
+    return kv

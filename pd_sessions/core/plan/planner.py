@@ -34,6 +34,7 @@ def plan_cluster(
     passthrough_env: Mapping[str, str] | None = None,
     layout: HostLayout | None = None,
     host_ports: Mapping[str, PortSource] | None = None,
+    faults_control: str | None = None,
 ) -> ClusterPlan:
     """Plan every process of ``config``. ``model`` overrides what --model gets
     (e.g. the path of the generated tiny model); requests use ``config.model``.
@@ -42,6 +43,8 @@ def plan_cluster(
     ``layout``: across hosts (phase 1's facts, see core/plan/hosts.py): each instance on its
     host, binding and advertising that host's address, its ports from ``host_ports[host]`` (each
     host's ports unique on that host; ``ports`` is the driver's, where the router runs).
+    ``faults_control``: the fault scenarios' control file; every connector is then wrapped by
+    pd-sessions' fault injector (see core/faults.py).
 
     The steps, in order; the first that fails raises a PlanError naming the field:
         platform                 -> "platform" unless cpu or cuda
@@ -68,7 +71,10 @@ def plan_cluster(
         host_notes = assignment.notes
     lane = lane_settings(config, platform, passthrough_env or {})
     allow = layout is not None and layout.allow_loopback
-    launch = Launch(config, platform, python, models, lane, placement.shared_gpus, allow)
+    launch = Launch(
+        config, platform, python, models, lane, placement.shared_gpus,
+        allow_loopback=allow, faults_control=faults_control,
+    )  # fmt: skip
     ledgers = _Ledgers(ports, layout, host_ports or {})
     prefill, decode, said = _plan_instances(placement, launch, ledgers)
     router = plan_router(config, python, prefill, decode, ledgers.driver)
