@@ -290,13 +290,14 @@ def mooncake_sweep(tmp_path_factory) -> SweepRun:
 
 @pytest.fixture(scope="session")
 def nixl_sweep(tmp_path_factory) -> SweepRun:
-    """The built-in NIXL sweep's 1x1, every default check and the fault scenarios of NIXL_FAULTS, through the
-    CLI, serving the remote-code tiny model (trust_remote_code: vLLM and lm_eval load its own
-    classes) with margin-mode parity forced (auto would pick exact on the CPU lane; exact parity
-    on a healthy pair is the Mooncake sweep's) and kv_load_failure_policy "recompute" (the
-    Mooncake run keeps vLLM's default, "fail": the drop scenario sees both). Shared by
-    test_e2e_cpu_lane (all checks pass, nothing left), test_e2e_nightly (remote code, margin
-    parity passes on a healthy pair, NIXL evidence) and test_e2e_faults."""
+    """The built-in NIXL sweep's 1x1, every default check, the perf check (opt-in on the CPU
+    lane; CI runs it once, here) and the fault scenarios of NIXL_FAULTS, through the CLI, serving
+    the remote-code tiny model (trust_remote_code: vLLM and lm_eval load its own classes) with
+    margin-mode parity forced (auto would pick exact on the CPU lane; exact parity on a healthy
+    pair is the Mooncake sweep's) and kv_load_failure_policy "recompute" (the Mooncake run keeps
+    vLLM's default, "fail": the drop scenario sees both). Shared by test_e2e_cpu_lane (all checks
+    pass, nothing left), test_e2e_nightly (remote code, margin parity passes on a healthy pair,
+    NIXL evidence), test_e2e_perf (its figures) and test_e2e_faults."""
     heavy("vllm")
     heavy("nixl._api")
     results = e2e_dir(tmp_path_factory, "nixl") / "r"
@@ -318,6 +319,8 @@ def nixl_sweep(tmp_path_factory) -> SweepRun:
             "--set",
             "kv_load_failure_policy=recompute",
             "--check",
+            "perf",
+            "--check",
             NIXL_FAULTS,
             "--results-dir",
             str(results),
@@ -328,9 +331,9 @@ def nixl_sweep(tmp_path_factory) -> SweepRun:
 @pytest.fixture(scope="session")
 def nixl_push_sweep(tmp_path_factory) -> SweepRun:
     """The NIXL push sweep's 1x1 (NixlPushConnector: the third connector, one module,
-    pd_sessions/core/connectors/nixl_push.py), every default check, through the session the
-    noxfile makes from its spec (`nox --no-venv -s nixl_push_sweep`). Shared by test_e2e_cpu_lane's
-    tests over every sweep and its push-mode evidence test."""
+    pd_sessions/core/connectors/nixl_push.py) through the session the noxfile makes from its spec
+    (`nox --no-venv -s nixl_push_sweep`): refused on the CPU lane before launch (seconds, nothing
+    started; docs/cpu-lane.md says why)."""
     heavy("vllm")
     heavy("nixl._api")
     results = tmp_path_factory.mktemp("nixl_push") / "r"

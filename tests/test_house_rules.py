@@ -107,6 +107,8 @@ PROCESS_BOUNDARIES = {
     "pd_sessions.canary",  # the canary's documented name, kept when it moved to env/ (delegates)
     "pd_sessions.bench.fake_backend",  # servers the router benchmark starts
     "pd_sessions.bench.py_proxy",
+    "pd_sessions.perf_driver",  # vLLM's bench serve, with vLLM's interpreter, in the perf check
+    "pd_sessions.link_probe",  # the KV transport alone, in processes of its own (the perf check)
 }
 
 

@@ -256,16 +256,20 @@ def test_the_single_host_plan_has_no_host_fields():
 
 @pytest.mark.parametrize("spec", connectors.ALL, ids=lambda s: s.name)
 def test_every_connectors_advertised_variables_carry_the_hosts_address_and_loopback_there_is_refused(spec):
-    """Each registered connector, across hosts on the CPU lane: every variable its spec says it
-    advertises (its side-channel host, ``across_hosts.advertised_env``) holds the instance's host
-    address; forced to loopback, each is refused naming it and the host."""
-    c = tiny(connector=spec.name)
-    p = plan(c, layout(host(1), host(2)))
+    """Each registered connector, across hosts (on the CPU lane, or on GPU hosts for one the CPU
+    lane refuses): every variable its spec says it advertises (its side-channel host,
+    ``across_hosts.advertised_env``) holds the instance's host address; forced to loopback, each is
+    refused naming it and the host."""
+    c = tiny(connector=spec.name, mooncake_protocol="tcp")
+    platform = "cuda" if spec.limits.refuse(c, "cpu") else "cpu"
+    hosts = (host(1, gpus=("0",)), host(2, gpus=("0",)))
+    p = plan(c, layout(*hosts), platform=platform)
     for inst, h in ((p.prefill[0], "198.18.0.1"), (p.decode[0], "198.18.0.2")):
         e = env(inst)
         assert e["VLLM_HOST_IP"] == h
         assert {v: e.get(v) for v in spec.advertised_env()} == dict.fromkeys(spec.advertised_env(), h)
     for var in spec.advertised_env():
         with pytest.raises(PlanError) as err:
-            plan(tiny(connector=spec.name, extra_env=((var, "127.0.0.1"),)), layout(host(1), host(2)))
+            bad = tiny(connector=spec.name, mooncake_protocol="tcp", extra_env=((var, "127.0.0.1"),))
+            plan(bad, layout(*hosts), platform=platform)
         assert err.value.field == var and "prefill-0 on host1 (198.18.0.1)" in str(err.value)

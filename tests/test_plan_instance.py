@@ -116,6 +116,15 @@ def test_engine_flags_table(platform, shared, present, absent):
     assert [f for f in absent if f in argv] == []
 
 
+def test_a_model_without_weights_loads_dummy_weights_unless_the_config_says_how():
+    slot = Slot("prefill", 0, 1, 1)
+    argv, _ = instance_argv(slot, launch(cfg(model="dummy-llama-1b")), PORTS)
+    assert arg(argv, "--load-format") == "dummy"
+    own = cfg(model="dummy-llama-1b", extra_args=("--load-format=dummy",))
+    assert instance_argv(slot, launch(own), PORTS)[0].count("--load-format") == 0
+    assert "--load-format" not in instance_argv(slot, launch(cfg(model="tiny-llama")), PORTS)[0]
+
+
 def test_argv_order_and_the_optional_flags():
     c = cfg(max_model_len=512, attention_backend="FLASH_ATTN", extra_args=("--last",))
     argv, warnings = instance_argv(

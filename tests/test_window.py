@@ -204,7 +204,7 @@ def test_a_request_with_no_answer_makes_the_path_stuck_and_fails_the_rest_at_onc
 def test_the_runner_runs_every_check_in_order_around_one_window(fake, monkeypatch):
     seen = []
     gather = recorder(fake, seen)
-    for name in ("cache_paths", "too_long", "burst", "abort_frees_kv", "accuracy", *registry.FAULTS):
+    for name in ("cache_paths", "too_long", "burst", "abort_frees_kv", "accuracy", "perf", *registry.FAULTS):
         monkeypatch.setitem(runner.GATHERERS, name, gather(name))
     results = []
     runner.run_checks(
@@ -246,6 +246,8 @@ def test_the_runner_runs_every_check_in_order_around_one_window(fake, monkeypatc
         ("burst", {"requests": 6, "max_tokens": 8}, n),
         ("abort_frees_kv", {"requests": 4, "bound_s": 15.0, "first_token_s": 150.0}, n),
         ("accuracy", acc.as_options(acc.AccuracyOptions(task="t")), n),
+        # perf, with the registry's options and --record-baseline (the accuracy check's flag)
+        ("perf", {**registry.BY_NAME["perf"].options, "record_baseline": False}, n),
         # the fault scenarios last (opt-in): they corrupt, stall, kill and restart
         ("fault_drop", {"requests": 4}, n),
         ("fault_zero", {"requests": 32, "max_tokens": 8}, n),
@@ -278,7 +280,7 @@ def test_a_stuck_path_fails_every_later_check_without_running_it(fake, monkeypat
     monkeypatch.setattr(runner, "CHECK_REQUEST_TIMEOUT_S", 2.0)
     seen = []
     gather = recorder(fake, seen)
-    for name in ("cache_paths", "too_long", "burst", "abort_frees_kv", "accuracy", *registry.FAULTS):
+    for name in ("cache_paths", "too_long", "burst", "abort_frees_kv", "accuracy", "perf", *registry.FAULTS):
         monkeypatch.setitem(runner.GATHERERS, name, gather(name))
     fake.router_hangs = True
     results = []

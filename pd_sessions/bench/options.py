@@ -58,6 +58,12 @@ def bench_parser(prog: str = "pd-sessions bench") -> argparse.ArgumentParser:
         help="also run the accuracy check in every cluster run (slower)",
     )
     p.add_argument(
+        "--with-perf",
+        action="store_true",
+        help="also run the perf check in every cluster run where the sweep does not (it is opt-in "
+        "on the CPU lane): the checks part then says what it costs",
+    )
+    p.add_argument(
         "--check-sweeps",
         default=",".join(CHECK_SWEEPS),
         help="checks part: the sweeps (one per connector) whose configs measure what each check "

@@ -15,7 +15,10 @@ The order matters; the check window (checks/window.py) carries what the first ch
 6. accuracy (lm_eval through the router): on the CPU lane an offline task run through
    the router and straight to prefill-0 must give identical samples; elsewhere the
    measured value is compared with the recorded baseline
-7. the fault scenarios (checks/faults/, opt-in), last: they corrupt, stall, kill and restart;
+7. perf (vLLM's bench serve through the router and against prefill-0, the transport alone,
+   the perf baseline): after the others, so that nothing it loads the instances with disturbs
+   them, and before any fault, so that it measures a whole cluster
+8. the fault scenarios (checks/faults/, opt-in), last: they corrupt, stall, kill and restart;
    fault_restart leaves the cluster whole again for the user's own commands
 
 Results are appended to ``results`` as they come, so a run cut short by a
@@ -27,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from pd_sessions.checks import abort_frees_kv, burst, cache_paths, kv_transfer, parity, smoke, too_long
+from pd_sessions.checks import abort_frees_kv, burst, cache_paths, kv_transfer, parity, perf, smoke, too_long
 from pd_sessions.checks import accuracy as acc
 from pd_sessions.checks.faults import corrupt, drop, peer_death, restart, stall_abort
 from pd_sessions.checks.instances import REQUEST_TIMEOUT_S
@@ -48,6 +51,7 @@ GATHERERS: dict[str, Gatherer] = {
     "burst": burst.run,
     "abort_frees_kv": abort_frees_kv.run,
     "accuracy": acc.run,
+    "perf": perf.run,
     "fault_drop": drop.run,
     "fault_zero": corrupt.run_zero,
     "fault_swap": corrupt.run_swap,
@@ -73,7 +77,13 @@ def run_checks(
     (the caller records why). ``options``: check -> its options (registry defaults fill gaps);
     accuracy's from ``accuracy`` (the command line's)."""
     wanted = {n for n in selected if n not in skip}
-    given = {**(options or {}), "accuracy": acc.as_options(accuracy or acc.AccuracyOptions())}
+    accuracy = accuracy or acc.AccuracyOptions()
+    given = {
+        **(options or {}),
+        "accuracy": acc.as_options(accuracy),
+        # --record-baseline writes the perf baseline too (the accuracy check's flow)
+        "perf": {**(options or {}).get("perf", {}), "record_baseline": accuracy.record_baseline},
+    }
     window = CheckWindow.open(cluster, results, timeout_s=CHECK_REQUEST_TIMEOUT_S)
     for info in registry.CHECKS:
         if info.name not in wanted:

@@ -76,7 +76,7 @@ def check_options(
         "skip_checks": tuple(args.skip_check),
         "commands": tuple(commands),
         "exec_timeout_s": args.exec_timeout,
-        "selected_checks": sel.checks or sweep.checks,
+        "selected_checks": sel.checks or sweep.checks_on(sel.platform),
         "check_options": sweep.check_options,
     }
 

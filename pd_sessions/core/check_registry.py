@@ -6,7 +6,8 @@ Standard library only (the sweep loader, which the noxfile imports, validates na
 options against this table).
 
 A sweep selects checks with ``checks = [...]`` at the top of its TOML (default: every check
-with ``default = True``) and sets options with ``[check_options.<name>]``.
+that is a default on the run's platform, :func:`defaults`; the command line's
+``--set checks=[...]`` replaces either) and sets options with ``[check_options.<name>]``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ class CheckInfo:
     summary: str  # one line for docs and --help
     default: bool = True  # run when a sweep does not list its checks
     options: Mapping[str, Any] = field(default_factory=dict)  # option -> default value
+    # Platforms where ``default`` applies; elsewhere the check runs only when a sweep lists it.
+    platforms: tuple[str, ...] = ("cpu", "cuda")
     # It injects faults: its cluster's connectors are then wrapped by the fault injector
     # (pd_sessions/fault_connector.py). Never a default: select it (`checks`, `--check`).
     faults: bool = False
@@ -70,6 +73,18 @@ CHECKS: tuple[CheckInfo, ...] = (
         "accuracy",
         "lm_eval through the router against a recorded baseline (CPU lane: "
         "per-sample identity with prefill-direct)",
+    ),
+    CheckInfo(
+        "perf",
+        "vLLM's own `vllm bench serve` through the router and against prefill-0 (colocated): "
+        "TTFT, ITL, TPOT and throughput, where TTFT goes, KV bandwidth against the transport "
+        "alone, and the perf baseline of this hardware",
+        # input_len/output_len: tokens per request (random dataset); requests: per run;
+        # concurrency: one run through the router and one against prefill-0 at each level.
+        # The defaults keep it within 90 s on the 2-core CPU lane; GPU sweeps may ask for more.
+        options={"concurrency": (1, 8), "requests": 8, "input_len": 256, "output_len": 16},
+        # On by default where instances have a core each; on the 2-core CPU lane it is opt-in.
+        platforms=("cuda",),
     ),
     # The fault scenarios (pd_sessions/checks/faults/): each injects one fault through the
     # wrapped connector and holds the promise: every request equals prefill-direct or fails
@@ -126,8 +141,14 @@ CHECKS: tuple[CheckInfo, ...] = (
 )
 BY_NAME = {c.name: c for c in CHECKS}
 NAMES = tuple(BY_NAME)
-DEFAULTS = tuple(c.name for c in CHECKS if c.default)
+# The checks that run everywhere unless a sweep lists its own (see defaults() per platform).
+DEFAULTS = tuple(c.name for c in CHECKS if c.default and len(c.platforms) == 2)
 FAULTS = tuple(c.name for c in CHECKS if c.faults)
+
+
+def defaults(platform: str) -> tuple[str, ...]:
+    """The checks a sweep that lists none runs on ``platform`` ("cpu" or "cuda"), in order."""
+    return tuple(c.name for c in CHECKS if c.default and platform in c.platforms)
 
 
 def injects_faults(names: Sequence[str]) -> bool:
@@ -189,7 +210,9 @@ def resolve_options(raw: Mapping[str, Any] | None, *, source: str | None = None)
     """``[check_options.<check>]`` tables -> check -> full options (defaults filled in).
 
     Unknown checks and options are errors with a did-you-mean; a value must have the
-    default's type (an int where a float is expected is accepted).
+    default's type (an int where a float is expected is accepted) and be above 0; where the
+    default is a list (perf's concurrency levels), a non-empty list of such values, kept
+    as a tuple.
     """
     out = {c.name: dict(c.options) for c in CHECKS if c.options}
     for check, opts in (raw or {}).items():
@@ -209,13 +232,29 @@ def resolve_options(raw: Mapping[str, Any] | None, *, source: str | None = None)
                     f"unknown option{did_you_mean(key, known)}; allowed: {allowed}",
                     source=source,
                 )
-            want = type(known[key])
-            ok = isinstance(value, want) or (want is float and isinstance(value, int))
-            if not ok or isinstance(value, bool) or not value > 0:
+            default = known[key]
+            if isinstance(default, tuple):
+                items = value if isinstance(value, (list, tuple)) else [None]
+                if not items or not all(_positive(v, type(default[0])) for v in items):
+                    raise ConfigError(
+                        f"{where}.{key}",
+                        f"got {value!r}; allowed: a list of positive {type(default[0]).__name__}s "
+                        f"(default {list(default)!r})",
+                        source=source,
+                    )
+                out[check][key] = tuple(items)
+                continue
+            if not _positive(value, type(default)):
                 raise ConfigError(
                     f"{where}.{key}",
-                    f"got {value!r}; allowed: a positive {want.__name__} (default {known[key]!r})",
+                    f"got {value!r}; allowed: a positive {type(default).__name__} (default {default!r})",
                     source=source,
                 )
             out[check][key] = value
     return out
+
+
+def _positive(value: Any, want: type) -> bool:
+    """``value`` is a number of type ``want`` (an int where a float is wanted) above 0."""
+    ok = isinstance(value, want) or (want is float and isinstance(value, int))
+    return ok and not isinstance(value, bool) and value > 0

@@ -34,7 +34,9 @@ PLATFORMS: tuple[Platform, ...] = get_args(Platform)
 PARITY_MODES = ("auto", "exact", "margin")
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
 # Model values that ask for one of the project's own generated tiny models.
-TINY_MODELS = ("tiny-llama", "tiny-mixtral", "tiny-kimi-linear", "tiny-llama-remote")
+TINY_MODELS = ("tiny-llama", "tiny-mixtral", "tiny-kimi-linear", "tiny-llama-remote", "dummy-llama-1b")
+# Generated models written without weights: every instance gets --load-format dummy.
+DUMMY_WEIGHT_MODELS = ("dummy-llama-1b",)
 MAX_TP = 8
 MAX_INSTANCES = 8
 
@@ -159,6 +161,13 @@ class Sweep:
     # registry's defaults), and their options (TOML `[check_options.<check>]`).
     checks: tuple[str, ...] = registry.DEFAULTS
     check_options: dict[str, dict[str, Any]] = field(default_factory=dict, hash=False)
+    # Whether the TOML listed its checks; if not, each platform runs its own defaults.
+    checks_listed: bool = False
+
+    def checks_on(self, platform: str) -> tuple[str, ...]:
+        """The checks this sweep runs on ``platform``: its own list, else the platform's defaults
+        (perf is a default on cuda only: see check_registry)."""
+        return self.checks if self.checks_listed else registry.defaults(platform)
 
     def entries(self, platform: str) -> tuple[SweepEntry, ...]:
         if platform not in self.entries_by_platform:
@@ -403,6 +412,7 @@ def load_sweep(path: Path) -> Sweep:
         entries_by_platform=by_platform,
         checks=checks,
         check_options=check_options,
+        checks_listed="checks" in data,
     )
 
 
@@ -500,6 +510,8 @@ class Overrides:
     fields: tuple[tuple[str, Any], ...] = ()
     # Appended to each config's extra_args (not replacing them).
     extra_args: tuple[str, ...] = ()
+    # ``--set checks=[...]``: the sweep's top-level ``checks``, replaced (in running order).
+    checks: tuple[str, ...] | None = None
 
     def __bool__(self) -> bool:
         return bool(self.fields or self.extra_args)
@@ -508,6 +520,8 @@ class Overrides:
         """One line per override, as recorded in plan.txt, result.json and the summary."""
         out = [f"{k} = {v!r}" for k, v in self.fields]
         out += [f"extra_args += {a!r}" for a in self.extra_args]
+        if self.checks is not None:
+            out.append(f"checks = {list(self.checks)!r}")
         return out
 
     def apply(self, config: ClusterConfig) -> ClusterConfig:
@@ -535,8 +549,11 @@ def make_overrides(
     ``sets`` are ``FIELD=VALUE`` items; ``named`` are fields set by their own flags
     (--mooncake-protocol ...). An unknown field, a field that cannot be overridden or a
     malformed item is a ConfigError naming it; values are checked when applied.
+    ``checks=[...]`` is the sweep's own key, not a config field: it replaces the sweep's
+    checks, checked at once like the TOML's (e.g. to add the opt-in ``perf`` on the CPU lane).
     """
     fields: list[tuple[str, Any]] = []
+    checks: tuple[str, ...] | None = None
     if model is not None:
         fields.append(("model", model))
     if revision is not None:
@@ -549,6 +566,9 @@ def make_overrides(
             raise ConfigError(
                 "--set", f"got {item!r}; expected FIELD=VALUE, e.g. block_size=16", source=OVERRIDE_SOURCE
             )
+        if key == "checks":
+            checks = registry.resolve(parse_value(raw.strip()), source=OVERRIDE_SOURCE)
+            continue
         fields.append((key, parse_value(raw.strip())))
     for key, _ in fields:
         if key in NOT_OVERRIDABLE:
@@ -557,7 +577,8 @@ def make_overrides(
             raise ConfigError(
                 key,
                 f"unknown field{did_you_mean(key, _FIELDS)}; "
-                f"allowed: {', '.join(sorted(set(_FIELDS) - set(NOT_OVERRIDABLE)))}",
+                f"allowed: {', '.join(sorted(set(_FIELDS) - set(NOT_OVERRIDABLE)))} "
+                "(and the sweep's checks)",
                 source=OVERRIDE_SOURCE,
             )
     for a in extra_args:
@@ -565,4 +586,4 @@ def make_overrides(
             raise ConfigError(
                 "--extra-arg", f"got {a!r}; allowed: one non-empty argv element", source=OVERRIDE_SOURCE
             )
-    return Overrides(fields=tuple(fields), extra_args=tuple(extra_args))
+    return Overrides(fields=tuple(fields), extra_args=tuple(extra_args), checks=checks)

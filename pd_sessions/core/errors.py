@@ -111,6 +111,11 @@ class BenchError(PdError):
     """A benchmark measurement could not be made (says which and why)."""
 
 
+class PerfError(PdError):
+    """The perf check could not measure: its bench driver or transport probe failed, or a
+    bench result lacks a figure. The check fails with it; the config goes on."""
+
+
 class HttpError(PdError):
     """A request to one of our own servers failed: connection error, timeout or non-2xx status
     (raised by pd_sessions.runtime.http; ``status`` is the HTTP status when there was one)."""

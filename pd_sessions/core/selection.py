@@ -34,7 +34,9 @@ class Selection:
     only: tuple[str, ...]  # the names --only gave (comma lists split)
     over: Overrides  # the command line's overrides
     warnings: tuple[str, ...]  # what --dry-run plans in spite of (refused without --dry-run)
-    checks: tuple[str, ...] = ()  # the sweep's checks and --check's, in running order
+    # The checks to run, in running order: --set checks=[...], else the sweep's for this
+    # platform; then --check's.
+    checks: tuple[str, ...] = ()
 
 
 def only_names(items: Iterable[str]) -> tuple[str, ...]:
@@ -42,14 +44,14 @@ def only_names(items: Iterable[str]) -> tuple[str, ...]:
     return tuple(name for item in items for name in item.split(",") if name)
 
 
-def checks(sweep: Sweep, added: Iterable[str]) -> tuple[str, ...]:
-    """The sweep's checks plus ``added`` (--check: names, comma lists, "faults" for every fault
-    scenario), validated like the TOML's ``checks`` (ConfigError naming an unknown one), in
-    running order."""
+def checks(base: Iterable[str], added: Iterable[str]) -> tuple[str, ...]:
+    """``base`` (the sweep's checks on this platform, or --set checks=[...]) plus ``added``
+    (--check: names, comma lists, "faults" for every fault scenario), validated like the TOML's
+    ``checks`` (ConfigError naming an unknown one), in running order."""
     extra = [
         n for name in only_names(added) for n in (check_registry.FAULTS if name == "faults" else (name,))
     ]
-    return check_registry.resolve(list(dict.fromkeys([*sweep.checks, *extra])), field_name="--check")
+    return check_registry.resolve(list(dict.fromkeys([*base, *extra])), field_name="--check")
 
 
 def overrides(args: argparse.Namespace) -> Overrides:
@@ -72,8 +74,8 @@ def select_run(sweep_name: str, args: argparse.Namespace, inv: Inventory) -> Sel
     Decision table (every refusal raises a PdError naming the field; nothing has started):
         an override that is not a config field / a bad value   -> ConfigError
         an unknown sweep, or a bad sweep file                   -> ConfigError
-        --check names an unknown check                          -> ConfigError("--check")
         the sweep cannot run on this platform or host           -> ConfigError / PlanError
+        --check names an unknown check                          -> ConfigError("--check")
         --only names no config                                  -> ConfigError
         a host refusal, no --dry-run                            -> PlanError(its field)
         a host refusal, --dry-run                               -> a warning in the Selection
@@ -81,10 +83,11 @@ def select_run(sweep_name: str, args: argparse.Namespace, inv: Inventory) -> Sel
     """
     over = overrides(args)
     sweep = load(sweep_name)
-    selected = checks(sweep, getattr(args, "check", []))
     platform, planned_inv, note = preflight(
         sweep, args.platform, inv, dry_run=args.dry_run, share_gpus=args.share_gpus
     )
+    base = over.checks if over.checks is not None else sweep.checks_on(platform)
+    selected = checks(base, getattr(args, "check", []))
     only = only_names(args.only)
     entries, left_out = select(
         sweep.entries(platform), platform, only=only, include_opt_in=args.include_opt_in

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 
 from pd_sessions.core import connectors, faults
-from pd_sessions.core.config import ClusterConfig
+from pd_sessions.core.config import DUMMY_WEIGHT_MODELS, ClusterConfig
 from pd_sessions.core.errors import PlanError
 from pd_sessions.core.plan.hosts import host_env, host_problems, loopback_advertised
 from pd_sessions.core.plan.ledger import PortLedger
@@ -208,6 +208,8 @@ def _engine_args(launch: Launch) -> list[str]:
     dtype not None/auto  --dtype;   block size set   --block-size
     max_model_len set    --max-model-len;   attention_backend set   --attention-backend
     cpu                  --enforce-eager unless extra_args has it
+    a model without      --load-format dummy unless extra_args sets a load format
+    weights (DUMMY_WEIGHT_MODELS)
     always, last         the config's extra_args
     """
     c, lane = launch.config, launch.lane
@@ -226,6 +228,8 @@ def _engine_args(launch: Launch) -> list[str]:
         argv += ["--attention-backend", c.attention_backend]
     if launch.platform == "cpu" and "--enforce-eager" not in c.extra_args:
         argv += ["--enforce-eager"]
+    if c.model in DUMMY_WEIGHT_MODELS and not any(a.startswith("--load-format") for a in c.extra_args):
+        argv += ["--load-format", "dummy"]
     return argv + list(c.extra_args)
 
 
