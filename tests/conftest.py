@@ -380,3 +380,65 @@ def faulty_sweep(tmp_path_factory) -> SweepRun:
         results,
         args=("sweep", str(toml), "--platform", "cpu", "--results-dir", str(results), "--exec", failing),
     )
+
+
+# --- simulated hosts (runtime/simhosts.py): network namespaces with Ray nodes ----------------
+
+
+def simhosts_available() -> None:
+    """Skip (with the reason) where the simulated hosts cannot run, except in the full
+    environment (`nox -s tests`, as root on CI), where a missing piece fails instead."""
+    heavy("ray")
+    from pd_sessions.core import simhosts as core
+    from pd_sessions.runtime.simhosts import facts
+
+    lacking = core.missing(facts())
+    if lacking and os.environ.get("PD_SESSIONS_FULL_ENV") != "1":
+        pytest.skip(str(core.refusal(lacking)))
+
+
+@pytest.fixture(scope="session")
+def simulated_hosts_2(tmp_path_factory):
+    """Two simulated hosts (``--simulate-hosts 2``: host1 and host2, each a network namespace
+    with its own address, loopback, core share and Ray node; the Ray head on the bridge),
+    shared by every test that asks for it. Yields runtime.simhosts.SimulatedHosts. A test may
+    connect this process to it as the driver (``ray.init(**sim.ray_init_kwargs())``, once);
+    the fixture disconnects before it removes the hosts, then asserts nothing of them is left."""
+    simhosts_available()
+    from helpers import simhosts_leftovers
+
+    from pd_sessions.runtime.simhosts import simulated_hosts
+
+    with simulated_hosts(2, tmp_path_factory.mktemp("simhosts"), say=print) as sim:
+        pids = [r.pid for r in sim.processes]
+        yield sim
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():
+            ray.shutdown()
+    assert simhosts_leftovers(sim.run_id, pids) == []
+
+
+# --- across hosts (issue 26): real vLLM on the simulated hosts, through --ray ----------------
+
+
+def rehearsal(tmp_path_factory, sim, sweep: str, *args: str) -> SweepRun:
+    """``pd-sessions sweep SWEEP --only 1x1 --ray <the simulated hosts' head>`` (prefill on host1,
+    decode on host2), with ``args``."""
+    heavy("vllm")
+    results = tmp_path_factory.mktemp(f"hosts_{sweep}") / "r"
+    base = ("sweep", sweep, "--only", "1x1", "--platform", "cpu", "--ray", sim.ray_address)
+    return _sweep_once(results, args=(*base, "--results-dir", str(results), *args))
+
+
+@pytest.fixture(scope="session")
+def hosts_mooncake(simulated_hosts_2, tmp_path_factory) -> SweepRun:
+    """The Mooncake sweep's 1x1 across the two simulated hosts, every default check."""
+    heavy("mooncake.engine")
+    return rehearsal(tmp_path_factory, simulated_hosts_2, "mooncake_sweep")
+
+
+@pytest.fixture(scope="session")
+def hosts_nixl(simulated_hosts_2, tmp_path_factory) -> SweepRun:
+    """The NIXL sweep's 1x1 across the two simulated hosts, every default check."""
+    heavy("nixl._api")
+    return rehearsal(tmp_path_factory, simulated_hosts_2, "nixl_sweep")

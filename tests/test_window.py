@@ -18,6 +18,7 @@ from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.errors import ConfigError
 from pd_sessions.core.results import FAIL, PASS, CheckResult
 from pd_sessions.runtime import http
+from pd_sessions.runtime.launcher import LOCAL
 
 ROUTER, P0, D0 = "http://router", "http://prefill-0", "http://decode-0"
 STATS = "INFO KV Transfer metrics: Num successful transfers=1, Num failed transfers=0\n"
@@ -50,7 +51,7 @@ class FakeStack:
             served_model_name="m",
             config=ClusterConfig(name="c", model="tiny-llama", connector="mooncake"),
         )
-        self.cluster = SimpleNamespace(plan=plan, run_dir=run_dir)
+        self.cluster = SimpleNamespace(plan=plan, run_dir=run_dir, launcher=LOCAL)
 
     def get_text(self, url, *, timeout=5.0):
         name = url.split("/")[2]

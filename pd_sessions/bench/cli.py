@@ -19,7 +19,7 @@ from typing import Any
 
 import psutil
 
-from pd_sessions.bench import clusters, page, report, routers, startup, teardown
+from pd_sessions.bench import clusters, multihost, page, report, routers, startup, teardown
 from pd_sessions.bench.options import PARTS, bench_parser
 from pd_sessions.checks.accuracy import AccuracyOptions
 from pd_sessions.core import check_registry
@@ -129,6 +129,16 @@ def run(args: argparse.Namespace) -> int:
                     "directory a sweep wrote), or run it with the clusters part"
                 )
             doc["report_page"] = page.run(source, logs / "report", repeats=args.repeats, progress=say)
+        if "multihost" in parts:
+            doc["multihost"] = multihost.run(
+                logs / "multihost",
+                sweep=sweep.name,
+                config=configs[0].name if configs else "1x1",
+                platform=plat,
+                repeats=args.repeats,
+                progress=say,
+            )
+            failed |= any(not r["ok"] for r in doc["multihost"]["runs"])
     except BaseException as e:  # a cancel or an error: write what was measured, then go on out
         doc["interrupted"] = f"{type(e).__name__}: {e}"
         raise

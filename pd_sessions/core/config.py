@@ -94,8 +94,14 @@ class ClusterConfig:
     router_port: int | None = None
     prefill_ports: tuple[int, ...] = ()
     decode_ports: tuple[int, ...] = ()
-    # Address every process binds and advertises.
+    # Address every process binds and advertises (one host). Across hosts (``--ray``) each
+    # instance binds and advertises its own host's address; the router keeps this one.
     host: str = "127.0.0.1"
+    # Across hosts (``--ray``): which Ray nodes serve each role, as node-label selectors
+    # "key=value" (a node matching any entry serves that role), e.g. ["pd-role=prefill"].
+    # Empty: the nodes other than the driver's, sorted by address, the first half prefill.
+    prefill_hosts: tuple[str, ...] = ()
+    decode_hosts: tuple[str, ...] = ()
     # KV cache bytes per instance when instances share a GPU (--share-gpus): vLLM then
     # skips memory profiling, which races when two instances profile one GPU.
     shared_kv_cache_bytes: int = 2 * 1024**3
@@ -280,12 +286,28 @@ def validate_cluster(c: ClusterConfig) -> None:
         _check_choice("kv_load_failure_policy", c.kv_load_failure_policy, KV_LOAD_FAILURE_POLICIES)
     if c.host != "127.0.0.1" and not c.host:
         raise ConfigError("host", "must not be empty")
+    for name in ("prefill_hosts", "decode_hosts"):
+        _check_selectors(name, getattr(c, name))
+
+
+def _check_selectors(cfg_field: str, value: Any) -> None:
+    """Node-label selectors: a list of "key=value" strings, each with a key and a value."""
+    if not isinstance(value, tuple) or not all(isinstance(s, str) for s in value):
+        raise ConfigError(cfg_field, f'got {value!r}; allowed: a list of "key=value" node labels')
+    for s in value:
+        key, eq, val = s.partition("=")
+        if not eq or not key.strip() or not val.strip():
+            raise ConfigError(
+                cfg_field,
+                f'got {s!r}; allowed: "key=value", a Ray node label (e.g. "pd-role=prefill", set '
+                "with `ray start --labels pd-role=prefill`)",
+            )
 
 
 # ---------------------------------------------------------------- loading
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ClusterConfig)}
-_TUPLE_FIELDS = {"extra_args", "prefill_ports", "decode_ports"}
+_TUPLE_FIELDS = {"extra_args", "prefill_ports", "decode_ports", "prefill_hosts", "decode_hosts"}
 
 
 def _coerce(raw: dict[str, Any], *, where: str) -> dict[str, Any]:

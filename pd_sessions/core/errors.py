@@ -98,6 +98,11 @@ class StopError(PdError):
     """Processes survived teardown (should never happen; says which)."""
 
 
+class HostSetupError(PdError):
+    """The simulated hosts (``--simulate-hosts``) could not be set up or removed: says which
+    step, which namespace or link, and the kernel's answer."""
+
+
 class CheckFailed(PdError):
     """A check ran and its verdict is 'fail'."""
 

@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 from pd_sessions.core.errors import PdError, ReadinessTimeout, StopError
 from pd_sessions.core.plan import ClusterPlan, ProcessSpec
 from pd_sessions.runtime import http, pairs, process
+from pd_sessions.runtime.launcher import LOCAL, Launcher
 from pd_sessions.runtime.ports import PortAllocator
 from pd_sessions.runtime.process import Running
 from pd_sessions.runtime.readiness import Target, guarded, health_probe, models_probe, wait_ready
@@ -64,6 +65,8 @@ class Cluster:
     router: Running | None = None
     # phase name -> seconds; filled as the cluster starts and stops
     timings: dict[str, float] = field(default_factory=dict)
+    # what started the processes and stops them (here, or each on its Ray node)
+    launcher: Launcher = LOCAL
     # the environment the processes started with (a restart uses it again)
     base_env: dict[str, str] = field(default_factory=dict)
     # instances stopped on purpose (a fault scenario), name -> the process that was stopped
@@ -128,7 +131,7 @@ class Cluster:
         spec = next(s for s in self.plan.instances if s.name == name)
         order = [s.name for s in self.plan.instances]
         with process.signals_deferred():
-            new = spawn_spec(spec, self.run_dir, self.base_env)
+            new = self.launcher.spawn(spec, self.run_dir, self.base_env)
             self.instances = sorted([*self.instances, new], key=lambda r: order.index(r.name))
         del self.down[name]
         others = [p for p in self.processes if p is not new]
@@ -146,9 +149,8 @@ class Cluster:
 
 
 def spawn_spec(spec: ProcessSpec, run_dir: Path, base_env: Mapping[str, str]) -> Running:
-    """Start one planned process, its output going to ``run_dir/<log_name>``."""
-    env = {**base_env, **spec.env_dict()}
-    return process.spawn(spec.name, spec.argv, env=env, log_path=run_dir / spec.log_name, url=spec.url)
+    """Start one planned process on this host, its output going to ``run_dir/<log_name>``."""
+    return LOCAL.spawn(spec, run_dir, base_env)
 
 
 def _router_completion_probe(
@@ -227,6 +229,7 @@ def running_cluster(
     timings: dict[str, float] | None = None,
     on_event: Callable[[Event], None] | None = None,
     pd_path_budget_s: float = pairs.PD_PATH_BUDGET_S,
+    launcher: Launcher = LOCAL,
 ) -> Iterator[Cluster]:
     """Start ``plan`` and yield the ready :class:`Cluster`; always tear it down.
 
@@ -234,11 +237,18 @@ def running_cluster(
     the processes start, so the ports stay reserved until then. ``timings``, if
     given, is filled with phase durations even when starting fails. ``on_event``
     is told when each process is spawned and when it is noticed ready (it must
-    return quickly).
+    return quickly). ``launcher`` starts and stops the processes (runtime/launcher.py: here, or
+    each on its Ray node).
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ if base_env is None else base_env)
-    cluster = Cluster(plan=plan, run_dir=run_dir, timings={} if timings is None else timings, base_env=env)
+    cluster = Cluster(
+        plan=plan,
+        run_dir=run_dir,
+        timings={} if timings is None else timings,
+        launcher=launcher,
+        base_env=env,
+    )
     t0 = time.monotonic()
     deadline = t0 + deadline_s
     say = progress or (lambda msg: log.info("%s", msg))
@@ -246,7 +256,7 @@ def running_cluster(
     try:
         if ports is not None:
             ports.release()
-        router = _spawn_all(cluster, env, tell)
+        router = _spawn_all(cluster, env, tell, launcher)
         say(
             f"{plan.config.name}: started {len(plan.instances)} instances and the router; "
             f"waiting up to {deadline_s:.0f} s for them (logs in {run_dir})"
@@ -267,22 +277,24 @@ def running_cluster(
     finally:
         t2 = time.monotonic()
         try:
-            teardown(cluster.router, cluster.instances, grace_s=grace_s)
+            teardown(cluster.router, cluster.instances, grace_s=grace_s, launcher=launcher)
         finally:
             cluster.timings["teardown"] = time.monotonic() - t2
 
 
-def _spawn_all(cluster: Cluster, env: Mapping[str, str], tell: Callable[[Event], None]) -> Running:
+def _spawn_all(
+    cluster: Cluster, env: Mapping[str, str], tell: Callable[[Event], None], launcher: Launcher
+) -> Running:
     """Start every instance and the router at once, each told as spawned; the router's Running."""
     plan = cluster.plan
     # Deferred: a cancel between a Popen and this list would leave a server untracked.
     with process.signals_deferred():
         for spec in plan.instances:
-            cluster.instances.append(spawn_spec(spec, cluster.run_dir, env))
+            cluster.instances.append(launcher.spawn(spec, cluster.run_dir, env))
             tell(Event("spawned", spec.name, cluster.instances[-1].started_at, spec.health_url))
         # The router starts at once too: it waits for its workers itself (checking every
         # second), so its own start-up is hidden behind the instances'.
-        router = cluster.router = spawn_spec(plan.router, cluster.run_dir, env)
+        router = cluster.router = launcher.spawn(plan.router, cluster.run_dir, env)
     tell(Event("spawned", "router", router.started_at, plan.router.health_url))
     return router
 
@@ -352,7 +364,11 @@ def _warm_pairs_and_router(
 
 
 def teardown(
-    router: Running | None, instances: Sequence[Running], *, grace_s: float = DEFAULT_GRACE_S
+    router: Running | None,
+    instances: Sequence[Running],
+    *,
+    grace_s: float = DEFAULT_GRACE_S,
+    launcher: Launcher = LOCAL,
 ) -> None:
     """Stop the router and the instances together, under one shared grace: SIGTERM to all
     (the router's first), one wait of at most ``grace_s``, SIGKILL to what is left, every PID
@@ -377,7 +393,7 @@ def teardown(
         if cut:
             log.info("cut %d request(s) of ours still open to the cluster", cut)
         early = {router.name: ROUTER_CUT_S} if router else None
-        rep = process.stop(group, grace_s=grace_s, early=early)  # logs a cut itself
+        rep = launcher.stop(group, grace_s=grace_s, early=early)  # logs a cut itself
     if rep.killed:
         log.warning("needed SIGKILL: %s", ", ".join(rep.killed))
 

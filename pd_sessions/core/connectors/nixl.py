@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pd_sessions.core.connectors.base import (
+    AcrossHosts,
     ConfigView,
     ConnectorSpec,
     CpuLane,
@@ -124,6 +125,21 @@ HOPS = Hops(prefill_params, decode_params)
 PORTS = Ports(
     side_channel_env="VLLM_NIXL_SIDE_CHANNEL_PORT", side_channel_host_env="VLLM_NIXL_SIDE_CHANNEL_HOST"
 )
+# UCX transports that cross hosts on the CPU lane: TCP only. Simulated hosts (network namespaces
+# of one machine) share /dev/shm and a kernel, so shm or cma would move the KV without crossing
+# the link.
+CPU_UCX_TLS = "tcp"
+
+
+def host_env(config: ConfigView, platform: str, address: str, interface: str | None) -> dict[str, str]:
+    """Across hosts on the CPU lane: UCX over TCP, on the host's interface when known. (The side
+    channel's host is a port variable: ``PORTS.side_channel_host_env``.)"""
+    if platform != "cpu":
+        return {}
+    return {"UCX_TLS": CPU_UCX_TLS, **({"UCX_NET_DEVICES": interface} if interface else {})}
+
+
+ACROSS_HOSTS = AcrossHosts(env=host_env)
 CPU_LANE = CpuLane(
     env=((PROGRESS.env, str(PROGRESS.cpu_delay_us)),),
     shims=(f"NIXL agents poll every {PROGRESS.cpu_delay_us} us instead of spinning ({PROGRESS.env})",),
@@ -149,6 +165,7 @@ SPEC = ConnectorSpec(
     ),
     failure_lines=FAILURE_LINES,
     ports=PORTS,
+    across_hosts=ACROSS_HOSTS,
     limits=Limits(
         hybrid_needs_block_size=True,
         hybrid_mla_hetero_tp=HybridMlaHeteroTp(

@@ -76,6 +76,7 @@ SPEC = ConnectorSpec(
     ),
     failure_lines=FAILURE_LINES,
     ports=nixl.PORTS,
+    across_hosts=nixl.ACROSS_HOSTS,
     limits=dataclasses.replace(nixl.SPEC.limits, refuse=refuse),
     cpu_lane=nixl.CPU_LANE,
     sweep="nixl_push_sweep",
