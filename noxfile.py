@@ -4,6 +4,7 @@
                         # one <connector>_sweep per connector (pd_sessions/core/connectors/)
     nox -s mooncake_imports / nixl_imports [-- --dry-run]   # install + import canary only
     nox -s serve -- mooncake_sweep --only 1x1   # hold one cluster up (URLs, env, curl) until Ctrl-C
+    nox -s faults       # injected faults over both connectors (drop, stall, zero, swap, peer death, restart)
     nox -s tests        # unit + end-to-end (real vLLM on the CPU lane)
     nox -s unit         # unit tests only (no vLLM install)
     nox -s bench        # measures (not a test): overhead, readiness, teardown, router, each check's cost,
@@ -66,6 +67,13 @@ def _connector_sessions() -> None:
 
 
 _connector_sessions()
+
+
+@nox.session(python=PYTHON, reuse_venv=True, tags=["cpu", "gpu"])
+def faults(session: nox.Session) -> None:
+    """Injected faults over Mooncake and NIXL, one cluster each: KV loads dropped, stalled, zeroed,
+    swapped; a prefill killed mid-pull and restarted in place. [-- same options as mooncake_sweep]"""
+    nox_support.sweep(session, "faults")
 
 
 @nox.session(python=PYTHON, reuse_venv=True, tags=["cpu", "gpu"])

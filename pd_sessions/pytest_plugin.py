@@ -7,6 +7,7 @@ test asks for ``pd_cluster``.
 Which cluster::
 
     pytest --pd-cluster nixl_sweep:1x1 tests/         # SWEEP:CONFIG (default mooncake_sweep:1x1)
+    pytest --pd-ray HEAD:6379 tests/                   # its instances across a Ray cluster's nodes
     @pytest.mark.parametrize("pd_cluster", ["mooncake_sweep:1x1", "nixl_sweep:1x1"], indirect=True)
 
 Tests that share a parameter share one cluster; pytest groups them and stops one cluster
@@ -171,6 +172,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption(
         "--pd-deadline", default=None, type=float, metavar="SECONDS", help="readiness deadline (default 1200)"
     )
+    g.addoption(
+        "--pd-ray",
+        default=None,
+        metavar="ADDRESS",
+        help="start the cluster across the nodes of this Ray cluster (as `pd-sessions sweep --ray`; "
+        "needs pip install 'pd-sessions[ray]')",
+    )
 
 
 @contextlib.contextmanager
@@ -223,6 +231,7 @@ def pd_cluster(
     opts = SweepOptions(
         platform=platform,
         results_dir=(Path(base) / Path(sweep_name).stem).resolve(),
+        ray=request.config.getoption("--pd-ray"),
         **({"deadline_s": deadline} if deadline else {}),
     )
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")

@@ -337,3 +337,24 @@ class NoxRun(Cli):
 
     def summary(self) -> dict:
         return json.loads((self.results / "summary.json").read_text())
+
+
+# --- the simulated hosts ---------------------------------------------------------------------
+
+
+def simhosts_leftovers(run_id: str, pids=()) -> list[str]:
+    """What simulated-hosts run ``run_id`` left on this machine: its namespaces, its links
+    (bridge, veths), its short link, its state file, and any of ``pids`` (its Ray processes)
+    or their session members still alive."""
+    from pd_sessions.core import simhosts as core
+    from pd_sessions.runtime import netns
+
+    spaces = os.listdir(netns.NETNS_DIR) if netns.NETNS_DIR.exists() else []
+    left = [f"namespace {n}" for n in spaces if n.startswith(f"{core.PREFIX}-{run_id}-")]
+    left += [f"link {n}" for n in os.listdir(netns.SYSFS_NET) if n.startswith(f"{core.PREFIX}{run_id}")]
+    for path in (Path(f"/tmp/{core.PREFIX}-{run_id}"), Path(core.STATE_DIR) / f"{run_id}.json"):
+        if os.path.lexists(path):
+            left.append(f"file {path}")
+    for sid in pids:
+        left += [f"process {pid} of session {sid}" for pid in session_members(sid)]
+    return left

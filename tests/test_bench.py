@@ -211,7 +211,9 @@ def test_bench_refuses_unknown_part(tmp_path):
         text=True,
     )
     assert p.returncode == 2
-    assert "--parts takes router, teardown, clusters, checks, startup, report (got speed)" in p.stderr
+    assert (
+        "--parts takes router, teardown, clusters, checks, startup, report, multihost (got speed)" in p.stderr
+    )
     p = subprocess.run(
         [sys.executable, "-m", "pd_sessions", "bench", "--repeats", "0", "--out", str(tmp_path)],
         cwd=ROOT,

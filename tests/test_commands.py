@@ -121,7 +121,7 @@ def test_the_metadata_recorded_in_the_summary():
 def test_sweep_and_serve_build_their_options_in_one_place(tmp_path):
     args = parse("sweep", "mooncake_sweep", "--platform", "cpu", "--grace", "3", "--skip-check", "accuracy")
     sel = select_run("mooncake_sweep", args, CPUS)
-    checks = sweep_command.check_options(args, sel.sweep, [])
+    checks = sweep_command.check_options(args, sel, [])
     opts = launch.run_options(args, sel, results_name=sel.sweep.name, **checks)
     assert opts.platform == "cpu" and opts.grace_s == 3.0 and opts.deadline_s == DEFAULT_DEADLINE_S
     assert opts.skip_checks == ("accuracy",) and "accuracy" not in opts.checks

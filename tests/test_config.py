@@ -39,6 +39,11 @@ from pd_sessions.core.errors import ConfigError
         ("dtype", "fp8", "dtype: got 'fp8'"),
         ("name", "a b", "name: got 'a b'"),
         ("extra_args", "--enforce-eager", "extra_args: got '--enforce-eager'; allowed: a list of strings"),
+        (
+            "kv_load_failure_policy",
+            "retry",
+            "kv_load_failure_policy: got 'retry'; allowed: fail, recompute",
+        ),
     ],
 )
 def test_validation_names_field_value_and_range(field, value, needle):

@@ -215,6 +215,33 @@ def test_push_is_nixls_wheels_ports_and_hops_with_its_own_evidence():
     assert set(NIXL.failure_lines) < set(NIXL_PUSH.failure_lines)
 
 
+def test_push_is_refused_on_the_cpu_lane_before_anything_is_planned():
+    """The CPU lane refuses push (docs/cpu-lane.md, "NIXL push mode"), naming the config, the field,
+    why and what to run instead; a GPU host plans it, and pull mode stays allowed on the CPU lane."""
+    from pd_sessions.core import connector_support
+    from pd_sessions.core.errors import PlanError
+
+    push = cfg(name="1x1", connector="nixl_push")
+    refusal = NIXL_PUSH.limits.refuse(push, "cpu")
+    assert refusal is not None and refusal.field == "connector"
+    assert refusal.message.startswith("1x1: NixlPushConnector is refused on the CPU lane")
+    assert "5 s" in refusal.message and "--set connector=nixl" in refusal.message
+    with pytest.raises(PlanError) as e:
+        connector_support.check(push, "cpu")
+    assert e.value.field == "connector" and "docs/cpu-lane.md" in str(e.value)
+    connector_support.check(push, "cuda")
+    connector_support.check(cfg(name="1x1", connector="nixl"), "cpu")
+    assert NIXL.limits.refuse(push, "cpu") is None
+
+
+def test_the_refusals_reason_is_vllms_fixed_handshake_timeout():
+    """What the refusal cites: the handshake to a peer's side channel waits 5 s for the answer
+    (a fixed ZMQ receive timeout), and push mode makes the prefill handshake with the decode."""
+    nixl_dir = ("distributed", "kv_transfer", "kv_connector", "v1", "nixl")
+    assert "sock.setsockopt(zmq.RCVTIMEO, 5000)" in vllm_source(*nixl_dir, "base_worker.py")
+    assert 'failure_type="push_handshake_failed"' in vllm_source(*nixl_dir, "push_worker.py")
+
+
 def test_push_mode_is_what_vllm_calls_push():
     """vLLM 0.32's push scheduler answers the prefill hop with transfer_mode "push", and matches
     the decode's registration to the prefill's finished blocks by the request id both hops share

@@ -107,6 +107,8 @@ PROCESS_BOUNDARIES = {
     "pd_sessions.canary",  # the canary's documented name, kept when it moved to env/ (delegates)
     "pd_sessions.bench.fake_backend",  # servers the router benchmark starts
     "pd_sessions.bench.py_proxy",
+    "pd_sessions.perf_driver",  # vLLM's bench serve, with vLLM's interpreter, in the perf check
+    "pd_sessions.link_probe",  # the KV transport alone, in processes of its own (the perf check)
 }
 
 
@@ -154,6 +156,9 @@ NOT_DEAD = {
     "pytest_runtest_setup": "a pytest hook (pytest_plugin)",
     "pytest_runtest_makereport": "a pytest hook (pytest_plugin)",
     "kv_delta": "the pd_cluster fixture's API for users' tests (README)",
+    # the simulated hosts' interface (runtime/simhosts.py) for issue 26's launcher and sweep
+    "simulated_hosts": "the context manager --simulate-hosts enters (issue 26 part B), the tests' fixture",
+    "ray_init_kwargs": "the driver's ray.init arguments (issue 26 part B's launcher), the tests",
 }
 
 

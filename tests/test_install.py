@@ -190,8 +190,14 @@ def test_missing_commands_name_their_debian_packages():
     assert missing_commands({"gcc": "gcc", "ls": "coreutils"}, which=on_path) == ["gcc"]
     assert missing_commands({"ls": "coreutils"}, which=on_path) == []
     assert missing_commands({}) == []
-    # the tests session's: a compiler for the canary's ELF files, Chromium and its driver for the page
-    assert missing_commands(TEST_COMMANDS, which=on_path) == ["chromium", "chromium-driver", "gcc"]
+    # the tests session's: a compiler for the canary's ELF files, Chromium and its driver for the page,
+    # iproute2 for the simulated hosts
+    assert missing_commands(TEST_COMMANDS, which=on_path) == [
+        "chromium",
+        "chromium-driver",
+        "gcc",
+        "iproute2",
+    ]
 
 
 def test_system_packages_and_index_env():

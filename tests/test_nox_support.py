@@ -342,7 +342,7 @@ def test_the_tests_session_runs_pytest_in_the_full_environment(monkeypatch):
     assert seen == [("cpu", ["mooncake", "nixl"])]
     ((args, _),) = session.of("install")
     assert [a for a in args if a != "-r"] == [
-        str(ROOT / "requirements" / n) for n in ("test.txt", "buildkite.txt", "bench.txt")
+        str(ROOT / "requirements" / n) for n in ("test.txt", "buildkite.txt", "bench.txt", "ray.txt")
     ]
     ((argv, kw),) = session.of("run")
     assert argv == ("python", "-m", "pytest", "-x", "tests/test_cli.py")

@@ -116,6 +116,15 @@ def test_engine_flags_table(platform, shared, present, absent):
     assert [f for f in absent if f in argv] == []
 
 
+def test_a_model_without_weights_loads_dummy_weights_unless_the_config_says_how():
+    slot = Slot("prefill", 0, 1, 1)
+    argv, _ = instance_argv(slot, launch(cfg(model="dummy-llama-1b")), PORTS)
+    assert arg(argv, "--load-format") == "dummy"
+    own = cfg(model="dummy-llama-1b", extra_args=("--load-format=dummy",))
+    assert instance_argv(slot, launch(own), PORTS)[0].count("--load-format") == 0
+    assert "--load-format" not in instance_argv(slot, launch(cfg(model="tiny-llama")), PORTS)[0]
+
+
 def test_argv_order_and_the_optional_flags():
     c = cfg(max_model_len=512, attention_backend="FLASH_ATTN", extra_args=("--last",))
     argv, warnings = instance_argv(
@@ -143,6 +152,25 @@ def test_decode_without_kv_transfer_is_warned():
     assert len(warnings) == 1 and warnings[0].startswith("decode-1 starts WITHOUT --kv-transfer-config")
     argv, warnings = instance_argv(Slot("prefill", 0, 1, 1), launch(c), PORTS)
     assert json.loads(arg(argv, "--kv-transfer-config"))["kv_role"] == "kv_producer" and warnings == []
+
+
+@pytest.mark.parametrize("connector", ["mooncake", "nixl"])
+def test_the_fault_injector_wraps_the_connector_keeping_its_name_and_settings(connector):
+    from pd_sessions.core.plan.instance import kv_transfer_config
+
+    plain = kv_transfer_config(cfg(connector=connector), "decode", "cpu")
+    assert "kv_load_failure_policy" not in plain and "kv_connector_module_path" not in plain
+    c = cfg(connector=connector, kv_load_failure_policy="recompute")
+    kv = kv_transfer_config(c, "decode", "cpu", faults_control="/r/c/faults.json")
+    assert kv["kv_connector"] == plain["kv_connector"] and kv["kv_role"] == "kv_consumer"
+    assert kv["kv_load_failure_policy"] == "recompute"
+    assert kv["kv_connector_module_path"] == "pd_sessions.fault_connector"
+    extra = kv["kv_connector_extra_config"]
+    assert extra["pd_sessions_faults"] == {"control": "/r/c/faults.json"}
+    # the connector's own extra settings stay (mooncake: protocol, device)
+    assert {k: v for k, v in extra.items() if k != "pd_sessions_faults"} == plain.get(
+        "kv_connector_extra_config", {}
+    )
 
 
 def test_plan_instance_spec():

@@ -109,3 +109,33 @@ def test_a_missing_model_path_in_the_sweep_file_names_the_file(tmp_path):
     with pytest.raises(ConfigError) as e:
         select_run(str(toml), args("--platform", "cpu"), CPUS)
     assert e.value.field == "model" and str(toml) in str(e.value) and "'./no/such/model'" in str(e.value)
+
+
+def test_check_adds_checks_to_the_sweeps_own_in_running_order():
+    from pd_sessions.core import check_registry
+
+    sel = select_run("mooncake_sweep", args("--platform", "cpu"), CPUS)
+    assert sel.checks == check_registry.DEFAULTS
+    sel = select_run("mooncake_sweep", args("--platform", "cpu", "--check", "fault_zero,fault_drop"), CPUS)
+    assert sel.checks == (*check_registry.DEFAULTS, "fault_drop", "fault_zero")
+    sel = select_run(
+        "mooncake_sweep", args("--platform", "cpu", "--check", "faults", "--check", "smoke"), CPUS
+    )
+    assert sel.checks == (*check_registry.DEFAULTS, *check_registry.FAULTS)
+    said = r"--check: unknown check 'fault_zeros' \(did you mean \"fault_zero\"\?\)"
+    with pytest.raises(ConfigError, match=said):
+        select_run("mooncake_sweep", args("--platform", "cpu", "--check", "fault_zeros"), CPUS)
+    with pytest.raises(ConfigError, match="fault_peer_death needs fault_restart after it"):
+        select_run("mooncake_sweep", args("--platform", "cpu", "--check", "fault_peer_death"), CPUS)
+
+
+def test_fault_checks_wrap_the_connectors_with_a_control_file_in_the_configs_results(tmp_path):
+    from pd_sessions.run.options import SweepOptions, faults_control
+
+    sel = select_run("faults", args("--platform", "cpu"), CPUS)
+    assert [c.name for c in sel.configs] == ["mooncake", "nixl"]
+    assert [c.kv_load_failure_policy for c in sel.configs] == ["fail", "recompute"]
+    opts = SweepOptions(platform="cpu", results_dir=tmp_path, selected_checks=sel.checks)
+    assert faults_control(sel.configs[0], opts) == str(tmp_path / "mooncake" / "faults.json")
+    plain = SweepOptions(platform="cpu", results_dir=tmp_path)
+    assert faults_control(sel.configs[0], plain) is None

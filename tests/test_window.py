@@ -19,6 +19,7 @@ from pd_sessions.core.errors import ConfigError
 from pd_sessions.core.kv_identity import Counts
 from pd_sessions.core.results import FAIL, PASS, CheckResult
 from pd_sessions.runtime import http
+from pd_sessions.runtime.launcher import LOCAL
 
 ROUTER, P0, D0 = "http://router", "http://prefill-0", "http://decode-0"
 STATS = "INFO KV Transfer metrics: Num successful transfers=1, Num failed transfers=0\n"
@@ -51,7 +52,7 @@ class FakeStack:
             served_model_name="m",
             config=ClusterConfig(name="c", model="tiny-llama", connector="mooncake"),
         )
-        self.cluster = SimpleNamespace(plan=plan, run_dir=run_dir)
+        self.cluster = SimpleNamespace(plan=plan, run_dir=run_dir, launcher=LOCAL)
 
     def get_text(self, url, *, timeout=5.0):
         name = url.split("/")[2]
@@ -212,6 +213,8 @@ def test_the_runner_runs_every_check_in_order_around_one_window(fake, monkeypatc
         "abort_frees_kv",
         "accuracy",
         "preemption",
+        "perf",
+        *registry.FAULTS,
     ):
         monkeypatch.setitem(runner.GATHERERS, name, gather(name))
     results = []
@@ -256,6 +259,15 @@ def test_the_runner_runs_every_check_in_order_around_one_window(fake, monkeypatc
         ("abort_frees_kv", {"requests": 4, "bound_s": 15.0, "first_token_s": 150.0}, n),
         ("accuracy", acc.as_options(acc.AccuracyOptions(task="t")), n),
         ("preemption", {"requests": 8, "max_tokens": 48}, n),
+        # perf, with the registry's options and --record-baseline (the accuracy check's flag)
+        ("perf", {**registry.BY_NAME["perf"].options, "record_baseline": False}, n),
+        # the fault scenarios last (opt-in): they corrupt, stall, kill and restart
+        ("fault_drop", {"requests": 4}, n),
+        ("fault_zero", {"requests": 32, "max_tokens": 8}, n),
+        ("fault_swap", {"requests": 32, "max_tokens": 8}, n),
+        ("fault_stall_abort", {"requests": 2, "stall_s": 8.0, "bound_s": 15.0}, n),
+        ("fault_peer_death", {"stall_s": 5.0, "bound_s": 60.0}, n),
+        ("fault_restart", {"deadline_s": 600.0, "bound_s": 120.0}, n),
     ]
 
 
@@ -289,6 +301,8 @@ def test_a_stuck_path_fails_every_later_check_without_running_it(fake, monkeypat
         "abort_frees_kv",
         "accuracy",
         "preemption",
+        "perf",
+        *registry.FAULTS,
     ):
         monkeypatch.setitem(runner.GATHERERS, name, gather(name))
     fake.router_hangs = True

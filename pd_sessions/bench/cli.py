@@ -19,9 +19,10 @@ from typing import Any
 
 import psutil
 
-from pd_sessions.bench import clusters, page, report, routers, startup, teardown
+from pd_sessions.bench import clusters, multihost, page, report, routers, startup, teardown
 from pd_sessions.bench.options import PARTS, bench_parser
 from pd_sessions.checks.accuracy import AccuracyOptions
+from pd_sessions.core import check_registry
 from pd_sessions.core.config import ClusterConfig, Sweep, load, select
 from pd_sessions.core.errors import BenchError
 from pd_sessions.core.inventory import Inventory
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     only = tuple(o for item in args.only for o in item.split(",") if o)
     configs = [e.config for e in select(sweep.entries(plat), plat, only=only)[0]]
     skip = () if args.with_accuracy else ("accuracy",)
-    opts = _options(sweep, plat, logs / "clusters", args.grace, skip)
+    opts = _options(sweep, plat, logs / "clusters", args.grace, skip, perf=args.with_perf)
     doc: dict[str, Any] = {
         "started_at": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": machine(),
@@ -94,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
             "repeats": args.repeats,
             "parts": parts,
             "grace_s": args.grace,
-            "checks": [c for c in sweep.checks if c not in skip],
+            "checks": [c for c in opts.selected_checks if c not in skip],
             "check_sweeps": [n for n in args.check_sweeps.split(",") if n] if "checks" in parts else [],
             "skipped_checks": list(skip),
             "logs": str(logs.relative_to(out)),
@@ -128,6 +129,16 @@ def run(args: argparse.Namespace) -> int:
                     "directory a sweep wrote), or run it with the clusters part"
                 )
             doc["report_page"] = page.run(source, logs / "report", repeats=args.repeats, progress=say)
+        if "multihost" in parts:
+            doc["multihost"] = multihost.run(
+                logs / "multihost",
+                sweep=sweep.name,
+                config=configs[0].name if configs else "1x1",
+                platform=plat,
+                repeats=args.repeats,
+                progress=say,
+            )
+            failed |= any(not r["ok"] for r in doc["multihost"]["runs"])
     except BaseException as e:  # a cancel or an error: write what was measured, then go on out
         doc["interrupted"] = f"{type(e).__name__}: {e}"
         raise
@@ -199,15 +210,21 @@ def _measure(
     return failed
 
 
-def _options(sweep: Sweep, plat: str, results_dir: Path, grace: float, skip: tuple[str, ...]) -> SweepOptions:
-    """The sweep's own check selection and options, as `pd-sessions sweep` runs them."""
+def _options(
+    sweep: Sweep, plat: str, results_dir: Path, grace: float, skip: tuple[str, ...], *, perf: bool = False
+) -> SweepOptions:
+    """The sweep's own check selection and options, as `pd-sessions sweep` runs them (``perf``:
+    with the perf check added, --with-perf)."""
+    checks = sweep.checks_on(plat)
+    if perf and "perf" not in checks:
+        checks = tuple(n for n in check_registry.NAMES if n in checks or n == "perf")
     return SweepOptions(
         platform=plat,
         results_dir=results_dir,
         grace_s=grace,
         accuracy=AccuracyOptions(),
         skip_checks=skip,
-        selected_checks=sweep.checks,
+        selected_checks=checks,
         check_options=sweep.check_options,
     )
 
@@ -233,7 +250,7 @@ def _measure_checks(
             say(f"checks part: {sweep.name} is measured by the clusters part's pd_sessions runs")
             continue
         configs = [e.config for e in select(sweep.entries(plat), plat, only=only)[0]]
-        opts = _options(sweep, plat, logs / "checks" / sweep.name, args.grace, skip)
+        opts = _options(sweep, plat, logs / "checks" / sweep.name, args.grace, skip, perf=args.with_perf)
         for rep in range(args.repeats):
             for config in configs:
                 say(f"checks part: {sweep.name} {config.name} (repeat {rep + 1}/{args.repeats})")

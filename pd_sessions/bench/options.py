@@ -14,7 +14,9 @@ DESCRIPTION = (
     "``pd-sessions bench`` (``nox -s bench``): run the benchmark and write "
     "bench/results.{json,md} + phases.png."
 )
-PARTS = ("router", "teardown", "clusters", "checks", "startup", "report")
+PARTS = ("router", "teardown", "clusters", "checks", "startup", "report", "multihost")
+# multihost (two simulated hosts: root and the [ray] extra) runs only when --parts names it.
+DEFAULT_PARTS = ("router", "teardown", "clusters", "checks", "startup", "report")
 # The checks part: what each check costs over each connector (the clusters part's pd_sessions
 # runs count for its own sweep, so that one is not run again).
 CHECK_SWEEPS = (MOONCAKE.sweep, NIXL.sweep)
@@ -44,13 +46,22 @@ def bench_parser(prog: str = "pd-sessions bench") -> argparse.ArgumentParser:
     p.add_argument("--platform", choices=["cpu", "cuda"], default=None)
     p.add_argument("--repeats", type=int, default=3, help="runs per config and driver (default 3)")
     p.add_argument(
-        "--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)} (default: all)"
+        "--parts",
+        default=",".join(DEFAULT_PARTS),
+        help=f"comma-separated subset of {','.join(PARTS)} (default: all but multihost, which needs "
+        "root and pip install 'pd-sessions[ray]')",
     )
     p.add_argument("--grace", type=float, default=5.0, help="SIGTERM grace at teardown, seconds (default 5)")
     p.add_argument(
         "--with-accuracy",
         action="store_true",
         help="also run the accuracy check in every cluster run (slower)",
+    )
+    p.add_argument(
+        "--with-perf",
+        action="store_true",
+        help="also run the perf check in every cluster run where the sweep does not (it is opt-in "
+        "on the CPU lane): the checks part then says what it costs",
     )
     p.add_argument(
         "--check-sweeps",

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pd_sessions.bench import multihost
 from pd_sessions.bench.page import PAGE_GOAL_BYTES, PAGE_GOAL_S
 from pd_sessions.bench.stats import Goal, ratio, summary
 from pd_sessions.core.check_registry import NAMES as CHECK_ORDER
@@ -242,6 +243,7 @@ def markdown(doc: dict[str, Any]) -> str:
     lines += checks_markdown(doc.get("checks_cost", {}))
     lines += startup_markdown(doc.get("startup"))
     lines += page_markdown(doc.get("report_page"))
+    lines += multihost.markdown(doc.get("multihost"))
     lines += teardown_markdown(doc.get("teardown"))
     lines += router_markdown(doc.get("router"))
     lines += failed_markdown(doc.get("runs", []) + doc.get("check_runs", []))

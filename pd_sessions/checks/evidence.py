@@ -244,6 +244,10 @@ class Window:
             return {}
         return {n: sample_sums(self.scrape(u), ev.samples) for n, u in self.metric_urls.items()}
 
+    def window_text(self) -> dict[str, str]:
+        """Instance name -> what its log gained since the window opened."""
+        return self._log_text(since_window=True)
+
     def _log_text(self, *, since_window: bool) -> dict[str, str]:
         out = {}
         for n, p in self.logs.items():

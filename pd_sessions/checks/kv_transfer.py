@@ -21,11 +21,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pd_sessions.checks import instances
+from pd_sessions.checks import instances, kv_link
 from pd_sessions.checks.evidence import Evidence, evidence_wait, success_verdict
 from pd_sessions.checks.instances import METRIC, SOURCE
 from pd_sessions.checks.window import CheckWindow
-from pd_sessions.core import kv_identity
+from pd_sessions.core import connectors, kv_identity
+from pd_sessions.core.connectors.base import MetricEvidence
 from pd_sessions.core.kv_identity import Counts
 from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, pick, reporting
 
@@ -246,8 +247,48 @@ def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
         control=(d0.name, external[d0.name], control_after),
         evidence=evidence,
     )
+    if window.link_before is not None and r.passed:
+        r = with_link(window, r, evidence)
     # the control request went to decode-0 only, after the window: compare up to `after`
     served_after = {**instances.scrape_served(window.plan), **external}
     return window.count_served(
         r, served_before, served_after, requests=window.router_requests, direct=window.direct
     )
+
+
+def link_bytes(plan: Any, r: CheckResult, log_text: Mapping[str, str]) -> tuple[float, str]:
+    """(the KV bytes the connector reports for the window, where from): its metric evidence's bytes
+    (the success verdict's ``transfer_bytes``), or for log evidence the prefill logs' "KV Transfer
+    metrics" lines (successes x their mean size)."""
+    spec = connectors.get(plan.config.connector)
+    ev = spec.evidence
+    if isinstance(ev, MetricEvidence):
+        nbytes = float(r.details.get("success", {}).get("transfer_bytes", 0.0))
+        return nbytes, f"{spec.title} reported ({ev.role} {ev.bytes})"
+    if ev.mean_mib is None:
+        return 0.0, f"{spec.title} reports no transfer sizes"
+    total = sum(kv_link.logged_bytes(log_text.get(s.name, ""), ev.success, ev.mean_mib) for s in plan.prefill)
+    return total, f'{spec.title} logged ("KV Transfer metrics": {ev.success} x {ev.mean_mib})'
+
+
+def with_link(window: CheckWindow, r: CheckResult, ev: Evidence | None) -> CheckResult:
+    """Across hosts, ``r`` judged also on the link (checks/kv_link.py): the interface counters
+    of the prefill and decode hosts over the window against the KV bytes the connector reports."""
+    plan, before = window.plan, window.link_before
+    after = window.cluster.launcher.link_counters(plan)
+    if before is None or after is None or ev is None:
+        return r
+    kv_bytes, source = link_bytes(plan, r, window.evidence.window_text() if window.evidence else {})
+    reason, details = kv_link.evaluate(
+        before,
+        after,
+        prefill_hosts=sorted({s.node for s in plan.prefill if s.node}),
+        decode_hosts=sorted({s.node for s in plan.decode if s.node}),
+        kv_bytes=kv_bytes,
+        source=source,
+    )
+    r.details["link"] = details
+    if reason:
+        return CheckResult("kv_transfer", FAIL, f"{reason} ({r.message})", r.details)
+    r.message += "; " + kv_link.said(details)
+    return r

@@ -18,6 +18,11 @@ The order matters; the check window (checks/window.py) carries what the first ch
    measured value is compared with the recorded baseline
 7. preemption (not a default: the preemption sweep selects it), a burst onto a decode with a
    small KV cache
+8. perf (vLLM's bench serve through the router and against prefill-0, the transport alone,
+   the perf baseline): after the others, so that nothing it loads the instances with disturbs
+   them, and before any fault, so that it measures a whole cluster
+9. the fault scenarios (checks/faults/, opt-in), last: they corrupt, stall, kill and restart;
+   fault_restart leaves the cluster whole again for the user's own commands
 
 Results are appended to ``results`` as they come, so a run cut short by a
 dying process still reports the checks that finished.
@@ -34,12 +39,14 @@ from pd_sessions.checks import (
     cache_paths,
     kv_transfer,
     parity,
+    perf,
     preemption,
     request_features,
     smoke,
     too_long,
 )
 from pd_sessions.checks import accuracy as acc
+from pd_sessions.checks.faults import corrupt, drop, peer_death, restart, stall_abort
 from pd_sessions.checks.instances import REQUEST_TIMEOUT_S
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core import check_registry as registry
@@ -60,6 +67,13 @@ GATHERERS: dict[str, Gatherer] = {
     "abort_frees_kv": abort_frees_kv.run,
     "accuracy": acc.run,
     "preemption": preemption.run,
+    "perf": perf.run,
+    "fault_drop": drop.run,
+    "fault_zero": corrupt.run_zero,
+    "fault_swap": corrupt.run_swap,
+    "fault_stall_abort": stall_abort.run,
+    "fault_peer_death": peer_death.run,
+    "fault_restart": restart.run,
 }
 
 # A check request that gets no answer this long is stuck (a KV pull that never completes):
@@ -79,7 +93,13 @@ def run_checks(
     (the caller records why). ``options``: check -> its options (registry defaults fill gaps);
     accuracy's from ``accuracy`` (the command line's)."""
     wanted = {n for n in selected if n not in skip}
-    given = {**(options or {}), "accuracy": acc.as_options(accuracy or acc.AccuracyOptions())}
+    accuracy = accuracy or acc.AccuracyOptions()
+    given = {
+        **(options or {}),
+        "accuracy": acc.as_options(accuracy),
+        # --record-baseline writes the perf baseline too (the accuracy check's flow)
+        "perf": {**(options or {}).get("perf", {}), "record_baseline": accuracy.record_baseline},
+    }
     window = CheckWindow.open(cluster, results, timeout_s=CHECK_REQUEST_TIMEOUT_S)
     for info in registry.CHECKS:
         if info.name not in wanted:

@@ -47,6 +47,9 @@ class CheckWindow:
         self.router_tokens = 0  # prompt tokens of the router requests
         self.direct: dict[str, float] = {}  # instance name -> prompt tokens sent straight to it
         self.stuck: str | None = None  # what is stuck, once a check request got no answer
+        # across hosts: host -> its interface's (rx, tx) bytes before its first process started
+        # (checks/kv_link.py: every transfer the connector reports in the window happened since)
+        self.link_before: dict[str, tuple[int, int]] | None = None
         self._served_before: dict[str, float] | None = None
 
     @classmethod
@@ -57,6 +60,7 @@ class CheckWindow:
         try:
             w.decode_before = instances.scrape_decode_counts(w.plan)
             w.evidence = evidence.Window.for_cluster(cluster, http.get_text)
+            w.link_before = cluster.launcher.link_baseline()
         except (http.HttpError, instances.MetricMissing) as e:
             w.decode_before, w.errors = {}, [str(e)]
         return w

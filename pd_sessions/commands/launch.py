@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pd_sessions.core import connector_support
-from pd_sessions.core.errors import PlanError
+from pd_sessions.core.errors import PlanError, UsageError
 from pd_sessions.core.selection import Selection, select_run
 from pd_sessions.env.envfacts import summary_lines
 from pd_sessions.run.options import SweepOptions
@@ -89,12 +89,17 @@ def run_options(
     """The options ``sweep`` and ``serve`` run with (built here only). ``results_name``: the
     default results folder, stamped with the time; ``checks``: the sweep's check options."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    if args.ray and args.simulate_hosts:
+        raise UsageError("--ray and --simulate-hosts: give one (--simulate-hosts starts its own Ray cluster)")
     return SweepOptions(
         platform=sel.platform,
         results_dir=(args.results_dir or Path("results") / f"{results_name}-{stamp}").resolve(),
         allow_unpinned=args.allow_unpinned_remote_code,
         share_gpus=args.share_gpus,
         overrides=tuple(sel.over.describe()),
+        ray=args.ray,
+        simulate_hosts=args.simulate_hosts,
+        allow_loopback_advertise=args.allow_loopback_advertise,
         **({"deadline_s": args.deadline} if args.deadline else {}),
         **({"grace_s": args.grace} if args.grace is not None else {}),
         **checks,

@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 
 from pd_sessions.commands import launch
+from pd_sessions.commands.sweep import plan_text
 from pd_sessions.core.errors import UsageError
 from pd_sessions.env.envfacts import facts
 from pd_sessions.run import serve
-from pd_sessions.run.options import make_plan
+from pd_sessions.run.hosts import hosts_for
 from pd_sessions.runtime.console import Stopped, say
-from pd_sessions.runtime.ports import PortAllocator
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,8 +26,8 @@ def run(args: argparse.Namespace) -> int:
     for line in launch.setup_lines(sel, env, warnings):
         say(line)
     if args.dry_run:
-        with PortAllocator(config.host) as ports:
-            print(make_plan(config, sel.inv, ports, opts, create_model=False).render())
+        with hosts_for(opts, say) as hosts:
+            print(plan_text(config, sel.inv, opts, hosts))
         say("dry run: nothing was launched")
         return 0
     say(

@@ -12,7 +12,7 @@ from typing import Any
 from pd_sessions import __version__
 from pd_sessions.checks.accuracy import AccuracyOptions
 from pd_sessions.commands import launch
-from pd_sessions.core.config import Sweep
+from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.errors import UsageError
 from pd_sessions.core.inventory import Inventory
 from pd_sessions.core.results import ConfigResult
@@ -22,11 +22,13 @@ from pd_sessions.report import buildkite, unfinished
 from pd_sessions.report.html import PAGE
 from pd_sessions.report.writers import table
 from pd_sessions.run import user_commands
+from pd_sessions.run.hosts import hosts_for, phase_one
 from pd_sessions.run.options import SweepOptions, make_plan
 from pd_sessions.run.sweep import run_sweep
 from pd_sessions.runtime import process, reaper
 from pd_sessions.runtime.console import say
 from pd_sessions.runtime.ports import PortAllocator
+from pd_sessions.runtime.raylaunch import RayHosts
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     sel = launch.checked(args)
     env = facts(import_torch=False, full=False)
     warnings = launch.refuse_before_launch(sel, env, dry_run=args.dry_run)
-    checks = check_options(args, sel.sweep, commands)
+    checks = check_options(args, sel, commands)
     opts = launch.run_options(args, sel, results_name=sel.sweep.name, **checks)
     for line in banner(args, sel, env, opts.checks, commands, warnings):
         say(line)
@@ -59,9 +61,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def check_options(
-    args: argparse.Namespace, sweep: Sweep, commands: Sequence[user_commands.UserCommand]
+    args: argparse.Namespace, sel: Selection, commands: Sequence[user_commands.UserCommand]
 ) -> dict[str, Any]:
     """SweepOptions' check fields, as the command line and the sweep's TOML set them."""
+    sweep = sel.sweep
     return {
         "accuracy": AccuracyOptions(
             mode=args.accuracy,
@@ -73,7 +76,7 @@ def check_options(
         "skip_checks": tuple(args.skip_check),
         "commands": tuple(commands),
         "exec_timeout_s": args.exec_timeout,
-        "selected_checks": sweep.checks,
+        "selected_checks": sel.checks or sweep.checks_on(sel.platform),
         "check_options": sweep.check_options,
     }
 
@@ -137,12 +140,24 @@ def dry_run(sel: Selection, opts: SweepOptions) -> int:
     shown = [(c, "") for c in sel.configs] + [
         (e.config, "  (left out of this run)") for e in sel.left_out if not sel.only
     ]
-    for config, mark in shown:
-        with PortAllocator(config.host) as ports:
-            plan = make_plan(config, sel.inv, ports, opts, create_model=False)
-            print(plan.render().replace("\n", mark + "\n", 1))
+    with hosts_for(opts, say) as hosts:
+        for config, mark in shown:
+            print(plan_text(config, sel.inv, opts, hosts).replace("\n", mark + "\n", 1))
     say(f"dry run: {len(shown)} plans, nothing was launched")
     return 0
+
+
+def plan_text(config: ClusterConfig, inv: Inventory, opts: SweepOptions, hosts: RayHosts | None) -> str:
+    """One config's plan as --dry-run prints it (across hosts: each host's facts gathered there,
+    nothing generated, every port held only while planning)."""
+    with PortAllocator(config.host) as ports:
+        layout, remote = phase_one(hosts, config, opts, create_model=False) if hosts else (None, {})
+        try:
+            plan = make_plan(config, inv, ports, opts, create_model=False, layout=layout, host_ports=remote)
+        finally:
+            for p in remote.values():
+                p.release()
+    return plan.render()
 
 
 def metadata(
@@ -184,8 +199,11 @@ def run_configs(
         with (
             reaper.Lifeline(opts.results_dir, grace_s=opts.grace_s, warn=say) as life,
             process.observed(life.reaper),
+            hosts_for(opts, say) as hosts,
         ):
-            results = run_sweep(sel.configs, sel.inv, opts, say, results=results, on_change=provisional)
+            results = run_sweep(
+                sel.configs, sel.inv, opts, say, results=results, on_change=provisional, hosts=hosts
+            )
     except BaseException as e:  # a stop: the cut-short config is cancelled, the rest not run
         cause = unfinished.stop_cause(e)
         results = unfinished.complete(sel.configs, results, platform=sel.platform, cause=cause)

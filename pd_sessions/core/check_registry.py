@@ -6,7 +6,8 @@ Standard library only (the sweep loader, which the noxfile imports, validates na
 options against this table).
 
 A sweep selects checks with ``checks = [...]`` at the top of its TOML (default: every check
-with ``default = True``) and sets options with ``[check_options.<name>]``.
+that is a default on the run's platform, :func:`defaults`; the command line's
+``--set checks=[...]`` replaces either) and sets options with ``[check_options.<name>]``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,13 @@ class CheckInfo:
     summary: str  # one line for docs and --help
     default: bool = True  # run when a sweep does not list its checks
     options: Mapping[str, Any] = field(default_factory=dict)  # option -> default value
+    # Platforms where ``default`` applies; elsewhere the check runs only when a sweep lists it.
+    platforms: tuple[str, ...] = ("cpu", "cuda")
+    # It injects faults: its cluster's connectors are then wrapped by the fault injector
+    # (pd_sessions/fault_connector.py). Never a default: select it (`checks`, `--check`).
+    faults: bool = False
+    # Checks that must run after it when it runs (the cluster needs them to be whole again).
+    requires: tuple[str, ...] = ()
 
 
 # In running order.
@@ -80,10 +88,86 @@ CHECKS: tuple[CheckInfo, ...] = (
         default=False,
         options={"requests": 8, "max_tokens": 48},
     ),
+    CheckInfo(
+        "perf",
+        "vLLM's own `vllm bench serve` through the router and against prefill-0 (colocated): "
+        "TTFT, ITL, TPOT and throughput, where TTFT goes, KV bandwidth against the transport "
+        "alone, and the perf baseline of this hardware",
+        # input_len/output_len: tokens per request (random dataset); requests: per run;
+        # concurrency: one run through the router and one against prefill-0 at each level.
+        # The defaults keep it within 90 s on the 2-core CPU lane; GPU sweeps may ask for more.
+        options={"concurrency": (1, 8), "requests": 8, "input_len": 256, "output_len": 16},
+        # On by default where instances have a core each; on the 2-core CPU lane it is opt-in.
+        platforms=("cuda",),
+    ),
+    # The fault scenarios (pd_sessions/checks/faults/): each injects one fault through the
+    # wrapped connector and holds the promise: every request equals prefill-direct or fails
+    # with a clear HTTP error within the request bound, then the cluster recovers.
+    CheckInfo(
+        "fault_drop",
+        "KV loads reported failed: each request is still correct (recompute) or fails with a "
+        "clear HTTP error, per kv_load_failure_policy; the cluster recovers",
+        default=False,
+        options={"requests": 4},
+        faults=True,
+    ),
+    CheckInfo(
+        "fault_zero",
+        "received KV blocks overwritten with zeros: the burst's comparison with prefill-direct "
+        "must fail naming the requests; detection rate recorded; the cluster recovers",
+        default=False,
+        options={"requests": 32, "max_tokens": 8},
+        faults=True,
+    ),
+    CheckInfo(
+        "fault_swap",
+        "received KV blocks overwritten with another request's: the burst's comparison must "
+        "fail naming the requests; detection rate recorded; the cluster recovers",
+        default=False,
+        options={"requests": 32, "max_tokens": 8},
+        faults=True,
+    ),
+    CheckInfo(
+        "fault_stall_abort",
+        "clients disconnect before the first token, while the prefill is stalled and while the "
+        "decode waits for stalled KV: every block on both sides free within bound_s",
+        default=False,
+        options={"requests": 2, "stall_s": 8.0, "bound_s": 15.0},
+        faults=True,
+    ),
+    CheckInfo(
+        "fault_peer_death",
+        "the prefill SIGKILLed while a decode waits for its stalled KV: the decode answers with "
+        "an error or a correct recompute, stays healthy and frees its blocks",
+        default=False,
+        options={"stall_s": 5.0, "bound_s": 60.0},
+        faults=True,
+        requires=("fault_restart",),
+    ),
+    CheckInfo(
+        "fault_restart",
+        "the killed prefill started again with the same ports and role: time until P/D answers "
+        "correctly again",
+        default=False,
+        options={"deadline_s": 600.0, "bound_s": 120.0},
+        faults=True,
+    ),
 )
 BY_NAME = {c.name: c for c in CHECKS}
 NAMES = tuple(BY_NAME)
-DEFAULTS = tuple(c.name for c in CHECKS if c.default)
+# The checks that run everywhere unless a sweep lists its own (see defaults() per platform).
+DEFAULTS = tuple(c.name for c in CHECKS if c.default and len(c.platforms) == 2)
+FAULTS = tuple(c.name for c in CHECKS if c.faults)
+
+
+def defaults(platform: str) -> tuple[str, ...]:
+    """The checks a sweep that lists none runs on ``platform`` ("cpu" or "cuda"), in order."""
+    return tuple(c.name for c in CHECKS if c.default and platform in c.platforms)
+
+
+def injects_faults(names: Sequence[str]) -> bool:
+    """Whether any of ``names`` (checks, or other names such as exec[0]) injects faults."""
+    return any(BY_NAME[n].faults for n in names if n in BY_NAME)
 
 
 def resolve(
@@ -95,6 +179,8 @@ def resolve(
     [] (empty list)         -> ConfigError: a sweep must run at least one check
     an unknown name         -> ConfigError naming it, with a did-you-mean and the known names
     a name twice            -> ConfigError
+    a check whose ``requires`` are not all selected (fault_peer_death without
+    fault_restart: the cluster would stay without its prefill) -> ConfigError naming them
     known names             -> those names, in the registry's running order
     """
     if selected is None:
@@ -122,6 +208,15 @@ def resolve(
     dupes = sorted({s for s in selected if list(selected).count(s) > 1})
     if dupes:
         raise ConfigError(field_name, f"check(s) {dupes} listed more than once", source=source)
+    for s in selected:
+        missing = [r for r in BY_NAME[s].requires if r not in selected]
+        if missing:
+            raise ConfigError(
+                field_name,
+                f"{s} needs {', '.join(missing)} after it (the cluster is not whole again "
+                f"without it); add it",
+                source=source,
+            )
     return tuple(n for n in NAMES if n in selected)
 
 
@@ -129,7 +224,9 @@ def resolve_options(raw: Mapping[str, Any] | None, *, source: str | None = None)
     """``[check_options.<check>]`` tables -> check -> full options (defaults filled in).
 
     Unknown checks and options are errors with a did-you-mean; a value must have the
-    default's type (an int where a float is expected is accepted).
+    default's type (an int where a float is expected is accepted) and be above 0; where the
+    default is a list (perf's concurrency levels), a non-empty list of such values, kept
+    as a tuple.
     """
     out = {c.name: dict(c.options) for c in CHECKS if c.options}
     for check, opts in (raw or {}).items():
@@ -149,13 +246,29 @@ def resolve_options(raw: Mapping[str, Any] | None, *, source: str | None = None)
                     f"unknown option{did_you_mean(key, known)}; allowed: {allowed}",
                     source=source,
                 )
-            want = type(known[key])
-            ok = isinstance(value, want) or (want is float and isinstance(value, int))
-            if not ok or isinstance(value, bool) or not value > 0:
+            default = known[key]
+            if isinstance(default, tuple):
+                items = value if isinstance(value, (list, tuple)) else [None]
+                if not items or not all(_positive(v, type(default[0])) for v in items):
+                    raise ConfigError(
+                        f"{where}.{key}",
+                        f"got {value!r}; allowed: a list of positive {type(default[0]).__name__}s "
+                        f"(default {list(default)!r})",
+                        source=source,
+                    )
+                out[check][key] = tuple(items)
+                continue
+            if not _positive(value, type(default)):
                 raise ConfigError(
                     f"{where}.{key}",
-                    f"got {value!r}; allowed: a positive {want.__name__} (default {known[key]!r})",
+                    f"got {value!r}; allowed: a positive {type(default).__name__} (default {default!r})",
                     source=source,
                 )
             out[check][key] = value
     return out
+
+
+def _positive(value: Any, want: type) -> bool:
+    """``value`` is a number of type ``want`` (an int where a float is wanted) above 0."""
+    ok = isinstance(value, want) or (want is float and isinstance(value, int))
+    return ok and not isinstance(value, bool) and value > 0

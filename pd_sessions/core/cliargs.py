@@ -97,6 +97,7 @@ def add_common_options(s: argparse.ArgumentParser) -> None:
             default=os.environ.get(option.env) if option.env else None,
             help=option.help,
         )
+    add_host_options(s)
     o = s.add_argument_group("per-run overrides (recorded in plan.txt, result.json and the summary)")
     o.add_argument(
         "--model",
@@ -127,6 +128,35 @@ def add_common_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("-v", "--verbose", action="store_true")
 
 
+def add_host_options(s: argparse.ArgumentParser) -> None:
+    """Across hosts: where the instances run, and the loopback refusal's way out."""
+    h = s.add_argument_group("across hosts (prefill and decode on different Ray nodes)")
+    h.add_argument(
+        "--ray",
+        default=None,
+        metavar="ADDRESS",
+        help="run each config across the nodes of this Ray cluster (HEAD:PORT, or 'auto'), started "
+        "with `ray start --head` / `ray start --address HEAD:PORT --labels KEY=VALUE`; prefill_hosts "
+        "/ decode_hosts select nodes by label (default: the nodes other than this one's, the first "
+        "half prefill); needs pip install 'pd-sessions[ray]'",
+    )
+    h.add_argument(
+        "--simulate-hosts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="rehearse a multi-host run on this machine: N network namespaces on a bridge, each a "
+        "host with its own address (198.18.0.0/15), loopback, share of the cores and Ray node; "
+        "prefill on host1, decode on host2 (needs root and pip install 'pd-sessions[ray]')",
+    )
+    h.add_argument(
+        "--allow-loopback-advertise",
+        action="store_true",
+        help="across hosts, plan an instance that would advertise a loopback address to the other "
+        "hosts (refused otherwise): to see that bug fail",
+    )
+
+
 def add_sweep_options(s: argparse.ArgumentParser) -> None:
     """Every option of ``pd-sessions sweep`` except the sweep itself: the common ones, the
     checks', and the user's own commands."""
@@ -150,6 +180,16 @@ def add_sweep_options(s: argparse.ArgumentParser) -> None:
     c.add_argument("--allow-sample-mismatch", action="store_true")
     c.add_argument(
         "--record-baseline", action="store_true", help="measure accuracy and write it as the model's baseline"
+    )
+    c.add_argument(
+        "--check",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also run this check besides the sweep's own (repeatable, or comma-separated), e.g. "
+        "an opt-in one; 'faults' adds every fault scenario ("
+        + ", ".join(check_registry.FAULTS)
+        + "); names are checked like the TOML's",
     )
     c.add_argument(
         "--skip-check",

@@ -32,8 +32,11 @@ Platform = Literal["cpu", "cuda"]
 DTYPES: tuple[Dtype, ...] = get_args(Dtype)
 PLATFORMS: tuple[Platform, ...] = get_args(Platform)
 PARITY_MODES = ("auto", "exact", "margin")
+KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
 # Model values that ask for one of the project's own generated tiny models.
-TINY_MODELS = ("tiny-llama", "tiny-mixtral", "tiny-kimi-linear", "tiny-llama-remote")
+TINY_MODELS = ("tiny-llama", "tiny-mixtral", "tiny-kimi-linear", "tiny-llama-remote", "dummy-llama-1b")
+# Generated models written without weights: every instance gets --load-format dummy.
+DUMMY_WEIGHT_MODELS = ("dummy-llama-1b",)
 MAX_TP = 8
 MAX_INSTANCES = 8
 
@@ -94,8 +97,14 @@ class ClusterConfig:
     router_port: int | None = None
     prefill_ports: tuple[int, ...] = ()
     decode_ports: tuple[int, ...] = ()
-    # Address every process binds and advertises.
+    # Address every process binds and advertises (one host). Across hosts (``--ray``) each
+    # instance binds and advertises its own host's address; the router keeps this one.
     host: str = "127.0.0.1"
+    # Across hosts (``--ray``): which Ray nodes serve each role, as node-label selectors
+    # "key=value" (a node matching any entry serves that role), e.g. ["pd-role=prefill"].
+    # Empty: the nodes other than the driver's, sorted by address, the first half prefill.
+    prefill_hosts: tuple[str, ...] = ()
+    decode_hosts: tuple[str, ...] = ()
     # KV cache bytes per instance when instances share a GPU (--share-gpus): vLLM then
     # skips memory profiling, which races when two instances profile one GPU.
     shared_kv_cache_bytes: int = 2 * 1024**3
@@ -112,6 +121,9 @@ class ClusterConfig:
     # with this weight seed (same tokenizer and shapes, other weights). Tiny models only;
     # never set it in a real sweep.
     decode_weights_seed: int | None = None
+    # vLLM's kv_load_failure_policy for a KV load that fails: "fail" (the request ends with an
+    # error) or "recompute" (the decode computes the prompt itself); None = vLLM's default.
+    kv_load_failure_policy: str | None = None
 
     def __post_init__(self) -> None:
         validate_cluster(self)
@@ -152,6 +164,13 @@ class Sweep:
     # registry's defaults), and their options (TOML `[check_options.<check>]`).
     checks: tuple[str, ...] = registry.DEFAULTS
     check_options: dict[str, dict[str, Any]] = field(default_factory=dict, hash=False)
+    # Whether the TOML listed its checks; if not, each platform runs its own defaults.
+    checks_listed: bool = False
+
+    def checks_on(self, platform: str) -> tuple[str, ...]:
+        """The checks this sweep runs on ``platform``: its own list, else the platform's defaults
+        (perf is a default on cuda only: see check_registry)."""
+        return self.checks if self.checks_listed else registry.defaults(platform)
 
     def entries(self, platform: str) -> tuple[SweepEntry, ...]:
         if platform not in self.entries_by_platform:
@@ -268,14 +287,39 @@ def validate_cluster(c: ClusterConfig) -> None:
                 "decode_weights_seed",
                 f"only for the generated tiny models ({', '.join(TINY_MODELS)}), not {c.model!r}",
             )
+    if c.kv_load_failure_policy is not None:
+        _check_choice("kv_load_failure_policy", c.kv_load_failure_policy, KV_LOAD_FAILURE_POLICIES)
     if c.host != "127.0.0.1" and not c.host:
         raise ConfigError("host", "must not be empty")
+    for name in ("prefill_hosts", "decode_hosts"):
+        _check_selectors(name, getattr(c, name))
+
+
+def _check_selectors(cfg_field: str, value: Any) -> None:
+    """Node-label selectors: a list of "key=value" strings, each with a key and a value."""
+    if not isinstance(value, tuple) or not all(isinstance(s, str) for s in value):
+        raise ConfigError(cfg_field, f'got {value!r}; allowed: a list of "key=value" node labels')
+    for s in value:
+        key, eq, val = s.partition("=")
+        if not eq or not key.strip() or not val.strip():
+            raise ConfigError(
+                cfg_field,
+                f'got {s!r}; allowed: "key=value", a Ray node label (e.g. "pd-role=prefill", set '
+                "with `ray start --labels pd-role=prefill`)",
+            )
 
 
 # ---------------------------------------------------------------- loading
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ClusterConfig)}
-_TUPLE_FIELDS = {"extra_args", "decode_extra_args", "prefill_ports", "decode_ports"}
+_TUPLE_FIELDS = {
+    "extra_args",
+    "decode_extra_args",
+    "prefill_ports",
+    "decode_ports",
+    "prefill_hosts",
+    "decode_hosts",
+}
 
 
 def _coerce(raw: dict[str, Any], *, where: str) -> dict[str, Any]:
@@ -414,6 +458,7 @@ def load_sweep(path: Path) -> Sweep:
         entries_by_platform=by_platform,
         checks=checks,
         check_options=check_options,
+        checks_listed="checks" in data,
     )
 
 
@@ -511,6 +556,8 @@ class Overrides:
     fields: tuple[tuple[str, Any], ...] = ()
     # Appended to each config's extra_args (not replacing them).
     extra_args: tuple[str, ...] = ()
+    # ``--set checks=[...]``: the sweep's top-level ``checks``, replaced (in running order).
+    checks: tuple[str, ...] | None = None
 
     def __bool__(self) -> bool:
         return bool(self.fields or self.extra_args)
@@ -519,6 +566,8 @@ class Overrides:
         """One line per override, as recorded in plan.txt, result.json and the summary."""
         out = [f"{k} = {v!r}" for k, v in self.fields]
         out += [f"extra_args += {a!r}" for a in self.extra_args]
+        if self.checks is not None:
+            out.append(f"checks = {list(self.checks)!r}")
         return out
 
     def apply(self, config: ClusterConfig) -> ClusterConfig:
@@ -546,8 +595,11 @@ def make_overrides(
     ``sets`` are ``FIELD=VALUE`` items; ``named`` are fields set by their own flags
     (--mooncake-protocol ...). An unknown field, a field that cannot be overridden or a
     malformed item is a ConfigError naming it; values are checked when applied.
+    ``checks=[...]`` is the sweep's own key, not a config field: it replaces the sweep's
+    checks, checked at once like the TOML's (e.g. to add the opt-in ``perf`` on the CPU lane).
     """
     fields: list[tuple[str, Any]] = []
+    checks: tuple[str, ...] | None = None
     if model is not None:
         fields.append(("model", model))
     if revision is not None:
@@ -560,6 +612,9 @@ def make_overrides(
             raise ConfigError(
                 "--set", f"got {item!r}; expected FIELD=VALUE, e.g. block_size=16", source=OVERRIDE_SOURCE
             )
+        if key == "checks":
+            checks = registry.resolve(parse_value(raw.strip()), source=OVERRIDE_SOURCE)
+            continue
         fields.append((key, parse_value(raw.strip())))
     for key, _ in fields:
         if key in NOT_OVERRIDABLE:
@@ -568,7 +623,8 @@ def make_overrides(
             raise ConfigError(
                 key,
                 f"unknown field{did_you_mean(key, _FIELDS)}; "
-                f"allowed: {', '.join(sorted(set(_FIELDS) - set(NOT_OVERRIDABLE)))}",
+                f"allowed: {', '.join(sorted(set(_FIELDS) - set(NOT_OVERRIDABLE)))} "
+                "(and the sweep's checks)",
                 source=OVERRIDE_SOURCE,
             )
     for a in extra_args:
@@ -576,4 +632,4 @@ def make_overrides(
             raise ConfigError(
                 "--extra-arg", f"got {a!r}; allowed: one non-empty argv element", source=OVERRIDE_SOURCE
             )
-    return Overrides(fields=tuple(fields), extra_args=tuple(extra_args))
+    return Overrides(fields=tuple(fields), extra_args=tuple(extra_args), checks=checks)

@@ -98,12 +98,22 @@ class StopError(PdError):
     """Processes survived teardown (should never happen; says which)."""
 
 
+class HostSetupError(PdError):
+    """The simulated hosts (``--simulate-hosts``) could not be set up or removed: says which
+    step, which namespace or link, and the kernel's answer."""
+
+
 class CheckFailed(PdError):
     """A check ran and its verdict is 'fail'."""
 
 
 class BenchError(PdError):
     """A benchmark measurement could not be made (says which and why)."""
+
+
+class PerfError(PdError):
+    """The perf check could not measure: its bench driver or transport probe failed, or a
+    bench result lacks a figure. The check fails with it; the config goes on."""
 
 
 class HttpError(PdError):

@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pd_sessions.core import connectors
+from pd_sessions.core import check_registry, connectors
 from pd_sessions.core.config import (
     OVERRIDE_SOURCE,
     ClusterConfig,
@@ -45,11 +45,24 @@ class Selection:
     only: tuple[str, ...]  # the names --only gave (comma lists split)
     over: Overrides  # the command line's overrides
     warnings: tuple[str, ...]  # what --dry-run plans in spite of (refused without --dry-run)
+    # The checks to run, in running order: --set checks=[...], else the sweep's for this
+    # platform; then --check's.
+    checks: tuple[str, ...] = ()
 
 
 def only_names(items: Iterable[str]) -> tuple[str, ...]:
     """``--only a,b --only c`` -> ("a", "b", "c"); empty names are dropped."""
     return tuple(name for item in items for name in item.split(",") if name)
+
+
+def checks(base: Iterable[str], added: Iterable[str]) -> tuple[str, ...]:
+    """``base`` (the sweep's checks on this platform, or --set checks=[...]) plus ``added``
+    (--check: names, comma lists, "faults" for every fault scenario), validated like the TOML's
+    ``checks`` (ConfigError naming an unknown one), in running order."""
+    extra = [
+        n for name in only_names(added) for n in (check_registry.FAULTS if name == "faults" else (name,))
+    ]
+    return check_registry.resolve(list(dict.fromkeys([*base, *extra])), field_name="--check")
 
 
 def overrides(args: argparse.Namespace) -> Overrides:
@@ -73,6 +86,7 @@ def select_run(sweep_name: str, args: argparse.Namespace, inv: Inventory) -> Sel
         an override that is not a config field / a bad value   -> ConfigError
         an unknown sweep, or a bad sweep file                   -> ConfigError
         the sweep cannot run on this platform or host           -> ConfigError / PlanError
+        --check names an unknown check                          -> ConfigError("--check")
         --only names no config                                  -> ConfigError
         a host refusal, no --dry-run                            -> PlanError(its field)
         a host refusal, --dry-run                               -> a warning in the Selection
@@ -86,6 +100,8 @@ def select_run(sweep_name: str, args: argparse.Namespace, inv: Inventory) -> Sel
     platform, planned_inv, note = preflight(
         sweep, args.platform, inv, dry_run=args.dry_run, share_gpus=args.share_gpus
     )
+    base = over.checks if over.checks is not None else sweep.checks_on(platform)
+    selected = checks(base, getattr(args, "check", []))
     only = only_names(args.only)
     entries, left_out = select(
         sweep.entries(platform), platform, only=only, include_opt_in=args.include_opt_in
@@ -107,6 +123,7 @@ def select_run(sweep_name: str, args: argparse.Namespace, inv: Inventory) -> Sel
         only=only,
         over=over,
         warnings=tuple(str(w) for w in (refusal.message if refusal else None, missing) if w),
+        checks=selected,
     )
 
 

@@ -43,6 +43,8 @@ from pd_sessions.runtime import hosts, parentwatch
 ROOT = install.ROOT
 # What the test sessions install besides the package (and, for `tests`, the CPU lane).
 TEST_REQUIREMENTS = ("test.txt", "buildkite.txt", "bench.txt")
+# The tests session's multi-host tests (the simulated hosts, Ray nodes): not the unit session's.
+MULTIHOST_REQUIREMENTS = ("ray.txt",)
 
 
 class Session(Protocol):
@@ -349,7 +351,7 @@ def tests(session: Session) -> None:
     # gcc: the canary's tests build real ELF files (installed with the lane's Debian packages)
     connectors(session, target, "cpu", every, commands=install.TEST_COMMANDS)
     if not target.installed:
-        target.venv_install(*requirements(*TEST_REQUIREMENTS))
+        target.venv_install(*requirements(*TEST_REQUIREMENTS, *MULTIHOST_REQUIREMENTS))
     target.run("-m", "pytest", *target.rest, env={**(target.env or {}), "PD_SESSIONS_FULL_ENV": "1"})
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ from pd_sessions.core import check_registry
 from pd_sessions.core.config import TINY_MODELS, ClusterConfig
 from pd_sessions.core.inventory import Inventory
 from pd_sessions.core.plan import GPU_PASSTHROUGH_ENV, ClusterPlan, plan_cluster
+from pd_sessions.core.plan.hosts import HostLayout
+from pd_sessions.core.ports import PortSource
 from pd_sessions.run import user_commands
 from pd_sessions.runtime import tiny_model
 from pd_sessions.runtime.cluster import DEFAULT_DEADLINE_S, DEFAULT_GRACE_S
@@ -43,6 +46,12 @@ class SweepOptions:
     # The sweep's selection (TOML `checks`) and options (TOML `[check_options.X]`).
     selected_checks: tuple[str, ...] = CHECKS
     check_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Across hosts: the Ray cluster to run on (an address, or "auto"); None: this host only.
+    ray: str | None = None
+    # Across the simulated hosts of this machine (--simulate-hosts N, runtime/simhosts.py); 0: none.
+    simulate_hosts: int = 0
+    # Across hosts: plan an advertised loopback address anyway (it must then fail).
+    allow_loopback_advertise: bool = False
 
     @property
     def checks(self) -> tuple[str, ...]:
@@ -65,9 +74,25 @@ def model_path(
     return str(path)
 
 
+def faults_control(config: ClusterConfig, opts: SweepOptions) -> str | None:
+    """The control file of a config whose checks inject faults (its connectors are then wrapped
+    by the fault injector), else None."""
+    if not check_registry.injects_faults(opts.checks):
+        return None
+    return str((opts.results_dir / config.name / "faults.json").resolve())
+
+
 def make_plan(
-    config: ClusterConfig, inv: Inventory, ports: PortAllocator, opts: SweepOptions, *, create_model: bool
+    config: ClusterConfig,
+    inv: Inventory,
+    ports: PortAllocator,
+    opts: SweepOptions,
+    *,
+    create_model: bool,
+    layout: HostLayout | None = None,
+    host_ports: Mapping[str, PortSource] | None = None,
 ) -> ClusterPlan:
+    """The plan of ``config`` on this host, or across the hosts of ``layout`` (run/hosts.py)."""
     return plan_cluster(
         config,
         inv,
@@ -86,4 +111,7 @@ def make_plan(
         share_gpus=opts.share_gpus,
         overrides=opts.overrides,
         passthrough_env={k: os.environ[k] for k in GPU_PASSTHROUGH_ENV if k in os.environ},
+        layout=layout,
+        host_ports=host_ports,
+        faults_control=faults_control(config, opts),
     )

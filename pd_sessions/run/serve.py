@@ -19,10 +19,13 @@ from pathlib import Path
 from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.inventory import Inventory
 from pd_sessions.core.plan import ClusterPlan
+from pd_sessions.run.hosts import hosts_for, phase_one
 from pd_sessions.run.options import SweepOptions, make_plan
 from pd_sessions.runtime import clusterenv
 from pd_sessions.runtime.cluster import Cluster, running_cluster
+from pd_sessions.runtime.launcher import LOCAL
 from pd_sessions.runtime.ports import PortAllocator
+from pd_sessions.runtime.raylaunch import RemotePorts
 
 ENV_FILE = "cluster.env"
 
@@ -31,19 +34,33 @@ ENV_FILE = "cluster.env"
 def one_cluster(
     config: ClusterConfig, inv: Inventory, opts: SweepOptions, *, progress: Callable[[str], None]
 ) -> Iterator[Cluster]:
-    """Plan ``config`` (plan.txt in its run dir), start it, yield it ready; always tear down."""
+    """Plan ``config`` (plan.txt in its run dir), start it, yield it ready; always tear down.
+    With ``opts.ray``, across the hosts of that Ray cluster (run/hosts.py)."""
     run_dir = opts.results_dir / config.name
     ports = PortAllocator(config.host)
+    remote: dict[str, RemotePorts] = {}
     try:
-        plan = make_plan(config, inv, ports, opts, create_model=True)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "plan.txt").write_text(plan.render() + "\n")
-        with running_cluster(
-            plan, run_dir, ports=ports, deadline_s=opts.deadline_s, grace_s=opts.grace_s, progress=progress
-        ) as cluster:
-            yield cluster
+        with hosts_for(opts, progress) as hosts:
+            layout = None
+            if hosts is not None:
+                layout, remote = phase_one(hosts, config, opts, create_model=True)
+            plan = make_plan(config, inv, ports, opts, create_model=True, layout=layout, host_ports=remote)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "plan.txt").write_text(plan.render() + "\n")
+            with running_cluster(
+                plan,
+                run_dir,
+                ports=ports,
+                deadline_s=opts.deadline_s,
+                grace_s=opts.grace_s,
+                progress=progress,
+                launcher=hosts.launcher(run_dir, remote) if hosts else LOCAL,
+            ) as cluster:
+                yield cluster
     finally:
         ports.release()
+        for p in remote.values():
+            p.release()
 
 
 def banner(plan: ClusterPlan, env: Mapping[str, str], run_dir: Path) -> list[str]:

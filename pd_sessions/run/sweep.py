@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from pd_sessions.checks.runner import run_checks
 from pd_sessions.core.config import ClusterConfig
@@ -19,9 +20,12 @@ from pd_sessions.core.results import RUNNING, CheckResult, ConfigResult, Process
 from pd_sessions.report import unfinished
 from pd_sessions.report.writers import write_config_result
 from pd_sessions.run import user_commands
+from pd_sessions.run.hosts import loopback_said, phase_one
 from pd_sessions.run.options import SweepOptions, make_plan
 from pd_sessions.runtime.cluster import Event, running_cluster
+from pd_sessions.runtime.launcher import LOCAL
 from pd_sessions.runtime.ports import PortAllocator
+from pd_sessions.runtime.raylaunch import RayHosts, RemotePorts
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +47,10 @@ def run_config(
     progress: Callable[[str], None],
     on_event: Callable[[Event], None] | None = None,
     into: ConfigResult | None = None,
+    hosts: RayHosts | None = None,
 ) -> ConfigResult:
-    """Plan, start, check, tear down and record one config (``on_event``: see running_cluster).
+    """Plan, start, check, tear down and record one config (``on_event``: see running_cluster;
+    ``hosts``: across the hosts of a Ray cluster, run/hosts.py).
 
     ``into``: the record to fill (else a new one). An unforeseen exception (not a PdError)
     errors this config, its traceback in ``error.log``; a stop (SIGINT, SIGTERM) marks it
@@ -56,9 +62,13 @@ def run_config(
     t = time.monotonic()
     res.started_at = res.phase_starts["plan"] = time.time()
     ports = PortAllocator(config.host)
+    remote: dict[str, RemotePorts] = {}
     try:
         try:
-            plan = make_plan(config, inv, ports, opts, create_model=True)
+            layout = None
+            if hosts is not None:
+                layout, remote = phase_one(hosts, config, opts, create_model=True)
+            plan = make_plan(config, inv, ports, opts, create_model=True, layout=layout, host_ports=remote)
         finally:
             res.phases["plan"] = time.monotonic() - t
         res.warnings = list(plan.warnings)
@@ -77,6 +87,7 @@ def run_config(
                 progress=progress,
                 timings=res.timings,
                 on_event=_recorder(res, plan, on_event),
+                launcher=hosts.launcher(run_dir, remote) if hosts else LOCAL,
             ) as cluster:
                 t = time.monotonic()
                 res.phase_starts["checks"] = time.time()
@@ -103,17 +114,12 @@ def run_config(
                         )
                 finally:
                     res.phases["checks"] = time.monotonic() - t
-                    res.checks = list(checks)
-                    for c in checks:
-                        progress(f"{config.name}: {c.name} {c.verdict.upper()}: {c.message}")
-                        if "traceback" in c.details:  # it crashed: see checks.base.crashed
-                            with open(run_dir / "checks.log", "a") as f:
-                                f.write(f"--- {c.name} crashed ---\n{c.details['traceback']}")
+                    _record_checks(res, checks, run_dir, progress)
         finally:
             _fill_phases(res)
     except PdError as e:
-        res.error = str(e)
-        progress(f"{config.name}: ERROR: {str(e).splitlines()[0]}")
+        res.error = str(e) + loopback_said(res.warnings)
+        progress(f"{config.name}: ERROR: {str(e).splitlines()[0]}{loopback_said(res.warnings)}")
     except Exception as e:  # a bug, or a library failing in a way we did not foresee
         log_path = unfinished.crash_log(run_dir, "error", e)
         res.error = f"internal error: {type(e).__name__}: {e} (traceback in {log_path})"
@@ -124,9 +130,25 @@ def run_config(
         raise
     finally:
         ports.release()
+        for p in remote.values():
+            p.release()
     res.decide(opts.checks)
+    if res.outcome != "passed" and loopback_said(res.warnings) not in (res.error or "-"):
+        progress(f"{config.name}: {res.outcome}{loopback_said(res.warnings)}")
     write_config_result(res, run_dir / "result.json")
     return res
+
+
+def _record_checks(
+    res: ConfigResult, checks: list[CheckResult], run_dir: Path, progress: Callable[[str], None]
+) -> None:
+    """The checks that ran, into ``res`` and said; a crashed one's traceback into checks.log."""
+    res.checks = list(checks)
+    for c in checks:
+        progress(f"{res.name}: {c.name} {c.verdict.upper()}: {c.message}")
+        if "traceback" in c.details:  # it crashed: see checks.base.crashed
+            with open(run_dir / "checks.log", "a") as f:
+                f.write(f"--- {c.name} crashed ---\n{c.details['traceback']}")
 
 
 def _recorder(
@@ -173,6 +195,7 @@ def run_sweep(
     progress: Callable[[str], None],
     results: list[ConfigResult] | None = None,
     on_change: Callable[[list[ConfigResult]], None] | None = None,
+    hosts: RayHosts | None = None,
 ) -> list[ConfigResult]:
     """Run every config; one record each, returned (and appended to ``results`` if given).
 
@@ -188,7 +211,7 @@ def run_sweep(
         results.append(res)
         if on_change:
             on_change(results)
-        run_config(config, inv, opts, progress, into=res)
+        run_config(config, inv, opts, progress, into=res, hosts=hosts)
         progress(f"[{i}/{len(configs)}] {config.name}: {results[-1].outcome.upper()}")
         if on_change:
             on_change(results)

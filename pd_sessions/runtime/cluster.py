@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit
 
-from pd_sessions.core.errors import PdError, ReadinessTimeout
+from pd_sessions.core.errors import PdError, ReadinessTimeout, StopError
 from pd_sessions.core.plan import ClusterPlan, ProcessSpec
 from pd_sessions.runtime import http, pairs, process
+from pd_sessions.runtime.launcher import LOCAL, Launcher
 from pd_sessions.runtime.ports import PortAllocator
 from pd_sessions.runtime.process import Running
 from pd_sessions.runtime.readiness import Target, guarded, health_probe, models_probe, wait_ready
@@ -64,9 +65,16 @@ class Cluster:
     router: Running | None = None
     # phase name -> seconds; filled as the cluster starts and stops
     timings: dict[str, float] = field(default_factory=dict)
+    # what started the processes and stops them (here, or each on its Ray node)
+    launcher: Launcher = LOCAL
+    # the environment the processes started with (a restart uses it again)
+    base_env: dict[str, str] = field(default_factory=dict)
+    # instances stopped on purpose (a fault scenario), name -> the process that was stopped
+    down: dict[str, Running] = field(default_factory=dict)
 
     @property
     def processes(self) -> list[Running]:
+        """What must stay alive: every instance not stopped on purpose, and the router."""
         return self.instances + ([self.router] if self.router else [])
 
     @property
@@ -82,13 +90,67 @@ class Cluster:
         heartbeat: Callable[[], None] | None = None,
     ) -> T:
         """Run ``call``; fail at once if any process of the cluster exits meanwhile."""
-        return guarded(call, watch=self.processes, when=when, timeout=timeout, heartbeat=heartbeat)
+        return guarded(call, watch=lambda: self.processes, when=when, timeout=timeout, heartbeat=heartbeat)
+
+    def instance(self, name: str) -> Running:
+        """The running instance ``name`` (KeyError naming the ones there are)."""
+        for r in self.instances:
+            if r.name == name:
+                return r
+        raise KeyError(f"no running instance {name!r} (running: {', '.join(r.name for r in self.instances)})")
+
+    def kill_instance(self, name: str) -> Running:
+        """SIGKILL instance ``name`` on purpose (a fault scenario: a peer dying mid-transfer).
+
+        It leaves the watched processes first, so no guard takes this death for a failure;
+        then its group is SIGKILLed and every PID verified gone (process.kill; the reaper hears
+        of it). It stays in ``down`` until :meth:`restart_instance`; teardown skips it."""
+        r = self.instance(name)
+        self.down[name] = r
+        self.instances = [x for x in self.instances if x is not r]  # one assignment: guards read it
+        process.kill(r)
+        log.info("%s (pid %d) SIGKILLed on purpose", name, r.pid)
+        return r
+
+    def restart_instance(
+        self, name: str, *, deadline_s: float, say: Callable[[str], None] | None = None
+    ) -> Running:
+        """Start instance ``name``, stopped by :meth:`kill_instance`, again from its planned spec:
+        the same argv, environment, ports and role, its output appended to the same log. It is
+        watched (and torn down) from its spawn on; the reaper hears of it as of any spawn. Waits
+        until it is ready (alive, /health 200, the model listed) while every other process
+        stays alive; ReadinessTimeout or ProcessExited as at start-up; StopError, starting
+        nothing, while a process of the killed one is still alive."""
+        if name not in self.down:
+            raise KeyError(f"{name} was not stopped on purpose (stopped: {', '.join(self.down) or 'none'})")
+        if left := process.still_running([self.down[name]]):
+            # a SIGKILLed process that outlived kill_instance's wait still holds the ports
+            raise StopError(
+                f"{name} not started again: its killed processes are still alive ({', '.join(left)})"
+            )
+        spec = next(s for s in self.plan.instances if s.name == name)
+        order = [s.name for s in self.plan.instances]
+        with process.signals_deferred():
+            new = self.launcher.spawn(spec, self.run_dir, self.base_env)
+            self.instances = sorted([*self.instances, new], key=lambda r: order.index(r.name))
+        del self.down[name]
+        others = [p for p in self.processes if p is not new]
+        wait_ready(
+            [
+                Target(
+                    new, [health_probe(spec.health_url), models_probe(spec.url, self.plan.served_model_name)]
+                )
+            ],
+            deadline=time.monotonic() + deadline_s,
+            also_alive=others,
+            progress=say,
+        )
+        return new
 
 
 def spawn_spec(spec: ProcessSpec, run_dir: Path, base_env: Mapping[str, str]) -> Running:
-    """Start one planned process, its output going to ``run_dir/<log_name>``."""
-    env = {**base_env, **spec.env_dict()}
-    return process.spawn(spec.name, spec.argv, env=env, log_path=run_dir / spec.log_name, url=spec.url)
+    """Start one planned process on this host, its output going to ``run_dir/<log_name>``."""
+    return LOCAL.spawn(spec, run_dir, base_env)
 
 
 def _router_completion_probe(
@@ -167,6 +229,7 @@ def running_cluster(
     timings: dict[str, float] | None = None,
     on_event: Callable[[Event], None] | None = None,
     pd_path_budget_s: float = pairs.PD_PATH_BUDGET_S,
+    launcher: Launcher = LOCAL,
 ) -> Iterator[Cluster]:
     """Start ``plan`` and yield the ready :class:`Cluster`; always tear it down.
 
@@ -174,11 +237,18 @@ def running_cluster(
     the processes start, so the ports stay reserved until then. ``timings``, if
     given, is filled with phase durations even when starting fails. ``on_event``
     is told when each process is spawned and when it is noticed ready (it must
-    return quickly).
+    return quickly). ``launcher`` starts and stops the processes (runtime/launcher.py: here, or
+    each on its Ray node).
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ if base_env is None else base_env)
-    cluster = Cluster(plan=plan, run_dir=run_dir, timings={} if timings is None else timings)
+    cluster = Cluster(
+        plan=plan,
+        run_dir=run_dir,
+        timings={} if timings is None else timings,
+        launcher=launcher,
+        base_env=env,
+    )
     t0 = time.monotonic()
     deadline = t0 + deadline_s
     say = progress or (lambda msg: log.info("%s", msg))
@@ -186,7 +256,7 @@ def running_cluster(
     try:
         if ports is not None:
             ports.release()
-        router = _spawn_all(cluster, env, tell)
+        router = _spawn_all(cluster, env, tell, launcher)
         say(
             f"{plan.config.name}: started {len(plan.instances)} instances and the router; "
             f"waiting up to {deadline_s:.0f} s for them (logs in {run_dir})"
@@ -207,22 +277,24 @@ def running_cluster(
     finally:
         t2 = time.monotonic()
         try:
-            teardown(cluster.router, cluster.instances, grace_s=grace_s)
+            teardown(cluster.router, cluster.instances, grace_s=grace_s, launcher=launcher)
         finally:
             cluster.timings["teardown"] = time.monotonic() - t2
 
 
-def _spawn_all(cluster: Cluster, env: Mapping[str, str], tell: Callable[[Event], None]) -> Running:
+def _spawn_all(
+    cluster: Cluster, env: Mapping[str, str], tell: Callable[[Event], None], launcher: Launcher
+) -> Running:
     """Start every instance and the router at once, each told as spawned; the router's Running."""
     plan = cluster.plan
     # Deferred: a cancel between a Popen and this list would leave a server untracked.
     with process.signals_deferred():
         for spec in plan.instances:
-            cluster.instances.append(spawn_spec(spec, cluster.run_dir, env))
+            cluster.instances.append(launcher.spawn(spec, cluster.run_dir, env))
             tell(Event("spawned", spec.name, cluster.instances[-1].started_at, spec.health_url))
         # The router starts at once too: it waits for its workers itself (checking every
         # second), so its own start-up is hidden behind the instances'.
-        router = cluster.router = spawn_spec(plan.router, cluster.run_dir, env)
+        router = cluster.router = launcher.spawn(plan.router, cluster.run_dir, env)
     tell(Event("spawned", "router", router.started_at, plan.router.health_url))
     return router
 
@@ -292,7 +364,11 @@ def _warm_pairs_and_router(
 
 
 def teardown(
-    router: Running | None, instances: Sequence[Running], *, grace_s: float = DEFAULT_GRACE_S
+    router: Running | None,
+    instances: Sequence[Running],
+    *,
+    grace_s: float = DEFAULT_GRACE_S,
+    launcher: Launcher = LOCAL,
 ) -> None:
     """Stop the router and the instances together, under one shared grace: SIGTERM to all
     (the router's first), one wait of at most ``grace_s``, SIGKILL to what is left, every PID
@@ -317,7 +393,7 @@ def teardown(
         if cut:
             log.info("cut %d request(s) of ours still open to the cluster", cut)
         early = {router.name: ROUTER_CUT_S} if router else None
-        rep = process.stop(group, grace_s=grace_s, early=early)  # logs a cut itself
+        rep = launcher.stop(group, grace_s=grace_s, early=early)  # logs a cut itself
     if rep.killed:
         log.warning("needed SIGKILL: %s", ", ".join(rep.killed))
 

@@ -48,3 +48,27 @@ def detect(environ: dict[str, str] | None = None) -> Inventory:
     )
     cpus = tuple(sorted(os.sched_getaffinity(0)))
     return Inventory(gpus=gpus, cpus=cpus, gpu_source=source, rdma_devices=rdma_devices())
+
+
+def gpu_names(ids: list[str] | tuple[str, ...]) -> list[str]:
+    """The model name of each GPU id (as CUDA_VISIBLE_DEVICES spells it: an index or a UUID),
+    from ``nvidia-smi``; "GPU <id>" where it does not say (no nvidia-smi, an unknown id)."""
+    if not ids:
+        return []
+    names: dict[str, str] = {}
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run(
+                [smi, "--query-gpu=index,uuid,name", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
+            )
+            for line in out.stdout.splitlines() if out.returncode == 0 else []:
+                index, uuid, name = (part.strip() for part in line.split(",", 2))
+                names[index] = names[uuid] = name
+        except (OSError, subprocess.TimeoutExpired, ValueError):
+            names = {}
+    return [names.get(i, f"GPU {i}") for i in ids]

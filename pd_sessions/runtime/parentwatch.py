@@ -62,15 +62,16 @@ def set_parent_death_signal(sig: int) -> bool:
     return _PRCTL is not None and _PRCTL(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
 
 
-def child_preexec() -> Callable[[], None] | None:
+def child_preexec(*, any_thread: bool = False) -> Callable[[], None] | None:
     """A ``preexec_fn`` that gives a child SIGTERM when this process dies, or None.
 
     The kernel ties the signal to the *thread* that forked the child, so it is set only when
-    the main thread spawns (a helper thread's exit must not stop a server). Between fork and
-    exec the child checks that we are still its parent: if we died before the prctl, it kills
-    itself rather than run unnoticed.
+    the main thread spawns (a helper thread's exit must not stop a server), unless
+    ``any_thread``: for a spawner whose threads live as long as it does (a Ray actor's method
+    threads, runtime/raylaunch.py). Between fork and exec the child checks that we are still
+    its parent: if we died before the prctl, it kills itself rather than run unnoticed.
     """
-    if _PRCTL is None or threading.current_thread() is not threading.main_thread():
+    if _PRCTL is None or (threading.current_thread() is not threading.main_thread() and not any_thread):
         return None
     prctl, parent, term, kill = _PRCTL, os.getpid(), int(signal.SIGTERM), int(signal.SIGKILL)
 

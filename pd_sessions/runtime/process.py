@@ -66,17 +66,31 @@ def observed(observer: Observer) -> Iterator[None]:
         _observers.remove(observer)
 
 
+class Handle(Protocol):
+    """What a Running needs of its process: subprocess.Popen, or a process on a Ray node
+    (runtime/raylaunch.py)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
 @dataclass
 class Running:
     """A live process we started, and where its output goes."""
 
     name: str
-    popen: subprocess.Popen[bytes]
+    popen: Handle
     log_path: Path
     started_at: float
     url: str | None = None
     # create_time of the leader, to tell it from a later process with the same PID
     create_time: float = 0.0
+    # the host it runs on when it is not this one (runtime/raylaunch.py); None: here
+    node: str | None = None
 
     @property
     def pid(self) -> int:
@@ -101,12 +115,18 @@ def spawn(
     log_path: Path,
     url: str | None = None,
     cwd: Path | None = None,
+    new_session: bool = True,
 ) -> Running:
     """Start ``argv`` in a new session with stdout+stderr appended to ``log_path``.
 
     From Popen until the observers (the reaper) have it, SIGINT/SIGTERM/SIGHUP are deferred,
     so a cancel cannot leave a started process unrecorded; started from the main thread, the
     child also gets SIGTERM if this process dies (parentwatch.child_preexec).
+
+    ``new_session=False`` (a Ray node's agent, runtime/raylaunch.py): the child stays in the
+    spawner's process group and session, from any thread with the parent-death signal. Ray
+    kills an actor's worker by its process group: a tree in a session of its own would outlive
+    every one of Ray's kill paths (the actor killed, its worker SIGKILLed, the driver gone).
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out, signals_deferred():
@@ -118,9 +138,9 @@ def spawn(
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            start_new_session=True,
+            start_new_session=new_session,
             cwd=cwd,
-            preexec_fn=parentwatch.child_preexec(),
+            preexec_fn=parentwatch.child_preexec(any_thread=not new_session),
         )
         try:
             ct = psutil.Process(popen.pid).create_time()
@@ -282,6 +302,37 @@ def stop(
         for o in list(_observers):
             o.stopped(running)
         return rep
+
+
+# How long processes SIGKILLed on purpose may take to be gone: a vLLM worker with NIXL's
+# registered memory took over 5 s on a loaded 2-core host (the kernel frees its address space).
+KILL_WAIT_S = 30.0
+
+
+def kill(running: Running, *, kill_wait_s: float = KILL_WAIT_S) -> StopReport:
+    """SIGKILL ``running``'s group and every tracked process at once (no SIGTERM, no grace: a
+    planned crash, e.g. a peer dying mid-transfer), then verify every PID gone within
+    ``kill_wait_s`` (StopError names survivors). The observers (the reaper) hear of it as of any
+    stop."""
+    with signals_deferred():
+        for o in list(_observers):
+            o.stopping([running], time.time())
+        t0 = time.monotonic()
+        procs = _tracked(running.leader)
+        try:
+            _signal_all([running.pid], procs, signal.SIGKILL)
+            left = _wait_gone(procs, kill_wait_s)
+        finally:
+            running.popen.poll()
+        if left:
+            raise StopError(
+                "processes survived SIGKILL: " + ", ".join(f"{running.name} pid {p.pid}" for p in left)
+            )
+        for o in list(_observers):
+            o.stopped([running])
+        return StopReport(
+            seconds=time.monotonic() - t0, killed=[running.name], pids=sorted(p.pid for p in procs)
+        )
 
 
 def stop_leaders(

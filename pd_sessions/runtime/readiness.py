@@ -134,7 +134,7 @@ def wait_ready(
 def guarded(
     call: Callable[[], T],
     *,
-    watch: Sequence[Running],
+    watch: Sequence[Running] | Callable[[], Sequence[Running]],
     when: str,
     tick: float = 0.05,
     timeout: float | None = None,
@@ -143,6 +143,8 @@ def guarded(
 ) -> T:
     """Run ``call`` in a thread while checking every ``tick`` that ``watch`` are alive.
 
+    ``watch`` may be a callable, asked each tick: the processes watched then follow the cluster
+    (a planned stop takes one out, a restart puts the new one in; see cluster.Cluster).
     A death raises ProcessExited at once (the caller's teardown then kills the
     servers, which ends the thread's pending request). ``timeout`` bounds the
     whole call (GuardTimeout, a PdError, when it runs out); ``heartbeat`` is called every
@@ -157,12 +159,13 @@ def guarded(
         except BaseException as e:  # re-raised in the caller's thread below
             error.append(e)
 
+    watched = watch if callable(watch) else (lambda: watch)
     th = threading.Thread(target=target, name="pd-guarded", daemon=True)
     th.start()
     start = time.monotonic()
     beat = start + heartbeat_every
     while th.is_alive():
-        check_alive(watch, when)
+        check_alive(watched(), when)
         now = time.monotonic()
         if timeout is not None and now > start + timeout:
             raise GuardTimeout(when, timeout)
@@ -172,7 +175,7 @@ def guarded(
         th.join(tick)
     # A call that ended quickly because a process died (connection refused...) must still
     # report the death as the cause, not only its symptoms.
-    check_alive(watch, when)
+    check_alive(watched(), when)
     if error:
         raise error[0]
     return result[0]

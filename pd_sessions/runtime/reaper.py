@@ -27,6 +27,9 @@ signal to our group reaches them: only the harness, or the reaper, stops them.
   still recorded (SIGTERM, the rest of the grace the harness had begun, SIGKILL, every PID
   verified gone, as process.stop does), logs what it did to ``<results>/reaper.log``, and exits.
   After a clean exit nothing is recorded and it exits at once.
+- **Resources** (``Reaper.created``): the simulated hosts' namespaces, bridge and veth links,
+  and their files (a state file, a symbolic link), recorded before they are created. What is
+  still recorded when the pipe ends is removed after the processes, newest first.
 
 Why ``python -m`` (not a ``pd-sessions`` subcommand): a process boundary. The reaper is a process
 of its own, in a session of its own, that must outlive the harness; the harness starts it, never
@@ -47,8 +50,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from pd_sessions.core.errors import StopError
-from pd_sessions.runtime import parentwatch, process
+from pd_sessions.core.errors import PdError, StopError
+from pd_sessions.runtime import netns, parentwatch, process
 from pd_sessions.runtime.parentwatch import KILL_WAIT_S
 
 
@@ -120,6 +123,16 @@ class Reaper:
     def stopped(self, rs: Sequence[_Process]) -> None:
         self._send({"forget": [r.pid for r in rs]})
 
+    def created(self, kind: str, name: str) -> None:
+        """A resource the harness is about to create (record first, then create): the
+        simulated hosts' namespaces and links (kinds in runtime.netns) and files (``file``:
+        a file or symbolic link, never a folder). Left ones are removed after the processes,
+        newest first."""
+        self._send({"resource": [kind, name]})
+
+    def removed(self, kind: str, name: str) -> None:
+        self._send({"release": [kind, name]})
+
     def close(self, timeout: float = 2.0) -> None:
         """End the pipe; the reaper stops anything still recorded (nothing, after a clean
         teardown) and exits."""
@@ -158,6 +171,7 @@ def _reap(grace_s: float, harness: int, say: Callable[[str], None]) -> int:
         signal.signal(sig, signal.SIG_IGN)
     known: dict[int, process.Leader] = {}
     kill_at: dict[int, float] = {}
+    resources: dict[tuple[str, str], None] = {}  # in the order created
     say(f"reaper pid {os.getpid()}: watching pd-sessions pid {harness}")
     for line in sys.stdin:
         msg = json.loads(line)
@@ -170,9 +184,24 @@ def _reap(grace_s: float, harness: int, say: Callable[[str], None]) -> int:
             for pid in msg["forget"]:
                 known.pop(pid, None)
                 kill_at.pop(pid, None)
-    if not known:
+        elif "resource" in msg:
+            resources[tuple(msg["resource"])] = None
+        elif "release" in msg:
+            resources.pop(tuple(msg["release"]), None)
+    if not known and not resources:
         say("pd-sessions is done, and stopped everything it started itself: nothing to do")
         return 0
+    status = _stop_left(known, kill_at, grace_s, harness, say) if known else 0
+    return _remove_left(list(resources), say, keep_files=bool(status)) or status
+
+
+def _stop_left(
+    known: dict[int, process.Leader],
+    kill_at: dict[int, float],
+    grace_s: float,
+    harness: int,
+    say: Callable[[str], None],
+) -> int:
     now = time.time()
     deadline = max(kill_at.get(pid, now + grace_s) for pid in known)
     say(
@@ -192,6 +221,41 @@ def _reap(grace_s: float, harness: int, say: Callable[[str], None]) -> int:
         + (f"; needed SIGKILL: {', '.join(rep.killed)}" if rep.killed else "")
     )
     return 0
+
+
+def _remove_left(resources: list[tuple[str, str]], say: Callable[[str], None], *, keep_files: bool) -> int:
+    """Remove what the harness created and did not remove, newest first (the namespaces and
+    links after the processes in them); files only if everything else went (a run's state file
+    stays for the next run's sweep when something could not be removed). Exit 1 on a failure."""
+    if not resources:
+        return 0
+    say(f"removing what pd-sessions left: {', '.join(f'{k} {n}' for k, n in resources)}")
+    failed: list[str] = []
+    for kind, name in reversed(resources):
+        try:
+            if kind == "file":
+                if failed or keep_files:
+                    say(f"{kind} {name}: kept (something else could not be removed)")
+                    continue
+                gone = _remove_file(Path(name))
+            else:
+                gone = netns.remove(kind, name)
+        except (OSError, PdError, ValueError) as e:
+            failed.append(f"{kind} {name}: {e}")
+            continue
+        say(f"{kind} {name}: {'removed' if gone else 'already gone'}")
+    for f in failed:
+        say(f"FAILED: {f}")
+    return 1 if failed else 0
+
+
+def _remove_file(path: Path) -> bool:
+    """Remove a file or symbolic link (never a folder); False if it was gone."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,7 +7,11 @@ weights, for
 - tiny-mixtral: the same with 4 experts (top-2), for DP/EP decode shapes;
 - tiny-kimi-linear: KimiLinearForCausalLM (KDA + MLA + MoE with a shared expert), bf16,
   shaped like the real 48B config, ~13 MiB, with remote code (auto_map);
-- tiny-llama-remote: tiny-llama with remote code, for the CPU lane (KDA is GPU only).
+- tiny-llama-remote: tiny-llama with remote code, for the CPU lane (KDA is GPU only);
+- dummy-llama-1b: shaped like Llama 3.2 1B (16 layers, hidden 2048, 32 heads of 64, 8 KV heads,
+  1.2 B parameters) with the same tokenizer and NO weights: it serves with ``--load-format
+  dummy`` (the planner adds it), so that KV transfers are big enough to measure (32 KiB of KV
+  per token in bf16) without generating or carrying gigabytes.
 Written once into a cache directory (atomic rename) and reused.
 
 Heavy imports (torch, transformers, tokenizers) happen inside ``build`` only,
@@ -59,6 +63,10 @@ class TinySpec:
     remote_code: bool = False
     # The tokenizer's chat template (jinja), part of the cache key.
     chat_template: str = CHAT_TEMPLATE
+    # KV heads (grouped-query attention); None = num_heads.
+    num_kv_heads: int | None = None
+    # Write weights; False writes the config and tokenizer only (vLLM's --load-format dummy).
+    weights: bool = True
 
     def key(self) -> str:
         fields = asdict(self)
@@ -73,8 +81,8 @@ class TinySpec:
         return f"tiny-{self.architecture.replace('_', '-')}" + ("-remote" if self.remote_code else "")
 
 
-_KEY_OPTIONAL = ("weights_seed", "remote_code")
-_DEFAULTS = {"weights_seed": None, "remote_code": False}
+_KEY_OPTIONAL = ("weights_seed", "remote_code", "num_kv_heads", "weights")
+_DEFAULTS = {"weights_seed": None, "remote_code": False, "num_kv_heads": None, "weights": True}
 
 # Model values of a config that name a generated model, and their specs.
 SPECS: dict[str, TinySpec] = {
@@ -96,6 +104,17 @@ SPECS: dict[str, TinySpec] = {
     # A Llama whose tokenizer and config classes ship in the folder (trust_remote_code), for the
     # CPU lane: the Kimi-Linear KDA kernels are Triton, GPU only.
     "tiny-llama-remote": TinySpec(remote_code=True),
+    # Llama 3.2 1B's shape, no weights (served with --load-format dummy): big KV transfers.
+    "dummy-llama-1b": TinySpec(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        head_dim=64,
+        num_kv_heads=8,
+        max_position_embeddings=4096,
+        weights=False,
+    ),
 }
 
 
@@ -198,7 +217,7 @@ def _llama_like(spec: TinySpec, fast, out: Path) -> None:
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers,
         num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads or spec.num_heads,
         head_dim=spec.head_dim,
         max_position_embeddings=spec.max_position_embeddings,
         bos_token_id=fast.bos_token_id,
@@ -207,6 +226,9 @@ def _llama_like(spec: TinySpec, fast, out: Path) -> None:
         tie_word_embeddings=False,
         torch_dtype="float32",
     )
+    if not spec.weights:  # served with --load-format dummy: the config is all vLLM reads
+        LlamaConfig(**common).save_pretrained(out)
+        return
     if spec.architecture == "mixtral":  # a mixture of experts, for the DP/EP decode shape
         from transformers import MixtralConfig, MixtralForCausalLM
 

@@ -16,6 +16,9 @@ field                     read by
 ``kv_config``             the rest of ``--kv-transfer-config`` per platform (the planner)
 ``ports``                 the ports each instance takes and the environment naming them (the
                           planner); the router's ``--prefill URL BOOTSTRAP``; the stuck diagnosis
+``across_hosts``          what each host adds when prefill and decode run on different hosts,
+                          and which variables advertise an address to the other hosts
+                          (``core.plan.hosts``: loopback there is refused before launch)
 ``hops``                  the pair warm-up's two hops (``runtime.pairs``), the Python proxy
 ``evidence``              the KV proof's success evidence and failure lines (``checks.evidence``)
 ``limits``                what the planner and ``launch`` refuse before anything starts
@@ -24,8 +27,7 @@ field                     read by
 ``sweep``                 its built-in sweep (``nox -s <sweep>``, the bench's checks part)
 ========================  =====================================================================
 
-Concerns that later work adds slot in as a field each: per-host settings (the address a side
-channel or bootstrap server advertises across hosts) beside ``ports``; per-connector KV
+Concerns that later work adds slot in as a field each: per-connector KV
 accounting identities beside ``evidence``; a fault-injecting wrapper connector as a spec whose
 ``kv_config`` wraps another spec's.
 
@@ -134,6 +136,26 @@ class Ports:
     side_channel_host_env: str | None = None
 
 
+def _no_host_env(config: ConfigView, platform: str, address: str, interface: str | None) -> dict[str, str]:
+    return {}
+
+
+@dataclass(frozen=True)
+class AcrossHosts:
+    """What the connector needs when its instances run on different hosts (``--ray``,
+    ``--simulate-hosts``; core/plan/hosts.py reads it).
+
+    advertised_env  variables, besides VLLM_HOST_IP and ``ports.side_channel_host_env``, that give
+                    the other hosts an address to dial: a loopback value there is refused
+    env             (config, platform, the host's address, its interface or None) -> what every
+                    instance on that host adds (e.g. the transport bound to the host's address;
+                    on the CPU lane, transports that really cross hosts, not shared memory)
+    """
+
+    advertised_env: tuple[str, ...] = ()
+    env: Callable[[ConfigView, str, str, str | None], dict[str, str]] = _no_host_env
+
+
 @dataclass(frozen=True)
 class Hops:
     """The two hops of a request aimed at one (prefill, decode) pair, as upstream's toy proxies make
@@ -161,10 +183,25 @@ class MetricEvidence:
     failures: tuple[str, ...]  # must stay still
     role: Role  # the side that completes (records) the transfers
     what: str  # for the verdict, e.g. "READ transfers"
+    # Histograms (names without _sum/_count) the perf check (checks/perf.py) times each transfer
+    # with: its time in seconds; optional, the time to post it and its descriptors. Its bytes are
+    # ``bytes``' histogram. None: the perf check reports no transfer.
+    time: str | None = None
+    post_time: str | None = None
+    descriptors: str | None = None
 
     @property
     def samples(self) -> tuple[str, ...]:
         return (self.count, self.bytes, *self.failures)
+
+    @property
+    def histograms(self) -> dict[str, str]:
+        """The perf check's transfer histograms: "xfer", "bytes", "post", "descs" -> name."""
+        named = {"xfer": self.time, "post": self.post_time, "descs": self.descriptors}
+        out = {k: v for k, v in named.items() if v}
+        if self.time:
+            out["bytes"] = self.bytes.removesuffix("_sum")
+        return out
 
 
 @dataclass(frozen=True)
@@ -174,6 +211,8 @@ class LogEvidence:
 
     success: str  # the field that counts successes: at least one in the window
     failures: tuple[str, ...]  # fields that count failures: none in the window
+    # the field giving the mean MiB per success (across hosts, the KV bytes the link must carry)
+    mean_mib: str | None = None
 
 
 @dataclass(frozen=True)
@@ -278,12 +317,18 @@ class ConnectorSpec:
     # a transfer failed; any such line fails the KV proof
     failure_lines: tuple[str, ...]
     ports: Ports = field(default_factory=Ports)
+    across_hosts: AcrossHosts = field(default_factory=AcrossHosts)
     limits: Limits = field(default_factory=Limits)
     cpu_lane: CpuLane = field(default_factory=CpuLane)
     options: tuple[Option, ...] = ()
     sweep: str = ""  # its built-in sweep (configs/<sweep>.toml)
     # where vLLM added the class, for a vLLM that lacks it (e.g. "vllm-project/vllm#35264")
     added_by: str = ""
+    # how its decode worker's connector metadata lists the loads to start (reqs_to_recv), for
+    # pd-sessions' fault injector (pd_sessions/fault_connector.py): "flat" {req: meta},
+    # "by_engine" {remote engine: {req: meta}}; None (unknown): the injector's zero, swap and
+    # decode stall are logged as skipped
+    recv_layout: str | None = None
 
     def kv_transfer_config(self, config: ConfigView, role: str, platform: str) -> dict[str, object]:
         """The ``--kv-transfer-config`` value for an instance of ``role`` on ``platform``."""
@@ -292,6 +337,11 @@ class ConnectorSpec:
             "kv_role": KV_ROLES[role],
             **self.kv_config(config, platform),
         }
+
+    def advertised_env(self) -> tuple[str, ...]:
+        """The connector's variables that give the other hosts an address to dial."""
+        side = (self.ports.side_channel_host_env,) if self.ports.side_channel_host_env else ()
+        return (*side, *self.across_hosts.advertised_env)
 
     def port_env(self, host: str, bootstrap: int | None, side_channel: int | None) -> dict[str, str]:
         """The environment that hands an instance its connector ports (and the host it advertises)."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from pd_sessions.core.connectors.base import (
+    AcrossHosts,
     ConfigView,
     ConnectorSpec,
     CpuLane,
@@ -67,6 +68,12 @@ def kv_config(config: ConfigView, platform: str) -> dict[str, object]:
             "device_name": config.mooncake_device_name,
         }
     }
+
+
+def host_env(config: ConfigView, platform: str, address: str, interface: str | None) -> dict[str, str]:
+    """Across hosts, over TCP: Mooncake's TCP transport binds (and so advertises) the host's address,
+    not whatever its own detection picks (in seed 000, the docker bridge's)."""
+    return {"MC_TCP_BIND_ADDRESS": address} if protocol(config, platform) == "tcp" else {}
 
 
 def prefill_params(transfer_id: str) -> dict[str, object]:
@@ -169,7 +176,9 @@ SPEC = ConnectorSpec(
     hops=Hops(prefill_params, decode_params, bootstrap_query="/query", engine_id=engine_id),
     kv_accounting=KV_ACCOUNTING,
     evidence=LogEvidence(
-        success="Num successful transfers", failures=("Num failed transfers", "Num failed recvs")
+        success="Num successful transfers",
+        failures=("Num failed transfers", "Num failed recvs"),
+        mean_mib="Avg MB per transfer",
     ),
     failure_lines=(
         r"pulling kv_caches for .* failed",  # decode
@@ -179,6 +188,7 @@ SPEC = ConnectorSpec(
         r"Error processing Mooncake xfer request",
     ),
     ports=Ports(bootstrap_env="VLLM_MOONCAKE_BOOTSTRAP_PORT"),
+    across_hosts=AcrossHosts(advertised_env=("MC_TCP_BIND_ADDRESS",), env=host_env),
     limits=Limits(host_refusal=rdma_refusal, unserved_requests=(("n>1", N_GT_1),)),
     cpu_lane=CpuLane(
         warnings=cpu_warnings,
@@ -199,4 +209,5 @@ SPEC = ConnectorSpec(
         ),
     ),
     sweep="mooncake_sweep",
+    recv_layout="by_engine",  # vLLM 0.32's mooncake_connector.py: reqs_to_recv
 )

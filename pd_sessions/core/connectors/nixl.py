@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pd_sessions.core.connectors.base import (
+    AcrossHosts,
     ConfigView,
     ConnectorSpec,
     CpuLane,
@@ -76,6 +77,10 @@ PROGRESS = ProgressShim(
 # Prometheus sample names after the text parser, summed over label sets (engine, model).
 XFER_COUNT = "vllm:nixl_xfer_time_seconds_count"
 XFER_BYTES = "vllm:nixl_bytes_transferred_sum"
+# One transfer's time, posting time and descriptors (histograms; the perf check's TTFT split).
+XFER_TIME = "vllm:nixl_xfer_time_seconds"
+POST_TIME = "vllm:nixl_post_time_seconds"
+DESCRIPTORS = "vllm:nixl_num_descriptors"
 FAILURE_COUNTERS = ("vllm:nixl_num_failed_transfers_total", "vllm:nixl_num_failed_notifications_total")
 
 # Lines of an instance log that mean a transfer failed (vLLM 0.26/0.32).
@@ -121,6 +126,21 @@ HOPS = Hops(prefill_params, decode_params)
 PORTS = Ports(
     side_channel_env="VLLM_NIXL_SIDE_CHANNEL_PORT", side_channel_host_env="VLLM_NIXL_SIDE_CHANNEL_HOST"
 )
+# UCX transports that cross hosts on the CPU lane: TCP only. Simulated hosts (network namespaces
+# of one machine) share /dev/shm and a kernel, so shm or cma would move the KV without crossing
+# the link.
+CPU_UCX_TLS = "tcp"
+
+
+def host_env(config: ConfigView, platform: str, address: str, interface: str | None) -> dict[str, str]:
+    """Across hosts on the CPU lane: UCX over TCP, on the host's interface when known. (The side
+    channel's host is a port variable: ``PORTS.side_channel_host_env``.)"""
+    if platform != "cpu":
+        return {}
+    return {"UCX_TLS": CPU_UCX_TLS, **({"UCX_NET_DEVICES": interface} if interface else {})}
+
+
+ACROSS_HOSTS = AcrossHosts(env=host_env)
 CPU_LANE = CpuLane(
     env=((PROGRESS.env, str(PROGRESS.cpu_delay_us)),),
     shims=(f"NIXL agents poll every {PROGRESS.cpu_delay_us} us instead of spinning ({PROGRESS.env})",),
@@ -147,10 +167,18 @@ SPEC = ConnectorSpec(
     hops=HOPS,
     kv_accounting=KV_ACCOUNTING,
     evidence=MetricEvidence(
-        count=XFER_COUNT, bytes=XFER_BYTES, failures=FAILURE_COUNTERS, role="decode", what="READ transfers"
+        count=XFER_COUNT,
+        bytes=XFER_BYTES,
+        failures=FAILURE_COUNTERS,
+        role="decode",
+        what="READ transfers",
+        time=XFER_TIME,
+        post_time=POST_TIME,
+        descriptors=DESCRIPTORS,
     ),
     failure_lines=FAILURE_LINES,
     ports=PORTS,
+    across_hosts=ACROSS_HOSTS,
     limits=Limits(
         hybrid_needs_block_size=True,
         hybrid_mla_hetero_tp=HybridMlaHeteroTp(
@@ -162,4 +190,5 @@ SPEC = ConnectorSpec(
     ),
     cpu_lane=CPU_LANE,
     sweep="nixl_sweep",
+    recv_layout="flat",  # vLLM 0.32's nixl/metadata.py: reqs_to_recv
 )

@@ -14,14 +14,17 @@ What differs:
 - success evidence: the transfers complete (and are recorded) on the side that WRITEs, so the
   *prefill's* ``vllm:nixl_xfer_time_seconds_count`` must rise by one per router request (and its
   bytes), with the failure counters still on both sides;
+- limits: refused on the CPU lane (:func:`refuse`);
 - failure lines: push's own (the writer thread's errors, a registration that never reaches the
   prefill or times out waiting for its WRITE), beside NIXL's.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from pd_sessions.core.connectors import nixl
-from pd_sessions.core.connectors.base import ConnectorSpec, KvAccounting, MetricEvidence
+from pd_sessions.core.connectors.base import ConfigView, ConnectorSpec, KvAccounting, MetricEvidence, Refusal
 
 FAILURE_LINES = (
     *nixl.FAILURE_LINES,  # push_reg_handshake_failed / push_reg_notif_failed / transfer_failed go there too
@@ -43,6 +46,27 @@ KV_ACCOUNTING = KvAccounting(
     "NixlBaseConnectorScheduler._prefill_backoff",
 )
 
+
+def refuse(config: ConfigView, platform: str) -> Refusal | None:
+    """Push mode is refused on the CPU lane (docs/cpu-lane.md, "NIXL push mode"): there both engines
+    step busily while a push is due (the prefill while its blocks wait for the WRITE, the decode
+    while it waits for it), and on CI's 2 cores they starve the decode's side-channel listener; the
+    prefill's handshake to the decode, which push adds before its first WRITE, gives up after
+    vLLM's fixed 5 s, and vLLM then leaves the decode's request waiting with no answer (its push
+    path posts no WRITE and fails nothing, cf. vllm-project/vllm#50754). Seen in 2 of 3 runs of the
+    1x1 on 2 loaded cores (the pair warm-up, or parity after smoke passed)."""
+    if platform != "cpu":
+        return None
+    return Refusal(
+        "connector",
+        f"{config.name}: NixlPushConnector is refused on the CPU lane: the prefill's handshake to the "
+        "decode (push mode's, before its first WRITE) times out after vLLM's fixed 5 s when the two "
+        "busily stepping engines starve the decode's side-channel listener, and vLLM then leaves the "
+        "request waiting with no answer (see docs/cpu-lane.md, NIXL push mode); run push on a GPU "
+        "host, or NIXL's pull mode here (--set connector=nixl)",
+    )
+
+
 SPEC = ConnectorSpec(
     name="nixl_push",
     title="NIXL push",
@@ -58,10 +82,14 @@ SPEC = ConnectorSpec(
         failures=nixl.FAILURE_COUNTERS,
         role="prefill",
         what="WRITE transfers",
+        time=nixl.XFER_TIME,
+        post_time=nixl.POST_TIME,
+        descriptors=nixl.DESCRIPTORS,
     ),
     failure_lines=FAILURE_LINES,
     ports=nixl.PORTS,
-    limits=nixl.SPEC.limits,
+    across_hosts=nixl.ACROSS_HOSTS,
+    limits=dataclasses.replace(nixl.SPEC.limits, refuse=refuse),
     cpu_lane=nixl.CPU_LANE,
     sweep="nixl_push_sweep",
     added_by="vllm-project/vllm#35264",

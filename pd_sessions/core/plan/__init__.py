@@ -10,7 +10,9 @@ The steps, one module each (``planner.plan_cluster`` runs them in order):
 - ``ledger``: the plan's ports, each recorded under a label, none twice;
 - ``instance``: one instance's ports, env and argv, from its slot and the settings;
 - ``router``: the router in front of the instances;
-- ``specs``: what comes out (ProcessSpec, ClusterPlan and its rendering).
+- ``specs``: what comes out (ProcessSpec, ClusterPlan and its rendering);
+- ``hosts``: across hosts, phase 1's facts (HostFacts, HostLayout) and the decisions on them
+  (which host each instance runs on, what each host adds, loopback refused).
 
 Rules (each enforced in those modules, each unit-tested):
 - GPUs (cuda): prefill instances take the first visible GPUs, decode instances
@@ -24,7 +26,11 @@ Rules (each enforced in those modules, each unit-tested):
   CPU-lane environment (its spec's ``cpu_lane.env``: for NIXL
   PD_SESSIONS_NIXL_PROGRESS_DELAY_US, see vllm_plugin.py: NIXL's progress thread otherwise
   spins a core per instance, and 2 cores cannot spare two).
-- Every process advertises and binds ``config.host`` (VLLM_HOST_IP too).
+- Every process advertises and binds ``config.host`` (VLLM_HOST_IP too). Across hosts (a
+  HostLayout) each instance binds and advertises its own host's address (VLLM_HOST_IP, NIXL's
+  side channel, Mooncake's TCP transport), its ports unique on its host; the router stays on
+  ``config.host`` on the driver's host. An address advertised to other hosts that only reaches
+  itself (loopback, localhost) is a PlanError naming the variable and the host.
 - Ports: HTTP, bootstrap and internal (VLLM_PORT block) ports come from the
   PortSource; explicit ports in a config are claimed; all are unique in the plan.
 - kv-transfer-config JSON, the connector's ports and env, the router's --kv-connector: from the

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from pd_sessions.core import connectors
-from pd_sessions.core.config import ClusterConfig
+from pd_sessions.core import connectors, faults
+from pd_sessions.core.config import DUMMY_WEIGHT_MODELS, ClusterConfig
+from pd_sessions.core.errors import PlanError
+from pd_sessions.core.plan.hosts import host_env, host_problems, loopback_advertised
 from pd_sessions.core.plan.ledger import PortLedger
 from pd_sessions.core.plan.placement import Slot
 from pd_sessions.core.plan.settings import Lane, ModelSettings
@@ -30,6 +32,11 @@ class Launch:
     model: ModelSettings
     lane: Lane
     shared_gpus: bool  # instances share GPUs: explicit KV cache bytes, not a memory share
+    # across hosts: plan an instance that would advertise loopback anyway (warned), not refuse it
+    allow_loopback: bool = False
+    # The fault scenarios' control file (absolute path): every instance's connector is then
+    # pd-sessions' fault-injecting wrapper of it (pd_sessions/fault_connector.py); None = plain.
+    faults_control: str | None = None
 
 
 @dataclass(frozen=True)
@@ -49,16 +56,27 @@ class PlannedInstance:
     warnings: tuple[str, ...]
 
 
+def address(slot: Slot, launch: Launch) -> str:
+    """What the instance binds and advertises: its host's address across hosts, else config.host."""
+    return slot.host.address if slot.host else launch.config.host
+
+
 def plan_instance(slot: Slot, launch: Launch, ledger: PortLedger) -> PlannedInstance:
-    """The spec of the instance in ``slot``, with what it has to say."""
-    host = launch.config.host
+    """The spec of the instance in ``slot``, with what it has to say. Across hosts, what its host
+    lacks raises (hosts.host_problems), and so does an address it would advertise that only
+    reaches itself, unless ``launch.allow_loopback`` (then a warning)."""
+    host = address(slot, launch)
     ports = reserve_ports(slot, launch.config.connector, ledger)
     argv, warnings = instance_argv(slot, launch, ports)
+    env = instance_env(slot, launch, ports)
+    if slot.host:
+        host_problems(slot.host, launch.config, launch.platform, env)
+        warnings += _loopback(slot, launch, env)
     spec = ProcessSpec(
         name=slot.name,
         role=slot.role,
         argv=tuple(argv),
-        env=tuple(instance_env(slot, launch, ports).items()),
+        env=tuple(env.items()),
         host=host,
         port=ports.http,
         log_name=f"{slot.name}.log",
@@ -66,8 +84,25 @@ def plan_instance(slot: Slot, launch: Launch, ledger: PortLedger) -> PlannedInst
         cpu_bind=slot.cpu_bind,
         bootstrap_port=ports.bootstrap if slot.role == "prefill" else None,
         internal_ports=(ports.internal, ports.internal + INTERNAL_PORT_BLOCK - 1),
+        bind=host if slot.host else None,
+        node=slot.host.name if slot.host else None,
     )
     return PlannedInstance(spec, tuple(warnings))
+
+
+def _loopback(slot: Slot, launch: Launch, env: dict[str, str]) -> list[str]:
+    """Warnings for the loopback addresses the instance would advertise (allowed), or PlanError
+    naming the first one: the variable, the instance and its host."""
+    assert slot.host is not None
+    found = loopback_advertised(slot.name, slot.host, env, address(slot, launch), launch.config.connector)
+    if found and not launch.allow_loopback:
+        var, msg = found[0]
+        raise PlanError(
+            var,
+            f"{msg}; the planner gives every instance its host's own address: remove {var} from "
+            "extra_env, or pass --allow-loopback-advertise to run it anyway (it must then fail)",
+        )
+    return [f"{msg} (--allow-loopback-advertise: the KV transfer must fail)" for _, msg in found]
 
 
 def reserve_ports(slot: Slot, connector: str, ledger: PortLedger) -> InstancePorts:
@@ -101,9 +136,10 @@ def instance_env(slot: Slot, launch: Launch, ports: InstancePorts) -> dict[str, 
     cpu            VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND ("auto" when unbound),
                    then the connector's CPU-lane environment (spec.cpu_lane.env, e.g. NIXL's
                    progress-thread delay)
+    across hosts   the host's own address above (not config.host), and hosts.host_env
     last           the config's extra_env: its value wins ("" turns the delay off)
     """
-    c, host = launch.config, launch.config.host
+    c, host = launch.config, address(slot, launch)
     spec = connectors.get(c.connector)
     env = {"VLLM_HOST_IP": host, "VLLM_PORT": str(ports.internal), "PYTHONUNBUFFERED": "1"}
     env.update(spec.port_env(host, ports.bootstrap, ports.side_channel))
@@ -114,6 +150,8 @@ def instance_env(slot: Slot, launch: Launch, ports: InstancePorts) -> dict[str, 
         env["VLLM_CPU_KVCACHE_SPACE"] = str(CPU_KVCACHE_GIB)
         env["VLLM_CPU_OMP_THREADS_BIND"] = slot.cpu_bind or "auto"
         env.update(dict(spec.cpu_lane.env))
+    if slot.host:
+        env.update(host_env(slot.host, c, launch.platform))
     env.update(dict(c.extra_env))
     return env
 
@@ -128,11 +166,14 @@ def instance_argv(slot: Slot, launch: Launch, ports: InstancePorts) -> tuple[lis
 
 
 def _server_args(slot: Slot, launch: Launch, ports: InstancePorts) -> list[str]:
-    """python -m the API server, --model (decode: the decode model when set), host, port, TP;
+    """python -m the API server (across hosts: the host's python), --model (decode: the decode
+    model when set; across hosts: where the host has it), host, port, TP;
     DP size, address and RPC port when DP > 1; expert parallel for decode when the config asks."""
-    c, host, m = launch.config, launch.config.host, launch.model
-    argv = [launch.python, "-m", API_SERVER_MODULE]
-    argv += ["--model", m.decode_model if slot.role == "decode" and m.decode_model else m.model]
+    c, host, m = launch.config, address(slot, launch), launch.model
+    python = slot.host.python if slot.host and slot.host.python else launch.python
+    model = m.decode_model if slot.role == "decode" and m.decode_model else m.model
+    argv = [python, "-m", API_SERVER_MODULE]
+    argv += ["--model", slot.host.model(model) if slot.host else model]
     argv += ["--served-model-name", c.model, "--host", host, "--port", str(ports.http)]
     argv += ["--tensor-parallel-size", str(slot.tp)]
     if slot.dp > 1:
@@ -150,7 +191,9 @@ def _kv_args(slot: Slot, launch: Launch) -> tuple[list[str], list[str]]:
     decode with decode_kv_transfer = false        -> nothing, and a warning (fault injection)
     """
     if slot.role == "prefill" or launch.config.decode_kv_transfer:
-        kv = kv_transfer_config(launch.config, slot.role, launch.platform)
+        kv = kv_transfer_config(
+            launch.config, slot.role, launch.platform, faults_control=launch.faults_control
+        )
         return ["--kv-transfer-config", json.dumps(kv, sort_keys=True, separators=(",", ":"))], []
     return [], [
         f"{slot.name} starts WITHOUT --kv-transfer-config (decode_kv_transfer = "
@@ -166,6 +209,8 @@ def _engine_args(launch: Launch) -> list[str]:
     dtype not None/auto  --dtype;   block size set   --block-size
     max_model_len set    --max-model-len;   attention_backend set   --attention-backend
     cpu                  --enforce-eager unless extra_args has it
+    a model without      --load-format dummy unless extra_args sets a load format
+    weights (DUMMY_WEIGHT_MODELS)
     always, last         the config's extra_args
     """
     c, lane = launch.config, launch.lane
@@ -184,9 +229,28 @@ def _engine_args(launch: Launch) -> list[str]:
         argv += ["--attention-backend", c.attention_backend]
     if launch.platform == "cpu" and "--enforce-eager" not in c.extra_args:
         argv += ["--enforce-eager"]
+    if c.model in DUMMY_WEIGHT_MODELS and not any(a.startswith("--load-format") for a in c.extra_args):
+        argv += ["--load-format", "dummy"]
     return argv + list(c.extra_args)
 
 
-def kv_transfer_config(config: ClusterConfig, role: str, platform: str) -> dict[str, object]:
-    """The --kv-transfer-config value for an instance of ``role`` (the connector's spec builds it)."""
-    return connectors.get(config.connector).kv_transfer_config(config, role, platform)
+def kv_transfer_config(
+    config: ClusterConfig, role: str, platform: str, *, faults_control: str | None = None
+) -> dict[str, object]:
+    """The --kv-transfer-config value for an instance of ``role``.
+
+    the connector's spec builds its own settings, then
+    kv_load_failure_policy set    -> "kv_load_failure_policy" (else vLLM's default, "fail")
+    faults_control set            -> "kv_connector_module_path": pd-sessions' fault-injecting
+                                     wrapper, which keeps the connector's name, and its settings
+                                     under kv_connector_extra_config (see core/faults.py)
+    """
+    kv = connectors.get(config.connector).kv_transfer_config(config, role, platform)
+    if config.kv_load_failure_policy is not None:
+        kv["kv_load_failure_policy"] = config.kv_load_failure_policy
+    if faults_control is not None:
+        kv["kv_connector_module_path"] = faults.CONNECTOR_MODULE
+        extra = dict(kv.get("kv_connector_extra_config") or {})  # type: ignore[call-overload]
+        extra[faults.EXTRA_CONFIG_KEY] = {"control": faults_control}
+        kv["kv_connector_extra_config"] = extra
+    return kv

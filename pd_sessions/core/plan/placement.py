@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.errors import PlanError
 from pd_sessions.core.inventory import Inventory
+from pd_sessions.core.plan.hosts import Assignment, HostFacts
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class Slot:
     gpus: tuple[str, ...] = ()  # CUDA_VISIBLE_DEVICES (cuda)
     cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND (cpu)
     http_port: int | None = None  # the config's explicit HTTP port; None: one is allocated
+    host: HostFacts | None = None  # across hosts: the host it runs on; None: this one
 
     @property
     def name(self) -> str:
@@ -108,16 +110,17 @@ def place_gpus(
             f"(from {inv.gpu_source})"
             + ("" if share or not inv.gpus else "; --share-gpus lets instances share them"),
         )
-    if need > len(inv.gpus):
-        ring = [inv.gpus[i % len(inv.gpus)] for i in range(need)]
-        it = iter(ring)
-        prefill = [tuple(next(it) for _ in range(config.prefill_tp)) for _ in range(config.num_prefill)]
-        decode = [tuple(next(it) for _ in range(config.decode_ranks)) for _ in range(config.num_decode)]
-        return prefill, decode, True
-    it = iter(inv.gpus)
-    prefill = [tuple(next(it) for _ in range(config.prefill_tp)) for _ in range(config.num_prefill)]
-    decode = [tuple(next(it) for _ in range(config.decode_ranks)) for _ in range(config.num_decode)]
-    return prefill, decode, False
+    ranks = [config.prefill_tp] * config.num_prefill + [config.decode_ranks] * config.num_decode
+    sets = gpu_sets(ranks, inv.gpus)
+    return sets[: config.num_prefill], sets[config.num_prefill :], need > len(inv.gpus)
+
+
+def gpu_sets(ranks: Sequence[int], gpus: Sequence[str]) -> list[tuple[str, ...]]:
+    """One GPU set per instance of ``ranks`` ranks, taken in order from ``gpus``: disjoint when
+    there are enough, else round-robin (instances share; each instance's own ranks stay on
+    distinct GPUs when it has at most as many ranks as GPUs)."""
+    ring = iter([gpus[i % len(gpus)] for i in range(sum(ranks))])
+    return [tuple(next(ring) for _ in range(n)) for n in ranks]
 
 
 def place_cpus(config: ClusterConfig, inv: Inventory) -> tuple[list[str], list[str], list[str]]:
@@ -128,8 +131,16 @@ def place_cpus(config: ClusterConfig, inv: Inventory) -> tuple[list[str], list[s
     Returns (prefill binds, decode binds, warnings).
     """
     ranks = [config.prefill_tp] * config.num_prefill + [config.decode_ranks] * config.num_decode
+    binds, warnings = core_binds(ranks, inv.cpus)
+    return binds[: config.num_prefill], binds[config.num_prefill :], warnings
+
+
+def core_binds(ranks: Sequence[int], cpus: Sequence[int], where: str = "") -> tuple[list[str], list[str]]:
+    """(one VLLM_CPU_OMP_THREADS_BIND value per instance of ``ranks`` ranks, warnings): disjoint,
+    equal core lists per rank when there are enough cores, else cores shared round-robin and
+    a warning (``where``: " on host1" across hosts)."""
     total = sum(ranks)
-    cores = list(inv.cpus) or [0]
+    cores = list(cpus) or [0]
     warnings: list[str] = []
     if total <= len(cores):
         per = len(cores) // total
@@ -137,15 +148,63 @@ def place_cpus(config: ClusterConfig, inv: Inventory) -> tuple[list[str], list[s
     else:
         lists = [[cores[i % len(cores)]] for i in range(total)]
         warnings.append(
-            f"{total} TP ranks share {len(cores)} CPU cores "
+            f"{total} TP ranks share {len(cores)} CPU cores{where} "
             f"({','.join(map(str, cores))}): expect slow, contended runs"
         )
     binds, i = [], 0
     for n in ranks:
         binds.append("|".join(_core_list(lists[i + r]) for r in range(n)))
         i += n
-    return binds[: config.num_prefill], binds[config.num_prefill :], warnings
+    return binds, warnings
 
 
 def _core_list(cores: list[int]) -> str:
     return ",".join(str(c) for c in cores)
+
+
+def place_on_hosts(
+    config: ClusterConfig, assignment: Assignment, *, platform: str, share_gpus: bool
+) -> Placement:
+    """Across hosts: each host places the instances assigned to it on its own GPUs or cores, as
+    one host places a whole config (prefill first); slots keep the plan's order and names.
+
+    cuda, a host with too few GPUs   -> PlanError "gpus" naming the host (--share-gpus: they share)
+    cpu, a host with too few cores   -> its ranks share cores, and a warning names the host
+    """
+    roles = [("prefill", config.prefill_tp, 1, i, h) for i, h in enumerate(assignment.prefill)]
+    roles += [("decode", config.decode_tp, config.decode_dp, i, h) for i, h in enumerate(assignment.decode)]
+    devices: dict[int, tuple[tuple[str, ...], str | None]] = {}
+    warnings: list[str] = []
+    shared = False
+    for host in dict.fromkeys(r[4] for r in roles):
+        mine = [n for n, r in enumerate(roles) if r[4] == host]
+        placed, said, host_shared = _place_on_host(config, host, [roles[n][1] * roles[n][2] for n in mine],
+                                                   platform=platform, share_gpus=share_gpus)  # fmt: skip
+        devices.update(zip(mine, placed, strict=True))
+        warnings += said
+        shared = shared or host_shared
+    ports = {"prefill": config.prefill_ports, "decode": config.decode_ports}
+    slots = [
+        Slot(role, i, tp, dp, *devices[n], ports[role][i] if ports[role] else None, h)
+        for n, (role, tp, dp, i, h) in enumerate(roles)
+    ]
+    n_p = config.num_prefill
+    return Placement(tuple(slots[:n_p]), tuple(slots[n_p:]), shared, tuple(warnings))
+
+
+def _place_on_host(
+    config: ClusterConfig, host: HostFacts, ranks: list[int], *, platform: str, share_gpus: bool
+) -> tuple[list[tuple[tuple[str, ...], str | None]], list[str], bool]:
+    """(GPUs or cores of each of ``host``'s instances, warnings, whether they share GPUs)."""
+    if platform != "cuda":
+        binds, said = core_binds(ranks, host.inventory.cpus, f" on {host.name}")
+        return [((), b) for b in binds], said, False
+    gpus, need = host.inventory.gpus, sum(ranks)
+    if need > len(gpus) and (not share_gpus or not gpus):
+        hint = "" if share_gpus or not gpus else "; --share-gpus lets them share"
+        raise PlanError(
+            "gpus",
+            f"config {config.name} puts {len(ranks)} instances needing {need} GPUs on "
+            f"{host.name} ({host.address}), which has {len(gpus)}: {','.join(gpus) or 'none'}{hint}",
+        )
+    return [(g, None) for g in gpu_sets(ranks, gpus)], [], need > len(gpus)

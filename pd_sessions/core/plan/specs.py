@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pd_sessions.core.config import TINY_MODELS, ClusterConfig, Platform
@@ -16,13 +17,15 @@ class ProcessSpec:
     role: str  # "prefill" | "decode" | "router"
     argv: tuple[str, ...]
     env: tuple[tuple[str, str], ...]  # added to the inherited environment
-    host: str
+    host: str  # the address it advertises: its URL's host
     port: int  # HTTP port
     log_name: str
     gpus: tuple[str, ...] = ()
     cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND value on the CPU lane
     bootstrap_port: int | None = None
     internal_ports: tuple[int, int] | None = None  # [first, last] of the VLLM_PORT block
+    bind: str | None = None  # the address it binds (--host); None: ``host``
+    node: str | None = None  # across hosts: the host it runs on ("host1"); None: the driver's
 
     @property
     def url(self) -> str:
@@ -51,6 +54,8 @@ class ClusterPlan:
     overrides: tuple[str, ...] = ()
     # Facts worth reading in the plan that are not warnings (where passed-through env came from...).
     notes: tuple[str, ...] = ()
+    # Across hosts: host name -> its address, in plan order (the router's host first); () on one host.
+    hosts: tuple[tuple[str, str], ...] = ()
 
     @property
     def instances(self) -> tuple[ProcessSpec, ...]:
@@ -65,11 +70,11 @@ class ClusterPlan:
         lines = self._header_lines()
         for p in self.processes:
             lines += _process_lines(p)
-        named = [(label, port) for label, port in self.ports if "+" not in label]
-        lines.append(
-            f"  ports: all {len(self.ports)} distinct; "
-            + ", ".join(f"{label}={port}" for label, port in named)
-        )
+        if not self.hosts:
+            lines.append(_ports_line("  ports: all", self.ports))
+        for name, address in self.hosts:
+            mine = [(label.split("/", 1)[1], p) for label, p in self.ports if label.startswith(name + "/")]
+            lines.append(_ports_line(f"  ports on {name} ({address}): all", mine))
         return "\n".join(lines)
 
     def _header_lines(self) -> list[str]:
@@ -95,13 +100,19 @@ class ClusterPlan:
         return lines
 
 
+def _ports_line(head: str, ports: Sequence[tuple[str, int]]) -> str:
+    named = [(label, port) for label, port in ports if "+" not in label]
+    return f"{head} {len(ports)} distinct; " + ", ".join(f"{label}={port}" for label, port in named)
+
+
 def _process_lines(p: ProcessSpec) -> list[str]:
     """One process in the rendered plan: where it runs, its ports, env and argv."""
     place = f"GPUs {','.join(p.gpus)}" if p.gpus else f"cores {p.cpu_bind}" if p.cpu_bind else "no device"
     extra = f", bootstrap port {p.bootstrap_port}" if p.bootstrap_port else ""
     if p.internal_ports:
         extra += f", internal ports {p.internal_ports[0]}-{p.internal_ports[1]}"
-    lines = [f"  {p.name}: {p.url} ({place}{extra})"]
+    on = f" on {p.node}" if p.node else ""
+    lines = [f"  {p.name}: {p.url}{on} ({place}{extra})"]
     for k, v in p.env:
         lines.append(f"      env {k}={v}")
     lines.append(f"      argv {shlex.join(p.argv)}")

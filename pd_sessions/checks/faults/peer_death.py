@@ -1,0 +1,189 @@
+"""fault_peer_death: the prefill dies (SIGKILL) while a decode waits for its KV.
+
+The injector starts the decode's load ``stall_s`` late; the request goes through the router; as
+soon as the decode reports it waiting for remote KV (``vllm:num_requests_kv_fetch_by_stage``),
+the prefill that computed it (the one whose prompt-token counter rose) is SIGKILLed, its whole
+process group, on purpose: the cluster takes it out of the watched processes first, so the
+runner does not take the death for a failure. When the stall ends the decode pulls from a dead
+peer. The promise: the request ends with a clear HTTP error or a correct recompute (equal to the
+decode serving the prompt alone) within the request bound; the decode stays healthy and frees
+its blocks. The result names the dead instance and what each survivor holds.
+
+The killed prefill stays down: fault_restart (required after this check) starts it again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from pd_sessions.checks import instances
+from pd_sessions.checks.faults.drop import policy
+from pd_sessions.checks.faults.promise import (
+    CORRECT,
+    HUNG,
+    Outcome,
+    Recovery,
+    broken_promise,
+    classify,
+    injected_problem,
+)
+from pd_sessions.checks.faults.scenario import Answer, Scenario, gatherer
+from pd_sessions.checks.faults.stall_abort import poll, waiting
+from pd_sessions.checks.window import CheckWindow
+from pd_sessions.core.errors import StopError
+from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, pick, reporting
+
+NAME = "fault_peer_death"
+MAX_TOKENS = 8
+PROMPT = "A peer dies: the ferry left the harbour while the bell"
+
+
+def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
+    """What the report shows: the dead instance, how the request ended and when, each survivor."""
+    survivors = details.get("survivors") or {}
+    return [
+        *pick(
+            details,
+            ("dead", ""),
+            ("outcome", ""),
+            ("answered_after_s", "s"),
+            ("killed_after_wait_s", "s"),
+            ("survivors_idle_s", "s"),
+        ),
+        Table(
+            "survivors",
+            ("process", "health", "holds"),
+            tuple((n, v["health"], v["held"] or "nothing") for n, v in survivors.items()),
+        ),
+    ]
+
+
+@reporting(numbers)
+def evaluate(
+    victim: str | None,
+    outcome: Outcome,
+    injected: Mapping[str, int],
+    recovery: Recovery,
+    *,
+    waited_s: float | None,
+    killed_after_s: float | None,
+    policy: str,
+    undead: str | None = None,
+) -> CheckResult:
+    """The verdict.
+
+    the injector applied no stall                       -> fail (the fault did not happen)
+    the decode never waited for KV (nothing killed)     -> fail
+    the killed prefill's processes outlived the SIGKILL -> fail, naming them (``undead``)
+    the request wrong, hung or cut                      -> fail, naming it
+    a survivor unhealthy or still holding blocks        -> fail, naming it and the value
+    otherwise                                           -> pass: the dead instance named, how
+                                                           the request ended, what each
+                                                           survivor holds
+    """
+    survivors = "; ".join(
+        f"{n}: {'healthy' if recovery.health.get(n) == 'ok' else recovery.health.get(n)}, "
+        f"{'idle' if recovery.held.get(n) is None else recovery.held[n]}"
+        for n in recovery.health
+        if n in recovery.held
+    )
+    details: dict[str, Any] = {
+        "dead": victim,
+        "outcome": outcome.kind,
+        "answered_after_s": round(outcome.seconds, 3),
+        "killed_after_wait_s": None if killed_after_s is None else round(killed_after_s, 3),
+        "survivors_idle_s": round(recovery.seconds, 3),
+        "request": outcome.to_dict(),
+        "injected": dict(injected),
+        "kv_load_failure_policy": policy,
+        "decode_waited_s": waited_s,
+        "undead": undead,
+        "survivors": {n: {"health": h, "held": recovery.held.get(n)} for n, h in recovery.health.items()},
+        "recovery": recovery.to_dict(),
+    }
+    problems = [p for p in (injected_problem(injected, "stall"),) if p]
+    if victim is None:
+        problems.append(
+            "no prefill was killed: the decode never reported the request waiting for remote KV "
+            "(vllm:num_requests_kv_fetch_by_stage)"
+        )
+    if undead:
+        problems.append(f"the SIGKILL did not end {victim}: {undead}")
+    if broke := broken_promise([outcome]):
+        problems.append(broke)
+    if not recovery.ok:
+        problems.append("survivors: " + "; ".join(recovery.problems()))
+    how = (
+        "was recomputed correctly on the decode"
+        if outcome.kind == CORRECT
+        else f"failed with HTTP {outcome.status}"
+        if outcome.kind != HUNG and outcome.status
+        else outcome.kind
+    )
+    head = (
+        f"{victim} SIGKILLed {killed_after_s:.1f} s after the decode began waiting for its KV; "
+        if victim is not None and killed_after_s is not None
+        else ""
+    )
+    if problems:
+        return CheckResult(NAME, FAIL, head + "; ".join(problems) + f" (survivors: {survivors})", details)
+    return CheckResult(
+        NAME,
+        PASS,
+        f"{head}the request {how} after {outcome.seconds:.1f} s (kv_load_failure_policy {policy}); "
+        f"survivors: {survivors} ({recovery.seconds:.1f} s after the death)",
+        details,
+    )
+
+
+@gatherer(NAME)
+def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
+    plan, cluster = window.plan, window.cluster
+    s = Scenario(window, NAME)
+    stall_s, bound_s = float(options["stall_s"]), float(options["bound_s"])
+    idle = s.gauges()
+    served_before = instances.scrape_served(plan)
+    box: dict[str, Answer] = {}
+    th = threading.Thread(
+        target=lambda: box.update(a=s.ask(plan.router.url, PROMPT, max_tokens=MAX_TOKENS, bound_s=bound_s)),
+        name="pd-peer-death-request",
+        daemon=True,
+    )
+    victim = waited = killed_after = undead = None
+    s.inject("stall", where="decode", stall_s=stall_s)
+    t_sent = time.monotonic()
+    try:
+        th.start()
+        if poll(lambda: sum(waiting(d, "decode") for d in plan.decode) >= 1, timeout=stall_s * 0.8):
+            t_wait = time.monotonic()
+            waited = t_wait - t_sent
+            served = instances.scrape_served(plan)
+            rose = [p.name for p in plan.prefill if served.get(p.name, 0.0) > served_before.get(p.name, 0.0)]
+            victim = (rose or [plan.prefill[0].name])[0]
+            try:
+                cluster.kill_instance(victim)
+            except StopError as e:  # judged with the rest: what the request and survivors did
+                undead = str(e)
+            killed_after = time.monotonic() - t_wait
+    finally:
+        s.off()
+    th.join(bound_s + 5.0)
+    a = box.get("a") or Answer(PROMPT, time.monotonic() - t_sent, error=f"no answer within {bound_s:g} s")
+    if a.completion is not None:
+        outcome = s.judged(a, reference=plan.decode[0], max_tokens=MAX_TOKENS, bound_s=bound_s)
+    else:
+        outcome = classify(PROMPT[:60], seconds=a.seconds, status=a.status, error=a.error, bound_s=bound_s)
+    recovery = s.recover(idle, probe=False)
+    return evaluate(
+        victim,
+        outcome,
+        s.injected(),
+        recovery,
+        waited_s=waited,
+        killed_after_s=killed_after,
+        policy=policy(window),
+        undead=undead,
+    )

@@ -1,0 +1,172 @@
+"""The promise under a fault, and what each scenario counts (pure).
+
+Each request made under a fault is one :class:`Outcome`, of one kind:
+
+| kind           | what the client saw |
+| -------------- | ------------------- |
+| correct        | HTTP 200, equal to the reference (layout-aware, as parity judges) |
+| failed clearly | an HTTP error status (4xx/5xx) within the request bound |
+| wrong          | HTTP 200 with other text than the reference |
+| hung           | no answer within the request bound |
+| broken         | the connection ended without an HTTP answer |
+
+The promise: every request is correct or failed clearly. Afterwards the cluster recovers
+(:class:`Recovery`): every process answers /health, no instance holds a request or KV blocks
+(read as abort_frees_kv does), and a normal request through the router is correct.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pd_sessions.core.results import Table
+
+CORRECT, FAILED_CLEARLY, WRONG, HUNG, BROKEN = "correct", "failed clearly", "wrong", "hung", "broken"
+KINDS = (CORRECT, FAILED_CLEARLY, WRONG, HUNG, BROKEN)
+KEPT = (CORRECT, FAILED_CLEARLY)  # the kinds that keep the promise
+# How long a request may take before it counts as hung (the checks' request bound).
+REQUEST_BOUND_S = 60.0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One request under a fault, as the client saw it."""
+
+    label: str  # the prompt, shortened
+    kind: str  # one of KINDS
+    seconds: float
+    status: int | None = None  # the HTTP status, when there was one
+    detail: str = ""  # the text, or the error
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "kind": self.kind,
+            "seconds": round(self.seconds, 3),
+            "status": self.status,
+            "detail": self.detail[:300],
+        }
+
+
+def classify(
+    label: str,
+    *,
+    seconds: float,
+    status: int | None,
+    error: str | None = None,
+    same: bool | None = None,
+    text: str = "",
+    bound_s: float = REQUEST_BOUND_S,
+) -> Outcome:
+    """One request's kind.
+
+    an answer after bound_s, or "no answer within"   -> hung
+    an error with an HTTP status >= 400               -> failed clearly
+    an error without one (reset, closed)              -> broken
+    HTTP 200, same as the reference                   -> correct
+    HTTP 200, not the same (or not comparable: None)  -> wrong
+    """
+    if seconds > bound_s or (error is not None and "no answer within" in error):
+        return Outcome(label, HUNG, seconds, status, error or text)
+    if error is not None:
+        kind = FAILED_CLEARLY if status is not None and status >= 400 else BROKEN
+        return Outcome(label, kind, seconds, status, error)
+    return Outcome(label, CORRECT if same else WRONG, seconds, status or 200, text)
+
+
+def counts(outcomes: Sequence[Outcome]) -> dict[str, int]:
+    """kind -> how many, every kind present (0 when none)."""
+    return {k: sum(1 for o in outcomes if o.kind == k) for k in KINDS}
+
+
+def said(c: Mapping[str, int]) -> str:
+    """'4 requests: 3 correct, 1 failed clearly, 0 wrong, 0 hung' (+ ', N broken' when any)."""
+    n = sum(c.values())
+    shown = [f"{c.get(k, 0)} {k}" for k in KINDS if k != BROKEN or c.get(BROKEN)]
+    return f"{n} request{'s' if n != 1 else ''}: " + ", ".join(shown)
+
+
+def broken_promise(outcomes: Sequence[Outcome]) -> str | None:
+    """None when every request kept the promise, else which did not (the first three)."""
+    bad = [o for o in outcomes if o.kind not in KEPT]
+    if not bad:
+        return None
+    shown = "; ".join(
+        f"{o.label!r}: {o.kind} after {o.seconds:.1f} s"
+        + (f" (HTTP {o.status})" if o.status else "")
+        + (f": {o.detail[:120]!r}" if o.detail else "")
+        for o in bad[:3]
+    )
+    more = f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""
+    return (
+        f"{len(bad)} request(s) broke the promise (a 200 with other text, a hang or no HTTP "
+        f"answer): {shown}{more}"
+    )
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """The cluster after a scenario: polled until it was whole again, or the bound ran out."""
+
+    health: Mapping[str, str]  # process -> "ok" or why not
+    held: Mapping[str, str | None]  # instance -> what it still held (None: idle)
+    probe: Outcome | None  # a normal request through the router (None: not sent)
+    seconds: float  # from the fault's end until whole again (or until the bound)
+    bound_s: float
+    down: Sequence[str] = field(default_factory=tuple)  # instances stopped on purpose
+
+    def problems(self) -> list[str]:
+        """What is not whole again, each naming the instance and the value."""
+        out = [f"{n}: /health {h}" for n, h in self.health.items() if h != "ok"]
+        out += [f"{n}: {h}" for n, h in self.held.items() if h is not None]
+        if self.probe is not None and self.probe.kind != CORRECT:
+            out.append(
+                f"a normal request through the router: {self.probe.kind}"
+                + (f" (HTTP {self.probe.status})" if self.probe.status else "")
+                + (f": {self.probe.detail[:120]!r}" if self.probe.detail else "")
+            )
+        return out
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems()
+
+    def line(self) -> str:
+        if self.ok:
+            probe = ", a normal request through the router correct" if self.probe else ""
+            return (
+                f"recovered in {self.seconds:.1f} s (every process healthy, no request running, "
+                f"KV usage at idle{probe})"
+            )
+        return f"not recovered {self.bound_s:g} s after the fault: " + "; ".join(self.problems())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "seconds": round(self.seconds, 3),
+            "bound_s": self.bound_s,
+            "health": dict(self.health),
+            "held": dict(self.held),
+            "probe": self.probe.to_dict() if self.probe else None,
+            "down": list(self.down),
+        }
+
+
+def injected_problem(injected: Mapping[str, int], mode: str, *, want: int = 1) -> str | None:
+    """None when the injector applied ``mode`` at least ``want`` times, else why not (naming
+    its counters: a fault that did not happen proves nothing)."""
+    got = injected.get(mode, 0)
+    if got >= want:
+        return None
+    seen = ", ".join(f"{k} {v}" for k, v in sorted(injected.items())) or "none"
+    return (
+        f"the fault did not happen: the injector applied {mode} {got} time(s), "
+        f"{want} needed (its counters in the instance logs: {seen})"
+    )
+
+
+def counts_table(c: Mapping[str, Any], title: str = "requests under the fault") -> Table:
+    """How the requests ended, one column per kind (a missing count is 0)."""
+    return Table(title, KINDS, (tuple(int(c.get(k, 0)) for k in KINDS),))

@@ -1,0 +1,557 @@
+"""perf: how fast P/D is, not only whether it works.
+
+vLLM's own ``vllm bench serve`` (random dataset, fixed input and output lengths) runs at each
+concurrency level (options ``concurrency``, ``requests``, ``input_len``, ``output_len``) twice:
+through the router (P/D) and against prefill-0 directly (colocated: one instance does prefill
+and decode). Its JSON result file gives TTFT, ITL, TPOT (p50, p99) and throughput for both, and
+the P/D / colocated ratios. Around each P/D run the instances' /metrics (and, for Mooncake, the
+prefills' "KV Transfer metrics" log lines) give where TTFT goes (:func:`perf_figures.ttft_split`)
+and the effective KV bandwidth; then the transport alone moves a transfer of the same size in
+the same descriptor size between two processes on the same devices
+(``python -m pd_sessions.link_probe``): "x GB/s = y % of what the transport itself moves here".
+Last, the figures are compared with the perf baseline of this (model, connector, config,
+hardware class) (:mod:`perf_baselines`), or recorded with ``--record-baseline``.
+
+Verdict (:func:`evaluate`): a request that failed in any run, a P/D run in which the connector
+reported no transfer, a transport probe that failed, or a regression beyond a baseline's
+tolerance on the same hardware fails the check; a missing baseline fails nothing.
+
+Files: ``<run dir>/perf/`` holds every bench result (``pd-c1.json``...), the driver's and the
+probe's logs and the probe's output.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shlex
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pd_sessions.checks import perf_baselines
+from pd_sessions.checks.perf_figures import (
+    LinkProbe,
+    Transfers,
+    bench_figures,
+    hist_deltas,
+    link_probe_from,
+    link_ratio,
+    metric_transfers,
+    mooncake_transfers,
+    pd_over_colocated,
+    probe_size,
+    transfer_histograms,
+    ttft_split,
+    window_means,
+)
+from pd_sessions.checks.window import CheckWindow
+from pd_sessions.core import connectors
+from pd_sessions.core.connectors.base import MetricEvidence
+from pd_sessions.core.errors import ConfigError, PerfError
+from pd_sessions.core.plan import ClusterPlan
+from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, Value
+from pd_sessions.runtime import hosts, http, process
+from pd_sessions.runtime.cluster import Cluster
+
+# Where the baseline figures' names come from: figure key of bench_figures -> baselined.
+BASELINED = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms", "output_tok_s")
+DRIVER_START_S = 300.0  # importing vLLM's benchmark: 20-30 s on 2 busy cores
+RUN_TIMEOUT_S = 600.0
+PROBE_TIMEOUT_S = 180.0
+PROBE_REPEATS = 10
+DEFAULT_STATS_INTERVAL_S = 10.0  # vLLM's VLLM_LOG_STATS_INTERVAL when an instance does not set it
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One bench run and what the instances said about it."""
+
+    target: str  # "pd" (through the router) | "colocated" (prefill-0 direct)
+    concurrency: int
+    figures: Mapping[str, float]  # perf_figures.bench_figures
+    prefill_means: Mapping[str, float] = field(default_factory=dict)  # window means (P/D runs)
+    decode_means: Mapping[str, float] = field(default_factory=dict)
+    transfers: Transfers | None = None
+
+
+# ---------------------------------------------------------------- pure
+
+
+def baseline_figures(records: Sequence[RunRecord], ratio: float | None) -> dict[str, float]:
+    """The figures baselines are kept for: each P/D run's BASELINED figures, and the link ratio."""
+    out = {f"c{r.concurrency}.pd.{k}": r.figures[k] for r in records if r.target == "pd" for k in BASELINED}
+    if ratio is not None:
+        out["link_ratio"] = ratio
+    return out
+
+
+def _fig(name: str, value: float | None, unit: str) -> Figure:
+    return Figure(name, None if value is None else round(value, 6), unit)
+
+
+def _numbers(records: Sequence[RunRecord], link: LinkProbe | None) -> tuple[list[Figure], list[Table]]:
+    """(figures, tables) in the results schema, for any reader of result.json (report.html)."""
+    figures: list[Figure] = []
+    lat = [f"{m}_p{p}_ms" for m in ("ttft", "itl", "tpot") for p in (50, 99)]
+    cols = ("concurrency", "run", *[k.replace("_ms", " (ms)").replace("_", " ") for k in lat])
+    vs_rows: list[tuple[Value, ...]] = []
+    split: dict[str, dict[int, float | None]] = {}  # figure -> level -> ms
+    kinds: dict[str, str] = {}
+    bw_rows: list[tuple[Value, ...]] = []
+    levels = sorted({r.concurrency for r in records})
+    for c in levels:
+        pd = next((r for r in records if r.concurrency == c and r.target == "pd"), None)
+        co = next((r for r in records if r.concurrency == c and r.target == "colocated"), None)
+        for r in (pd, co):
+            if r is None:
+                continue
+            vs_rows.append(
+                (c, r.target, *[round(r.figures[k], 3) for k in lat], round(r.figures["output_tok_s"], 2))
+            )
+            figures += [_fig(f"c{c}.{r.target}.{k}", r.figures[k], "ms") for k in lat]
+            figures.append(_fig(f"c{c}.{r.target}.output_tok_s", r.figures["output_tok_s"], "tokens/s"))
+        if pd and co:
+            ratios = pd_over_colocated(pd.figures, co.figures)
+            vs_rows.append((c, "P/D / colocated", *[_r(ratios[k]) for k in lat], _r(ratios["output_tok_s"])))
+            figures += [_fig(f"c{c}.ratio.{k.replace('_ms', '')}", v, "x") for k, v in ratios.items()]
+        if pd:
+            for row in ttft_split(pd.figures, pd.prefill_means, pd.decode_means, pd.transfers):
+                kinds.setdefault(row.figure, row.kind)
+                split.setdefault(row.figure, {})[c] = None if row.ms is None else round(row.ms, 3)
+                figures.append(_fig(f"c{c}.split.{row.figure.replace(' ', '_')}", row.ms, "ms"))
+            t = pd.transfers
+            if t is not None:
+                ratio = link_ratio(t.gb_s, link) if link else None
+                bw_rows.append(
+                    (
+                        c,
+                        round(t.count),
+                        round(t.bytes_per_transfer / 2**20, 3),
+                        round(t.descriptors / t.count, 1),
+                        round(t.mean_ms, 3),
+                        round(t.gb_s, 4),
+                        round(link.gb_s, 4) if link else None,
+                        _r(100 * ratio if ratio is not None else None),
+                    )
+                )
+                figures += [
+                    _fig(f"c{c}.kv.gb_s", t.gb_s, "GB/s"),
+                    _fig(f"c{c}.kv.bytes_per_transfer", t.bytes_per_transfer, "bytes"),
+                    _fig(f"c{c}.kv.transfer_ms", t.mean_ms, "ms"),
+                ]
+    if link:
+        figures.append(_fig("link.transport_gb_s", link.gb_s, "GB/s"))
+    tables = [
+        Table("P/D vs colocated (per request, vllm bench serve)", (*cols, "output tok/s"), tuple(vs_rows)),
+        Table(
+            "Where P/D TTFT goes (ms; per request = the bench's, window mean = the instances' "
+            "/metrics over the run)",
+            ("figure", "kind", *[f"c={c}" for c in levels]),
+            tuple((f, kinds[f], *[split[f].get(c) for c in levels]) for f in split),
+        ),
+        Table(
+            "KV bandwidth against the link (window over each P/D run; transport alone: the "
+            "same bytes in the same descriptor size between two processes here)",
+            (
+                "concurrency",
+                "transfers",
+                "MiB per transfer",
+                "descriptors per transfer",
+                "transfer (ms, mean)",
+                "effective GB/s",
+                "transport alone GB/s",
+                "% of the transport",
+            ),
+            tuple(bw_rows),
+        ),
+    ]
+    return figures, tables
+
+
+def _r(v: float | None) -> float | None:
+    return None if v is None else round(v, 3)
+
+
+def evaluate(
+    records: Sequence[RunRecord],
+    *,
+    requests: int,
+    link: LinkProbe | None,
+    error: str | None = None,
+    baselines: Sequence[perf_baselines.PerfBaseline] = (),
+    key: tuple[str, str, str, str] = ("", "", "", ""),
+) -> CheckResult:
+    """Verdict on the runs, the transport probe and the baseline (each problem named, in this order):
+
+    ``error``: what stopped the measurement (a bench run, the probe), if anything did
+    a run whose requests did not all complete              -> FAIL (the P/D path dropped them)
+    a P/D run in which the connector reported no transfer  -> FAIL (no split, no bandwidth)
+    ``error``, or no transport figure                      -> FAIL (no link ratio)
+    a figure regressed beyond a same-hardware baseline     -> FAIL, naming the figures
+    otherwise                                             -> PASS (no baseline: recorded only)
+    """
+    figures, tables = _numbers(records, link)
+    pds = sorted((r for r in records if r.target == "pd"), key=lambda r: r.concurrency)
+    first = pds[0] if pds else None
+    ratio = link_ratio(first.transfers.gb_s, link) if first and first.transfers and link else None
+    measured = baseline_figures(records, ratio)
+    if ratio is not None:
+        figures.append(_fig("link_ratio", ratio, "fraction"))
+    regression, base = perf_baselines.judge(measured, baselines, key)
+    details: dict[str, Any] = {
+        "baseline": base,
+        "baseline_figures": measured,
+        "link": None
+        if link is None
+        else {
+            "transport": link.transport,
+            "bytes": link.bytes,
+            "descriptors": link.descriptors,
+            "seconds": list(link.seconds),
+        },
+        "error": error,
+        "runs": [
+            {
+                "target": r.target,
+                "concurrency": r.concurrency,
+                "figures": dict(r.figures),
+                "prefill_means_s": dict(r.prefill_means),
+                "decode_means_s": dict(r.decode_means),
+            }
+            for r in records
+        ],
+    }
+    problems = []
+    for r in records:
+        done = r.figures.get("completed", 0)
+        if r.figures.get("failed", 0) or done < requests:
+            problems.append(f"{r.target} c={r.concurrency}: {done:g}/{requests} requests completed")
+    silent = [f"c={r.concurrency}" for r in pds if r.transfers is None]
+    if silent:
+        problems.append(f"the connector reported no KV transfer in the P/D run(s) at {', '.join(silent)}")
+    if error:
+        problems.append(error)
+    elif link is None:
+        problems.append("the transport alone was not measured: no P/D transfer to size it")
+    if regression:
+        problems.append(f"baseline {base['key']['hardware']}: {regression}")
+    summary = _summary(records, link, ratio, base)
+    if problems:
+        message = "; ".join(problems) + f" ({summary})"
+        return CheckResult("perf", FAIL, message, details, figures=figures, tables=tables)
+    return CheckResult("perf", PASS, summary, details, figures=figures, tables=tables)
+
+
+def _summary(
+    records: Sequence[RunRecord], link: LinkProbe | None, ratio: float | None, base: Mapping[str, Any]
+) -> str:
+    parts = []
+    for c in sorted({r.concurrency for r in records}):
+        pd = next((r for r in records if r.concurrency == c and r.target == "pd"), None)
+        co = next((r for r in records if r.concurrency == c and r.target == "colocated"), None)
+        if pd and co:
+            f, g = pd.figures, co.figures
+            parts.append(
+                f"c={c}: TTFT p50 {f['ttft_p50_ms']:.1f} vs {g['ttft_p50_ms']:.1f} ms colocated, "
+                f"ITL p50 {f['itl_p50_ms']:.2f} vs {g['itl_p50_ms']:.2f} ms"
+            )
+    first = min(
+        (r for r in records if r.target == "pd" and r.transfers), key=lambda r: r.concurrency, default=None
+    )
+    if first and first.transfers and link and ratio is not None:
+        parts.append(
+            f"KV {first.transfers.gb_s:.3g} GB/s = {100 * ratio:.0f} % of what {link.transport} moves "
+            f"here ({link.gb_s:.3g} GB/s)"
+        )
+    parts.append(f"baseline: {base.get('status', '')}")
+    return "; ".join(parts)
+
+
+# ---------------------------------------------------------------- gathering (edge)
+
+
+@dataclass(frozen=True)
+class Run:
+    target: str
+    concurrency: int
+    url: str
+    seed: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.target}-c{self.concurrency}"
+
+
+def planned_runs(plan: ClusterPlan, concurrency: Sequence[int]) -> list[Run]:
+    """At each level: through the router, then prefill-0 direct; each with its own dataset seed
+    (the same prompts twice would hit prefill-0's prefix cache in the colocated run)."""
+    runs: list[Run] = []
+    for c in sorted(set(concurrency)):
+        runs.append(Run("pd", c, plan.router.url, 1000 + len(runs)))
+        runs.append(Run("colocated", c, plan.prefill[0].url, 1000 + len(runs)))
+    return runs
+
+
+def bench_argv(plan: ClusterPlan, run: Run, options: Mapping[str, Any], result_dir: Path) -> list[str]:
+    """``vllm bench serve``'s command line for one run (the same flags in vLLM 0.26 and 0.32)."""
+    argv = [
+        "--backend", "openai", "--base-url", run.url, "--endpoint", "/v1/completions",
+        "--model", plan.served_model_name, "--tokenizer", plan.model,
+        "--dataset-name", "random", "--random-input-len", str(options["input_len"]),
+        "--random-output-len", str(options["output_len"]), "--random-range-ratio", "0.0",
+        "--num-prompts", str(options["requests"]), "--max-concurrency", str(run.concurrency),
+        "--seed", str(run.seed), "--temperature", "0",
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+        "--save-result", "--result-dir", str(result_dir), "--result-filename", f"{run.label}.json",
+        "--disable-tqdm",
+    ]  # fmt: skip
+    if plan.config.trust_remote_code:
+        argv.append("--trust-remote-code")
+    return argv
+
+
+def _write_json(path: Path, doc: dict[str, Any]) -> None:
+    """Atomically, as pd_sessions.perf_driver reads and writes its files."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc))
+    os.replace(tmp, path)
+
+
+class Driver:
+    """The bench driver process (``python -m pd_sessions.perf_driver``) and its request files."""
+
+    def __init__(self, cluster: Cluster, folder: Path, env: Mapping[str, str]):
+        self.cluster, self.folder, self.n = cluster, folder, 0
+        argv = [cluster.plan.instances[0].argv[0], "-m", "pd_sessions.perf_driver", str(folder)]
+        self.proc = process.spawn("perf-driver", argv, env=env, log_path=folder / "perf-driver.log")
+
+    def wait(self, name: str, timeout_s: float, what: str) -> dict[str, Any]:
+        """The driver's answer file ``name``, once written; PerfError if it exits or takes
+        longer than ``timeout_s`` (a cluster process that dies meanwhile fails the config)."""
+        path = self.folder / name
+
+        def poll() -> dict[str, Any]:
+            end = time.monotonic() + timeout_s
+            while not path.exists():
+                if self.proc.poll() is not None:
+                    raise PerfError(
+                        f"the bench driver exited with status {self.proc.poll()} waiting {what}; "
+                        f"last lines of {self.proc.log_path}:\n{self.proc.log_tail(30)}"
+                    )
+                if time.monotonic() > end:
+                    raise PerfError(
+                        f"the bench driver took over {timeout_s:g} s {what} ({self.proc.log_path})"
+                    )
+                time.sleep(0.05)
+            return dict(json.loads(path.read_text()))
+
+        return self.cluster.guard(poll, when=f"while the perf check waited {what}")
+
+    def run(self, argv: Sequence[str], label: str) -> None:
+        _write_json(self.folder / f"run-{self.n}.json", {"argv": list(argv)})
+        done = self.wait(f"done-{self.n}.json", RUN_TIMEOUT_S, f"for the bench run {label}")
+        self.n += 1
+        if not done.get("ok"):
+            raise PerfError(f"vllm bench serve ({label}) failed: {done.get('error')} ({self.proc.log_path})")
+
+    def stop(self, grace_s: float) -> None:
+        _write_json(self.folder / f"run-{self.n}.json", {"quit": True})
+        process.stop([self.proc], grace_s=grace_s)
+
+
+def scrape_all(plan: ClusterPlan) -> dict[str, str]:
+    """instance name -> its /metrics text."""
+    return {s.name: http.get_text(f"{s.url}/metrics", timeout=10.0) for s in plan.instances}
+
+
+def stats_interval(plan: ClusterPlan) -> float:
+    """The instances' VLLM_LOG_STATS_INTERVAL (connector stats reach /metrics and the log on it)."""
+    env = plan.prefill[0].env_dict()
+    try:
+        return float(env.get("VLLM_LOG_STATS_INTERVAL", DEFAULT_STATS_INTERVAL_S))
+    except ValueError:
+        return DEFAULT_STATS_INTERVAL_S
+
+
+def _log_since(path: Path, offset: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def transfers_over(
+    cluster: Cluster, before: Mapping[str, str], offsets: Mapping[str, int], completed: float
+) -> tuple[Transfers | None, dict[str, str]]:
+    """The connector's transfers since ``before``/``offsets`` (the run's start), and the
+    /metrics texts after. Every transfer of a run ends before its request's first token, but the
+    connector's stats are flushed on the stats interval: poll until they cover the run, at most
+    one interval and 2 s.
+
+    metric evidence (NIXL)  done when the histograms of the evidence's role (the decodes'
+                            reads; push mode: the prefills' writes) count one per completed request
+    log evidence (Mooncake) done when a prefill logs a stats line after the run ended (it covers
+                            every send until then; none for an interval without sends: the bound)
+    """
+    plan = cluster.plan
+    evidence = connectors.get(plan.config.connector).evidence
+    ended = {s.name: _size(cluster.run_dir / s.log_name) for s in plan.prefill}
+    end = time.monotonic() + stats_interval(plan) + 2.0
+    while True:
+        after = scrape_all(plan)
+        if isinstance(evidence, MetricEvidence):
+            side = [s.name for s in (plan.decode if evidence.role == "decode" else plan.prefill)]
+            t = metric_transfers(hist_deltas(before, after, side, transfer_histograms(evidence)), evidence)
+            done = t is not None and t.count >= completed
+        else:
+            t = mooncake_transfers(
+                [_log_since(cluster.run_dir / s.log_name, offsets[s.name]) for s in plan.prefill]
+            )
+            later = [_log_since(cluster.run_dir / s.log_name, ended[s.name]) for s in plan.prefill]
+            done = mooncake_transfers(later) is not None
+        if done or time.monotonic() > end:
+            return t, after
+        time.sleep(0.25)
+
+
+def measure_runs(
+    window: CheckWindow,
+    options: Mapping[str, Any],
+    folder: Path,
+    env: Mapping[str, str],
+    records: list[RunRecord],
+) -> None:
+    """Every planned bench run, appended to ``records`` as it ends, with the instances' figures
+    around each P/D run."""
+    cluster, plan = window.cluster, window.plan
+    prefills, decodes = [s.name for s in plan.prefill], [s.name for s in plan.decode]
+    driver = Driver(cluster, folder, env)
+    try:
+        driver.wait("ready.json", DRIVER_START_S, "to import vLLM's benchmark")
+        for run in planned_runs(plan, options["concurrency"]):
+            before = scrape_all(plan)
+            offsets = {s.name: _size(cluster.run_dir / s.log_name) for s in plan.prefill}
+            driver.run(bench_argv(plan, run, options, folder), run.label)
+            result_file = folder / f"{run.label}.json"
+            try:
+                doc = json.loads(result_file.read_text())
+            except (OSError, ValueError) as e:
+                raise PerfError(f"no usable result from vllm bench serve ({run.label}): {e}") from None
+            figs = bench_figures(doc, source=str(result_file))
+            if run.target != "pd":
+                records.append(RunRecord(run.target, run.concurrency, figs))
+                continue
+            transfers, after = transfers_over(cluster, before, offsets, figs["completed"])
+            records.append(
+                RunRecord(
+                    run.target,
+                    run.concurrency,
+                    figs,
+                    window_means(hist_deltas(before, after, prefills)),
+                    window_means(hist_deltas(before, after, decodes)),
+                    transfers,
+                )
+            )
+    finally:
+        driver.stop(grace_s=5.0)
+
+
+def probe_link(cluster: Cluster, transfers: Transfers, folder: Path, env: Mapping[str, str]) -> LinkProbe:
+    """The transport alone, between two processes on prefill-0's and decode-0's devices, moving the
+    window's mean transfer in its mean descriptor size (``python -m pd_sessions.link_probe``)."""
+    plan = cluster.plan
+    p0, d0 = plan.prefill[0], plan.decode[0]
+    nbytes, descs = probe_size(transfers)
+    out = folder / "link-probe.json"
+    out.unlink(missing_ok=True)
+    argv = [p0.argv[0], "-m", "pd_sessions.link_probe",
+            "--transport", connectors.get(plan.config.connector).package.name,
+            "--kv-transfer-config", p0.argv[p0.argv.index("--kv-transfer-config") + 1],
+            "--bytes", str(nbytes), "--descriptors", str(descs), "--repeats", str(PROBE_REPEATS),
+            "--host", plan.config.host, "--out", str(out)]  # fmt: skip
+    probe_env = {**env, **d0.env_dict()}
+    gpus = list(dict.fromkeys([*p0.gpus, *d0.gpus]))
+    if gpus:  # both devices visible; each side on its own instance's GPU
+        probe_env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        argv += ["--device", "cuda", "--peer-gpu", str(gpus.index(p0.gpus[0]))]
+        argv += ["--gpu", str(gpus.index(d0.gpus[0]))]
+    proc = process.spawn("link-probe", argv, env=probe_env, log_path=folder / "link-probe.log")
+    try:
+        rc = cluster.guard(proc.popen.wait, when="while the transport probe ran", timeout=PROBE_TIMEOUT_S)
+    finally:
+        process.stop([proc], grace_s=5.0)
+    doc = json.loads(out.read_text()) if out.exists() else {}
+    if rc != 0 or "error" in doc or "seconds" not in doc:
+        raise PerfError(
+            f"python -m pd_sessions.link_probe exited with status {rc}: {doc.get('error', '')} "
+            f"(log: {proc.log_path})\n{proc.log_tail(15)}"
+        )
+    return link_probe_from(doc)
+
+
+def hardware(plan: ClusterPlan) -> str:
+    """The hardware class the baseline is keyed by: the GPUs the instances run on, else the cores."""
+    gpus = sorted({g for s in plan.instances for g in s.gpus})
+    return perf_baselines.hardware_class(hosts.gpu_names(gpus), len(os.sched_getaffinity(0)))
+
+
+def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
+    """Gatherer: the bench runs, the transport probe, the baseline (recorded with --record-baseline)."""
+    cluster, plan = window.cluster, window.plan
+    folder = cluster.run_dir / "perf"
+    folder.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    requests = int(options["requests"])
+    records: list[RunRecord] = []
+    link: LinkProbe | None = None
+    error = None
+    try:
+        measure_runs(window, options, folder, env, records)
+        first = next((r.transfers for r in sorted(records, key=lambda r: r.concurrency) if r.transfers), None)
+        if first is not None:
+            link = probe_link(cluster, first, folder, env)
+    except PerfError as e:
+        error = str(e)
+    if error and not records:
+        return CheckResult("perf", FAIL, f"could not run: {error}", {"folder": str(folder)})
+    key = (plan.config.model, plan.config.connector, plan.config.name, hardware(plan))
+    path = Path(options.get("baselines") or perf_baselines.BASELINES)
+    result = evaluate(
+        records, requests=requests, link=link, error=error, baselines=perf_baselines.load(path), key=key
+    )
+    result.details["folder"] = str(folder)
+    if options.get("record_baseline") and result.passed:
+        return record(result, key, path)
+    return result
+
+
+def record(result: CheckResult, key: tuple[str, str, str, str], path: Path) -> CheckResult:
+    """--record-baseline: write this run's figures as the baseline of ``key`` (a FAIL naming the
+    entry when the file has one already: it is removed by hand, never overwritten)."""
+    entry = perf_baselines.new_entry(
+        key,
+        result.details["baseline_figures"],
+        source=f"recorded {datetime.date.today().isoformat()} by: {shlex.join(sys.argv)}",
+    )
+    try:
+        perf_baselines.record(path, entry)
+    except ConfigError as e:
+        result.verdict, result.message = FAIL, f"{e}; measured: {result.message}"
+        return result
+    result.details["recorded"] = entry
+    result.message = f"recorded the perf baseline of {key} in {path}; {result.message}"
+    return result

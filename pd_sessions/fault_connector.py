@@ -1,0 +1,366 @@
+"""The fault-injecting KV connector: the configured connector, subclassed, with faults on demand.
+
+vLLM's ``KVConnectorFactory`` imports this module when a kv-transfer-config names it as
+``kv_connector_module_path`` (the planner does so when a fault scenario is selected; see
+``pd_sessions/core/faults.py`` for the modes and the control file). The connector keeps its own
+name (``"kv_connector": "NixlConnector"``): the factory then asks this module for that name, and
+:func:`__getattr__` answers with a subclass of the class vLLM registered under it. So every
+method, class method, stat and Prometheus metric is the wrapped connector's own (the KV proof
+keeps working), and vLLM's checks of the connector's name (``has_connector("NixlConnector")``)
+still hold. With the mode ``off`` the subclass changes nothing.
+
+It overrides only these, and acts only when the control file asks (the rest is inherited):
+
+- ``get_num_new_matched_tokens`` (prefill scheduler): stall on the prefill answers "not yet"
+  (None) until the stall ends, so the request waits there, unscheduled;
+- ``bind_connector_metadata`` (decode worker): stall on the decode holds a selected load back
+  and hands it to the connector ``stall_s`` later; every load's blocks are recorded;
+- ``get_transfer_results`` (decode worker): drop reports a finished load as failed; zero and swap
+  overwrite its blocks before the scheduler learns it finished;
+- ``register_kv_caches`` (worker): keeps the KV cache tensors that zero and swap write into.
+
+Each fault applied is one line in the instance log (``pd_sessions fault: {...}``, see
+:func:`pd_sessions.core.faults.event_line`), so a scenario proves it happened.
+
+Where the connectors differ, each connector's spec says what is known (``recv_layout``,
+gathered in :data:`RECV_LAYOUT`): how its worker metadata lists the loads to start
+(``reqs_to_recv``). A connector whose spec does not say gets drop (generic: vLLM's
+``failed_recving``) and the prefill stall; zero, swap and the decode stall are then logged as
+skipped, with the reason.
+
+Imports only the core (a lint contract): vLLM and torch are imported where they are needed.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pd_sessions.core import connectors, faults
+from pd_sessions.core.faults import Control
+
+# vLLM connector class -> how its worker metadata lists loads (each connector's spec says:
+# ConnectorSpec.recv_layout); each load's meta has local_block_ids (one list per KV cache group).
+RECV_LAYOUT: dict[str, str] = {s.vllm_class: s.recv_layout for s in connectors.ALL if s.recv_layout}
+_MAX_TRACKED = 4096  # request ids remembered per side (a long-running server must not grow)
+
+_classes: dict[str, type] = {}
+
+
+def __getattr__(name: str) -> type:
+    """``<name>``: the connector vLLM registered under ``name``, with faults (built once)."""
+    if name.startswith("_") or not name[:1].isupper():
+        raise AttributeError(name)
+    if name not in _classes:
+        try:
+            base = _registered(name)
+        except (ImportError, ValueError) as e:
+            raise AttributeError(f"{__name__}: no KV connector {name!r} to wrap ({e})") from None
+        _classes[name] = type(
+            name, (FaultInjecting, base), {"__module__": __name__, "__qualname__": name, "_pd_wraps": name}
+        )
+    return _classes[name]
+
+
+def _registered(name: str) -> type:
+    """The class vLLM's KVConnectorFactory has under ``name`` (ValueError when none)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    return KVConnectorFactory.get_connector_class_by_name(name)
+
+
+def say(text: str) -> None:
+    """One line to the instance log (stderr: vLLM's own logging may be configured away)."""
+    print(text, file=sys.stderr, flush=True)
+
+
+@dataclass
+class Load:
+    """One load of a decode worker's metadata: where it sits and its blocks per group."""
+
+    engine: Any  # the "by_engine" key, None for "flat"
+    req: str
+    meta: Any
+    until: float = 0.0  # held back (stall) until this time.monotonic()
+
+    @property
+    def groups(self) -> list[list[int]]:
+        return [list(g) for g in getattr(self.meta, "local_block_ids", ()) or ()]
+
+    @property
+    def awaited(self) -> bool:
+        """A real load (blocks to fill); empty ones only tell the prefill to free its blocks."""
+        return any(self.groups)
+
+
+def loads(metadata: Any, layout: str) -> list[Load]:
+    recv = getattr(metadata, "reqs_to_recv", None) or {}
+    if layout == "by_engine":
+        return [Load(eng, rid, m) for eng, reqs in recv.items() for rid, m in reqs.items()]
+    return [Load(None, rid, m) for rid, m in recv.items()]
+
+
+def with_loads(metadata: Any, layout: str, kept: Iterable[Load]) -> Any:
+    """A shallow copy of ``metadata`` whose reqs_to_recv holds ``kept`` (the original is not
+    changed: in one process the scheduler and the worker may share it)."""
+    out = copy.copy(metadata)
+    if layout == "by_engine":
+        nested: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
+        for ld in kept:
+            nested[ld.engine][ld.req] = ld.meta
+        out.reqs_to_recv = nested
+    else:
+        out.reqs_to_recv = {ld.req: ld.meta for ld in kept}
+    return out
+
+
+@dataclass
+class Injector:
+    """The state of one connector object (one per vLLM scheduler or worker process)."""
+
+    control_path: str
+    side: str  # "prefill" (kv_producer) or "decode" (kv_consumer)
+    role: str  # "scheduler" | "worker"
+    layout: str | None  # RECV_LAYOUT entry, None when unknown
+    wraps: str
+    control: Control = faults.OFF
+    n: int = 0  # candidates seen in this epoch
+    checked_at: float = 0.0
+    stamp: tuple[int, int, int] | None = None  # the file's inode, mtime (ns) and size
+    problem: str | None = None  # why the control file could not be read (said once)
+    held: dict[str, float] = field(default_factory=dict)  # prefill stall: req -> until
+    seen: dict[str, str] = field(default_factory=dict)  # req -> epoch it was a candidate in
+    parked: list[Load] = field(default_factory=list)  # decode stall
+    blocks: dict[str, list[list[int]]] = field(default_factory=dict)  # req -> its load's blocks
+    kv_caches: dict[str, Any] = field(default_factory=dict)
+    block_dims: dict[str, int] = field(default_factory=dict)  # layer -> its block dimension
+    donor: tuple[str, dict[str, Any]] | None = None  # swap: (req, layer -> saved blocks)
+
+    def now_control(self) -> Control:
+        """The control file's content, read again when it changed (at most every RELOAD_S)."""
+        now = time.monotonic()
+        if now - self.checked_at < faults.RELOAD_S:
+            return self.control
+        self.checked_at = now
+        try:
+            st = os.stat(self.control_path)
+        except FileNotFoundError:
+            self._set(faults.OFF)
+            return self.control
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)  # the harness replaces the file whole
+        if stamp == self.stamp:
+            return self.control
+        self.stamp = stamp
+        try:
+            with open(self.control_path) as f:
+                c = Control.parse(f.read())
+        except (OSError, ValueError) as e:
+            if self.problem != str(e):
+                say(f"pd_sessions: fault control {self.control_path} not applied: {e}; faults off")
+            self.problem = str(e)
+            c = faults.OFF
+        self._set(c)
+        return self.control
+
+    def _set(self, c: Control) -> None:
+        if c.epoch != self.control.epoch:
+            self.n = 0
+        self.control = c
+
+    def candidate(self, req: str) -> bool:
+        """Count ``req`` as the next candidate of this epoch (once) and say if it is selected."""
+        epoch = self.control.epoch
+        if self.seen.get(req) == epoch:
+            return False
+        if len(self.seen) >= _MAX_TRACKED:
+            self.seen.pop(next(iter(self.seen)))
+        self.seen[req] = epoch
+        n, self.n = self.n, self.n + 1
+        return faults.selected(n, self.control.fraction)
+
+    def event(self, mode: str, req: str, *, applied: bool = True, **more: Any) -> None:
+        say(
+            faults.event_line(
+                epoch=self.control.epoch,
+                mode=mode,
+                req=req,
+                side=self.side,
+                applied=applied,
+                pid=os.getpid(),
+                connector=self.wraps,
+                **more,
+            )
+        )
+
+
+class FaultInjecting:
+    """Put before the wrapped connector class (see :func:`__getattr__`); vLLM calls it as that."""
+
+    _pd_wraps = "?"
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None, *args: Any, **kw: Any):
+        super().__init__(vllm_config, role, kv_cache_config, *args, **kw)  # type: ignore[call-arg]
+        ktc = vllm_config.kv_transfer_config
+        got = faults.settings(ktc.kv_connector_extra_config or {}) or {}
+        self._pd = Injector(
+            control_path=str(got.get("control", "")),
+            side="prefill" if ktc.is_kv_producer and not ktc.is_kv_consumer else "decode",
+            role=str(getattr(role, "name", role)).lower(),
+            layout=RECV_LAYOUT.get(self._pd_wraps),
+            wraps=self._pd_wraps,
+        )
+        self._pd_cache_config = kv_cache_config
+        say(
+            f"pd_sessions: fault-injecting {self._pd_wraps} ({self._pd.side} {self._pd.role}, "
+            f"pid {os.getpid()}); control file {self._pd.control_path or '(none: faults off)'}"
+        )
+
+    # ------------------------------------------------------------ scheduler side (prefill stall)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        pd = self._pd
+        if pd.side == "prefill" and pd.control_path:
+            c = pd.now_control()
+            rid = request.request_id
+            if c.mode == "stall" and c.applies_to("prefill") and pd.candidate(rid):
+                if len(pd.held) >= _MAX_TRACKED:
+                    pd.held.pop(next(iter(pd.held)))
+                pd.held[rid] = time.monotonic() + c.stall_s
+                pd.event("stall", rid, stall_s=c.stall_s, where="prefill")
+            until = pd.held.get(rid)
+            if until is not None:
+                if time.monotonic() < until:
+                    return None, False  # "not yet": vLLM asks again on a later step
+                del pd.held[rid]
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)  # type: ignore[misc]
+
+    # ------------------------------------------------------------ worker side (decode)
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._pd.kv_caches = dict(kv_caches)
+        super().register_kv_caches(kv_caches)  # type: ignore[misc]
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        pd = self._pd
+        if pd.side == "decode" and pd.control_path and pd.layout:
+            connector_metadata = self._pd_hold_back(connector_metadata, pd.layout)
+        super().bind_connector_metadata(connector_metadata)  # type: ignore[misc]
+
+    def _pd_hold_back(self, metadata: Any, layout: str) -> Any:
+        """Record each load's blocks; under stall (decode), hold selected loads back."""
+        pd = self._pd
+        c = pd.now_control()
+        now = time.monotonic()
+        found = loads(metadata, layout)
+        keep: list[Load] = []
+        for ld in found:
+            if ld.awaited:
+                if len(pd.blocks) >= _MAX_TRACKED:
+                    pd.blocks.pop(next(iter(pd.blocks)))
+                pd.blocks[ld.req] = ld.groups
+                if c.mode == "stall" and c.applies_to("decode") and pd.candidate(ld.req):
+                    ld.until = now + c.stall_s
+                    pd.parked.append(ld)
+                    pd.event("stall", ld.req, stall_s=c.stall_s, where="decode")
+                    continue
+            keep.append(ld)
+        due = [ld for ld in pd.parked if ld.until <= now]
+        if len(keep) == len(found) and not due:
+            return metadata
+        pd.parked = [ld for ld in pd.parked if ld.until > now]
+        return with_loads(metadata, layout, keep + due)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        results = super().get_transfer_results(finished_req_ids)  # type: ignore[misc]
+        pd = self._pd
+        if pd.side != "decode" or not pd.control_path:
+            return results
+        c = pd.now_control()
+        if c.mode not in ("drop", "zero", "swap"):
+            return results
+        done = [r for r in sorted(results.finished_recving) if r not in results.failed_recving]
+        chosen = [r for r in done if pd.candidate(r)]
+        if c.mode == "drop":
+            for r in chosen:
+                results.failed_recving.add(r)
+                pd.event("drop", r)
+        elif chosen:
+            self._pd_corrupt(c, chosen)
+        for r in done:
+            pd.blocks.pop(r, None)
+        return results
+
+    # ------------------------------------------------------------ zero / swap
+
+    def _pd_corrupt(self, c: Control, reqs: list[str]) -> None:
+        """Overwrite the chosen blocks of ``reqs`` (first KV cache group) with zeros, or with
+        another request's blocks: for swap, each takes the previous one's (the first takes the
+        last of an earlier batch, or of this one); its own blocks are kept as the next donor."""
+        pd = self._pd
+        why = self._pd_cannot_corrupt()
+        chosen = {r: faults.chosen_blocks((pd.blocks.get(r) or [[]])[0], c.blocks) for r in reqs}
+        for r in reqs:
+            if why or not chosen[r]:
+                pd.event(c.mode, r, applied=False, reason=why or "no blocks recorded for this load")
+        todo = [r for r in reqs if not why and chosen[r]]
+        if not todo:
+            return
+        import torch
+
+        def index(ids: list[int], t: Any) -> Any:
+            return torch.tensor(ids, dtype=torch.long, device=t.device)
+
+        if c.mode == "zero":
+            for r in todo:
+                for layer, t in pd.kv_caches.items():
+                    t.index_fill_(pd.block_dims[layer], index(chosen[r], t), 0)
+                pd.event("zero", r, blocks=len(chosen[r]))
+            return
+        saved = {
+            r: {
+                layer: t.index_select(pd.block_dims[layer], index(chosen[r], t)).clone()
+                for layer, t in pd.kv_caches.items()
+            }
+            for r in todo
+        }
+        donors = ([pd.donor] if pd.donor else []) + [(r, saved[r]) for r in todo]
+        for i, r in enumerate(todo):
+            # the one before it; the first takes the earlier donor, or this batch's last
+            donor = donors[i] if pd.donor else donors[i - 1]
+            if donor[0] == r:
+                pd.event("swap", r, applied=False, reason="no other request's blocks received yet")
+                continue
+            for layer, t in pd.kv_caches.items():
+                src = donor[1][layer]
+                take = [j % src.shape[pd.block_dims[layer]] for j in range(len(chosen[r]))]
+                dim = pd.block_dims[layer]
+                t.index_copy_(dim, index(chosen[r], t), src.index_select(dim, index(take, src)))
+            pd.event("swap", r, blocks=len(chosen[r]), donor=donor[0])
+        pd.donor = (todo[-1], saved[todo[-1]])
+
+    def _pd_cannot_corrupt(self) -> str | None:
+        """Why zero / swap cannot run here (None when they can); finds each layer's block dimension."""
+        pd = self._pd
+        if not pd.layout:
+            return f"{pd.wraps}: its loads' blocks are not known (its ConnectorSpec has no recv_layout)"
+        if not pd.kv_caches:
+            return "no KV cache tensors registered with the connector"
+        if pd.block_dims:
+            return None
+        num_blocks = getattr(self._pd_cache_config, "num_blocks", None)
+        dims = {}
+        for layer, t in pd.kv_caches.items():
+            at = [i for i, size in enumerate(t.shape) if size == num_blocks]
+            if not at:
+                return f"layer {layer}: no dimension of {tuple(t.shape)} has num_blocks={num_blocks}"
+            dims[layer] = at[0]
+        pd.block_dims = dims
+        said = sorted(set(dims.values()))
+        say(f"pd_sessions: fault injector: KV blocks are dimension {said} (num_blocks={num_blocks})")
+        return None

@@ -1,0 +1,241 @@
+"""The fault-injecting connector (pd_sessions/fault_connector.py).
+
+Its logic is driven here on a fake connector base (what vLLM's connector would do is not under
+test: the e2e fault scenarios run it on real vLLM); the KV cache tensors are real torch tensors,
+and the wrapping of vLLM's registered connectors uses the installed vLLM.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+from conftest import heavy
+
+from pd_sessions import fault_connector
+from pd_sessions.core import faults
+from pd_sessions.core.faults import Control
+from pd_sessions.fault_connector import FaultInjecting
+
+
+class FakeResults:
+    def __init__(self, finished, failed=()):
+        self.finished_recving = set(finished)
+        self.failed_recving = set(failed)
+        self.finished_sending: set[str] = set()
+
+
+class FakeBase:
+    """What the mixin calls on the wrapped connector, recorded."""
+
+    def __init__(self, vllm_config, role, kv_cache_config):
+        self.bound = []
+        self.results = FakeResults(())
+        self.registered = None
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return 7, True
+
+    def bind_connector_metadata(self, metadata):
+        self.bound.append(metadata)
+
+    def get_transfer_results(self, finished_req_ids):
+        return self.results
+
+    def register_kv_caches(self, kv_caches):
+        self.registered = kv_caches
+
+
+def make(tmp_path, *, side="decode", wraps="NixlConnector", num_blocks=10):
+    control = tmp_path / "faults.json"
+    cls = type("Fake", (FaultInjecting, FakeBase), {"_pd_wraps": wraps})
+    ktc = SimpleNamespace(
+        kv_connector_extra_config={faults.EXTRA_CONFIG_KEY: {"control": str(control)}},
+        is_kv_producer=side == "prefill",
+        is_kv_consumer=side == "decode",
+    )
+    conn = cls(
+        SimpleNamespace(kv_transfer_config=ktc),
+        SimpleNamespace(name="WORKER"),
+        SimpleNamespace(num_blocks=num_blocks),
+    )
+    return conn, control
+
+
+def switch(path, **fields):
+    tmp = path.with_name("c.tmp")
+    tmp.write_text(Control(**fields).to_json())
+    tmp.replace(path)
+    time.sleep(faults.RELOAD_S + 0.01)  # the injector looks again after RELOAD_S
+
+
+def events(capsys):
+    return faults.parse_events(capsys.readouterr().err)
+
+
+def nixl_meta(**reqs):
+    return SimpleNamespace(
+        reqs_to_recv={r: SimpleNamespace(local_block_ids=(list(b),)) for r, b in reqs.items()}
+    )
+
+
+def test_with_the_mode_off_every_call_is_the_wrapped_connectors(tmp_path, capsys):
+    conn, _ = make(tmp_path)  # no control file at all: off
+    meta = nixl_meta(r1=[1, 2])
+    conn.bind_connector_metadata(meta)
+    assert conn.bound == [meta]  # the very object, untouched
+    conn.results = FakeResults({"r1"})
+    assert conn.get_transfer_results(set()).failed_recving == set()
+    assert conn.get_num_new_matched_tokens(SimpleNamespace(request_id="r1"), 0) == (7, True)
+    assert "fault-injecting NixlConnector (decode worker" in capsys.readouterr().err
+
+
+def test_drop_reports_the_selected_finished_loads_failed_and_says_so(tmp_path, capsys):
+    conn, control = make(tmp_path)
+    switch(control, epoch="e", mode="drop", fraction=0.5)
+    conn.results = FakeResults({"a", "b", "c", "d"}, failed={"d"})  # d failed on its own
+    got = conn.get_transfer_results(set())
+    assert got.failed_recving == {"b", "d"}  # candidates a, b, c: the second of every two
+    assert [(e["mode"], e["req"]) for e in events(capsys)] == [("drop", "b")]
+
+
+def test_a_decode_stall_holds_a_load_back_and_hands_it_over_later(tmp_path, capsys):
+    conn, control = make(tmp_path)
+    switch(control, epoch="s", mode="stall", stall_s=0.3)
+    first = nixl_meta(r1=[1, 2], r2=[])  # r2: an empty load (tells the prefill to free): never held
+    conn.bind_connector_metadata(first)
+    assert set(conn.bound[-1].reqs_to_recv) == {"r2"} and set(first.reqs_to_recv) == {"r1", "r2"}
+    conn.bind_connector_metadata(nixl_meta())
+    assert conn.bound[-1].reqs_to_recv == {}
+    time.sleep(0.3)
+    conn.bind_connector_metadata(nixl_meta(r3=[4]))
+    # r1 comes back; r3 is the next candidate (every one is held at fraction 1)
+    assert set(conn.bound[-1].reqs_to_recv) == {"r1"}
+    assert [(e["mode"], e["req"], e["where"]) for e in events(capsys)] == [
+        ("stall", "r1", "decode"),
+        ("stall", "r3", "decode"),
+    ]
+
+
+def test_mooncake_loads_are_listed_per_remote_engine(tmp_path):
+    conn, control = make(tmp_path, wraps="MooncakeConnector")
+    switch(control, epoch="s", mode="stall", stall_s=60)
+    meta = SimpleNamespace(
+        reqs_to_recv={
+            "eng": {"r1": SimpleNamespace(local_block_ids=[[3]]), "r2": SimpleNamespace(local_block_ids=[[]])}
+        }
+    )
+    conn.bind_connector_metadata(meta)
+    assert {e: set(r) for e, r in conn.bound[-1].reqs_to_recv.items()} == {"eng": {"r2"}}
+
+
+def test_a_prefill_stall_answers_not_yet_until_it_ends(tmp_path, capsys):
+    conn, control = make(tmp_path, side="prefill")
+    switch(control, epoch="p", mode="stall", where="prefill", stall_s=0.3)
+    req = SimpleNamespace(request_id="q1")
+    assert conn.get_num_new_matched_tokens(req, 0) == (None, False)
+    switch(control, epoch="p-off")  # switching off does not cut a stall short
+    assert conn.get_num_new_matched_tokens(req, 0) == (None, False)
+    time.sleep(0.3)
+    assert conn.get_num_new_matched_tokens(req, 0) == (7, True)
+    assert [(e["mode"], e["side"]) for e in events(capsys)] == [("stall", "prefill")]
+
+
+def test_a_bad_control_file_turns_faults_off_and_says_why_once(tmp_path, capsys):
+    conn, control = make(tmp_path)
+    control.write_text('{"mode": "melt"}')
+    conn.results = FakeResults({"a"})
+    assert conn.get_transfer_results(set()).failed_recving == set()
+    time.sleep(faults.RELOAD_S + 0.01)
+    conn.get_transfer_results(set())
+    err = capsys.readouterr().err
+    assert err.count("not applied: mode: got 'melt'") == 1 and "faults off" in err
+
+
+def _caches(torch, n_layers=2, num_blocks=10):
+    # [2 (K, V), blocks, heads, tokens]: the block dimension is found by its size
+    return {
+        f"l{i}": torch.arange(2 * num_blocks * 3 * 4, dtype=torch.float32).reshape(2, num_blocks, 3, 4) + i
+        for i in range(n_layers)
+    }
+
+
+def test_zero_overwrites_the_chosen_blocks_of_each_load_and_nothing_else(tmp_path, capsys):
+    torch = heavy("torch")
+    conn, control = make(tmp_path)
+    caches = _caches(torch)
+    before = {k: v.clone() for k, v in caches.items()}
+    conn.register_kv_caches(caches)
+    switch(control, epoch="z", mode="zero", blocks=0.5)
+    conn.bind_connector_metadata(nixl_meta(r1=[2, 5, 7, 8]))
+    conn.results = FakeResults({"r1"})
+    conn.get_transfer_results(set())
+    for k, t in caches.items():
+        assert (t[:, [2, 5]] == 0).all()
+        keep = [b for b in range(10) if b not in (2, 5)]
+        assert torch.equal(t[:, keep], before[k][:, keep])
+    assert [(e["mode"], e["req"], e["blocks"]) for e in events(capsys)] == [("zero", "r1", 2)]
+
+
+def test_swap_gives_each_load_the_blocks_of_another_request(tmp_path, capsys):
+    torch = heavy("torch")
+    conn, control = make(tmp_path)
+    caches = _caches(torch)
+    before = {k: v.clone() for k, v in caches.items()}
+    conn.register_kv_caches(caches)
+    switch(control, epoch="w", mode="swap")
+    conn.bind_connector_metadata(nixl_meta(a=[1], b=[4]))
+    conn.results = FakeResults({"a", "b"})
+    conn.get_transfer_results(set())
+    for k, t in caches.items():  # a got b's block and b got a's (a batch swaps around)
+        assert torch.equal(t[:, 1], before[k][:, 4]) and torch.equal(t[:, 4], before[k][:, 1])
+    conn.bind_connector_metadata(nixl_meta(c=[6]))
+    conn.results = FakeResults({"c"})
+    conn.get_transfer_results(set())
+    for k, t in caches.items():  # c, alone, gets the last donor's own (unswapped) blocks: b's
+        assert torch.equal(t[:, 6], before[k][:, 4])
+    assert [(e["req"], e["donor"]) for e in events(capsys)] == [("a", "b"), ("b", "a"), ("c", "b")]
+
+
+def test_a_lone_first_swap_has_no_donor_and_is_said_skipped(tmp_path, capsys):
+    torch = heavy("torch")
+    conn, control = make(tmp_path)
+    conn.register_kv_caches(_caches(torch))
+    switch(control, epoch="w", mode="swap")
+    conn.bind_connector_metadata(nixl_meta(a=[1]))
+    conn.results = FakeResults({"a"})
+    conn.get_transfer_results(set())
+    assert faults.count_events(events(capsys)) == {"swap_skipped": 1}
+
+
+def test_corruption_on_a_connector_of_unknown_layout_is_skipped_with_the_reason(tmp_path, capsys):
+    conn, control = make(tmp_path, wraps="SomeOtherConnector")
+    switch(control, epoch="z", mode="zero")
+    conn.results = FakeResults({"a"})
+    conn.get_transfer_results(set())
+    (ev,) = events(capsys)
+    assert ev["applied"] is False and "recv_layout" in ev["reason"]
+
+
+def test_the_wrapper_of_a_registered_connector_keeps_its_name_and_its_class(monkeypatch):
+    """vLLM's factory, given kv_connector_module_path, does getattr(module, kv_connector): the
+    answer is a subclass of the class registered under that name (the e2e fault scenarios show
+    vLLM creating it; importing vLLM here would cost a CI minute)."""
+    registry = {"NixlConnector": FakeBase}
+
+    def registered(name):
+        if name not in registry:
+            raise ValueError(f"Connector '{name}' is not registered.")
+        return registry[name]
+
+    monkeypatch.setattr(fault_connector, "_registered", registered)
+    monkeypatch.setattr(fault_connector, "_classes", {})
+    wrapped = fault_connector.NixlConnector
+    assert wrapped.__name__ == "NixlConnector" and wrapped.__module__ == "pd_sessions.fault_connector"
+    assert issubclass(wrapped, FakeBase) and issubclass(wrapped, FaultInjecting)
+    assert getattr(fault_connector, "NixlConnector") is wrapped  # built once  # noqa: B009
+    with pytest.raises(AttributeError, match="no KV connector 'NoSuchConnector' to wrap"):
+        fault_connector.NoSuchConnector  # noqa: B018
+    with pytest.raises(AttributeError):
+        fault_connector.__wrapped__  # noqa: B018

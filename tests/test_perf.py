@@ -1,0 +1,321 @@
+"""The perf check's own logic, on recorded inputs: vLLM's bench result files (0.26 from the H200,
+0.32 from the CPU lane), /metrics scrapes, Mooncake's stats lines; the verdict, the baselines,
+the selection (perf is a default on cuda only) and the bench driver's protocol."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+from conftest import FIXTURES
+
+from pd_sessions import perf_driver
+from pd_sessions.checks import perf, perf_baselines
+from pd_sessions.checks import perf_figures as pf
+from pd_sessions.core import check_registry as registry
+from pd_sessions.core import connectors, selection
+from pd_sessions.core.config import load_sweep, make_overrides
+from pd_sessions.core.connectors.base import MetricEvidence
+from pd_sessions.core.errors import ConfigError, PerfError
+
+PERF = FIXTURES / "perf"
+KEY = ("tiny-llama", "nixl", "1x1", "cpu, 2 cores")
+
+
+def bench(name: str) -> dict:
+    return json.loads((PERF / name).read_text())
+
+
+def record(
+    target: str, c: int, *, ttft: float, itl: float, tok_s: float, transfers=None, completed=8
+) -> perf.RunRecord:
+    pairs = (("ttft", ttft), ("itl", itl), ("tpot", itl), ("e2el", ttft + 10 * itl))
+    figs = {f"{m}_{s}_ms": v for m, v in pairs for s in ("p50", "p99", "mean")}
+    figs.update(
+        output_tok_s=tok_s, request_s=tok_s / 16, completed=completed, failed=8 - completed, duration_s=1.0
+    )
+    return perf.RunRecord(target, c, figs, {"e2e": ttft / 2000}, {"ttft": ttft / 4000}, transfers)
+
+
+TRANSFERS = pf.Transfers("decode /metrics", count=8, seconds=0.04, bytes=8 * 2**20, descriptors=16)
+LINK = pf.LinkProbe("NIXL agents (UCX)", 2**20, 2, (0.002, 0.004, 0.003))
+
+
+def records(**kw) -> list[perf.RunRecord]:
+    return [
+        record("pd", 1, ttft=40, itl=4, tok_s=200, transfers=TRANSFERS, **kw),
+        record("colocated", 1, ttft=20, itl=4, tok_s=250),
+        record("pd", 8, ttft=80, itl=5, tok_s=1200, transfers=TRANSFERS, **kw),
+        record("colocated", 8, ttft=50, itl=5, tok_s=1500),
+    ]
+
+
+# ---------------------------------------------------------------- the bench's JSON result
+
+
+@pytest.mark.parametrize("name", ["bench-vllm026-pd-c1.json", "bench-vllm032-pd-c1.json"])
+def test_bench_figures_read_both_vllm_versions_result_files(name):
+    doc = bench(name)
+    figs = pf.bench_figures(doc)
+    assert figs["ttft_p50_ms"] == doc["p50_ttft_ms"] and figs["itl_p99_ms"] == doc["p99_itl_ms"]
+    assert figs["tpot_mean_ms"] == doc["mean_tpot_ms"] and figs["output_tok_s"] == doc["output_throughput"]
+    assert figs["completed"] == doc["num_prompts"] and figs["failed"] == 0
+
+
+def test_a_result_without_a_figure_names_the_key_and_the_file():
+    doc = bench("bench-vllm032-pd-c1.json")
+    del doc["p99_itl_ms"]
+    with pytest.raises(PerfError, match=r"pd-c1\.json: no number under 'p99_itl_ms'"):
+        pf.bench_figures(doc, source="pd-c1.json")
+
+
+def test_ratios_are_pd_over_colocated_and_none_without_a_colocated_figure():
+    pd, co = (
+        pf.bench_figures(bench("bench-vllm026-pd-c1.json")),
+        pf.bench_figures(bench("bench-vllm032-pd-c1.json")),
+    )
+    r = pf.pd_over_colocated(pd, co)
+    assert r["ttft_p50_ms"] == pytest.approx(pd["ttft_p50_ms"] / co["ttft_p50_ms"])
+    assert pf.pd_over_colocated(pd, {**co, "itl_p99_ms": 0.0})["itl_p99_ms"] is None
+
+
+# ---------------------------------------------------------------- the instances' figures
+
+
+def test_window_deltas_of_real_scrapes_give_nixl_transfers_and_means():
+    before = {"decode-0": (FIXTURES / "nixl_decode_metrics_before.txt").read_text()}
+    after = {"decode-0": (FIXTURES / "nixl_decode_metrics_after.txt").read_text()}
+    # the connector's histograms come from its spec (push mode: the same ones, on the prefill)
+    ev = connectors.NIXL.evidence
+    assert isinstance(ev, MetricEvidence) and connectors.NIXL_PUSH.evidence.histograms == ev.histograms
+    d = pf.hist_deltas(before, after, ["decode-0"], pf.transfer_histograms(ev))
+    t = pf.metric_transfers(d, ev)
+    assert t is not None and t.count == 1 and t.bytes == 262144 and t.descriptors == 2
+    assert t.descriptor_bytes == 131072 and t.gb_s == pytest.approx(262144 / d["kv_xfer"][0] / 1e9)
+    assert t.source == "decode /metrics (vllm:nixl_xfer_time_seconds, vllm:nixl_bytes_transferred)"
+    assert t.post_seconds is not None and t.post_source == "decode vllm:nixl_post_time_seconds"
+    means = pf.window_means(d)
+    assert means["ttft"] == pytest.approx(2.7900941371917725 - 2.7541286945343018)
+    nothing = pf.hist_deltas(before, before, ["decode-0"], pf.transfer_histograms(ev))
+    assert pf.metric_transfers(nothing, ev) is None  # nothing moved
+    assert "kv_xfer" not in pf.hist_deltas(before, after, ["decode-0"])  # only what is asked for
+
+
+def test_mooncake_transfers_add_up_count_times_average_per_stats_line():
+    t = pf.mooncake_transfers([(PERF / "mooncake_prefill_stats.log").read_text(), "no stats here"])
+    assert t is not None and t.count == 5 and t.descriptors == 80
+    assert t.seconds == pytest.approx((3.396 + 2 * 2.6 + 22.513 + 24.657) / 1000)
+    assert t.bytes == pytest.approx((1.0 + 2 * 0.75 + 32 + 32) * 2**20)
+    assert (
+        pf.mooncake_transfers(["KV Transfer metrics: Num successful transfers=0, Num failed transfers=1"])
+        is None
+    )
+
+
+def test_the_ttft_split_says_what_is_per_request_and_what_a_window_mean():
+    figs = pf.bench_figures(bench("bench-vllm026-pd-c1.json"))
+    rows = {
+        r.figure: r for r in pf.ttft_split(figs, {"e2e": 0.012, "queue": 0.001}, {"ttft": 0.02}, TRANSFERS)
+    }
+    assert rows["client TTFT p50"].kind.startswith("per request") and rows["prefill request"].ms == 12.0
+    assert rows["handover"].ms == pytest.approx(figs["ttft_mean_ms"] - 12.0)
+    assert rows["KV transfer"].ms == pytest.approx(5.0) and rows["KV transfer"].kind.startswith("window mean")
+    assert rows["prefill compute"].ms is None  # not scraped: not invented
+    missing = {r.figure: r for r in pf.ttft_split(figs, {}, {}, None)}
+    assert missing["KV transfer"].ms is None and "not measured" in missing["KV transfer"].kind
+
+
+def test_the_raw_transfer_has_the_windows_size_in_its_descriptor_size():
+    assert pf.probe_size(TRANSFERS) == (2**20, 2)  # 1 MiB per transfer in 512 KiB pieces
+    assert pf.probe_size(TRANSFERS, max_bytes=2**19) == (2**19, 1)
+    assert LINK.median_s == 0.003 and pf.link_ratio(TRANSFERS.gb_s, LINK) == pytest.approx(
+        TRANSFERS.gb_s / (2**20 / 0.003 / 1e9)
+    )
+
+
+# ---------------------------------------------------------------- the verdict
+
+
+def test_a_healthy_run_passes_with_figures_tables_and_the_link_ratio():
+    r = perf.evaluate(records(), requests=8, link=LINK, key=KEY)
+    assert r.passed, r.message
+    assert "c=1: TTFT p50 40.0 vs 20.0 ms colocated" in r.message and "% of what NIXL" in r.message
+    assert "no baseline for this hardware class" in r.message
+    names = {f.name: f for f in r.figures}
+    assert names["c1.ratio.ttft_p50"].value == 2.0 and names["c8.colocated.itl_p50_ms"].unit == "ms"
+    assert names["link_ratio"].value == pytest.approx(TRANSFERS.gb_s / LINK.gb_s)
+    assert [t.title.split(" (")[0] for t in r.tables] == [
+        "P/D vs colocated", "Where P/D TTFT goes", "KV bandwidth against the link"
+    ]  # fmt: skip
+    assert r.details["baseline_figures"]["c8.pd.output_tok_s"] == 1200
+
+
+@pytest.mark.parametrize(
+    ("kw", "why"),
+    [
+        ({"recs": records(completed=7)}, "pd c=1: 7/8 requests completed"),
+        ({"recs": [*records()[1:2], record("pd", 1, ttft=40, itl=4, tok_s=200)]}, "no KV transfer"),
+        ({"link": None, "error": "link probe: NIXL READ ended in state ERR"}, "NIXL READ ended in state ERR"),
+        ({"link": None}, "the transport alone was not measured"),
+    ],
+)
+def test_what_fails_the_check(kw, why):
+    recs = kw.pop("recs", records())
+    r = perf.evaluate(recs, requests=8, **{"link": LINK, **kw}, key=KEY)
+    assert not r.passed and why in r.message
+
+
+def baseline(hardware: str, tok_s: float, ttft: float = 40.0) -> perf_baselines.PerfBaseline:
+    return perf_baselines.PerfBaseline(
+        "tiny-llama",
+        "nixl",
+        "1x1",
+        hardware,
+        {
+            "c1.pd.output_tok_s": perf_baselines.FigureBaseline(tok_s, 0.5, "higher"),
+            "c1.pd.ttft_p50_ms": perf_baselines.FigureBaseline(ttft, 0.5, "lower"),
+        },
+    )
+
+
+def test_a_baseline_far_above_todays_figures_fails_only_on_the_same_hardware():
+    far = baseline("cpu, 2 cores", tok_s=10_000)
+    r = perf.evaluate(records(), requests=8, link=LINK, baselines=[far], key=KEY)
+    assert not r.passed and "c1.pd.output_tok_s 200 vs baseline 1e+04 (allowed >= 5000)" in r.message
+    elsewhere = perf.evaluate(
+        records(), requests=8, link=LINK, baselines=[baseline("1x NVIDIA H200", 1e4)], key=KEY
+    )
+    assert elsewhere.passed and elsewhere.details["baseline"]["other_hardware"] == ["1x NVIDIA H200"]
+    slower = perf.evaluate(
+        records(), requests=8, link=LINK, baselines=[baseline("cpu, 2 cores", 200, 10)], key=KEY
+    )
+    assert not slower.passed and "c1.pd.ttft_p50_ms 40 vs baseline 10 (allowed <= 15)" in slower.message
+    same = perf.evaluate(records(), requests=8, link=LINK, baselines=[baseline("cpu, 2 cores", 200)], key=KEY)
+    assert same.passed and same.details["baseline"]["status"] == "compared"
+
+
+# ---------------------------------------------------------------- the baselines file
+
+
+def test_record_then_load_round_trips_and_refuses_a_second_entry(tmp_path):
+    path = tmp_path / "perf_baselines.toml"
+    path.write_text((perf_baselines.BASELINES).read_text())  # the shipped header, no entry yet
+    measured = perf.baseline_figures(records(), 0.6)
+    perf_baselines.record(path, perf_baselines.new_entry(KEY, measured, source="test"))
+    (b,) = perf_baselines.load(path)
+    assert b.key == KEY and b.figures["link_ratio"] == perf_baselines.FigureBaseline(0.6, 0.5, "higher")
+    assert b.figures["c8.pd.ttft_p99_ms"].better == "lower" and set(b.figures) == set(measured)
+    assert perf_baselines.judge(measured, [b], KEY)[0] is None
+    with pytest.raises(ConfigError, match="already has a perf baseline"):
+        perf_baselines.record(path, perf_baselines.new_entry(KEY, measured, source="again"))
+
+
+def test_a_bad_entry_names_the_field(tmp_path):
+    path = tmp_path / "b.toml"
+    path.write_text('[[baseline]]\nmodel="m"\nconnector="nixl"\nconfig="1x1"\nhardware="h"\n'
+                    '[baseline.figures]\n"x" = { value = 1, better = "faster" }\n')  # fmt: skip
+    with pytest.raises(ConfigError, match=r"baseline #1\.figures\.x.*better in \('lower', 'higher'\)"):
+        perf_baselines.load(path)
+    assert perf_baselines.load(tmp_path / "absent.toml") == []
+    assert perf_baselines.load(perf_baselines.BASELINES) == []  # shipped empty: nothing judged yet
+
+
+def test_the_hardware_class_is_the_gpus_or_the_cores():
+    assert perf_baselines.hardware_class(["NVIDIA H200"], 16) == "1x NVIDIA H200"
+    assert perf_baselines.hardware_class(["NVIDIA H200", "NVIDIA H200"], 32) == "2x NVIDIA H200"
+    assert perf_baselines.hardware_class([], 2) == "cpu, 2 cores"
+
+
+# ---------------------------------------------------------------- selection
+
+
+def test_perf_is_a_default_on_cuda_and_opt_in_on_the_cpu_lane(tmp_path):
+    assert "perf" in registry.defaults("cuda") and "perf" not in registry.defaults("cpu")
+    assert "perf" not in registry.DEFAULTS
+    p = tmp_path / "s.toml"
+    p.write_text('name = "s"\n[defaults]\nmodel = "tiny-llama"\n[[config]]\nname = "1x1"\n')
+    s = load_sweep(p)
+    assert s.checks_on("cuda") == registry.defaults("cuda") and s.checks_on("cpu") == registry.defaults("cpu")
+    p.write_text(
+        'name = "s"\nchecks = ["perf", "smoke"]\n[defaults]\nmodel = "tiny-llama"\n[[config]]\nname = "1x1"\n'
+    )
+    assert load_sweep(p).checks_on("cpu") == ("smoke", "perf")
+    over = make_overrides(sets=['checks=["perf", "smoke"]'])
+    assert over.checks == ("smoke", "perf") and over.describe() == ["checks = ['smoke', 'perf']"]
+    with pytest.raises(ConfigError, match=r"command line: checks: unknown check 'perff' \(did you mean"):
+        make_overrides(sets=['checks=["perff"]'])
+    # --check adds to the platform's list or to --set's, in running order (perf before the faults)
+    assert selection.checks(registry.defaults("cpu"), ["perf"]) == (*registry.DEFAULTS, "perf")
+    assert selection.checks(["smoke"], ["faults,perf"]) == ("smoke", "perf", *registry.FAULTS)
+
+
+def test_perf_options_take_a_list_of_concurrency_levels():
+    opts = registry.resolve_options({"perf": {"concurrency": [1, 4, 16], "requests": 32}})
+    assert opts["perf"]["concurrency"] == (1, 4, 16) and opts["perf"]["requests"] == 32
+    for bad in ([], [0], [1.5], 8):
+        with pytest.raises(ConfigError, match=r"check_options\.perf\.concurrency.*a list of positive ints"):
+            registry.resolve_options({"perf": {"concurrency": bad}})
+
+
+def test_each_run_gets_its_own_dataset_seed(tmp_path):
+    from pd_sessions.core.config import ClusterConfig
+
+    cfg = ClusterConfig(name="1x1", model="tiny-llama", trust_remote_code=True)
+    spec = type("S", (), {"url": "http://127.0.0.1:2"})
+    plan = type("P", (), {"router": type("R", (), {"url": "http://127.0.0.1:1"}), "prefill": (spec,),
+                          "served_model_name": "tiny-llama", "model": "/m", "config": cfg})  # fmt: skip
+    runs = perf.planned_runs(plan, (8, 1, 8))
+    assert [(r.label, r.url) for r in runs] == [
+        ("pd-c1", "http://127.0.0.1:1"), ("colocated-c1", "http://127.0.0.1:2"),
+        ("pd-c8", "http://127.0.0.1:1"), ("colocated-c8", "http://127.0.0.1:2"),
+    ]  # fmt: skip
+    assert len({r.seed for r in runs}) == 4
+    argv = perf.bench_argv(plan, runs[0], registry.BY_NAME["perf"].options, tmp_path)
+    assert argv[argv.index("--max-concurrency") + 1] == "1" and argv[-1] == "--trust-remote-code"
+    assert argv[argv.index("--result-filename") + 1] == "pd-c1.json" and "--save-result" in argv
+
+
+# ---------------------------------------------------------------- the bench driver's protocol
+
+
+def test_the_driver_answers_each_request_reports_failures_and_quits(tmp_path):
+    ran = []
+
+    def run(argv):
+        ran.append(argv)
+        if argv == ["--bad"]:
+            raise SystemExit(2)  # what argparse does on a bad flag
+
+    t = threading.Thread(target=lambda: ran.append(perf_driver.serve_requests(tmp_path, run, idle_s=30)))
+    t.start()
+    for n, doc in enumerate([{"argv": ["--ok"]}, {"argv": ["--bad"]}]):
+        perf._write_json(tmp_path / f"run-{n}.json", doc)
+        while not (tmp_path / f"done-{n}.json").exists():
+            t.join(0.01)
+    perf._write_json(tmp_path / "run-2.json", {"quit": True})
+    t.join(10)
+    assert not t.is_alive() and ran == [["--ok"], ["--bad"], 2]
+    assert json.loads((tmp_path / "done-0.json").read_text()) == {"ok": True}
+    bad = json.loads((tmp_path / "done-1.json").read_text())
+    assert bad["ok"] is False and bad["error"] == "SystemExit: 2"
+
+
+def test_the_driver_exits_when_nobody_asks(tmp_path):
+    now = [0.0]
+    assert perf_driver.serve_requests(tmp_path, lambda argv: None, idle_s=5, clock=lambda: now[0],
+                                      sleep=lambda s: now.__setitem__(0, now[0] + 1)) == 0  # fmt: skip
+
+
+def test_a_level_without_a_figure_keeps_its_column_empty():
+    nixl = pf.Transfers(
+        "decode /metrics", count=8, seconds=0.04, bytes=8 * 2**20, descriptors=16, post_seconds=0.01
+    )
+    recs = [
+        record("pd", 1, ttft=40, itl=4, tok_s=200),
+        *records()[1:2],
+        record("pd", 8, ttft=80, itl=5, tok_s=1, transfers=nixl),
+    ]
+    r = perf.evaluate(recs, requests=8, link=LINK, key=KEY)
+    split = {row[0]: row[2:] for row in r.tables[1].rows}  # a Table checks its rows' lengths itself
+    assert split["KV transfer post"] == (None, 1.25) and split["KV transfer"][0] is None
