@@ -33,7 +33,7 @@ def test_defaults_are_every_check_in_running_order():
         "accuracy",
     )
     assert registry.resolve(None) == registry.DEFAULTS
-    assert (*registry.DEFAULTS, "preemption") == registry.NAMES  # a sweep selects it
+    assert (*registry.DEFAULTS, "preemption", "perf", *registry.FAULTS) == registry.NAMES  # opt-in: selected
 
 
 def test_selection_is_put_in_running_order():
