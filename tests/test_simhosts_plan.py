@@ -174,3 +174,25 @@ def test_ray_processes_never_join_another_cluster_and_report_nothing_home():
 
 def _options(argv: list[str]) -> dict[str, str]:
     return {a: b for a, b in itertools.pairwise(argv) if a.startswith("--")}
+
+
+@pytest.mark.parametrize("still_there,expected", [(False, False), (True, "raises")])
+def test_removing_what_vanished_meanwhile_is_not_an_error(monkeypatch, still_there, expected):
+    """A veth's root end goes with its namespace, asynchronously: seen before ``ip link del``,
+    gone when it runs. That is "already gone", not a failure; a removal that fails while the
+    thing is still there raises."""
+    from pd_sessions.core.errors import HostSetupError
+    from pd_sessions.runtime import netns
+
+    seen = iter([True, still_there])
+    monkeypatch.setattr(netns, "exists", lambda kind, name: next(seen))
+
+    def fails(*args, step):
+        raise HostSetupError(f"simulated hosts: {step}: Cannot find device")
+
+    monkeypatch.setattr(netns, "_ip", fails)
+    if expected == "raises":
+        with pytest.raises(HostSetupError, match="removing link pdsX"):
+            netns.remove(netns.LINK, "pdsX")
+    else:
+        assert netns.remove(netns.LINK, "pdsX") is False

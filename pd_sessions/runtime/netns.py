@@ -97,10 +97,15 @@ def remove(kind: str, name: str) -> bool:
         raise ValueError(f"unknown kind {kind!r}")
     if not exists(kind, name):
         return False
-    if kind == LINK:
-        _ip("link", "del", name, step=f"removing link {name}")
-    else:
-        _ip("netns", "del", name, step=f"removing namespace {name}")
+    try:
+        if kind == LINK:
+            _ip("link", "del", name, step=f"removing link {name}")
+        else:
+            _ip("netns", "del", name, step=f"removing namespace {name}")
+    except HostSetupError:
+        if not exists(kind, name):  # gone meanwhile: a veth goes with its namespace, asynchronously
+            return False
+        raise
     return True
 
 
