@@ -343,6 +343,18 @@ def nixl_push_sweep(tmp_path_factory) -> SweepRun:
     return _sweep_once(results, argv=argv)
 
 
+@pytest.fixture(scope="session")
+def preemption_sweep(tmp_path_factory) -> SweepRun:
+    """The built-in preemption sweep's 1x1 (Mooncake): a decode with 8 KV blocks of 32 tokens
+    under a burst that needs about 24, checks smoke and preemption (issue 27)."""
+    heavy("vllm")
+    heavy("mooncake.engine")
+    results = e2e_dir(tmp_path_factory, "preemption") / "r"
+    return _sweep_once(
+        results, args=("sweep", "preemption", "--platform", "cpu", "--results-dir", str(results))
+    )
+
+
 # Fault injection, one cluster for four must-fail facts: the decode instance is started WITHOUT
 # --kv-transfer-config (so it silently recomputes every prompt) and serves a tiny model with
 # other weights (seed 1); margin-mode parity is forced (on the CPU lane prefill and decode share

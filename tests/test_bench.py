@@ -407,3 +407,15 @@ def test_checks_part_runs_each_check_sweep(tmp_path):
     assert run["ok"] and run["sweep"] == "fake" and set(run["check_s"]) >= set(report.EDGE_CHECKS)
     assert doc["checks_cost"]["fake:1x1"]["ok"] == 1
     assert "edge checks" in stdout
+
+
+def test_request_features_has_its_own_goal_of_10_s_per_config():
+    rf = {"request_features": 4.0}
+    runs = [_checked_run("mooncake_sweep", "mooncake", {**BASE, **rf}, repeat=i) for i in range(2)]
+    runs += [_checked_run("nixl_sweep", "nixl", {**BASE, "request_features": 12.5}, repeat=0)]
+    doc = bench_doc([])
+    doc["checks_cost"] = report.summarize_checks(runs)
+    goals = {g.name: g for g in report.goals(doc)}
+    assert goals["1x1 over mooncake: request_features adds"].met is True
+    assert goals["1x1 over nixl: request_features adds"].met is False
+    assert goals["1x1 over nixl: request_features adds"].limit == report.REQUEST_FEATURES_GOAL_S == 10.0

@@ -67,6 +67,19 @@ def test_bad_config_file_exit_2(tmp_path):
     assert r.returncode == 2 and "prefill_tp: got 0" in r.stderr and str(p) in r.stderr
 
 
+def test_the_two_bad_inputs_seen_exit_2_before_launch_in_the_projects_words(tmp_path):
+    """A path-like --model that does not exist (vLLM would fail 8 s after launch with Hugging
+    Face's "Repo id must be in the form ..."), and a sweep file without `model`."""
+    r = cli("sweep", "mooncake_sweep", "--platform", "cpu", "--model", "/a/path/that/does/not/exist")
+    assert r.returncode == 2 and "--model: '/a/path/that/does/not/exist'" in r.stderr
+    assert "does not exist" in r.stderr and "results and logs" not in r.stdout
+    p = tmp_path / "no_model.toml"
+    p.write_text('name = "x"\n[[config]]\nname = "1x1"\n')
+    r = cli("sweep", str(p), "--platform", "cpu")
+    assert r.returncode == 2 and f"{p} [[config]] #1: model: missing; every config needs it" in r.stderr
+    assert "ClusterConfig" not in r.stderr and "positional" not in r.stderr
+
+
 def test_kimi_dry_run_prints_the_nightly_plan_anywhere():
     r = cli("sweep", "kimi_linear_nightly", "--dry-run", "--allow-unpinned-remote-code")
     assert r.returncode == 0, r.stderr

@@ -107,6 +107,41 @@ def test_loader_bad_value_names_file_and_config(tmp_path):
         load_sweep(p)
 
 
+@pytest.mark.parametrize(
+    "toml,field,expects",
+    [
+        ('name="s"\n[[config]]\nname="a"\n', "model", ["a hub id", "tiny-llama", "[defaults]"]),
+        ('name="s"\n[defaults]\nmodel="m"\n[[config]]\nprefill_tp=1\n', "name", ['name = "1x1"']),
+        ('name="s"\n[[config]]\nconnector="nixl"\n', "name, model", ["name: a short", "model: the model"]),
+    ],
+)
+def test_a_missing_required_field_is_named_with_what_it_expects(tmp_path, toml, field, expects):
+    with pytest.raises(ConfigError) as e:
+        load_sweep(write(tmp_path, toml))
+    msg = str(e.value)
+    assert f"[[config]] #1: {field}: missing; every config needs" in msg and e.value.exit_status == 2
+    assert all(x in msg for x in expects), msg
+    assert "__init__" not in msg and "positional argument" not in msg
+
+
+def test_every_field_without_a_default_is_in_the_required_table():
+    import dataclasses
+
+    from pd_sessions.core.config import REQUIRED
+
+    no_default = [
+        f.name
+        for f in dataclasses.fields(ClusterConfig)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    assert no_default == list(REQUIRED)
+
+
+def test_a_sweep_without_a_name_says_what_it_expects(tmp_path):
+    with pytest.raises(ConfigError, match=r'name: missing; a sweep needs a name .* e\.g\. name = "my_sweep"'):
+        load_sweep(write(tmp_path, '[defaults]\nmodel="m"\n[[config]]\nname="a"\n'))
+
+
 def test_loader_requires_reason_for_opt_in(tmp_path):
     p = write(tmp_path, 'name="s"\n[defaults]\nmodel="m"\n[[config]]\nname="a"\ndefault_on=["cuda"]\n')
     with pytest.raises(ConfigError, match="opt_in_reason"):

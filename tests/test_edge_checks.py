@@ -25,6 +25,7 @@ def test_defaults_are_every_check_in_running_order():
         "smoke",
         "parity",
         "kv_transfer",
+        "request_features",
         "cache_paths",
         "too_long",
         "burst",
@@ -32,6 +33,7 @@ def test_defaults_are_every_check_in_running_order():
         "accuracy",
     )
     assert registry.resolve(None) == registry.DEFAULTS
+    assert (*registry.DEFAULTS, "preemption", "perf", *registry.FAULTS) == registry.NAMES  # opt-in: selected
 
 
 def test_selection_is_put_in_running_order():

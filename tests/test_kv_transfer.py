@@ -9,6 +9,7 @@ from conftest import FIXTURES
 from pd_sessions.checks import evidence, instances
 from pd_sessions.checks import kv_transfer as kv
 from pd_sessions.core.connectors import MOONCAKE, NIXL, NIXL_PUSH
+from pd_sessions.core.kv_identity import Counts
 
 METRICS = NIXL.evidence.samples
 COUNT, BYTES, FAILURES = NIXL.evidence.count, NIXL.evidence.bytes, NIXL.evidence.failures
@@ -31,8 +32,24 @@ BLOCK_SIZE_EXC = "RuntimeError: Local block size 240 is not divisible by remote 
 
 
 def counters():
-    before, after = (instances.external_tokens(t) for t in (NIXL_BEFORE, NIXL_AFTER))
+    before, after = (instances.prompt_counts(t) for t in (NIXL_BEFORE, NIXL_AFTER))
     return ({"decode-0": before}, {"decode-0": after})
+
+
+# The one router request between the recorded scrapes: 21 prompt tokens, all received by transfer.
+PROMPT = 21
+
+
+def test_the_recorded_request_meets_the_exact_identity():
+    b, a = counters()
+    assert a["decode-0"] - b["decode-0"] == Counts(external=PROMPT)
+    assert json.loads((FIXTURES / "router_completion.json").read_text())["usage"]["prompt_tokens"] == PROMPT
+
+
+def evaluate(b, a, **kw):
+    return kv.evaluate(
+        b, a, **{"router_prompt_tokens": PROMPT, "router_requests": 1, "connector": "nixl", **kw}
+    )
 
 
 def prompt_tokens():
@@ -57,13 +74,7 @@ def test_recorded_nixl_metrics_carry_success_and_failure_counters():
 
 def test_real_nixl_transfer_passes_with_its_success_counters():
     b, a = counters()
-    r = kv.evaluate(
-        b,
-        a,
-        router_prompt_tokens=int(a["decode-0"] - b["decode-0"]) + 1,
-        router_requests=1,
-        evidence=nixl_evidence(),
-    )
+    r = evaluate(b, a, evidence=nixl_evidence())
     assert r.passed, r.message
     assert "NIXL completed 1 READ transfers of 262144 bytes (decode /metrics), no failures" in r.message
     assert r.details["success"]["metrics_delta"][COUNT] == 1
@@ -75,13 +86,7 @@ def test_real_nixl_transfer_passes_with_its_success_counters():
 def test_scheduling_counter_rose_but_no_transfer_completed_fails():
     # the external-KV counter rose (real after-scrape), the NIXL success counters did not
     b, a = counters()
-    r = kv.evaluate(
-        b,
-        a,
-        router_prompt_tokens=int(a["decode-0"] - b["decode-0"]) + 1,
-        router_requests=1,
-        evidence=nixl_evidence(after_text=NIXL_BEFORE),
-    )
+    r = evaluate(b, a, evidence=nixl_evidence(after_text=NIXL_BEFORE))
     assert not r.passed
     assert "NIXL completed 0 READ transfers (0 bytes) for 1 router requests" in r.message
     assert "scheduling-time counter rose" in r.message
@@ -94,7 +99,7 @@ def test_nixl_failure_counter_rising_fails():
     )
     assert failed != NIXL_AFTER
     b, a = counters()
-    r = kv.evaluate(b, a, router_prompt_tokens=10, router_requests=1, evidence=nixl_evidence(failed))
+    r = evaluate(b, a, evidence=nixl_evidence(failed))
     assert (
         not r.passed
         and "NIXL failure counters rose" in r.message
@@ -108,13 +113,7 @@ def test_handshake_failure_in_decode_log_fails_and_is_named():
     assert lines == [HANDSHAKE_FAILED, BLOCK_SIZE_EXC]
     assert evidence.failure_lines(log, MOONCAKE.failure_lines) == []  # each connector its own lines
     b, a = counters()
-    r = kv.evaluate(
-        b,
-        a,
-        router_prompt_tokens=10,
-        router_requests=1,
-        evidence=nixl_evidence(logs={"decode-0": lines, "prefill-0": []}),
-    )
+    r = evaluate(b, a, evidence=nixl_evidence(logs={"decode-0": lines, "prefill-0": []}))
     assert not r.passed
     assert "handshake_setup_failed" in r.message and "Local block size 240 is not divisible" in r.message
     assert r.details["success"]["log_failures"] == {"decode-0": lines}
@@ -122,14 +121,14 @@ def test_handshake_failure_in_decode_log_fails_and_is_named():
 
 def test_no_evidence_never_passes():
     b, a = counters()
-    r = kv.evaluate(b, a, router_prompt_tokens=10, router_requests=1)
+    r = evaluate(b, a)
     assert not r.passed and "no success evidence" in r.message
 
 
 def test_missing_nixl_metrics_fail():
     b, a = counters()
     ev = evidence.Evidence("nixl", {"decode-0": {}}, {"decode-0": {}})
-    r = kv.evaluate(b, a, router_prompt_tokens=10, router_requests=1, evidence=ev)
+    r = evaluate(b, a, evidence=ev)
     assert not r.passed and "decode /metrics has no vllm:nixl_xfer_time_seconds_count" in r.message
 
 
@@ -137,15 +136,13 @@ def test_mooncake_success_from_the_stats_line():
     assert evidence.transfer_stats(STATS_LINE + "\n" + STATS_LINE)["Num successful transfers"] == 4
     b, a = counters()
     ok = evidence.Evidence("mooncake", log_stats={"prefill-0": evidence.transfer_stats(STATS_LINE)})
-    r = kv.evaluate(b, a, router_prompt_tokens=10, router_requests=1, evidence=ok)
+    r = evaluate(b, a, evidence=ok)
     assert r.passed and "Mooncake logged 2 successful transfers" in r.message
-    assert not kv.evaluate(
-        b, a, router_prompt_tokens=10, router_requests=1, evidence=evidence.Evidence("mooncake")
-    ).passed
+    assert not evaluate(b, a, connector="mooncake", evidence=evidence.Evidence("mooncake")).passed
     failed = evidence.Evidence(
         "mooncake", log_stats={"decode-0": {"Num successful transfers": 0, "Num failed recvs": 2}}
     )
-    r = kv.evaluate(b, a, router_prompt_tokens=10, router_requests=1, evidence=failed)
+    r = evaluate(b, a, evidence=failed)
     assert not r.passed and "2 failed transfers/recvs" in r.message
 
 
@@ -205,15 +202,13 @@ def test_push_mode_reads_the_prefill_which_completes_the_writes():
         {"prefill-0": instances.sample_sums(NIXL_BEFORE, METRICS)},
         {"prefill-0": instances.sample_sums(NIXL_AFTER, METRICS)},
     )
-    r = kv.evaluate(
-        b, a, router_prompt_tokens=int(a["decode-0"] - b["decode-0"]) + 1, router_requests=1, evidence=ev
-    )
+    r = evaluate(b, a, connector="nixl_push", evidence=ev)
     assert r.passed, r.message
     assert "NIXL push completed 1 WRITE transfers of 262144 bytes (prefill /metrics)" in r.message
     still = evidence.Evidence(
         "nixl_push", {"prefill-0": {COUNT: 1, BYTES: 9}}, {"prefill-0": {COUNT: 1, BYTES: 9}}
     )
-    r = kv.evaluate(b, a, router_prompt_tokens=10, router_requests=1, evidence=still)
+    r = evaluate(b, a, connector="nixl_push", evidence=still)
     assert (
         not r.passed and "NIXL push completed 0 WRITE transfers (0 bytes) for 1 router requests" in r.message
     )

@@ -130,7 +130,7 @@ def test_a_stuck_kv_pull_during_checks_fails_fast_naming_the_instance(tmp_path, 
         took = time.monotonic() - t0
     assert took < 10, took
     by = {r.name: r for r in results}
-    assert [r.verdict for r in results] == ["fail"] * len(results) and len(results) == 7
+    assert [r.verdict for r in results] == ["fail"] * len(results) and len(results) == 8
     assert "no answer within 2 s" in by["smoke"].message
     assert "stuck: decode-0 waits for KV from prefill-0" in by["smoke"].message
     assert by["parity"].message.startswith("not run: the P/D path is stuck (smoke got no answer within 2 s")

@@ -199,3 +199,11 @@ def test_router_takes_the_last_ports():
     assert [label for label, _ in ledger.taken[-2:]] == ["router.http", "router.prometheus"]
     assert (r.name, r.role, r.port, r.env, r.log_name) == ("router", "router", 18000, (), "router.log")
     assert arg(r.argv, "--prefill") == pre.url and arg(r.argv, "--decode") == dec.url
+
+
+def test_decode_extra_args_go_to_decode_instances_only_and_last():
+    c = cfg(extra_args=("--all",), decode_extra_args=("--num-gpu-blocks-override", "16"))
+    decode, _ = instance_argv(Slot("decode", 0, 1, 1), launch(c), PORTS)
+    prefill, _ = instance_argv(Slot("prefill", 0, 1, 1), launch(c), PORTS)
+    assert decode[-3:] == ["--all", "--num-gpu-blocks-override", "16"]
+    assert prefill[-1] == "--all" and "--num-gpu-blocks-override" not in prefill

@@ -21,6 +21,7 @@ from pd_sessions.checks import (
     too_long,
 )
 from pd_sessions.checks import accuracy as acc
+from pd_sessions.core.kv_identity import Counts
 from pd_sessions.core.results import (
     FAIL,
     PASS,
@@ -151,16 +152,26 @@ def test_parity_reports_prompts_and_a_row_each():
 def test_kv_transfer_reports_tokens_evidence_and_a_row_per_decode():
     ok = evidence.Evidence("mooncake", log_stats={"prefill-0": {"Num successful transfers": 5}})
     r = kv_transfer.evaluate(
-        {"decode-0": 10}, {"decode-0": 110}, router_prompt_tokens=100, router_requests=5, evidence=ok
+        {"decode-0": Counts(10)},
+        {"decode-0": Counts(110)},
+        router_prompt_tokens=100,
+        router_requests=5,
+        connector="mooncake",
+        evidence=ok,
     )
     f = figures(r)
     assert (
-        f["delta"] == (100, "tokens") and f["required"] == (95, "tokens") and f["router_requests"] == (5, "")
+        f["delta"] == (100, "tokens") and f["expected"] == (100, "tokens") and f["router_requests"] == (5, "")
     )
+    assert f["local_cache_hit"] == (0, "tokens") and f["local_compute"] == (0, "tokens")
     assert f["successful_transfers"] == (5, "") and f["failed_transfers"] == (0, "")
     assert r.tables[0].rows == (("decode-0", 10, 110, 100),)
     silent = kv_transfer.evaluate(
-        {"decode-0": 10}, {"decode-0": 10}, router_prompt_tokens=100, router_requests=5
+        {"decode-0": Counts(10)},
+        {"decode-0": Counts(10)},
+        router_prompt_tokens=100,
+        router_requests=5,
+        connector="mooncake",
     )
     assert not silent.passed and figures(silent)["delta"] == (0, "tokens")
 

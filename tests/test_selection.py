@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pd_sessions.core import preflight
 from pd_sessions.core.cliargs import sweep_parser
 from pd_sessions.core.errors import ConfigError, PlanError
 from pd_sessions.core.inventory import Inventory
@@ -71,6 +72,43 @@ def test_a_dry_run_plans_a_gpu_sweep_with_assumed_gpus():
     assert sel.platform == "cuda" and sel.inv.gpus == ("0", "1", "2", "3") and "dry run:" in (sel.note or "")
     with pytest.raises(PlanError, match="needs 4 GPUs"):
         select_run("kimi_linear_nightly", args(), CPUS)
+
+
+@pytest.mark.parametrize(
+    "model,path_like",
+    [
+        ("/a/path/that/does/not/exist", True),
+        ("./models/x", True),
+        ("../x", True),
+        ("~/models/x", True),
+        ("Qwen/Qwen3-0.6B", False),
+        ("tiny-llama", False),
+        ("somedir", True),  # an existing relative directory (is_dir says so below)
+    ],
+)
+def test_path_like_models(model, path_like):
+    assert (preflight.path_like(model, is_dir=lambda p: p == "somedir") is not None) is path_like
+
+
+def test_a_path_like_model_that_does_not_exist_is_refused_before_launch_naming_it(tmp_path):
+    missing = str(tmp_path / "not" / "there")
+    with pytest.raises(ConfigError) as e:
+        select_run("mooncake_sweep", args("--model", missing, "--platform", "cpu"), CPUS)
+    assert e.value.exit_status == 2 and e.value.field == "--model"
+    assert missing in str(e.value) and "does not exist" in str(e.value) and "Qwen/Qwen3-0.6B" in str(e.value)
+    sel = select_run("mooncake_sweep", args("--model", missing, "--platform", "cpu", "--dry-run"), CPUS)
+    assert len(sel.warnings) == 1 and missing in sel.warnings[0]
+    # an existing directory, a hub id (not looked up) and a generated model all pass
+    for model in (str(tmp_path), "Qwen/Qwen3-0.6B", "tiny-llama"):
+        assert select_run("mooncake_sweep", args("--model", model, "--platform", "cpu"), CPUS).warnings == ()
+
+
+def test_a_missing_model_path_in_the_sweep_file_names_the_file(tmp_path):
+    toml = tmp_path / "s.toml"
+    toml.write_text('name = "s"\n[defaults]\nmodel = "./no/such/model"\n[[config]]\nname = "a"\n')
+    with pytest.raises(ConfigError) as e:
+        select_run(str(toml), args("--platform", "cpu"), CPUS)
+    assert e.value.field == "model" and str(toml) in str(e.value) and "'./no/such/model'" in str(e.value)
 
 
 def test_check_adds_checks_to_the_sweeps_own_in_running_order():

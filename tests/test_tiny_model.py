@@ -3,6 +3,7 @@ names against vLLM's own model class; remote code that needs trust_remote_code."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -31,12 +32,15 @@ SERVED_ON_H200 = json.loads("""{"architectures":["KimiLinearForCausalLM"],"model
   "full_attn_layers":[4],"num_heads":4,"head_dim":128,"short_conv_kernel_size":4}}""")
 
 
-def test_every_config_model_name_has_a_spec_and_old_caches_keep_their_names():
+def test_every_config_model_name_has_a_spec_and_the_key_follows_the_chat_template():
     assert set(TINY_MODELS) == set(tm.SPECS)
-    # keys of the models generated before the generator had specs: caches stay valid
-    assert tm.SPECS["tiny-llama"].key() == "2f096378fb26"
-    assert tm.SPECS["tiny-mixtral"].key() == "556d5899e4ee"
+    # the keys since the tokenizers carry a chat template (before: 2f096378fb26, 556d5899e4ee)
+    assert tm.SPECS["tiny-llama"].key() == "aea537ac66da"
+    assert tm.SPECS["tiny-mixtral"].key() == "c1f9f93d1f8f"
     assert tm.spec_for("tiny-llama", weights_seed=1).key() != tm.SPECS["tiny-llama"].key()
+    # another template is another model: its cache is not reused
+    other = dataclasses.replace(tm.SPECS["tiny-llama"], chat_template="{{ messages[0]['content'] }}")
+    assert other.key() != tm.SPECS["tiny-llama"].key()
     with pytest.raises(ValueError, match="known: tiny-llama"):
         tm.spec_for("tiny-gpt")
 
@@ -118,3 +122,16 @@ def test_other_weights_seed_keeps_the_tokenizer(tmp_path):
     b = tm.ensure(tm.spec_for("tiny-llama", weights_seed=1), tmp_path)
     assert (a / "tokenizer.json").read_text() == (b / "tokenizer.json").read_text()
     assert (a / "model.safetensors").read_bytes() != (b / "model.safetensors").read_bytes()
+
+
+def test_the_generated_tokenizer_renders_chat(tmp_path):
+    """/v1/chat/completions needs a chat template (vLLM answers 400 without one)."""
+    heavy("torch")
+    from transformers import AutoTokenizer
+
+    d = tm.ensure(tm.SPECS["tiny-llama"], tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(d))
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Seven plus five?"}]
+    text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert text == "<|system|> Be brief.\n<|user|> Seven plus five?\n<|assistant|> "
+    assert json.loads((d / "pd_sessions_spec.json").read_text())["chat_template"] == tm.CHAT_TEMPLATE

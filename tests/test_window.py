@@ -16,6 +16,7 @@ from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core import check_registry as registry
 from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.errors import ConfigError
+from pd_sessions.core.kv_identity import Counts
 from pd_sessions.core.results import FAIL, PASS, CheckResult
 from pd_sessions.runtime import http
 from pd_sessions.runtime.launcher import LOCAL
@@ -114,7 +115,7 @@ def words(*prompts):
 def test_open_scrapes_the_decodes_and_starts_the_evidence(fake):
     fake.external = 7.0
     w = CheckWindow.open(fake.cluster, [], timeout_s=2.0)
-    assert w.decode_before == {"decode-0": 7.0} and w.errors == []
+    assert w.decode_before == {"decode-0": Counts(external=7.0)} and w.errors == []
     assert w.evidence is not None and w.evidence.connector == "mooncake"
     assert fake.calls == ["GET decode-0"]
 
@@ -204,7 +205,17 @@ def test_a_request_with_no_answer_makes_the_path_stuck_and_fails_the_rest_at_onc
 def test_the_runner_runs_every_check_in_order_around_one_window(fake, monkeypatch):
     seen = []
     gather = recorder(fake, seen)
-    for name in ("cache_paths", "too_long", "burst", "abort_frees_kv", "accuracy", "perf", *registry.FAULTS):
+    for name in (
+        "request_features",
+        "cache_paths",
+        "too_long",
+        "burst",
+        "abort_frees_kv",
+        "accuracy",
+        "preemption",
+        "perf",
+        *registry.FAULTS,
+    ):
         monkeypatch.setitem(runner.GATHERERS, name, gather(name))
     results = []
     runner.run_checks(
@@ -233,19 +244,21 @@ def test_the_runner_runs_every_check_in_order_around_one_window(fake, monkeypatc
     assert (kv["router_requests"], kv["router_prompt_tokens"]) == (5, words(SMOKE_PROMPT, *PARITY_PROMPTS))
     assert kv["control"] == {
         "decode": "decode-0",
-        "before": kv["after"]["decode-0"],
-        "after": kv["after"]["decode-0"],
+        "before": kv["after"]["decode-0"]["external_kv_transfer"],
+        "after": kv["after"]["decode-0"]["external_kv_transfer"],
     }
     # prefill-0's direct baselines are not the router's: it served parity's router requests only
     assert kv["served_by_instance"]["prefill-0"] == words(*PARITY_PROMPTS)
     # the edge checks and accuracy after the window, in order, with their options
     n = len(fake.calls)
     assert seen == [
+        ("request_features", {}, n),
         ("cache_paths", {}, n),
         ("too_long", {"bound_s": 10.0}, n),
         ("burst", {"requests": 6, "max_tokens": 8}, n),
         ("abort_frees_kv", {"requests": 4, "bound_s": 15.0, "first_token_s": 150.0}, n),
         ("accuracy", acc.as_options(acc.AccuracyOptions(task="t")), n),
+        ("preemption", {"requests": 8, "max_tokens": 48}, n),
         # perf, with the registry's options and --record-baseline (the accuracy check's flag)
         ("perf", {**registry.BY_NAME["perf"].options, "record_baseline": False}, n),
         # the fault scenarios last (opt-in): they corrupt, stall, kill and restart
@@ -280,7 +293,17 @@ def test_a_stuck_path_fails_every_later_check_without_running_it(fake, monkeypat
     monkeypatch.setattr(runner, "CHECK_REQUEST_TIMEOUT_S", 2.0)
     seen = []
     gather = recorder(fake, seen)
-    for name in ("cache_paths", "too_long", "burst", "abort_frees_kv", "accuracy", "perf", *registry.FAULTS):
+    for name in (
+        "request_features",
+        "cache_paths",
+        "too_long",
+        "burst",
+        "abort_frees_kv",
+        "accuracy",
+        "preemption",
+        "perf",
+        *registry.FAULTS,
+    ):
         monkeypatch.setitem(runner.GATHERERS, name, gather(name))
     fake.router_hangs = True
     results = []

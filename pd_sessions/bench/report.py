@@ -33,6 +33,7 @@ TEARDOWN_SLACK_S = 2.0
 EDGE_CHECKS = ("cache_paths", "too_long", "burst", "abort_frees_kv")
 BASE_CHECKS = ("smoke", "parity", "kv_transfer")
 EDGE_CHECKS_GOAL_S = 15.0  # what the edge checks may add per config on the CPU lane
+REQUEST_FEATURES_GOAL_S = 10.0  # what request_features may add per config on the CPU lane (issue 27)
 
 
 def _ok(runs: Sequence[dict[str, Any]], driver: str, config: str) -> list[dict[str, Any]]:
@@ -172,6 +173,18 @@ def goals(doc: dict[str, Any]) -> list[Goal]:
                 "(pd_sessions driver), on top of " + " + ".join(BASE_CHECKS),
             )
         )
+    for c in doc.get("checks_cost", {}).values():
+        rf = c["check_s"].get("request_features")
+        if rf:
+            gs.append(
+                Goal(
+                    f"{c['config']} over {c['connector']}: request_features adds",
+                    REQUEST_FEATURES_GOAL_S,
+                    "s",
+                    rf["median"],
+                    "wall time of the request_features check per config (pd_sessions driver)",
+                )
+            )
     rp = doc.get("report_page")
     if rp:
         gs.append(

@@ -1,6 +1,7 @@
 """burst: N concurrent requests through the router (32 by default). All must succeed, each
 must equal, token for token, the same request sent alone to prefill-direct, and the KV proof
-(decode instances' external-KV counters over the burst) must count every one of them.
+(decode instances' prompt tokens by source over the burst, exactly as the connector's identity
+says: core/kv_identity.py) must count every one of them.
 Outputs correct for one request can be wrong under concurrency (batching, block reuse, a
 transfer mixed up between requests). Comparisons follow the parity check's mode
 (checks/parity.py): where prefill and decode have different numeric layouts, each P/D output is
@@ -12,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from pd_sessions.checks import evidence, instances, kv_transfer, parity
@@ -94,24 +96,37 @@ def evaluate(
     )
 
 
-def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
+@dataclass
+class Fired:
+    """A burst through the router: each prompt's completion (None when it failed), the failures,
+    its seconds, and the KV proof over it."""
+
+    texts: list[str]
+    results: list[Completion | None]
+    errors: list[str]
+    seconds: float
+    kv: CheckResult
+
+
+def fire(window: CheckWindow, texts: Sequence[str], max_tokens: int) -> Fired:
+    """All of ``texts`` at once through the router, with the KV proof around them (the decodes'
+    prompt tokens by source against the connector's identity, the success evidence, and every
+    instance serving some of them)."""
     plan = window.plan
     model = plan.served_model_name
-    n, max_tokens = int(options["requests"]), int(options["max_tokens"])
-    texts = prompts(n)
 
     def one(url: str, prompt: str) -> Completion:
         return Completion.from_response(
             http.completion(url, model, prompt, max_tokens=max_tokens, timeout=REQUEST_TIMEOUT_S)
         )
 
-    before = instances.scrape_decode(plan)
+    before = instances.scrape_decode_counts(plan)
     ev_window = evidence.Window.for_cluster(window.cluster, http.get_text)
     served_before = instances.scrape_served(plan)
     t0 = time.monotonic()
     results: list[Completion | None] = []
     errors: list[str] = []
-    with ThreadPoolExecutor(max_workers=n) as pool:
+    with ThreadPoolExecutor(max_workers=len(texts)) as pool:
         futures = [pool.submit(one, plan.router.url, p) for p in texts]
         for p, f in zip(texts, futures, strict=True):
             try:
@@ -120,14 +135,21 @@ def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
                 results.append(None)
                 errors.append(f"{p[:30]!r}: {e}")
     seconds = time.monotonic() - t0
-    after = instances.scrape_decode(plan)
+    after = instances.scrape_decode_counts(plan)
     ok = [c for c in results if c is not None]
     kv = kv_transfer.evaluate(
         before,
         after,
         router_prompt_tokens=sum(c.prompt_tokens for c in ok),
         router_requests=len(ok),
-        evidence=ev_window.close(router_requests=len(ok), wait_s=evidence.evidence_wait(before, after)),
+        connector=plan.config.connector,
+        ssm=plan.config.hybrid,
+        evidence=ev_window.close(
+            router_requests=len(ok),
+            wait_s=evidence.evidence_wait(
+                {n: c.external for n, c in before.items()}, {n: c.external for n, c in after.items()}
+            ),
+        ),
     )
     kv = instances.apply_served(
         kv,
@@ -136,17 +158,31 @@ def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
         requests=len(ok),
         roles={"prefill": len(plan.prefill), "decode": len(plan.decode)},
     )
-    p0 = plan.prefill[0]
-    j = parity.Judge.for_config(plan.config)
-    # one at a time: each request alone on prefill-0
+    return Fired(list(texts), results, errors, seconds, kv)
+
+
+def references(
+    window: CheckWindow, fired: Fired, max_tokens: int, j: parity.Judge
+) -> list[tuple[str, Completion | None, parity.Reference]]:
+    """Prefill-0's side of each completed request of ``fired``, one at a time (each request alone);
+    a P/D answer that cannot be scored adds to ``fired.errors``."""
+    p0, model = window.plan.prefill[0], window.plan.served_model_name
     pairs: list[tuple[str, Completion | None, parity.Reference]] = []
-    for p, c in zip(texts, results, strict=True):
+    for p, c in zip(fired.texts, fired.results, strict=True):
         if c is None:
             continue
         try:
             ref = parity.reference(j, p0.url, model, p, c, max_tokens=max_tokens, timeout=REQUEST_TIMEOUT_S)
         except ValueError as e:
-            errors.append(f"{p[:30]!r}: could not score the P/D tokens: {e}")
+            fired.errors.append(f"{p[:30]!r}: could not score the P/D tokens: {e}")
             continue
         pairs.append((p, c, ref))
-    return evaluate(pairs, errors, kv, requests=n, seconds=seconds, judge=j)
+    return pairs
+
+
+def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
+    n, max_tokens = int(options["requests"]), int(options["max_tokens"])
+    fired = fire(window, prompts(n), max_tokens)
+    j = parity.Judge.for_config(window.plan.config)
+    pairs = references(window, fired, max_tokens, j)
+    return evaluate(pairs, fired.errors, fired.kv, requests=n, seconds=fired.seconds, judge=j)

@@ -1,8 +1,9 @@
 """What the checks read from the instances, and per-instance counting.
 
-- /metrics: the external-KV prompt-token counter of a decode (:func:`external_tokens`), the prompt
-  tokens a prefill computed (:func:`prefill_tokens`), any sum of samples (:func:`sample_sums`,
-  :func:`gauges`), parsed with prometheus_client;
+- /metrics: the external-KV prompt-token counter of a decode (:func:`external_tokens`), its prompt
+  tokens by every source (:func:`prompt_counts`, for the KV accounting of core/kv_identity.py), the
+  prompt tokens a prefill computed (:func:`prefill_tokens`), any sum of samples
+  (:func:`sample_sums`, :func:`gauges`), parsed with prometheus_client;
 - /tokenize, the block size an instance runs with, the /health of every process;
 - per-instance counting for clusters with several instances per role (xPyD): over a window of
   router requests, every prefill must have computed prompt tokens (``vllm:prompt_tokens_total``)
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from pd_sessions.core.kv_identity import Counts
 from pd_sessions.core.plan import CPU_DEFAULT_BLOCK_SIZE, ClusterPlan, ProcessSpec
 from pd_sessions.core.results import FAIL, CheckResult, Table
 from pd_sessions.runtime import http
@@ -63,6 +65,19 @@ def external_tokens(metrics_text: str) -> float:
             f"{', '.join(names) or 'none'})"
         )
     return total
+
+
+def prompt_counts(metrics_text: str) -> Counts:
+    """METRIC by every source (external_kv_transfer, local_cache_hit, local_compute), each summed
+    over engines/models in one scrape. MetricMissing when the external source is not exposed."""
+    external_tokens(metrics_text)  # raises MetricMissing, naming what is there
+    by_source: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for s in family.samples:
+            if s.name == METRIC:
+                src = s.labels.get("source", "")
+                by_source[src] = by_source.get(src, 0.0) + s.value
+    return Counts.from_sources(by_source)
 
 
 def sample_sums(metrics_text: str, names: Iterable[str]) -> dict[str, float]:
@@ -135,7 +150,12 @@ def health(specs: Sequence[ProcessSpec], timeout: float = 5.0) -> dict[str, str]
 
 def scrape_decode(plan: ClusterPlan) -> dict[str, float]:
     """decode name -> its external-KV prompt-token counter (:func:`external_tokens`)."""
-    return {s.name: external_tokens(http.get_text(f"{s.url}/metrics")) for s in plan.decode}
+    return {name: c.external for name, c in scrape_decode_counts(plan).items()}
+
+
+def scrape_decode_counts(plan: ClusterPlan) -> dict[str, Counts]:
+    """decode name -> its prompt tokens by source (:func:`prompt_counts`)."""
+    return {s.name: prompt_counts(http.get_text(f"{s.url}/metrics")) for s in plan.decode}
 
 
 # ---------------------------------------------------------------- per-instance counting (xPyD)

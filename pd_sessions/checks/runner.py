@@ -9,16 +9,19 @@ The order matters; the check window (checks/window.py) carries what the first ch
    router's tokens teacher-forced through prefill-0 (margin mode; see checks/parity.py)
 4. kv_transfer closes the window: decode /metrics (after; the window held only router
    requests), then a control request straight to decode-0 must leave the counter still
-5. the edge checks (cache_paths, too_long, burst, abort_frees_kv), each with its options; they
+5. request_features (each request path users send, with per-request KV accounting of its own)
+   and the edge checks (cache_paths, too_long, burst, abort_frees_kv), each with its options; they
    run after the window on purpose (they prime decode caches and send requests straight to
    instances)
 6. accuracy (lm_eval through the router): on the CPU lane an offline task run through
    the router and straight to prefill-0 must give identical samples; elsewhere the
    measured value is compared with the recorded baseline
-7. perf (vLLM's bench serve through the router and against prefill-0, the transport alone,
+7. preemption (not a default: the preemption sweep selects it), a burst onto a decode with a
+   small KV cache
+8. perf (vLLM's bench serve through the router and against prefill-0, the transport alone,
    the perf baseline): after the others, so that nothing it loads the instances with disturbs
    them, and before any fault, so that it measures a whole cluster
-8. the fault scenarios (checks/faults/, opt-in), last: they corrupt, stall, kill and restart;
+9. the fault scenarios (checks/faults/, opt-in), last: they corrupt, stall, kill and restart;
    fault_restart leaves the cluster whole again for the user's own commands
 
 Results are appended to ``results`` as they come, so a run cut short by a
@@ -30,7 +33,18 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from pd_sessions.checks import abort_frees_kv, burst, cache_paths, kv_transfer, parity, perf, smoke, too_long
+from pd_sessions.checks import (
+    abort_frees_kv,
+    burst,
+    cache_paths,
+    kv_transfer,
+    parity,
+    perf,
+    preemption,
+    request_features,
+    smoke,
+    too_long,
+)
 from pd_sessions.checks import accuracy as acc
 from pd_sessions.checks.faults import corrupt, drop, peer_death, restart, stall_abort
 from pd_sessions.checks.instances import REQUEST_TIMEOUT_S
@@ -46,11 +60,13 @@ GATHERERS: dict[str, Gatherer] = {
     "smoke": smoke.run,
     "parity": parity.run,
     "kv_transfer": kv_transfer.run,
+    "request_features": request_features.run,
     "cache_paths": cache_paths.run,
     "too_long": too_long.run,
     "burst": burst.run,
     "abort_frees_kv": abort_frees_kv.run,
     "accuracy": acc.run,
+    "preemption": preemption.run,
     "perf": perf.run,
     "fault_drop": drop.run,
     "fault_zero": corrupt.run_zero,

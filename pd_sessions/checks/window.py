@@ -4,7 +4,7 @@ It opens before the first check and kv_transfer closes it; in between only route
 may reach the decode instances (the edge checks, which prime decode caches and send requests
 straight to instances, run after it). It keeps:
 
-- the decode instances' external-KV counters at its start (``decode_before``) and the start of
+- the decode instances' prompt tokens by source at its start (``decode_before``) and the start of
   the success evidence (log offsets, connector metrics: :class:`evidence.Window`);
 - the ledger of requests sent through the router (smoke's, parity's): the prompt tokens the
   decode instances must have received by KV transfer;
@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from pd_sessions.checks import evidence, instances
 from pd_sessions.checks.completions import MAX_TOKENS, Completion
 from pd_sessions.core.errors import PdError
+from pd_sessions.core.kv_identity import Counts
 from pd_sessions.core.plan import ClusterPlan
 from pd_sessions.core.results import FAIL, CheckResult, crashed
 from pd_sessions.runtime import http, stuck
@@ -39,7 +40,7 @@ class CheckWindow:
         self.plan: ClusterPlan = cluster.plan
         self.results = results  # every check's result is appended as it comes
         self.timeout_s = timeout_s  # a check request with no answer this long is stuck
-        self.decode_before: dict[str, float] = {}  # decode name -> external-KV tokens at the start
+        self.decode_before: dict[str, Counts] = {}  # decode name -> prompt tokens by source at the start
         self.evidence: evidence.Window | None = None
         self.errors: list[str] = []  # why the window's own scrapes failed
         self.router_requests = 0
@@ -57,7 +58,7 @@ class CheckWindow:
         is recorded in ``errors`` (kv_transfer then fails naming it); the other checks still run."""
         w = cls(cluster, results, timeout_s=timeout_s)
         try:
-            w.decode_before = instances.scrape_decode(w.plan)
+            w.decode_before = instances.scrape_decode_counts(w.plan)
             w.evidence = evidence.Window.for_cluster(cluster, http.get_text)
             w.link_before = cluster.launcher.link_baseline()
         except (http.HttpError, instances.MetricMissing) as e:

@@ -44,6 +44,12 @@ CHECKS: tuple[CheckInfo, ...] = (
         "transfer; a request straight to decode-0 does not count",
     ),
     CheckInfo(
+        "request_features",
+        "the request paths users send (first-token finish, n=2, logprobs, streaming with usage, "
+        "echo, seeds, chat, prompts at block boundaries with exact per-request KV accounting) "
+        "through the router equal prefill-direct, or are refused with a clear 4xx",
+    ),
+    CheckInfo(
         "cache_paths",
         "parity in the prefix-cache situations: a prompt shorter than a block, "
         "a full hit on the decode side, a partial hit",
@@ -73,6 +79,14 @@ CHECKS: tuple[CheckInfo, ...] = (
         "accuracy",
         "lm_eval through the router against a recorded baseline (CPU lane: "
         "per-sample identity with prefill-direct)",
+    ),
+    CheckInfo(
+        "preemption",
+        "a burst onto a decode whose KV cache holds fewer blocks than it needs: the decode "
+        "preempts requests, every output still equals prefill-direct and the KV proof holds "
+        "(the preemption sweep)",
+        default=False,
+        options={"requests": 8, "max_tokens": 48},
     ),
     CheckInfo(
         "perf",

@@ -81,6 +81,9 @@ class ClusterConfig:
     dtype: Dtype | None = None
     # Extra `vllm serve` arguments, one list element per argv element (never a string to split).
     extra_args: tuple[str, ...] = ()
+    # More arguments for decode instances only, after extra_args (e.g. the preemption sweep's
+    # ["--num-gpu-blocks-override", "16"]: a decode KV cache smaller than a burst needs).
+    decode_extra_args: tuple[str, ...] = ()
     # Extra environment for every vLLM instance, as (name, value) pairs.
     extra_env: tuple[tuple[str, str], ...] = ()
     # VLLM_ATTENTION_BACKEND / --attention-backend value; None = vLLM chooses.
@@ -236,11 +239,13 @@ def validate_cluster(c: ClusterConfig) -> None:
         _check_int("max_model_len", c.max_model_len, 16, 10_000_000)
     if c.dtype is not None:
         _check_choice("dtype", c.dtype, DTYPES)
-    if not isinstance(c.extra_args, tuple) or not all(isinstance(a, str) for a in c.extra_args):
-        raise ConfigError(
-            "extra_args",
-            f'got {c.extra_args!r}; allowed: a list of strings, one per argument (e.g. ["--enforce-eager"])',
-        )
+    for name in ("extra_args", "decode_extra_args"):
+        value = getattr(c, name)
+        if not isinstance(value, tuple) or not all(isinstance(a, str) for a in value):
+            raise ConfigError(
+                name,
+                f'got {value!r}; allowed: a list of strings, one per argument (e.g. ["--enforce-eager"])',
+            )
     if not isinstance(c.extra_env, tuple) or not all(
         isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in c.extra_env
     ):
@@ -307,7 +312,14 @@ def _check_selectors(cfg_field: str, value: Any) -> None:
 # ---------------------------------------------------------------- loading
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ClusterConfig)}
-_TUPLE_FIELDS = {"extra_args", "prefill_ports", "decode_ports", "prefill_hosts", "decode_hosts"}
+_TUPLE_FIELDS = {
+    "extra_args",
+    "decode_extra_args",
+    "prefill_ports",
+    "decode_ports",
+    "prefill_hosts",
+    "decode_hosts",
+}
 
 
 def _coerce(raw: dict[str, Any], *, where: str) -> dict[str, Any]:
@@ -332,14 +344,42 @@ def _coerce(raw: dict[str, Any], *, where: str) -> dict[str, Any]:
     return out
 
 
+# The fields a config must set (no default), in the project's words: what each expects. A test
+# keeps this table equal to ClusterConfig's fields without a default.
+REQUIRED: dict[str, str] = {
+    "name": (
+        'a short name for plans, results and --only (letters, digits, "-", "_", "."), e.g. name = "1x1"'
+    ),
+    "model": (
+        'the model to serve: a hub id (e.g. model = "Qwen/Qwen3-0.6B"), a local path or one of '
+        + ", ".join(TINY_MODELS)
+        + "; set it in [defaults], [platform.<lane>] or this [[config]]"
+    ),
+}
+
+
+def missing_fields(fields: Mapping[str, Any]) -> list[str]:
+    """The required fields (:data:`REQUIRED`) that ``fields`` does not set, in the table's order."""
+    return [f for f in REQUIRED if f not in fields]
+
+
 def make_cluster(fields: dict[str, Any], *, where: str) -> ClusterConfig:
-    """Build a ClusterConfig, re-raising validation errors with ``where`` attached."""
+    """Build a ClusterConfig, re-raising validation errors with ``where`` attached.
+
+    required fields missing -> ConfigError naming every missing field and what it expects
+    a bad value             -> the validation's ConfigError, with ``where``
+    """
+    missing = missing_fields(fields)
+    if missing:
+        if len(missing) == 1:
+            what = f"it: {REQUIRED[missing[0]]}"
+        else:
+            what = "them: " + "; ".join(f"{f}: {REQUIRED[f]}" for f in missing)
+        raise ConfigError(", ".join(missing), f"missing; every config needs {what}", source=where)
     try:
         return ClusterConfig(**fields)
     except ConfigError as e:
         raise ConfigError(e.field, str(e).split(": ", 1)[1], source=where) from None
-    except TypeError as e:  # a required field is missing
-        raise ConfigError("config", f"{e}", source=where) from None
 
 
 def load_sweep(path: Path) -> Sweep:
@@ -366,7 +406,13 @@ def load_sweep(path: Path) -> Sweep:
             raise ConfigError(key, f"unknown top-level key{did_you_mean(key, top)}", source=where)
     name = data.get("name")
     if not isinstance(name, str) or not name:
-        raise ConfigError("name", "a sweep needs a name", source=where)
+        got = "missing" if name is None else f"got {name!r}"
+        raise ConfigError(
+            "name",
+            f"{got}; a sweep needs a name at the top of the file (it names the results folder "
+            'and the summary), e.g. name = "my_sweep"',
+            source=where,
+        )
     defaults = _coerce(data.get("defaults", {}), where=f"{where} [defaults]")
     overrides = data.get("platform", {})
     for plat in overrides:

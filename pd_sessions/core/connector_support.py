@@ -124,3 +124,11 @@ def vllm_lacks_connector(
         f"{spec.vllm_class} in its connector factory{added}: install a vLLM that has it, or run "
         "another connector (--set connector=...)"
     )
+
+
+def unserved_request(connector: str, shape: str) -> str | None:
+    """Why ``connector`` cannot serve requests of ``shape`` (e.g. "n>1"), or None: its spec's
+    ``limits.unserved_requests``."""
+    if not shape:
+        return None
+    return dict(connectors.get(connector).limits.unserved_requests).get(shape)

@@ -4,21 +4,32 @@ One function, :func:`select_run`, for both ways in: the CLI calls it with the ho
 and the noxfile calls it with the same detected inventory before it installs anything, so a
 session's posargs are refused exactly as the CLI would refuse them (and the two cannot drift).
 Pure over the parsed command line (a namespace of :mod:`pd_sessions.core.cliargs`' common
-options) and the inventory it is given; it reads only the sweep files.
+options) and the inventory it is given; it reads only the sweep files (and asks whether a
+path-like model exists).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pd_sessions.core import check_registry, connectors
-from pd_sessions.core.config import ClusterConfig, Overrides, Sweep, SweepEntry, load, make_overrides, select
-from pd_sessions.core.errors import PlanError
+from pd_sessions.core.config import (
+    OVERRIDE_SOURCE,
+    ClusterConfig,
+    Overrides,
+    Sweep,
+    SweepEntry,
+    load,
+    make_overrides,
+    select,
+)
+from pd_sessions.core.errors import ConfigError, PlanError
 from pd_sessions.core.inventory import Inventory
-from pd_sessions.core.preflight import host_refusal, preflight
+from pd_sessions.core.preflight import host_refusal, missing_model_path, preflight
 
 
 @dataclass(frozen=True)
@@ -79,6 +90,9 @@ def select_run(sweep_name: str, args: argparse.Namespace, inv: Inventory) -> Sel
         --only names no config                                  -> ConfigError
         a host refusal, no --dry-run                            -> PlanError(its field)
         a host refusal, --dry-run                               -> a warning in the Selection
+        a path-like model that does not exist, no --dry-run     -> ConfigError("--model" when the
+                                                                   command line set it, else "model")
+        the same, --dry-run                                     -> a warning in the Selection
         otherwise                                               -> the Selection
     """
     over = overrides(args)
@@ -96,6 +110,9 @@ def select_run(sweep_name: str, args: argparse.Namespace, inv: Inventory) -> Sel
     refusal = host_refusal(configs, platform, planned_inv)
     if refusal and not args.dry_run:
         raise PlanError(refusal.field, refusal.message)
+    missing = model_problem(configs, over, sweep.source)
+    if missing and not args.dry_run:
+        raise missing
     return Selection(
         sweep=sweep,
         platform=platform,
@@ -105,6 +122,21 @@ def select_run(sweep_name: str, args: argparse.Namespace, inv: Inventory) -> Sel
         left_out=tuple(dataclasses.replace(e, config=over.apply(e.config)) for e in left_out),
         only=only,
         over=over,
-        warnings=(refusal.message,) if refusal else (),
+        warnings=tuple(str(w) for w in (refusal.message if refusal else None, missing) if w),
         checks=selected,
     )
+
+
+def model_problem(configs: Iterable[ClusterConfig], over: Overrides, source: str) -> ConfigError | None:
+    """The error for a path-like model that does not exist (core.preflight.missing_model_path),
+    naming ``--model`` when the command line set the model, else the sweep file's ``model``."""
+    found = missing_model_path(
+        tuple(configs),
+        exists=lambda p: os.path.exists(os.path.expanduser(p)),
+        is_dir=os.path.isdir,
+    )
+    if found is None:
+        return None
+    if any(k == "model" for k, _ in over.fields):
+        return ConfigError("--model", found[1], source=OVERRIDE_SOURCE)
+    return ConfigError("model", found[1], source=source)

@@ -63,7 +63,10 @@ class SweepOptions:
 def model_path(
     config: ClusterConfig, *, create: bool, cache: Path | None = None, weights_seed: int | None = None
 ) -> str | None:
-    """What --model gets: the generated tiny model's directory, or None (use config.model)."""
+    """What --model gets: the generated tiny model's directory, a ``~`` path expanded (vLLM would
+    take "~/..." for a hub id), or None (use config.model)."""
+    if config.model.startswith("~"):
+        return os.path.expanduser(config.model)
     if config.model not in TINY_MODELS:
         return None
     spec = tiny_model.spec_for(config.model, weights_seed=weights_seed)

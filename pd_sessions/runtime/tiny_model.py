@@ -1,7 +1,8 @@
 """Tiny, deterministic models the project generates itself (no hub access).
 
 One generator, one :class:`TinySpec` per model (:data:`SPECS`): a 1k-token byte-level BPE
-tokenizer trained locally on a seeded synthetic corpus and seeded random weights, for
+tokenizer trained locally on a seeded synthetic corpus, with a chat template, and seeded random
+weights, for
 - tiny-llama: 2 layers, hidden 128, 2 heads of 64, float32;
 - tiny-mixtral: the same with 4 experts (top-2), for DP/EP decode shapes;
 - tiny-kimi-linear: KimiLinearForCausalLM (KDA + MLA + MoE with a shared expert), bf16,
@@ -34,6 +35,13 @@ log = logging.getLogger(__name__)
 # Bump when the generator's output changes, so caches are not reused across versions.
 GENERATOR_VERSION = 1
 
+# The chat template every generated tokenizer carries, so that /v1/chat/completions really runs
+# (without one vLLM answers 400). A spec field: changing it changes the model's cache key.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|> {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
 
 @dataclass(frozen=True)
 class TinySpec:
@@ -53,6 +61,8 @@ class TinySpec:
     # Ship a tokenizer class and a config class in the folder (auto_map), so that loading it
     # needs trust_remote_code, as hub models with their own code do.
     remote_code: bool = False
+    # The tokenizer's chat template (jinja), part of the cache key.
+    chat_template: str = CHAT_TEMPLATE
     # KV heads (grouped-query attention); None = num_heads.
     num_kv_heads: int | None = None
     # Write weights; False writes the config and tokenizer only (vLLM's --load-format dummy).
@@ -165,6 +175,7 @@ def build(spec: TinySpec, out: Path) -> None:
     if spec.architecture not in _BUILDERS:
         raise ValueError(f"unknown tiny architecture {spec.architecture!r}; allowed: {', '.join(_BUILDERS)}")
     fast = _tokenizer(spec)
+    fast.chat_template = spec.chat_template
     torch.manual_seed(spec.seed if spec.weights_seed is None else spec.weights_seed)
     out.mkdir(parents=True, exist_ok=True)
     _BUILDERS[spec.architecture](spec, fast, out)

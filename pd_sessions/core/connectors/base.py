@@ -255,6 +255,10 @@ class Limits:
     refuse: Callable[[ConfigView, str], Refusal | None] = _no_refusal
     # (configs, platform, host inventory) -> why this host cannot run them (e.g. no RDMA device)
     host_refusal: Callable[[tuple[ConfigView, ...], str, Inventory], Refusal | None] = _no_host_refusal
+    # request shapes (e.g. "n>1") its P/D path does not serve in the vLLM we run, as seen, with
+    # the reason: the request_features check does not send them over this connector and names the
+    # reason in its verdict (a known limit, recorded; never a silent skip)
+    unserved_requests: tuple[tuple[str, str], ...] = ()
 
 
 def _no_warnings(config: ConfigView) -> tuple[str, ...]:
@@ -283,6 +287,18 @@ class Option:
 
 
 @dataclass(frozen=True)
+class KvAccounting:
+    """What the connector's code says a decode loads for a P/D request (read by
+    core/kv_identity.py, which states the identity): the trailing prompt tokens it leaves to the
+    decode to recompute (its *backoff*), with and without SSM (Mamba) layers, and where in vLLM
+    that comes from. A prompt no longer than the backoff is loaded whole."""
+
+    backoff_ssm: int  # the model has SSM layers (a config's ``hybrid = true``)
+    backoff_plain: int  # attention layers only
+    code: str  # vLLM file: function
+
+
+@dataclass(frozen=True)
 class ConnectorSpec:
     """One KV connector: see the module docstring for who reads what."""
 
@@ -295,6 +311,8 @@ class ConnectorSpec:
     kv_config: Callable[[ConfigView, str], dict[str, object]]
     hops: Hops
     evidence: MetricEvidence | LogEvidence
+    # the KV accounting identity's numbers (core/kv_identity.py): no slack without a named reason
+    kv_accounting: KvAccounting
     # regular expressions (case-sensitive, anywhere in a line) of an instance log line that means
     # a transfer failed; any such line fails the KV proof
     failure_lines: tuple[str, ...]

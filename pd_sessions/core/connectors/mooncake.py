@@ -28,6 +28,7 @@ from pd_sessions.core.connectors.base import (
     ConnectorSpec,
     CpuLane,
     Hops,
+    KvAccounting,
     Limits,
     LogEvidence,
     Option,
@@ -144,6 +145,27 @@ def rdma_refusal(configs: tuple[ConfigView, ...], platform: str, inv: Inventory)
     return None
 
 
+# vllm/distributed/kv_transfer/kv_connector/v1/mooncake/mooncake_connector.py,
+# MooncakeConnectorScheduler._get_remote_prefill_token_count: N - 1 when the model has Mamba (SSM)
+# layers (or DSV4.1's bounded sliding-window replay) and N > 1, else N.
+KV_ACCOUNTING = KvAccounting(
+    backoff_ssm=1,
+    backoff_plain=0,
+    code="vllm/distributed/kv_transfer/kv_connector/v1/mooncake/mooncake_connector.py: "
+    "MooncakeConnectorScheduler._get_remote_prefill_token_count",
+)
+
+# n > 1 through the router: the decode's child requests waited for their KV (seen on the CPU lane,
+# docs/cpu-lane.md "Request paths users send"); request_features does not send it over Mooncake.
+N_GT_1 = (
+    "n > 1 over MooncakeConnector: the decode's child requests wait for their KV (Mooncake "
+    "keys a transfer by the one transfer_id the router gives the request, which both "
+    "children carry); seen on the CPU lane with vLLM 0.32.0, 2026-12-01: a 2-choice "
+    "seeded request waited 9.5 s once and over 40 s the next time (decode-0 reporting "
+    "1 deferred request), NIXL served the same requests at once. Not sent, so that a stuck "
+    "pull (vLLM's VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT is 480 s) cannot hold up the checks"
+)
+
 SPEC = ConnectorSpec(
     name="mooncake",
     title="Mooncake",
@@ -152,6 +174,7 @@ SPEC = ConnectorSpec(
     package=PACKAGE,
     kv_config=kv_config,
     hops=Hops(prefill_params, decode_params, bootstrap_query="/query", engine_id=engine_id),
+    kv_accounting=KV_ACCOUNTING,
     evidence=LogEvidence(
         success="Num successful transfers",
         failures=("Num failed transfers", "Num failed recvs"),
@@ -166,7 +189,7 @@ SPEC = ConnectorSpec(
     ),
     ports=Ports(bootstrap_env="VLLM_MOONCAKE_BOOTSTRAP_PORT"),
     across_hosts=AcrossHosts(advertised_env=("MC_TCP_BIND_ADDRESS",), env=host_env),
-    limits=Limits(host_refusal=rdma_refusal),
+    limits=Limits(host_refusal=rdma_refusal, unserved_requests=(("n>1", N_GT_1),)),
     cpu_lane=CpuLane(
         warnings=cpu_warnings,
         shims=("torch.accelerator.current_device_index() returns 0 without an accelerator",),

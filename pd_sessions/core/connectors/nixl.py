@@ -33,6 +33,7 @@ from pd_sessions.core.connectors.base import (
     CpuLane,
     Hops,
     HybridMlaHeteroTp,
+    KvAccounting,
     Limits,
     MetricEvidence,
     Package,
@@ -145,6 +146,17 @@ CPU_LANE = CpuLane(
     shims=(f"NIXL agents poll every {PROGRESS.cpu_delay_us} us instead of spinning ({PROGRESS.env})",),
 )
 
+# vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py,
+# NixlBaseConnectorScheduler._prefill_backoff: max(1 if Mamba layers or bounded replay,
+# num_prefill_lookahead_tokens - 1) (the lookahead is 0 without a multi-module MTP drafter, which
+# no config of ours sets); _get_remote_prefill_token_count = N - backoff when N > backoff.
+KV_ACCOUNTING = KvAccounting(
+    backoff_ssm=1,
+    backoff_plain=0,
+    code="vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py: "
+    "NixlBaseConnectorScheduler._prefill_backoff",
+)
+
 SPEC = ConnectorSpec(
     name="nixl",
     title="NIXL",
@@ -153,6 +165,7 @@ SPEC = ConnectorSpec(
     package=PACKAGE,
     kv_config=kv_config,
     hops=HOPS,
+    kv_accounting=KV_ACCOUNTING,
     evidence=MetricEvidence(
         count=XFER_COUNT,
         bytes=XFER_BYTES,

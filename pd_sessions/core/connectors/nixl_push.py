@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 
 from pd_sessions.core.connectors import nixl
-from pd_sessions.core.connectors.base import ConfigView, ConnectorSpec, MetricEvidence, Refusal
+from pd_sessions.core.connectors.base import ConfigView, ConnectorSpec, KvAccounting, MetricEvidence, Refusal
 
 FAILURE_LINES = (
     *nixl.FAILURE_LINES,  # push_reg_handshake_failed / push_reg_notif_failed / transfer_failed go there too
@@ -33,6 +33,17 @@ FAILURE_LINES = (
     r"PUSH_REG notif missing request_id",
     r"cannot send registration for",  # the decode has no agent of the prefill to notify
     r"registration for request \S+ timed out",  # the decode waited past its lease for the WRITE
+)
+
+# The push scheduler (nixl/push_scheduler.py, NixlPushConnectorScheduler.get_num_new_matched_tokens)
+# asks the same base class as pull mode: NixlBaseConnectorScheduler._get_remote_prefill_token_count
+# and _prefill_backoff (nixl/base_scheduler.py), so the identity is NIXL's.
+KV_ACCOUNTING = KvAccounting(
+    backoff_ssm=nixl.KV_ACCOUNTING.backoff_ssm,
+    backoff_plain=nixl.KV_ACCOUNTING.backoff_plain,
+    code="vllm/distributed/kv_transfer/kv_connector/v1/nixl/push_scheduler.py: "
+    "NixlPushConnectorScheduler.get_num_new_matched_tokens -> base_scheduler.py: "
+    "NixlBaseConnectorScheduler._prefill_backoff",
 )
 
 
@@ -64,6 +75,7 @@ SPEC = ConnectorSpec(
     package=nixl.PACKAGE,
     kv_config=nixl.kv_config,
     hops=nixl.HOPS,
+    kv_accounting=KV_ACCOUNTING,
     evidence=MetricEvidence(
         count=nixl.XFER_COUNT,
         bytes=nixl.XFER_BYTES,

@@ -158,10 +158,11 @@ def instance_env(slot: Slot, launch: Launch, ports: InstancePorts) -> dict[str, 
 
 def instance_argv(slot: Slot, launch: Launch, ports: InstancePorts) -> tuple[list[str], list[str]]:
     """(argv, warnings): the server and its parallelism, the remote-code flags, the KV transfer,
-    then the engine's flags, the config's extra_args last."""
+    then the engine's flags, the config's extra_args, a decode's decode_extra_args last."""
     kv_args, warnings = _kv_args(slot, launch)
     argv = _server_args(slot, launch, ports) + list(launch.model.remote_args) + kv_args
-    return argv + _engine_args(launch), warnings
+    role_args = list(launch.config.decode_extra_args) if slot.role == "decode" else []
+    return argv + _engine_args(launch) + role_args, warnings
 
 
 def _server_args(slot: Slot, launch: Launch, ports: InstancePorts) -> list[str]:
