@@ -4,11 +4,17 @@ issue's limits, and which processes count as Ray's. (Running it needs the simula
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import psutil
+from conftest import wait_until
+
 from pd_sessions.bench import multihost
 
 
-def run(mode, wall, rss=0, ok=True):
-    return {"mode": mode, "ok": ok, "wall_s": wall, "ray_rss_bytes": rss}
+def run(mode, wall, pss=0, ok=True):
+    return {"mode": mode, "ok": ok, "wall_s": wall, "ray_pss_bytes": pss, "ray_rss_bytes": 2 * pss}
 
 
 def test_the_summary_is_the_added_median_wall_and_the_peak_ray_memory():
@@ -21,10 +27,35 @@ def test_the_summary_is_the_added_median_wall_and_the_peak_ray_memory():
     ]
     s = multihost.summarize(runs)
     assert s["added_wall_s"] == 85.0 - 62.0
-    assert s["ray_rss_gib"]["median"] == round(950 / 1024, 3)
+    assert s["ray_pss_gib"]["median"] == round(950 / 1024, 3)
+    assert s["ray_rss_gib"]["median"] == round(1900 / 1024, 3)
     table = "\n".join(multihost.markdown({"sweep": "mooncake_sweep", "config": "1x1", **s}))
     assert "| wall (whole command) | 62.0 s (60.0-64.0) | 85.0 s (80.0-90.0) | 23.0 s | 30 s |" in table
-    assert "| 1.5 GiB |" in table
+    assert "| Ray's resident memory (peak summed PSS) | 0 | 0.9 GiB (0.9-1.0) | | 1.5 GiB |" in table
+    assert "| (peak summed RSS: shared pages once per process) | 0 | 1.9 GiB (1.8-2.0) | | |" in table
+
+
+def test_the_sampler_counts_shared_pages_once_pss_below_the_summed_rss():
+    """Real processes: a parent and two Python children taken for Ray's (the marker in their
+    argv); the same interpreter's pages are shared, so their summed PSS is below their summed RSS.
+    The parent (not Ray's: its argv spells the marker in two pieces) counts in neither."""
+    child = "[sys.executable, '-c', 'import time; time.sleep(60) # ' + 'ray/' + '_private']"
+    code = f"import subprocess, sys, time; cs = [subprocess.Popen({child}) for _ in range(2)]; time.sleep(60)"
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    me = psutil.Process(parent.pid)
+    try:
+        wait_until(lambda: len(me.children()) == 2, 20, "the two children")
+        assert multihost.is_ray(me.children()[0].cmdline()) and not multihost.is_ray(me.cmdline())
+        sampler = multihost.RaySampler(parent.pid)
+        wait_until(lambda: sampler.peak_rss > 0, 20, "a sample")
+        pss, rss = sampler.close()
+        one = max(c.memory_info().rss for c in me.children())
+        assert 0 < pss < rss <= 2 * one + 2**20, (pss, rss, one)
+    finally:
+        kids = me.children()
+        for p in [me, *kids]:
+            p.kill()
+        psutil.wait_procs([me, *kids], timeout=10)
 
 
 def test_without_runs_of_a_mode_nothing_is_added():
