@@ -23,24 +23,29 @@ def rdma_devices(sysfs: str = RDMA_SYSFS) -> tuple[str, ...]:
         return ()
 
 
+def query_gpus(fields: str) -> list[str]:
+    """``nvidia-smi --query-gpu=FIELDS`` as CSV lines without a header; [] where there is no
+    nvidia-smi, it fails or it takes over 30 s."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return []
+    try:
+        out = subprocess.run(
+            [smi, f"--query-gpu={fields}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return out.stdout.splitlines() if out.returncode == 0 else []
+
+
 def detect(environ: dict[str, str] | None = None) -> Inventory:
     """Look at this host. Never raises for a host without GPUs."""
     env = os.environ if environ is None else environ
-    physical: tuple[str, ...] = ()
-    smi = shutil.which("nvidia-smi")
-    if smi:
-        try:
-            out = subprocess.run(
-                [smi, "--query-gpu=index", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                timeout=30,
-                check=False,
-            )
-            if out.returncode == 0:
-                physical = tuple(line.strip() for line in out.stdout.splitlines() if line.strip())
-        except (OSError, subprocess.TimeoutExpired):
-            physical = ()
+    physical = tuple(line.strip() for line in query_gpus("index") if line.strip())
     visible = env.get("CUDA_VISIBLE_DEVICES")
     gpus = parse_visible_devices(visible, physical) if physical else ()
     source = (
@@ -56,19 +61,10 @@ def gpu_names(ids: list[str] | tuple[str, ...]) -> list[str]:
     if not ids:
         return []
     names: dict[str, str] = {}
-    smi = shutil.which("nvidia-smi")
-    if smi:
-        try:
-            out = subprocess.run(
-                [smi, "--query-gpu=index,uuid,name", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                timeout=30,
-                check=False,
-            )
-            for line in out.stdout.splitlines() if out.returncode == 0 else []:
-                index, uuid, name = (part.strip() for part in line.split(",", 2))
-                names[index] = names[uuid] = name
-        except (OSError, subprocess.TimeoutExpired, ValueError):
-            names = {}
+    try:
+        for line in query_gpus("index,uuid,name"):
+            index, uuid, name = (part.strip() for part in line.split(",", 2))
+            names[index] = names[uuid] = name
+    except ValueError:
+        names = {}
     return [names.get(i, f"GPU {i}") for i in ids]
