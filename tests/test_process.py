@@ -119,7 +119,9 @@ def test_kernel_state_sums_up_where_each_thread_is(tmp_path):
     assert s.line == (
         "VLLM::Worker: 4 threads: 1 R in process_vm_rw_core, 3 S (do_epoll_wait 2, futex_do_wait 1)"
     )
-    assert "tid 70 'VLLM::Worker' state R cpu 1234+56 ticks wchan 0 syscall running" in s.full
+    assert (
+        "tid 70 'VLLM::Worker' state R cpu 1234+56 ticks (last on CPU ?, allowed ?, nice ?) wchan 0" in s.full
+    )
     assert "stack process_vm_rw_core < process_vm_rw" in s.full
     assert kernel_state(71, proc=tmp_path).line == "gone"
 

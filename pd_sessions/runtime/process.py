@@ -434,6 +434,17 @@ def kernel_state(pid: int, proc: Path = Path("/proc")) -> KernelState:
         fields = stat.rsplit(")", 1)[-1].split() if stat else []
         st = fields[0] if fields else "?"
         utime_stime = f"{fields[11]}+{fields[12]} ticks" if len(fields) > 12 else ""
+        # the CPU it last ran on (stat field 39), the CPUs it may run on, and its nice value
+        on_cpu = fields[36] if len(fields) > 36 else "?"
+        nice = fields[16] if len(fields) > 16 else "?"
+        allowed = next(
+            (
+                ln.split(":", 1)[1].strip()
+                for ln in _read(t / "status").splitlines()
+                if ln.startswith("Cpus_allowed_list")
+            ),
+            "?",
+        )
         stack = [ln.split("] ", 1)[-1].split("+", 1)[0] for ln in _read(t / "stack").splitlines()]
         wchan = _read(t / "wchan")
         spot = wchan if wchan not in ("", "0") else (stack[0] if stack else "")
@@ -441,7 +452,8 @@ def kernel_state(pid: int, proc: Path = Path("/proc")) -> KernelState:
         if spot:
             where.setdefault(st, {})[spot] = where.setdefault(st, {}).get(spot, 0) + 1
         rows.append(
-            f"  tid {tid} {_read(t / 'comm')!r} state {st} cpu {utime_stime} wchan {wchan or '-'} "
+            f"  tid {tid} {_read(t / 'comm')!r} state {st} cpu {utime_stime} (last on CPU {on_cpu}, "
+            f"allowed {allowed}, nice {nice}) wchan {wchan or '-'} "
             f"syscall {_read(t / 'syscall').split(' ')[0] or '-'}"
             + (f" stack {' < '.join(stack)}" if stack else "")
         )
