@@ -230,6 +230,7 @@ def running_cluster(
     on_event: Callable[[Event], None] | None = None,
     pd_path_budget_s: float = pairs.PD_PATH_BUDGET_S,
     launcher: Launcher = LOCAL,
+    freed: Callable[[], None] | None = None,
 ) -> Iterator[Cluster]:
     """Start ``plan`` and yield the ready :class:`Cluster`; always tear it down.
 
@@ -238,7 +239,7 @@ def running_cluster(
     given, is filled with phase durations even when starting fails. ``on_event``
     is told when each process is spawned and when it is noticed ready (it must
     return quickly). ``launcher`` starts and stops the processes (runtime/launcher.py: here, or
-    each on its Ray node).
+    each on its Ray node). ``freed``: see :func:`teardown`.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ if base_env is None else base_env)
@@ -277,7 +278,7 @@ def running_cluster(
     finally:
         t2 = time.monotonic()
         try:
-            teardown(cluster.router, cluster.instances, grace_s=grace_s, launcher=launcher)
+            teardown(cluster.router, cluster.instances, grace_s=grace_s, launcher=launcher, freed=freed)
         finally:
             cluster.timings["teardown"] = time.monotonic() - t2
 
@@ -369,6 +370,7 @@ def teardown(
     *,
     grace_s: float = DEFAULT_GRACE_S,
     launcher: Launcher = LOCAL,
+    freed: Callable[[], None] | None = None,
 ) -> None:
     """Stop the router and the instances together, under one shared grace: SIGTERM to all
     (the router's first), one wait of at most ``grace_s``, SIGKILL to what is left, every PID
@@ -384,16 +386,21 @@ def teardown(
     and the router, if it still forwards requests ``ROUTER_CUT_S`` after its SIGTERM (ours
     were cut; these are other processes': a user's tests, ``serve``'s users), is
     SIGKILLed then: it holds no state, and its connections to the instances close with it.
+
+    ``freed`` is called once the processes that hold devices (the instances' engine cores and
+    workers) are gone, while the rest may still exit: the next config may start then
+    (run/sweep.py); see process.stop_leaders.
     """
     group = ([router] if router else []) + list(instances)
     if not group:
         return
-    with http.held():  # a check's thread still running opens no new request meanwhile
-        cut = process.cut_connections([a for a in map(_address, group) if a is not None])
+    addresses = [a for a in map(_address, group) if a is not None]
+    with http.held(addresses):  # a check's thread still running opens no new request meanwhile
+        cut = process.cut_connections(addresses)
         if cut:
             log.info("cut %d request(s) of ours still open to the cluster", cut)
         early = {router.name: ROUTER_CUT_S} if router else None
-        rep = launcher.stop(group, grace_s=grace_s, early=early)  # logs a cut itself
+        rep = launcher.stop(group, grace_s=grace_s, early=early, freed=freed)  # logs a cut itself
     if rep.killed:
         log.warning("needed SIGKILL: %s", ", ".join(rep.killed))
 

@@ -12,7 +12,7 @@ cluster (runtime/cluster.py) uses only this, so it does not care where its proce
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -26,9 +26,15 @@ class Launcher(Protocol):
         """Start ``spec``, its output going to ``run_dir/<log_name>``."""
 
     def stop(
-        self, group: Sequence[Running], *, grace_s: float, early: Mapping[str, float] | None = None
+        self,
+        group: Sequence[Running],
+        *,
+        grace_s: float,
+        early: Mapping[str, float] | None = None,
+        freed: Callable[[], None] | None = None,
     ) -> StopReport:
-        """Stop ``group`` together under one grace (process.stop's contract)."""
+        """Stop ``group`` together under one grace (process.stop's contract); ``freed`` is
+        called once no process but the leaders is left (the devices are free), or at the end."""
 
     def link_counters(self, plan: ClusterPlan) -> dict[str, tuple[int, int]] | None:
         """Across hosts: host -> (rx_bytes, tx_bytes) of the interface of every host the plan runs
@@ -46,9 +52,14 @@ class LocalLauncher:
         return process.spawn(spec.name, spec.argv, env=env, log_path=run_dir / spec.log_name, url=spec.url)
 
     def stop(
-        self, group: Sequence[Running], *, grace_s: float, early: Mapping[str, float] | None = None
+        self,
+        group: Sequence[Running],
+        *,
+        grace_s: float,
+        early: Mapping[str, float] | None = None,
+        freed: Callable[[], None] | None = None,
     ) -> StopReport:
-        return process.stop(group, grace_s=grace_s, early=early)
+        return process.stop(group, grace_s=grace_s, early=early, freed=freed)
 
     def link_counters(self, plan: ClusterPlan) -> dict[str, tuple[int, int]] | None:
         return None

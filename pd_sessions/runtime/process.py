@@ -18,7 +18,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -217,13 +217,21 @@ def session_family(root: psutil.Process) -> list[psutil.Process]:
     return list(procs.values())
 
 
-def _wait_gone(procs: Sequence[psutil.Process], timeout: float, poll: float = 0.01) -> list[psutil.Process]:
+def _wait_gone(
+    procs: Sequence[psutil.Process],
+    timeout: float,
+    poll: float = 0.01,
+    each: Callable[[list[psutil.Process]], None] | None = None,
+) -> list[psutil.Process]:
     """Wait until every process in ``procs`` has exited (a zombie counts as exited); the
     ones still alive at ``timeout``. Polls /proc rather than waiting on each PID in turn
-    (psutil.wait_procs), because orphans that exited stay zombies until init reaps them."""
+    (psutil.wait_procs), because orphans that exited stay zombies until init reaps them.
+    ``each`` is told what is left at every poll."""
     end = time.monotonic() + timeout
     while True:
         left = [p for p in procs if alive(p)]
+        if each is not None:
+            each(left)
         if not left or time.monotonic() >= end:
             return left
         time.sleep(poll)
@@ -282,19 +290,24 @@ def stop(
     grace_s: float = 10.0,
     kill_wait_s: float = 5.0,
     early: Mapping[str, float] | None = None,
+    freed: Callable[[], None] | None = None,
 ) -> StopReport:
     """Stop ``running`` and all their descendants; raise StopError if any survive.
 
     SIGINT/SIGTERM/SIGHUP to this process are deferred until it returns. The observers
-    (the reaper) hear when the grace ends, and that the processes are gone. ``early``: see
-    :func:`stop_leaders`.
+    (the reaper) hear when the grace ends, and that the processes are gone. ``early``,
+    ``freed``: see :func:`stop_leaders`.
     """
     with signals_deferred():
         for o in list(_observers):
             o.stopping(running, time.time() + grace_s)
         try:
             rep = stop_leaders(
-                [r.leader for r in running], grace_s=grace_s, kill_wait_s=kill_wait_s, early=early
+                [r.leader for r in running],
+                grace_s=grace_s,
+                kill_wait_s=kill_wait_s,
+                early=early,
+                freed=freed,
             )
         finally:
             for r in running:  # reap our direct children (zombies by now, unless they survived)
@@ -341,6 +354,7 @@ def stop_leaders(
     grace_s: float,
     kill_wait_s: float = 5.0,
     early: Mapping[str, float] | None = None,
+    freed: Callable[[], None] | None = None,
 ) -> StopReport:
     """SIGTERM to each leader's group and every tracked process, ``grace_s``, SIGKILL to what
     is left, then verify every PID gone (StopError names survivors). Needs no Popen: the
@@ -351,6 +365,10 @@ def stop_leaders(
     (vllm-router): its graceful shutdown waits for the requests it forwards, and the servers
     behind it, stopping too, wait for the proxy's connections to close, so neither would end
     before the grace.
+
+    ``freed`` is called once no process but the leaders themselves is left (a vLLM API server
+    holds only its port; its engine core and workers hold the devices), or at the latest when
+    every process is verified gone: what waits for the devices may go on meanwhile.
     """
     t0 = time.monotonic()
     owner: dict[int, str] = {}
@@ -362,17 +380,18 @@ def stop_leaders(
     groups = list(dict.fromkeys(r.pid for r in leaders))  # in order: the router's first
     _signal_all(groups, procs, signal.SIGTERM)
     left, waited, cut = procs, 0.0, []
+    watch = _Freed({r.pid for r in leaders}, freed)
     for name, at in sorted((early or {}).items(), key=lambda kv: kv[1]):
         if at >= grace_s:
             break  # the SIGKILL at the end of the grace comes first
-        left = _wait_gone(left, at - waited)
+        left = _wait_gone(left, at - waited, each=watch)
         waited = at
         holding = [p for p in left if owner[p.pid] == name]
         if holding:
             log.info("%s still up %.1f s after SIGTERM: SIGKILL (what waits on it can end)", name, at)
             _signal_all([r.pid for r in leaders if r.name == name], holding, signal.SIGKILL)
             cut.append(name)
-    left = _wait_gone(left, grace_s - waited)
+    left = _wait_gone(left, grace_s - waited, each=watch)
     killed = sorted({owner[p.pid] for p in left})
     if left:
         log.warning(
@@ -385,7 +404,21 @@ def stop_leaders(
         raise StopError(
             "processes survived SIGKILL: " + ", ".join(f"{owner[p.pid]} pid {p.pid}" for p in survivors)
         )
+    watch([])
     return StopReport(seconds=time.monotonic() - t0, killed=killed, pids=sorted(owner), cut=cut)
+
+
+class _Freed:
+    """Calls ``freed`` once, the first time no process but the ``leaders`` is left."""
+
+    def __init__(self, leaders: Collection[int], freed: Callable[[], None] | None):
+        self.leaders = leaders
+        self.freed = freed
+
+    def __call__(self, left: Sequence[psutil.Process]) -> None:
+        if self.freed is not None and all(p.pid in self.leaders for p in left):
+            freed, self.freed = self.freed, None
+            freed()
 
 
 def cut_connections(addresses: Collection[tuple[str, int]]) -> int:

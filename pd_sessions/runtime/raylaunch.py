@@ -591,10 +591,16 @@ class RayLauncher:
         return r
 
     def stop(
-        self, group: Sequence[Running], *, grace_s: float, early: Mapping[str, float] | None = None
+        self,
+        group: Sequence[Running],
+        *,
+        grace_s: float,
+        early: Mapping[str, float] | None = None,
+        freed: Callable[[], None] | None = None,
     ) -> StopReport:
         """Every node's processes and this host's together, under one grace; then every node
-        verifies that every process it recorded is gone. StopError names survivors and hosts."""
+        verifies that every process it recorded is gone. StopError names survivors and hosts.
+        ``freed``: called as the stop ends (across hosts configs run one at a time)."""
         t0 = time.monotonic()
         local = [r for r in group if id(r) not in self.remote]
         by_node: dict[str, list[int]] = {}
@@ -613,6 +619,8 @@ class RayLauncher:
         if errors:
             raise StopError("; ".join(errors))
         rep.seconds = time.monotonic() - t0
+        if freed is not None:
+            freed()
         return rep
 
     def _remote_reports(self, refs: Mapping[str, Any], rep: StopReport, *, timeout: float) -> list[str]:
