@@ -32,9 +32,11 @@ class Launcher(Protocol):
         grace_s: float,
         early: Mapping[str, float] | None = None,
         freed: Callable[[], None] | None = None,
+        after_children: Mapping[str, Callable[[], bool]] | None = None,
     ) -> StopReport:
         """Stop ``group`` together under one grace (process.stop's contract); ``freed`` is
-        called once no process but the leaders is left (the devices are free), or at the end."""
+        called once no process but the leaders is left (the devices are free), or at the end;
+        ``after_children``: leaders SIGKILLed once their workers are gone (where supported)."""
 
     def link_counters(self, plan: ClusterPlan) -> dict[str, tuple[int, int]] | None:
         """Across hosts: host -> (rx_bytes, tx_bytes) of the interface of every host the plan runs
@@ -58,8 +60,9 @@ class LocalLauncher:
         grace_s: float,
         early: Mapping[str, float] | None = None,
         freed: Callable[[], None] | None = None,
+        after_children: Mapping[str, Callable[[], bool]] | None = None,
     ) -> StopReport:
-        return process.stop(group, grace_s=grace_s, early=early, freed=freed)
+        return process.stop(group, grace_s=grace_s, early=early, freed=freed, after_children=after_children)
 
     def link_counters(self, plan: ClusterPlan) -> dict[str, tuple[int, int]] | None:
         return None

@@ -597,10 +597,12 @@ class RayLauncher:
         grace_s: float,
         early: Mapping[str, float] | None = None,
         freed: Callable[[], None] | None = None,
+        after_children: Mapping[str, Callable[[], bool]] | None = None,
     ) -> StopReport:
         """Every node's processes and this host's together, under one grace; then every node
         verifies that every process it recorded is gone. StopError names survivors and hosts.
-        ``freed``: called as the stop ends (across hosts configs run one at a time)."""
+        ``freed``: called as the stop ends (across hosts configs run one at a time);
+        ``after_children`` is not used (each node's agent stops its own processes gracefully)."""
         t0 = time.monotonic()
         local = [r for r in group if id(r) not in self.remote]
         by_node: dict[str, list[int]] = {}
