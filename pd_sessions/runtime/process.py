@@ -389,6 +389,9 @@ def stop_leaders(
             owner[p.pid] = r.name
             procs.append(p)
     groups = list(dict.fromkeys(r.pid for r in leaders))  # in order: the router's first
+    log.debug(
+        "stop: %d processes of %d leaders found in %.3f s", len(procs), len(leaders), time.monotonic() - t0
+    )
     _signal_all(groups, procs, signal.SIGTERM)
     left, waited, cut = procs, 0.0, []
     watch = _Watch(leaders, procs, owner, freed, after_children)
@@ -416,6 +419,7 @@ def stop_leaders(
             "processes survived SIGKILL: " + ", ".join(f"{owner[p.pid]} pid {p.pid}" for p in survivors)
         )
     watch([])
+    log.debug("stop: every process gone %.3f s after the start of the stop", _since(t0))
     if watch.ended:
         log.info("SIGKILLed once their workers were gone: %s", ", ".join(watch.ended))
     return StopReport(
@@ -436,6 +440,10 @@ def _helper(p: psutil.Process) -> bool:
         return any(RESOURCE_TRACKER in a for a in p.cmdline())
     except psutil.Error:
         return False
+
+
+def _since(t0: float) -> float:
+    return time.monotonic() - t0
 
 
 class _Watch:
@@ -464,6 +472,7 @@ class _Watch:
         holders = [p for p in left if p.pid not in self.leaders and p.pid not in self.helpers]
         if self.freed is not None and not holders:
             freed, self.freed = self.freed, None
+            log.debug("stop: devices free (no engine core or worker left)")
             freed()
         for name, may_go in list(self.pending.items()):
             pid = self.by_name.get(name)
@@ -474,6 +483,7 @@ class _Watch:
                 del self.pending[name]
                 with contextlib.suppress(psutil.Error):
                     leader.send_signal(signal.SIGKILL)
+                log.debug("stop: %s SIGKILLed: its workers are gone and its shutdown logged", name)
                 self.ended.append(name)
 
 
