@@ -29,6 +29,7 @@ done
 
 
 def sweep_toml(tmp_path, configs: str):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     toml = tmp_path / "sweep.toml"
     head = 'name = "packed"\nchecks = ["smoke"]\n[defaults]\nmodel = "fake-model"\nconnector = "mooncake"\n'
     toml.write_text(head + 'mooncake_protocol = "tcp"\n' + textwrap.dedent(configs))
@@ -37,7 +38,7 @@ def sweep_toml(tmp_path, configs: str):
 
 def packed_sweep(tmp_path, configs: str, *args: str, env: dict[str, str] | None = None) -> Cli:
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(parents=True)
     (bin_dir / "nvidia-smi").write_text(SMI)
     (bin_dir / "nvidia-smi").chmod(0o755)
     run = Cli(
@@ -138,10 +139,15 @@ def test_a_stop_cancels_every_running_config_marks_the_rest_not_run_and_leaves_n
         assert_nothing_left(run.results / name)
 
 
-def test_max_parallel_across_hosts_is_refused_before_anything_starts(tmp_path):
-    run = packed_sweep(tmp_path, FOUR, "--max-parallel", "2", "--simulate-hosts", "2", "--dry-run")
-    assert run.wait(30) == 2, run.text
-    assert "--max-parallel 2: across hosts" in run.text
+def test_dry_run_shows_the_waves_and_max_parallel_across_hosts_is_refused_before_anything_starts(tmp_path):
+    run = packed_sweep(tmp_path, FOUR, "--max-parallel", "3", "--dry-run")
+    assert run.wait(30) == 0, run.text
+    assert "packing: 4 config(s) in 2 wave(s), at most 3 at once" in run.text
+    assert "wave 2: b (2 GPUs: 0,1), c (2 GPUs: 2,3)" in run.text
+    assert "(GPUs 2,3, " in run.text  # big's plan, on its own share
+    refused = packed_sweep(tmp_path / "x", FOUR, "--max-parallel", "2", "--simulate-hosts", "2", "--dry-run")
+    assert refused.wait(30) == 2, refused.text
+    assert "--max-parallel 2: across hosts" in refused.text
 
 
 def test_a_cancel_is_raised_in_the_cancelled_thread_only_at_its_next_check():
