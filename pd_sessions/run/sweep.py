@@ -53,8 +53,7 @@ def run_config(
     freed: Callable[[], None] | None = None,
 ) -> ConfigResult:
     """Plan, start, check, tear down and record one config (``on_event``: see running_cluster;
-    ``hosts``: across the hosts of a Ray cluster, run/hosts.py; ``freed``: called once its
-    devices are free, as its teardown goes on: see cluster.teardown).
+    ``hosts``: across Ray hosts, run/hosts.py; ``freed``: its devices are free, cluster.teardown).
 
     ``into``: the record to fill (else a new one). An unforeseen exception (not a PdError)
     errors this config, its traceback in ``error.log``; a stop (SIGINT, SIGTERM) marks it
