@@ -22,6 +22,7 @@ from typing import Any
 
 import pd_sessions
 from pd_sessions.bench.stats import summary
+from pd_sessions.core import connectors
 from pd_sessions.core.config import load, select
 from pd_sessions.core.errors import BenchError
 from pd_sessions.core.inventory import Inventory
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 GPUS = tuple(str(i) for i in range(8))
 FAKE_STACK = Path(pd_sessions.__file__).resolve().parents[1] / "tests" / "fixtures" / "fake_stack"
 RATIO_GOAL = 0.6
-SWEEP = "mooncake_sweep"  # the GPU sweep whose default configs are packed
+SWEEP = connectors.DEFAULT.sweep  # the GPU sweep whose default configs are packed
 CHECKS = ("smoke",)
 
 
