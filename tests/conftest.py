@@ -433,6 +433,11 @@ def simulated_hosts_2(tmp_path_factory):
 # --- across hosts (issue 26): real vLLM on the simulated hosts, through --ray ----------------
 
 
+# The faults on the wire between the hosts (issue 29: checks/faults/wire.py), run by the
+# rehearsal runs on the same clusters after the default checks (tests/test_e2e_wire_faults.py).
+WIRE = ("--check", "wire")
+
+
 def rehearsal(tmp_path_factory, sim, sweep: str, *args: str) -> SweepRun:
     """``pd-sessions sweep SWEEP --only 1x1 --ray <the simulated hosts' head>`` (prefill on host1,
     decode on host2), with ``args``."""
@@ -444,13 +449,15 @@ def rehearsal(tmp_path_factory, sim, sweep: str, *args: str) -> SweepRun:
 
 @pytest.fixture(scope="session")
 def hosts_mooncake(simulated_hosts_2, tmp_path_factory) -> SweepRun:
-    """The Mooncake sweep's 1x1 across the two simulated hosts, every default check."""
+    """The Mooncake sweep's 1x1 across the two simulated hosts, every default check, then the
+    wire faults (WIRE)."""
     heavy("mooncake.engine")
-    return rehearsal(tmp_path_factory, simulated_hosts_2, "mooncake_sweep")
+    return rehearsal(tmp_path_factory, simulated_hosts_2, "mooncake_sweep", *WIRE)
 
 
 @pytest.fixture(scope="session")
 def hosts_nixl(simulated_hosts_2, tmp_path_factory) -> SweepRun:
-    """The NIXL sweep's 1x1 across the two simulated hosts, every default check."""
+    """The NIXL sweep's 1x1 across the two simulated hosts, every default check, then the wire
+    faults (WIRE)."""
     heavy("nixl._api")
-    return rehearsal(tmp_path_factory, simulated_hosts_2, "nixl_sweep")
+    return rehearsal(tmp_path_factory, simulated_hosts_2, "nixl_sweep", *WIRE)
