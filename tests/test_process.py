@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import psutil
+import pytest
 from conftest import wait_for_text
 from helpers import FAMILY, IGNORES_TERM, session_members, wait_for_members
 
+from pd_sessions.runtime import process
 from pd_sessions.runtime.logtail import log_tail
 from pd_sessions.runtime.process import spawn, stop
 
@@ -87,3 +92,45 @@ def test_sigterm_during_teardown_is_deferred_until_it_ends(tmp_path):
         assert got and got[0] >= done - 0.05, "the SIGTERM was handled before teardown finished"
     finally:
         signal.signal(signal.SIGTERM, old_term)
+
+
+# A child that leaves files in its temporary folder, as vLLM does (ZeroMQ IPC sockets, vllm_dist_*).
+LEAVES_TMP = (
+    "import os, socket, tempfile, time; d = tempfile.gettempdir(); "
+    "s = socket.socket(socket.AF_UNIX); s.bind(os.path.join(d, 'ipc-sock')); "
+    "open(os.path.join(d, 'vllm_dist_x'), 'w').close(); print('tmp', d, flush=True); time.sleep(600)"
+)
+
+
+def _tmp_of(log) -> str:
+    wait_for_text(log, "\ntmp ")
+    return next(line.split(" ", 1)[1] for line in log.read_text().splitlines() if line.startswith("tmp "))
+
+
+def test_a_private_tmp_is_the_childs_tmpdir_and_goes_once_it_is_verified_gone(tmp_path):
+    """spawn(private_tmp=True): the child's TMPDIR is a folder of its own (pds-tmp-<name>-...,
+    in the system's); what the child left there (a socket, a file) goes with it at stop(), and
+    at kill(); without private_tmp the child keeps the harness's TMPDIR."""
+    for end in (lambda r: stop([r], grace_s=2), process.kill):
+        log = tmp_path / f"t{id(end)}.log"
+        r = spawn("inst", [sys.executable, "-c", LEAVES_TMP], env=os.environ, log_path=log, private_tmp=True)
+        got = Path(_tmp_of(log))
+        assert got == r.tmp_dir and got.parent == Path(tempfile.gettempdir())
+        assert got.name.startswith("pds-tmp-inst-") and sorted(os.listdir(got)) == ["ipc-sock", "vllm_dist_x"]
+        end(r)
+        assert not got.exists() and r.tmp_dir is None
+    log = tmp_path / "plain.log"
+    r = spawn("plain", [sys.executable, "-c", LEAVES_TMP.replace("ipc-sock", f"ipc-{os.getpid()}")],
+              env={**os.environ, "TMPDIR": str(tmp_path)}, log_path=log)  # fmt: skip
+    assert _tmp_of(log) == str(tmp_path) and r.tmp_dir is None
+    stop([r], grace_s=2)
+
+
+def test_a_spawn_that_fails_leaves_no_private_tmp(tmp_path):
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), f"{process.TMP_PREFIX}nope-*")))
+    with pytest.raises(FileNotFoundError):
+        missing = [str(tmp_path / "missing")]
+        spawn("nope", missing, env=os.environ, log_path=tmp_path / "n.log", private_tmp=True)
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), f"{process.TMP_PREFIX}nope-*"))) == before
+    with pytest.raises(ValueError, match="not a private temporary folder"):
+        process.remove_tmp_dir(tmp_path)

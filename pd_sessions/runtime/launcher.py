@@ -48,7 +48,9 @@ class LocalLauncher:
 
     def spawn(self, spec: ProcessSpec, run_dir: Path, base_env: Mapping[str, str]) -> Running:
         env = {**base_env, **spec.env_dict()}
-        return process.spawn(spec.name, spec.argv, env=env, log_path=run_dir / spec.log_name, url=spec.url)
+        return process.spawn(
+            spec.name, spec.argv, env=env, log_path=run_dir / spec.log_name, url=spec.url, private_tmp=True
+        )
 
     def stop(
         self, group: Sequence[Running], *, grace_s: float, early: Mapping[str, float] | None = None
