@@ -94,6 +94,75 @@ def test_sigterm_during_teardown_is_deferred_until_it_ends(tmp_path):
         signal.signal(signal.SIGTERM, old_term)
 
 
+# An API server in small: an "engine core" child, and a resource tracker (its argv names
+# multiprocessing.resource_tracker, like Python's) that exits once its parent is gone. On SIGTERM
+# the engine core is stopped at once; the server logs uvicorn's last line (or not) and lingers.
+API_SERVER = r"""
+import signal, subprocess, sys, time
+say_done = sys.argv[1] == "logs"
+engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+tracker = subprocess.Popen([sys.executable, "-c",
+    "import os, time\nparent = os.getppid()\nwhile os.getppid() == parent: time.sleep(0.01)",
+    "from multiprocessing.resource_tracker import main"])
+def stop(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    engine.terminate(); engine.wait()
+    if say_done:
+        print("INFO:     Application shutdown " + "complete.", flush=True)  # not in the log's argv line
+    time.sleep(1.5)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+print("server up", flush=True)
+time.sleep(60)
+"""
+
+
+def _api_server(tmp_path, logs: bool):
+    from pd_sessions.runtime.cluster import ShutdownLogged
+
+    log = tmp_path / "decode-0.log"
+    r = spawn(
+        "decode-0",
+        [sys.executable, "-c", API_SERVER, "logs" if logs else "quiet"],
+        env=os.environ,
+        log_path=log,
+    )
+    wait_for_text(log, "server up")
+    members = wait_for_members(r.pid, 3)  # the server, its engine core, its tracker
+    return r, members, {"decode-0": ShutdownLogged(log)}
+
+
+def test_freed_comes_once_the_engine_core_is_gone_and_a_server_that_logged_its_shutdown_is_killed_then(
+    tmp_path,
+):
+    r, members, ended = _api_server(tmp_path, logs=True)
+    freed: list[tuple[float, list[int]]] = []
+    t0 = time.monotonic()
+    rep = stop(
+        [r],
+        grace_s=10,
+        freed=lambda: freed.append((time.monotonic() - t0, [m for m in members if psutil.pid_exists(m)])),
+        after_children=ended,
+    )
+    took = time.monotonic() - t0
+    assert len(freed) == 1 and freed[0][0] < 1.0, freed
+    assert r.pid in freed[0][1]  # the server itself was still there: freed came first
+    assert rep.ended == ["decode-0"] and rep.killed == [] and took < 1.2, (rep, took)  # not its 1.5 s
+    assert session_members(r.pid) == [] and set(members) <= set(rep.pids)
+    assert "Application shutdown complete." in (tmp_path / "decode-0.log").read_text()
+
+
+def test_a_server_that_never_logged_its_shutdown_is_left_to_exit_by_itself(tmp_path):
+    r, _, ended = _api_server(tmp_path, logs=False)
+    freed: list[float] = []
+    t0 = time.monotonic()
+    rep = stop([r], grace_s=10, freed=lambda: freed.append(time.monotonic() - t0), after_children=ended)
+    took = time.monotonic() - t0
+    assert rep.ended == [] and 1.5 <= took < 3.5, (rep, took)
+    assert len(freed) == 1 and freed[0] < 1.0  # its devices were free long before
+    assert session_members(r.pid) == []
+
+
 # A child that leaves files in its temporary folder, as vLLM does (ZeroMQ IPC sockets, vllm_dist_*).
 LEAVES_TMP = (
     "import os, socket, tempfile, time; d = tempfile.gettempdir(); "

@@ -612,10 +612,18 @@ class RayLauncher:
         return r
 
     def stop(
-        self, group: Sequence[Running], *, grace_s: float, early: Mapping[str, float] | None = None
+        self,
+        group: Sequence[Running],
+        *,
+        grace_s: float,
+        early: Mapping[str, float] | None = None,
+        freed: Callable[[], None] | None = None,
+        after_children: Mapping[str, Callable[[], bool]] | None = None,
     ) -> StopReport:
         """Every node's processes and this host's together, under one grace; then every node
-        verifies that every process it recorded is gone. StopError names survivors and hosts."""
+        verifies that every process it recorded is gone. StopError names survivors and hosts.
+        ``freed``: called as the stop ends (across hosts configs run one at a time);
+        ``after_children`` is not used (each node's agent stops its own processes gracefully)."""
         t0 = time.monotonic()
         local = [r for r in group if id(r) not in self.remote]
         by_node: dict[str, list[int]] = {}
@@ -635,6 +643,8 @@ class RayLauncher:
         if errors:
             raise StopError("; ".join(errors))
         rep.seconds = time.monotonic() - t0
+        if freed is not None:
+            freed()
         return rep
 
     def _drop_logs(self, by_node: Mapping[str, list[int]]) -> None:
