@@ -203,3 +203,23 @@ def test_burst_fails_when_the_decode_recomputes(tmp_path, bystander):
     assert c["details"]["failed"] == [] and c["details"]["kv"]["router_requests"] == 6
     assert [x["name"] for x in _result(r)["checks"]] == ["burst"]
     assert_nothing_left(r.run_dir)
+
+
+def test_pd_path_budget_bounds_how_long_a_failing_pd_path_may_keep_failing(tmp_path):
+    """`--pd-path-budget 3`: every instance healthy, every P/D request answered 500 by the decode:
+    the config fails once the path has failed for 3 s (not the default 60), naming the pair, the
+    bound and the option; nothing is left."""
+    r = FakeSweep(tmp_path, env={"FAKE_DECODE_BEHAVIOR": "fail_kv"}, args=("--pd-path-budget", "3"))
+    assert r.wait(60) == 1, r.text
+    ready = r.first("decode-0 ready after")
+    failed = r.first("FAILED")
+    assert failed - ready < 15, r.text
+    assert "pair prefill-0 -> decode-0: the P/D path kept failing for 3 s" in r.text
+    assert "--pd-path-budget SECONDS sets how long it may" in r.text
+    assert_nothing_left(r.run_dir)
+
+
+def test_pd_path_budget_must_be_a_positive_number_of_seconds(tmp_path):
+    r = FakeSweep(tmp_path, args=("--pd-path-budget", "0"))
+    assert r.wait(30) == 2, r.text
+    assert "--pd-path-budget: got 0; give a number of seconds above 0" in r.text

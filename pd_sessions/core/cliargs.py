@@ -72,6 +72,14 @@ def add_common_options(s: argparse.ArgumentParser) -> None:
         help="readiness deadline per config (default 1200)",
     )
     s.add_argument(
+        "--pd-path-budget",
+        type=positive_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="once every instance is healthy, how long a P/D path may keep failing before the "
+        "config fails (default 60)",
+    )
+    s.add_argument(
         "--grace",
         type=positive_seconds,
         default=None,

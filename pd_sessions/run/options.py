@@ -20,6 +20,7 @@ from pd_sessions.core.ports import PortSource
 from pd_sessions.run import user_commands
 from pd_sessions.runtime import tiny_model
 from pd_sessions.runtime.cluster import DEFAULT_DEADLINE_S, DEFAULT_GRACE_S
+from pd_sessions.runtime.pairs import PD_PATH_BUDGET_S
 from pd_sessions.runtime.ports import PortAllocator
 
 CHECKS = check_registry.DEFAULTS
@@ -30,6 +31,8 @@ class SweepOptions:
     platform: str
     results_dir: Path
     deadline_s: float = DEFAULT_DEADLINE_S
+    # Once every instance is healthy, how long a P/D path may keep failing (runtime/pairs.py).
+    pd_path_budget_s: float = PD_PATH_BUDGET_S
     grace_s: float = DEFAULT_GRACE_S
     python: str = sys.executable
     model_cache: Path | None = None

@@ -52,6 +52,7 @@ def one_cluster(
                 run_dir,
                 ports=ports,
                 deadline_s=opts.deadline_s,
+                pd_path_budget_s=opts.pd_path_budget_s,
                 grace_s=opts.grace_s,
                 progress=progress,
                 launcher=hosts.launcher(run_dir, remote) if hosts else LOCAL,

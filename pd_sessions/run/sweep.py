@@ -83,6 +83,7 @@ def run_config(
                 run_dir,
                 ports=ports,
                 deadline_s=opts.deadline_s,
+                pd_path_budget_s=opts.pd_path_budget_s,
                 grace_s=opts.grace_s,
                 progress=progress,
                 timings=res.timings,

@@ -59,7 +59,7 @@ class PdPathFailed(PdError):
         self.decode_errors = list(decode_errors)
         lines = [
             f"{what}: the P/D path kept failing for {waited_s:.0f} s while every instance was "
-            f"healthy (last answer: {last})"
+            f"healthy (last answer: {last}; --pd-path-budget SECONDS sets how long it may)"
         ]
         if router_answer is not None:
             lines.append(f"router's answer to a 1-token completion: {router_answer}")
