@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -14,6 +15,7 @@ from pd_sessions.checks import parity
 from pd_sessions.checks import request_features as rf
 from pd_sessions.checks.answers import Answer, Choice, error_message, sse_events
 from pd_sessions.core import kv_identity
+from pd_sessions.core.errors import HttpError
 from pd_sessions.core.kv_identity import Counts
 
 EXACT = parity.Judge("exact", "same numeric layout", 1.0)
@@ -461,3 +463,20 @@ def test_the_warm_up_is_recorded_and_named_never_judged():
         in r.message
     )
     assert {x.name: x.value for x in r.figures}["warm_up"] == 3.5
+
+
+def test_a_stuck_path_drops_the_requests_not_yet_started():
+    class Stuck(FakeAsker):
+        def ask(self, url, f):
+            with self.lock:
+                self.sent.append((url, f.name, f.payload))
+            time.sleep(0.3)
+            raise HttpError(url, "timed out")
+
+    feats = [rf.first(rf.PROMPT), *rf.features(rf.PROMPT, "x", 0)]
+    asker = Stuck(barrier_parties=1)
+    t0 = time.monotonic()
+    with pytest.raises(HttpError), rf.requests_pool() as pool:
+        rf.feature_cases(asker, pool, feats, {})
+    # 22 requests, 8 at a time, 0.3 s each: all of them would take 3 rounds (0.9 s)
+    assert len(asker.sent) < 2 * len(feats) and time.monotonic() - t0 < 0.85

@@ -44,8 +44,9 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -620,6 +621,19 @@ class Asker:
             return {name: round(fut.result().seconds, 3) for name, fut in sent}
 
 
+@contextmanager
+def requests_pool() -> Iterator[ThreadPoolExecutor]:
+    """The pool the check's requests share. When one fails (a timeout: a stuck path), the requests
+    not yet started are dropped, so the failure comes after about one request timeout, as when
+    they went one at a time; those in flight end with their own timeouts."""
+    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
+        try:
+            yield pool
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+
+
 def case_of(asker: Asker, f: Feature, pd: Timed, direct: Timed, kv: KvRow | None = None) -> Case:
     """The case of ``f`` from its two sides (scored by prefill-0 in margin mode)."""
     return Case(
@@ -724,7 +738,7 @@ def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
     block = instances.block_size(plan)
     connector, ssm = plan.config.connector, plan.config.hybrid
     try:
-        with ThreadPoolExecutor(max_workers=WORKERS) as pool:
+        with requests_pool() as pool:
             warming = pool.submit(asker.warm_up)
             prompts = block_prompts(asker, block)  # /tokenize: the API servers only, not the engines
             warm = warming.result()
