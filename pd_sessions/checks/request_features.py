@@ -608,12 +608,13 @@ class Asker:
         Why: vLLM compiles ``batched_count_greater_than`` (``vllm/v1/sample/ops/logprobs.py``,
         ``@torch.compile`` with the platform's inductor backend; ``Sampler.gather_logprobs``
         calls it) on an engine's first request that asks for logprobs, whatever
-        ``--enforce-eager`` says. On the CPU lane that took 3.1 s on prefill-0 and 3.5 s on
-        decode-0 (vLLM 0.32.0, 2026-12-02), the engine answering nothing meanwhile: the first
-        P/D request with logprobs paid both, one after the other (a 2-choice seeded request took
-        6.3 s, then 0.2 s once warm). Sent at once, the compiles overlap; the time is recorded
-        in the details and named in the verdict. The prompt is shorter than a block, so no
-        prefix cache keeps any of it."""
+        ``--enforce-eager`` says, the engine answering nothing meanwhile. On the CPU lane, before
+        its instances ran with ``TORCHDYNAMO_DISABLE=1`` (core/plan/instance.py), that took 3.1 s
+        on prefill-0 and 3.5 s on decode-0 (vLLM 0.32.0, 2026-12-02), and the first P/D request
+        with logprobs paid both, one after the other (a 2-choice seeded request took 6.3 s, then
+        0.2 s once warm). Sent at once, the compiles overlap where the engines have cores of
+        their own; the time is recorded in the details and named in the verdict. The prompt is
+        shorter than a block, so no prefix cache keeps any of it."""
         f = Feature("warm-up", {"prompt": WARM_PROMPT, "max_tokens": 1, "temperature": 0.0, "logprobs": 1})
         specs = (*self.plan.prefill, *self.plan.decode)
         with ThreadPoolExecutor(max_workers=len(specs)) as pool:
