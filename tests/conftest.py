@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -237,9 +239,28 @@ def e2e_dir(tmp_path_factory, name: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root)).resolve()
 
 
+def tmp_leftovers() -> set[str]:
+    """What vLLM leaves in the system's temporary folder when it runs with the harness's TMPDIR
+    (its ZeroMQ IPC sockets, ``vllm_dist_*`` rendezvous files), and the cluster processes' own
+    private folders (process.TMP_PREFIX): each cluster process has such a folder as its TMPDIR,
+    removed once it is verified gone, so a run must add none of these."""
+    from pd_sessions.runtime.process import TMP_PREFIX
+
+    out = set()
+    with os.scandir(tempfile.gettempdir()) as entries:
+        for e in entries:
+            with contextlib.suppress(OSError):
+                if e.name.startswith(("vllm_dist_", TMP_PREFIX)) or stat.S_ISSOCK(e.stat().st_mode):
+                    out.add(e.name)
+    return out
+
+
 def _sweep_once(results: Path, *, argv: list[str] | None = None, args: tuple[str, ...] = ()) -> SweepRun:
+    """One shared run; ``extra["tmp_left"]``: what it left in the system's temporary folder."""
+    before = tmp_leftovers()
     cli = Cli(*args, argv=argv)
-    return SweepRun(rc=cli.wait(timeout=1400), cli=cli, results=results, extra={})
+    rc = cli.wait(timeout=1400)
+    return SweepRun(rc=rc, cli=cli, results=results, extra={"tmp_left": sorted(tmp_leftovers() - before)})
 
 
 # The fault scenarios each shared run adds after the default checks (test_e2e_faults asserts on
@@ -450,9 +471,11 @@ def start_rehearsal(tmp_path_factory, sim, sweep: str, *args: str) -> tuple[Path
 
 
 def rehearsal(tmp_path_factory, sim, sweep: str, *args: str) -> SweepRun:
-    """:func:`start_rehearsal`, waited for."""
+    """:func:`start_rehearsal`, waited for; ``extra["tmp_left"]`` as in :func:`_sweep_once`."""
+    before = tmp_leftovers()
     results, cli = start_rehearsal(tmp_path_factory, sim, sweep, *args)
-    return SweepRun(rc=cli.wait(timeout=1400), cli=cli, results=results, extra={})
+    rc = cli.wait(timeout=1400)
+    return SweepRun(rc=rc, cli=cli, results=results, extra={"tmp_left": sorted(tmp_leftovers() - before)})
 
 
 # The bug users hit across hosts, one variable per connector, forced to loopback (issue 26, item 5).

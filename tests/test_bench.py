@@ -212,7 +212,8 @@ def test_bench_refuses_unknown_part(tmp_path):
     )
     assert p.returncode == 2
     assert (
-        "--parts takes router, teardown, clusters, checks, startup, report, multihost (got speed)" in p.stderr
+        "--parts takes router, teardown, clusters, checks, startup, report, multihost, packing (got speed)"
+        in p.stderr
     )
     p = subprocess.run(
         [sys.executable, "-m", "pd_sessions", "bench", "--repeats", "0", "--out", str(tmp_path)],

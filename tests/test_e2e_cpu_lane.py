@@ -59,6 +59,13 @@ def test_sweep_passes(run: SweepRun):
     assert summary["passed"] is True and summary["platform"] == "cpu"
 
 
+def test_the_run_leaves_nothing_in_the_temporary_folder(run: SweepRun):
+    """vLLM leaves its ZeroMQ IPC sockets and vllm_dist_* files in its TMPDIR even after a clean
+    exit (16 in /tmp per 1P1D): each cluster process has a private TMPDIR, removed once it is
+    verified gone (process.spawn's private_tmp)."""
+    assert run.extra["tmp_left"] == []
+
+
 def test_mooncake_through_nox_installs_nothing(mooncake_sweep: SweepRun):
     run, cli = mooncake_sweep, mooncake_sweep.cli
     assert run.extra["installed_after"] == run.extra["installed_before"]

@@ -69,6 +69,7 @@ def test_1p1d_across_two_hosts_passes_every_default_check_and_the_kv_crossed_the
     assert "the KV crossed the link" in kv["message"]
     print(f"{run}: {kv['message']}")
     assert_nothing_left_on_any_host(r.run_dir, simulated_hosts_2)
+    assert r.extra["tmp_left"] == []  # the hosts share /tmp: every host's processes' TMPDIR is gone
 
 
 def test_dry_run_shows_the_per_host_plan_and_a_loopback_is_refused_before_launch(simulated_hosts_2, tmp_path):

@@ -56,6 +56,30 @@ def test_the_reaper_stops_what_a_dead_harness_left(tmp_path):
     stubborn.popen.wait(1)
 
 
+def test_the_reaper_removes_the_private_tmp_of_what_it_stopped_and_not_of_what_was_stopped(tmp_path):
+    """A process with a private TMPDIR (process.spawn's private_tmp, as every cluster process
+    has): when the harness dies the reaper stops it, then removes its folder with what it left
+    there; one stopped by the harness itself had its folder removed then (nothing for the reaper)."""
+    reaper = Reaper(tmp_path / "reaper.log", grace_s=1.0, warn=pytest.fail)
+    leaves = "open(os.path.join(tempfile.gettempdir(), 'left'), 'w').close(); print('u' + 'p', flush=True)"
+    sleeper = [sys.executable, "-c", f"import os, tempfile, time; {leaves}; time.sleep(600)"]
+    with process.observed(reaper):
+        done = process.spawn("done", sleeper, env=os.environ, log_path=tmp_path / "d.log", private_tmp=True)
+        left = process.spawn("left", sleeper, env=os.environ, log_path=tmp_path / "l.log", private_tmp=True)
+        wait_for_text(tmp_path / "d.log", "\nup")
+        wait_for_text(tmp_path / "l.log", "\nup")
+        done_tmp, left_tmp = done.tmp_dir, left.tmp_dir
+        assert done_tmp and left_tmp and (left_tmp / "left").exists()
+        process.stop([done], grace_s=2)
+    assert not done_tmp.exists()
+    reaper.proc.stdin.close()  # the harness dies
+    assert reaper.proc.wait(10) == 0
+    assert not left_tmp.exists()
+    log = (tmp_path / "reaper.log").read_text()
+    assert f"tmpdir {left_tmp}: removed" in log and str(done_tmp) not in log
+    left.popen.wait(1)
+
+
 def test_the_reaper_keeps_to_the_grace_the_harness_began(tmp_path):
     """Harness killed mid-teardown: the SIGKILL comes when the harness's grace ends, not a
     whole grace later."""

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import random
 import socket
 import subprocess
 import sys
@@ -64,3 +65,19 @@ def test_claim_free_port_holds_it():
         assert b.claim("x", p) == p
         with pytest.raises(PlanError, match="already used by this plan"):
             b.claim("y", p)
+
+
+def test_a_released_port_is_not_handed_out_again_by_this_process():
+    """Configs side by side: a port released right before its server spawns (which binds it only
+    once it is up) is not taken by the next config planned meanwhile."""
+    first = PortAllocator(rng=random.Random(7))
+    base = first.take_block("a", 16)
+    port = first.take("a.http")
+    first.release()
+    again = PortAllocator(rng=random.Random(7))  # the same draws: it would pick the same block
+    try:
+        other = again.take_block("b", 16)
+        assert not set(range(other, other + 16)) & set(range(base, base + 16))
+        assert port not in {again.take(f"b{i}") for i in range(50)}
+    finally:
+        again.release()

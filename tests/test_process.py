@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import psutil
+import pytest
 from conftest import wait_for_text
 from helpers import FAMILY, IGNORES_TERM, session_members, wait_for_members
 
+from pd_sessions.runtime import process
 from pd_sessions.runtime.logtail import log_tail
 from pd_sessions.runtime.process import spawn, stop
 
@@ -87,3 +92,114 @@ def test_sigterm_during_teardown_is_deferred_until_it_ends(tmp_path):
         assert got and got[0] >= done - 0.05, "the SIGTERM was handled before teardown finished"
     finally:
         signal.signal(signal.SIGTERM, old_term)
+
+
+# An API server in small: an "engine core" child, and a resource tracker (its argv names
+# multiprocessing.resource_tracker, like Python's) that exits once its parent is gone. On SIGTERM
+# the engine core is stopped at once; the server logs uvicorn's last line (or not) and lingers.
+API_SERVER = r"""
+import signal, subprocess, sys, time
+say_done = sys.argv[1] == "logs"
+engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+tracker = subprocess.Popen([sys.executable, "-c",
+    "import os, time\nparent = os.getppid()\nwhile os.getppid() == parent: time.sleep(0.01)",
+    "from multiprocessing.resource_tracker import main"])
+def stop(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    engine.terminate(); engine.wait()
+    if say_done:
+        print("INFO:     Application shutdown " + "complete.", flush=True)  # not in the log's argv line
+    time.sleep(1.5)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+print("server up", flush=True)
+time.sleep(60)
+"""
+
+
+def _api_server(tmp_path, logs: bool):
+    from pd_sessions.runtime.cluster import ShutdownLogged
+
+    log = tmp_path / "decode-0.log"
+    r = spawn(
+        "decode-0",
+        [sys.executable, "-c", API_SERVER, "logs" if logs else "quiet"],
+        env=os.environ,
+        log_path=log,
+    )
+    wait_for_text(log, "server up")
+    members = wait_for_members(r.pid, 3)  # the server, its engine core, its tracker
+    return r, members, {"decode-0": ShutdownLogged(log)}
+
+
+def test_freed_comes_once_the_engine_core_is_gone_and_a_server_that_logged_its_shutdown_is_killed_then(
+    tmp_path,
+):
+    r, members, ended = _api_server(tmp_path, logs=True)
+    freed: list[tuple[float, list[int]]] = []
+    t0 = time.monotonic()
+    rep = stop(
+        [r],
+        grace_s=10,
+        freed=lambda: freed.append((time.monotonic() - t0, [m for m in members if psutil.pid_exists(m)])),
+        after_children=ended,
+    )
+    took = time.monotonic() - t0
+    assert len(freed) == 1 and freed[0][0] < 1.0, freed
+    assert r.pid in freed[0][1]  # the server itself was still there: freed came first
+    assert rep.ended == ["decode-0"] and rep.killed == [] and took < 1.2, (rep, took)  # not its 1.5 s
+    assert session_members(r.pid) == [] and set(members) <= set(rep.pids)
+    assert "Application shutdown complete." in (tmp_path / "decode-0.log").read_text()
+
+
+def test_a_server_that_never_logged_its_shutdown_is_left_to_exit_by_itself(tmp_path):
+    r, _, ended = _api_server(tmp_path, logs=False)
+    freed: list[float] = []
+    t0 = time.monotonic()
+    rep = stop([r], grace_s=10, freed=lambda: freed.append(time.monotonic() - t0), after_children=ended)
+    took = time.monotonic() - t0
+    assert rep.ended == [] and 1.5 <= took < 3.5, (rep, took)
+    assert len(freed) == 1 and freed[0] < 1.0  # its devices were free long before
+    assert session_members(r.pid) == []
+
+
+# A child that leaves files in its temporary folder, as vLLM does (ZeroMQ IPC sockets, vllm_dist_*).
+LEAVES_TMP = (
+    "import os, socket, tempfile, time; d = tempfile.gettempdir(); "
+    "s = socket.socket(socket.AF_UNIX); s.bind(os.path.join(d, 'ipc-sock')); "
+    "open(os.path.join(d, 'vllm_dist_x'), 'w').close(); print('tmp', d, flush=True); time.sleep(600)"
+)
+
+
+def _tmp_of(log) -> str:
+    wait_for_text(log, "\ntmp ")
+    return next(line.split(" ", 1)[1] for line in log.read_text().splitlines() if line.startswith("tmp "))
+
+
+def test_a_private_tmp_is_the_childs_tmpdir_and_goes_once_it_is_verified_gone(tmp_path):
+    """spawn(private_tmp=True): the child's TMPDIR is a folder of its own (pds-tmp-<name>-...,
+    in the system's); what the child left there (a socket, a file) goes with it at stop(), and
+    at kill(); without private_tmp the child keeps the harness's TMPDIR."""
+    for end in (lambda r: stop([r], grace_s=2), process.kill):
+        log = tmp_path / f"t{id(end)}.log"
+        r = spawn("inst", [sys.executable, "-c", LEAVES_TMP], env=os.environ, log_path=log, private_tmp=True)
+        got = Path(_tmp_of(log))
+        assert got == r.tmp_dir and got.parent == Path(tempfile.gettempdir())
+        assert got.name.startswith("pds-tmp-inst-") and sorted(os.listdir(got)) == ["ipc-sock", "vllm_dist_x"]
+        end(r)
+        assert not got.exists() and r.tmp_dir is None
+    log = tmp_path / "plain.log"
+    r = spawn("plain", [sys.executable, "-c", LEAVES_TMP.replace("ipc-sock", f"ipc-{os.getpid()}")],
+              env={**os.environ, "TMPDIR": str(tmp_path)}, log_path=log)  # fmt: skip
+    assert _tmp_of(log) == str(tmp_path) and r.tmp_dir is None
+    stop([r], grace_s=2)
+
+
+def test_a_spawn_that_fails_leaves_no_private_tmp(tmp_path):
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), f"{process.TMP_PREFIX}nope-*")))
+    with pytest.raises(FileNotFoundError):
+        missing = [str(tmp_path / "missing")]
+        spawn("nope", missing, env=os.environ, log_path=tmp_path / "n.log", private_tmp=True)
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), f"{process.TMP_PREFIX}nope-*"))) == before
+    with pytest.raises(ValueError, match="not a private temporary folder"):
+        process.remove_tmp_dir(tmp_path)

@@ -21,6 +21,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -183,7 +184,7 @@ SHOW = (
     "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
     "e = os.environ; print(json.dumps({'pgid': os.getpgid(0), 'ppid': os.getppid(), "
     "'ray': sorted(k for k in e if k.startswith('RAY_')), 'cuda': e.get('CUDA_VISIBLE_DEVICES'), "
-    "'path': e['PYTHONPATH']}), flush=True); time.sleep(600)"
+    "'path': e['PYTHONPATH'], 'tmp': e.get('TMPDIR')}), flush=True); time.sleep(600)"
 )
 
 
@@ -213,6 +214,7 @@ def test_the_launcher_spawns_in_the_agents_group_streams_the_log_and_verifies_go
             env=(("CUDA_VISIBLE_DEVICES", "7"),), host=simulated_hosts_2.hosts[1].address, port=1,
             log_name="decode-0.log", node="host2",
         )  # fmt: skip
+        before = set(Path(tempfile.gettempdir()).glob("pd-sessions-*/decode-0.log"))
         r = launcher.spawn(spec, tmp_path, {})
         line = wait_until(
             lambda: next((x for x in r.log_path.read_text().splitlines() if x.startswith("{")), None),
@@ -227,6 +229,11 @@ def test_the_launcher_spawns_in_the_agents_group_streams_the_log_and_verifies_go
         assert first.read_text() == (ROOT / "pd_sessions" / "runtime" / "raylaunch.py").read_text()
         family = [r.pid] + [c.pid for c in psutil.Process(r.pid).children(recursive=True)]
         assert r.poll() is None and len(family) == 2
+        tmp = Path(seen["tmp"])  # its private TMPDIR on host2 (process.spawn's private_tmp)
+        assert tmp.name.startswith("pds-tmp-decode-0-") and tmp.is_dir()
+        node_logs = sorted(set(Path(tempfile.gettempdir()).glob("pd-sessions-*/decode-0.log")) - before)
+        assert len(node_logs) == 1, node_logs  # host2's own copy of the log, streamed from there
         rep = launcher.stop([r], grace_s=2.0)
         assert sorted(rep.pids) == sorted(family) and launcher.verify() == []
         assert all(gone(pid) for pid in family)
+        assert not tmp.exists() and not node_logs[0].parent.exists()  # both gone with it

@@ -191,3 +191,15 @@ def test_no_request_of_ours_leaves_while_held(tmp_path):
         wait_until(lambda: _established(port), 10, "a request to leave after the block")
     finally:
         stop([server], grace_s=2.0)
+
+
+def test_held_addresses_hold_only_that_clusters_requests():
+    """Configs side by side: one cluster's teardown holds requests to its own servers only."""
+    held, other = ("127.0.0.1", free_port()), ("127.0.0.1", free_port())
+    with http.held([held]):
+        with pytest.raises(HttpError, match="not sent: the cluster is being torn down"):
+            http.request(f"http://{held[0]}:{held[1]}/health", timeout=1)
+        with pytest.raises(HttpError, match="connection refused"):  # it left: nobody listens there
+            http.request(f"http://{other[0]}:{other[1]}/health", timeout=1)
+    with pytest.raises(HttpError, match="connection refused"):  # after the block, requests leave again
+        http.request(f"http://{held[0]}:{held[1]}/health", timeout=1)

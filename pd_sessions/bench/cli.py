@@ -19,7 +19,7 @@ from typing import Any
 
 import psutil
 
-from pd_sessions.bench import clusters, multihost, page, report, routers, startup, teardown
+from pd_sessions.bench import clusters, multihost, packing, page, report, routers, startup, teardown
 from pd_sessions.bench.options import PARTS, bench_parser
 from pd_sessions.checks.accuracy import AccuracyOptions
 from pd_sessions.core import check_registry
@@ -129,6 +129,15 @@ def run(args: argparse.Namespace) -> int:
                     "directory a sweep wrote), or run it with the clusters part"
                 )
             doc["report_page"] = page.run(source, logs / "report", repeats=args.repeats, progress=say)
+        if "packing" in parts:
+            say(
+                f"packing part: the GPU sweep's defaults on a fake 8-GPU host, packed vs serial "
+                f"({args.repeats} x)"
+            )
+            doc["packing"] = packing.run(
+                logs / "packing", repeats=args.repeats, progress=say, grace_s=args.grace
+            )
+            failed |= not doc["packing"]["ok"]
         if "multihost" in parts:
             doc["multihost"] = multihost.run(
                 logs / "multihost",

@@ -14,9 +14,9 @@ DESCRIPTION = (
     "``pd-sessions bench`` (``nox -s bench``): run the benchmark and write "
     "bench/results.{json,md} + phases.png."
 )
-PARTS = ("router", "teardown", "clusters", "checks", "startup", "report", "multihost")
+PARTS = ("router", "teardown", "clusters", "checks", "startup", "report", "multihost", "packing")
 # multihost (two simulated hosts: root and the [ray] extra) runs only when --parts names it.
-DEFAULT_PARTS = ("router", "teardown", "clusters", "checks", "startup", "report")
+DEFAULT_PARTS = ("router", "teardown", "clusters", "checks", "startup", "report", "packing")
 # The checks part: what each check costs over each connector (the clusters part's pd_sessions
 # runs count for its own sweep, so that one is not run again).
 CHECK_SWEEPS = (MOONCAKE.sweep, NIXL.sweep)

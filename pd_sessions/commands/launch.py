@@ -100,6 +100,7 @@ def run_options(
         ray=args.ray,
         simulate_hosts=args.simulate_hosts,
         allow_loopback_advertise=args.allow_loopback_advertise,
+        max_parallel=getattr(args, "max_parallel", None),  # sweep only
         **({"deadline_s": args.deadline} if args.deadline else {}),
         **({"pd_path_budget_s": args.pd_path_budget} if args.pd_path_budget else {}),
         **({"grace_s": args.grace} if args.grace is not None else {}),

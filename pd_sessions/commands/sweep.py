@@ -1,4 +1,5 @@
-"""``pd-sessions sweep``: run (or --dry-run) a sweep of P/D clusters, one config after another."""
+"""``pd-sessions sweep``: run (or --dry-run) a sweep of P/D clusters, configs side by side where
+they fit (--max-parallel), else one after another."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pd_sessions.commands import launch
 from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.errors import UsageError
 from pd_sessions.core.inventory import Inventory
+from pd_sessions.core.plan.packing import Packing
 from pd_sessions.core.results import ConfigResult
 from pd_sessions.core.selection import Selection
 from pd_sessions.env.envfacts import facts
@@ -24,7 +26,7 @@ from pd_sessions.report.writers import table
 from pd_sessions.run import user_commands
 from pd_sessions.run.hosts import hosts_for, phase_one
 from pd_sessions.run.options import SweepOptions, make_plan
-from pd_sessions.run.sweep import run_sweep
+from pd_sessions.run.sweep import run_sweep, sweep_packing
 from pd_sessions.runtime import process, reaper
 from pd_sessions.runtime.console import say
 from pd_sessions.runtime.ports import PortAllocator
@@ -47,8 +49,9 @@ def run(args: argparse.Namespace) -> int:
         say(line)
     if not sel.configs:
         raise UsageError("no config selected: nothing to run")
+    packing = sweep_packing(sel.configs, sel.inv, opts, across_hosts=False)  # refuses a bad --max-parallel
     if args.dry_run:
-        return dry_run(sel, opts)
+        return dry_run(sel, opts, packing)
     unfinished.check_writable(opts.results_dir)  # exit 2 before anything starts
     say(f"results and logs: {opts.results_dir}")
     results = run_configs(sel, opts, metadata(args, sel, env, opts.checks), upload=args.upload_artifacts)
@@ -135,14 +138,18 @@ def banner(
     return lines
 
 
-def dry_run(sel: Selection, opts: SweepOptions) -> int:
-    """Print every plan, left-out configs too (marked), so that each can be reviewed."""
+def dry_run(sel: Selection, opts: SweepOptions, packing: Packing) -> int:
+    """Print the waves and every plan (on the share of the host its wave gives it), left-out
+    configs too (marked, on the whole host), so that each can be reviewed."""
+    share = {p.name: p.inventory for p in packing.order}
     shown = [(c, "") for c in sel.configs] + [
         (e.config, "  (left out of this run)") for e in sel.left_out if not sel.only
     ]
+    print(packing.render())
     with hosts_for(opts, say) as hosts:
         for config, mark in shown:
-            print(plan_text(config, sel.inv, opts, hosts).replace("\n", mark + "\n", 1))
+            inv = share.get(config.name, sel.inv)
+            print(plan_text(config, inv, opts, hosts).replace("\n", mark + "\n", 1))
     say(f"dry run: {len(shown)} plans, nothing was launched")
     return 0
 

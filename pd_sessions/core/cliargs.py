@@ -206,6 +206,14 @@ def add_sweep_options(s: argparse.ArgumentParser) -> None:
         choices=list(check_registry.NAMES),
         help="do not run this check (printed in the banner, recorded in the results)",
     )
+    s.add_argument_group("packing").add_argument(
+        "--max-parallel",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run up to N configs at once, packed by GPUs (cores on the CPU lane) so that no two "
+        "share one (--dry-run shows the waves); default: as many as fit; 1: one after another",
+    )
     u = s.add_argument_group("your own commands against each live cluster")
     u.add_argument(
         "--exec",

@@ -91,14 +91,15 @@ def not_run(config: ClusterConfig, platform: str, cause: str) -> ConfigResult:
 def complete(
     configs: Sequence[ClusterConfig], results: Sequence[ConfigResult], *, platform: str, cause: str
 ) -> list[ConfigResult]:
-    """One record per config: ``results`` (a ``running`` one becomes cancelled by ``cause``),
-    then a ``not run`` one for each config without a record. ``results`` is not changed."""
-    out = [dataclasses.replace(r) for r in results]
-    for r in out:
+    """One record per config, in the sweep's order: its record in ``results`` (a ``running`` one
+    becomes cancelled by ``cause``: configs run side by side may be several), else a ``not run``
+    one; records of no config in ``configs`` come last. ``results`` is not changed."""
+    out = {r.name: dataclasses.replace(r) for r in results}
+    for r in out.values():
         if r.outcome == RUNNING:
             cancel(r, cause)
-    have = {r.name for r in results}
-    return out + [not_run(c, platform, cause) for c in configs if c.name not in have]
+    ordered = [out.pop(c.name) if c.name in out else not_run(c, platform, cause) for c in configs]
+    return ordered + list(out.values())
 
 
 def check_writable(results_dir: Path) -> None:

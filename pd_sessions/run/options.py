@@ -55,6 +55,8 @@ class SweepOptions:
     simulate_hosts: int = 0
     # Across hosts: plan an advertised loopback address anyway (it must then fail).
     allow_loopback_advertise: bool = False
+    # The most configs run at once (--max-parallel; core/plan/packing.py); None: as many as fit.
+    max_parallel: int | None = None
 
     @property
     def checks(self) -> tuple[str, ...]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 from pd_sessions.checks.runner import run_checks
@@ -16,10 +17,11 @@ from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.errors import PdError
 from pd_sessions.core.inventory import Inventory
 from pd_sessions.core.plan import ClusterPlan
+from pd_sessions.core.plan.packing import Packing, pack
 from pd_sessions.core.results import RUNNING, CheckResult, ConfigResult, ProcessRecord
 from pd_sessions.report import unfinished
 from pd_sessions.report.writers import write_config_result
-from pd_sessions.run import user_commands
+from pd_sessions.run import packed, user_commands
 from pd_sessions.run.hosts import loopback_said, phase_one
 from pd_sessions.run.options import SweepOptions, make_plan
 from pd_sessions.runtime.cluster import Event, running_cluster
@@ -48,9 +50,10 @@ def run_config(
     on_event: Callable[[Event], None] | None = None,
     into: ConfigResult | None = None,
     hosts: RayHosts | None = None,
+    freed: Callable[[], None] | None = None,
 ) -> ConfigResult:
     """Plan, start, check, tear down and record one config (``on_event``: see running_cluster;
-    ``hosts``: across the hosts of a Ray cluster, run/hosts.py).
+    ``hosts``: across Ray hosts, run/hosts.py; ``freed``: its devices are free, cluster.teardown).
 
     ``into``: the record to fill (else a new one). An unforeseen exception (not a PdError)
     errors this config, its traceback in ``error.log``; a stop (SIGINT, SIGTERM) marks it
@@ -89,6 +92,7 @@ def run_config(
                 timings=res.timings,
                 on_event=_recorder(res, plan, on_event),
                 launcher=hosts.launcher(run_dir, remote) if hosts else LOCAL,
+                freed=freed,
             ) as cluster:
                 t = time.monotonic()
                 res.phase_starts["checks"] = time.time()
@@ -198,17 +202,31 @@ def run_sweep(
     on_change: Callable[[list[ConfigResult]], None] | None = None,
     hosts: RayHosts | None = None,
 ) -> list[ConfigResult]:
-    """Run every config; one record each, returned (and appended to ``results`` if given).
+    """Run every config; one record each, returned in the sweep's order (and put in ``results``
+    if given).
 
-    Each record joins ``results`` as its config starts (outcome ``running``), so a caller that
-    a stop interrupts still holds the finished ones and the cancelled one. ``on_change`` is
-    called as each config starts and ends (to write a provisional summary).
+    Configs that fit on the host at once run side by side (core/plan/packing.py, run/packed.py;
+    ``opts.max_parallel``); otherwise one after another, in this thread. Each record joins
+    ``results`` as its config starts (outcome ``running``), so a caller that a stop interrupts
+    still holds the finished ones and the cancelled ones. ``on_change`` is called as each config
+    starts and ends (to write a provisional summary).
     """
     results = [] if results is None else results
+    packing = sweep_packing(configs, inv, opts, across_hosts=hosts is not None)
+    if packing.parallel:
+        for line in packing.render().splitlines():
+            progress(line.strip())
+        return packed.run_packed(
+            configs,
+            packing,
+            progress,
+            results,
+            on_change,
+            start=partial(_start, opts=opts),
+            run_one=lambda c, share, say, res, freed: run_config(c, share, opts, say, into=res, freed=freed),
+        )
     for i, config in enumerate(configs, 1):
-        progress(f"[{i}/{len(configs)}] {config.name}: {config.shape}, {config.connector}")
-        res = new_result(config, opts)
-        res.outcome = RUNNING
+        res = _start(config, i, len(configs), progress, opts=opts)
         results.append(res)
         if on_change:
             on_change(results)
@@ -217,3 +235,26 @@ def run_sweep(
         if on_change:
             on_change(results)
     return results
+
+
+def sweep_packing(
+    configs: Sequence[ClusterConfig], inv: Inventory, opts: SweepOptions, *, across_hosts: bool
+) -> Packing:
+    """The sweep's waves (UsageError for a --max-parallel that cannot be kept)."""
+    return pack(
+        configs,
+        inv,
+        platform=opts.platform,
+        max_parallel=opts.max_parallel,
+        across_hosts=across_hosts or opts.ray is not None or opts.simulate_hosts > 0,
+    )
+
+
+def _start(
+    config: ClusterConfig, i: int, n: int, progress: Callable[[str], None], *, opts: SweepOptions
+) -> ConfigResult:
+    """Say that config ``i`` of ``n`` starts; its record, ``running``."""
+    progress(f"[{i}/{n}] {config.name}: {config.shape}, {config.connector}")
+    res = new_result(config, opts)
+    res.outcome = RUNNING
+    return res

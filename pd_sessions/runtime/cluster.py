@@ -45,6 +45,11 @@ DEFAULT_GRACE_S = 10.0
 # while the instances behind it (stopping too) wait for its connections to close.
 ROUTER_CUT_S = 1.0
 ROUTER_PROBE_PROMPT = "Ready"
+# How often the router's /health is probed once every instance is ready: it sees its workers only at
+# its own whole-second polls (vllm-router's --worker-startup-check-interval takes whole seconds),
+# and each tick the harness adds on top is on every config's critical path. (A failing completion
+# through it is retried every 0.2 s: a broken P/D path is not flooded.)
+ROUTER_TICK_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -230,6 +235,7 @@ def running_cluster(
     on_event: Callable[[Event], None] | None = None,
     pd_path_budget_s: float = pairs.PD_PATH_BUDGET_S,
     launcher: Launcher = LOCAL,
+    freed: Callable[[], None] | None = None,
 ) -> Iterator[Cluster]:
     """Start ``plan`` and yield the ready :class:`Cluster`; always tear it down.
 
@@ -238,7 +244,7 @@ def running_cluster(
     given, is filled with phase durations even when starting fails. ``on_event``
     is told when each process is spawned and when it is noticed ready (it must
     return quickly). ``launcher`` starts and stops the processes (runtime/launcher.py: here, or
-    each on its Ray node).
+    each on its Ray node). ``freed``: see :func:`teardown`.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ if base_env is None else base_env)
@@ -277,7 +283,7 @@ def running_cluster(
     finally:
         t2 = time.monotonic()
         try:
-            teardown(cluster.router, cluster.instances, grace_s=grace_s, launcher=launcher)
+            teardown(cluster.router, cluster.instances, grace_s=grace_s, launcher=launcher, freed=freed)
         finally:
             cluster.timings["teardown"] = time.monotonic() - t2
 
@@ -356,7 +362,7 @@ def _warm_pairs_and_router(
         deadline=deadline,
         also_alive=cluster.instances,
         progress=say,
-        tick=tick,
+        tick=min(tick, ROUTER_TICK_S),
     )
     _router_completion_probe(cluster, pd_deadline, tick=0.2, say=say, pd_path=pd_deadline < deadline)
     cluster.timings["router_ready"] = time.monotonic() - t1
@@ -369,6 +375,7 @@ def teardown(
     *,
     grace_s: float = DEFAULT_GRACE_S,
     launcher: Launcher = LOCAL,
+    freed: Callable[[], None] | None = None,
 ) -> None:
     """Stop the router and the instances together, under one shared grace: SIGTERM to all
     (the router's first), one wait of at most ``grace_s``, SIGKILL to what is left, every PID
@@ -384,18 +391,50 @@ def teardown(
     and the router, if it still forwards requests ``ROUTER_CUT_S`` after its SIGTERM (ours
     were cut; these are other processes': a user's tests, ``serve``'s users), is
     SIGKILLed then: it holds no state, and its connections to the instances close with it.
+
+    ``freed`` is called once the processes that hold devices (the instances' engine cores and
+    workers) are gone, while the rest may still exit: the next config may start then
+    (run/packed.py); see process.stop_leaders.
+
+    An instance's API server whose engine core and workers are gone, and whose log holds its
+    last words (:class:`ShutdownLogged`), gets SIGKILL then: what is left of its graceful exit is
+    the interpreter's own shutdown (0.3-0.4 s on the CPU lane, measured), with nothing to free.
     """
     group = ([router] if router else []) + list(instances)
     if not group:
         return
-    with http.held():  # a check's thread still running opens no new request meanwhile
-        cut = process.cut_connections([a for a in map(_address, group) if a is not None])
+    addresses = [a for a in map(_address, group) if a is not None]
+    with http.held(addresses):  # a check's thread still running opens no new request meanwhile
+        cut = process.cut_connections(addresses)
         if cut:
             log.info("cut %d request(s) of ours still open to the cluster", cut)
         early = {router.name: ROUTER_CUT_S} if router else None
-        rep = launcher.stop(group, grace_s=grace_s, early=early)  # logs a cut itself
+        ended = {r.name: ShutdownLogged(r.log_path) for r in instances}
+        rep = launcher.stop(group, grace_s=grace_s, early=early, freed=freed, after_children=ended)
     if rep.killed:
         log.warning("needed SIGKILL: %s", ", ".join(rep.killed))
+
+
+# The last line uvicorn writes as vLLM's API server shuts down (after its engine client stopped).
+SHUTDOWN_LINE = b"Application shutdown complete."
+
+
+class ShutdownLogged:
+    """Asked (process.stop_leaders' ``after_children``) once an API server's engine core and
+    workers are gone: true once the end of its log holds uvicorn's SHUTDOWN_LINE (its own
+    shutdown is logged, so its log is complete). A server that never writes it (one that ignores
+    SIGTERM, another server) is left to exit by itself, or to the SIGKILL at the grace's end."""
+
+    def __init__(self, log_path: Path):
+        self.log_path = log_path
+
+    def __call__(self) -> bool:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+                return SHUTDOWN_LINE in f.read()
+        except OSError:
+            return False
 
 
 def _address(r: Running) -> tuple[str, int] | None:

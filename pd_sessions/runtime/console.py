@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from types import FrameType
@@ -28,8 +29,12 @@ class Stopped(BaseException):
 _T0 = time.monotonic()
 
 
+_SAY = threading.Lock()  # configs side by side (run/packed.py) say from threads of their own
+
+
 def say(msg: str) -> None:
-    print(f"[pd-sessions {time.monotonic() - _T0:7.1f}s] {msg}", flush=True)
+    with _SAY:
+        print(f"[pd-sessions {time.monotonic() - _T0:7.1f}s] {msg}", flush=True)
 
 
 def install_signal_handlers() -> None:

@@ -10,27 +10,46 @@ import contextlib
 import json
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 # Re-exported: callers catch ``http.HttpError``; it lives with the rest of the family in errors.py.
 from pd_sessions.core.errors import HttpError as HttpError
 
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-_held = threading.Event()
+_held: dict[tuple[str, int] | None, int] = {}  # address held (None: every one) -> how many hold it
+_held_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def held() -> Iterator[None]:
-    """No request leaves this process inside the block (HttpError "not sent"): while a cluster is
-    torn down, a check's thread left running must not open a new request that the stopping
-    servers would then wait for (cluster.teardown)."""
-    _held.set()
+def held(addresses: Collection[tuple[str, int]] | None = None) -> Iterator[None]:
+    """No request to ``addresses`` ((host, port); None: to anywhere) leaves this process inside the
+    block (HttpError "not sent"): while a cluster is torn down, a check's thread left running must
+    not open a new request that the stopping servers would then wait for (cluster.teardown).
+    Another cluster's requests (configs side by side, run/sweep.py) still go out."""
+    keys = [None] if addresses is None else list(dict.fromkeys(addresses))
+    with _held_lock:
+        for k in keys:
+            _held[k] = _held.get(k, 0) + 1
     try:
         yield
     finally:
-        _held.clear()
+        with _held_lock:
+            for k in keys:
+                _held[k] -= 1
+                if not _held[k]:
+                    del _held[k]
+
+
+def _is_held(url: str) -> bool:
+    if not _held:
+        return False
+    if None in _held:
+        return True
+    u = urllib.parse.urlsplit(url)
+    return (u.hostname, u.port) in _held
 
 
 def request(
@@ -40,7 +59,7 @@ def request(
     timeout: float = 5.0,
     headers: Mapping[str, str] | None = None,
 ) -> tuple[int, bytes]:
-    if _held.is_set():
+    if _is_held(url):
         raise HttpError(url, "not sent: the cluster is being torn down")
     data = None if payload is None else json.dumps(payload).encode()
     req = urllib.request.Request(

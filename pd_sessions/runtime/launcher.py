@@ -12,7 +12,7 @@ cluster (runtime/cluster.py) uses only this, so it does not care where its proce
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -26,9 +26,17 @@ class Launcher(Protocol):
         """Start ``spec``, its output going to ``run_dir/<log_name>``."""
 
     def stop(
-        self, group: Sequence[Running], *, grace_s: float, early: Mapping[str, float] | None = None
+        self,
+        group: Sequence[Running],
+        *,
+        grace_s: float,
+        early: Mapping[str, float] | None = None,
+        freed: Callable[[], None] | None = None,
+        after_children: Mapping[str, Callable[[], bool]] | None = None,
     ) -> StopReport:
-        """Stop ``group`` together under one grace (process.stop's contract)."""
+        """Stop ``group`` together under one grace (process.stop's contract); ``freed`` is
+        called once no process but the leaders is left (the devices are free), or at the end;
+        ``after_children``: leaders SIGKILLed once their workers are gone (where supported)."""
 
     def link_counters(self, plan: ClusterPlan) -> dict[str, tuple[int, int]] | None:
         """Across hosts: host -> (rx_bytes, tx_bytes) of the interface of every host the plan runs
@@ -43,12 +51,20 @@ class LocalLauncher:
 
     def spawn(self, spec: ProcessSpec, run_dir: Path, base_env: Mapping[str, str]) -> Running:
         env = {**base_env, **spec.env_dict()}
-        return process.spawn(spec.name, spec.argv, env=env, log_path=run_dir / spec.log_name, url=spec.url)
+        return process.spawn(
+            spec.name, spec.argv, env=env, log_path=run_dir / spec.log_name, url=spec.url, private_tmp=True
+        )
 
     def stop(
-        self, group: Sequence[Running], *, grace_s: float, early: Mapping[str, float] | None = None
+        self,
+        group: Sequence[Running],
+        *,
+        grace_s: float,
+        early: Mapping[str, float] | None = None,
+        freed: Callable[[], None] | None = None,
+        after_children: Mapping[str, Callable[[], bool]] | None = None,
     ) -> StopReport:
-        return process.stop(group, grace_s=grace_s, early=early)
+        return process.stop(group, grace_s=grace_s, early=early, freed=freed, after_children=after_children)
 
     def link_counters(self, plan: ClusterPlan) -> dict[str, tuple[int, int]] | None:
         return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import random
 import socket
+import threading
 
 from pd_sessions.core.errors import PlanError
 from pd_sessions.core.ports import BLOCK_RANGE
@@ -45,6 +46,19 @@ def port_owner(port: int) -> str:
     return "owner not visible"
 
 
+# Every port an allocator of this process handed out and then released (right before its
+# process spawns, which binds it only once it is up, seconds later): never handed out again by
+# this process, so configs planned side by side (run/packed.py) cannot take each other's ports
+# in that window.
+_given: set[int] = set()
+_given_lock = threading.Lock()
+
+
+def _taken_before(port: int) -> bool:
+    with _given_lock:
+        return port in _given
+
+
 class PortAllocator:
     """Real PortSource. Use as a context manager, or call release()."""
 
@@ -55,17 +69,26 @@ class PortAllocator:
         self._rng = rng or random.Random()
 
     def take(self, label: str) -> int:
-        s = _bind(self.host, 0)
-        self._held.append(s)
-        port: int = s.getsockname()[1]
-        self._ports.add(port)
-        return port
+        spare: list[socket.socket] = []  # held meanwhile, so the kernel offers another port
+        try:
+            for _ in range(100):
+                s = _bind(self.host, 0)
+                port: int = s.getsockname()[1]
+                if not _taken_before(port):
+                    self._held.append(s)
+                    self._ports.add(port)
+                    return port
+                spare.append(s)
+        finally:
+            for x in spare:
+                x.close()
+        raise PlanError(label, f"found no free port on {self.host} that this process did not hand out before")
 
     def take_block(self, label: str, size: int) -> int:
         lo, hi = BLOCK_RANGE
         for _ in range(200):
             base = self._rng.randrange(lo, hi - size)
-            if any(p in self._ports for p in range(base, base + size)):
+            if any(p in self._ports or _taken_before(p) for p in range(base, base + size)):
                 continue
             got: list[socket.socket] = []
             try:
@@ -98,6 +121,8 @@ class PortAllocator:
         return port
 
     def release(self) -> None:
+        with _given_lock:
+            _given.update(self._ports)
         for s in self._held:
             s.close()
         self._held.clear()

@@ -13,12 +13,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -91,6 +93,8 @@ class Running:
     create_time: float = 0.0
     # the host it runs on when it is not this one (runtime/raylaunch.py); None: here
     node: str | None = None
+    # its private temporary folder (its TMPDIR), removed once it is verified gone; None: none
+    tmp_dir: Path | None = None
 
     @property
     def pid(self) -> int:
@@ -116,8 +120,15 @@ def spawn(
     url: str | None = None,
     cwd: Path | None = None,
     new_session: bool = True,
+    private_tmp: bool = False,
 ) -> Running:
     """Start ``argv`` in a new session with stdout+stderr appended to ``log_path``.
+
+    ``private_tmp``: the process gets a temporary folder of its own as its ``TMPDIR``
+    (:data:`TMP_PREFIX` in the system's), removed once it is verified gone (:func:`stop`,
+    :func:`kill`; the reaper when pd-sessions itself was killed). vLLM leaves its ZeroMQ IPC
+    sockets and ``vllm_dist_*`` rendezvous files in the temporary folder, even after a clean exit:
+    16 files in /tmp per 1P1D on the CPU lane, never removed.
 
     From Popen until the observers (the reaper) have it, SIGINT/SIGTERM/SIGHUP are deferred,
     so a cancel cannot leave a started process unrecorded; started from the main thread, the
@@ -132,27 +143,71 @@ def spawn(
     with open(log_path, "ab") as out, signals_deferred():
         out.write(f"# pd_sessions: starting {name}: {list(argv)}\n".encode())
         out.flush()
-        popen = subprocess.Popen(
-            list(argv),
-            env=dict(env),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=new_session,
-            cwd=cwd,
-            preexec_fn=parentwatch.child_preexec(any_thread=not new_session),
-        )
+        tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{name}-")) if private_tmp else None
+        if tmp:
+            _tell_resource("created", str(tmp))
+        try:
+            popen = subprocess.Popen(
+                list(argv),
+                env={**env, "TMPDIR": str(tmp)} if tmp else dict(env),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=new_session,
+                cwd=cwd,
+                preexec_fn=parentwatch.child_preexec(any_thread=not new_session),
+            )
+        except BaseException:
+            if tmp:
+                remove_tmp_dir(tmp)
+            raise
         try:
             ct = psutil.Process(popen.pid).create_time()
         except psutil.Error:
             ct = 0.0
         r = Running(
-            name=name, popen=popen, log_path=log_path, started_at=time.monotonic(), url=url, create_time=ct
+            name=name,
+            popen=popen,
+            log_path=log_path,
+            started_at=time.monotonic(),
+            url=url,
+            create_time=ct,
+            tmp_dir=tmp,
         )
         for o in list(_observers):
             o.spawned(r)
     log.debug("started %s pid %d", name, popen.pid)
     return r
+
+
+# The private temporary folders (spawn's private_tmp): their names begin so, and the reaper's
+# record of one is of this kind.
+TMP_PREFIX = "pds-tmp-"
+TMP_DIR = "tmpdir"
+
+
+def remove_tmp_dir(path: Path) -> None:
+    """Remove a private temporary folder (never anything not named :data:`TMP_PREFIX`...)."""
+    if not path.name.startswith(TMP_PREFIX):
+        raise ValueError(f"{path}: not a private temporary folder of pd-sessions")
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def release_tmp(running: Sequence[Running]) -> None:
+    """Remove the private temporary folders of ``running`` (verified gone), telling the observers."""
+    for r in running:
+        if r.tmp_dir is not None:
+            remove_tmp_dir(r.tmp_dir)
+            _tell_resource("removed", str(r.tmp_dir))
+            r.tmp_dir = None
+
+
+def _tell_resource(what: str, path: str) -> None:
+    """Tell the observers that keep resources (the reaper: ``created``/``removed``) of a folder."""
+    for o in list(_observers):
+        method = getattr(o, what, None)
+        if method is not None:
+            method(TMP_DIR, path)
 
 
 @dataclass
@@ -163,6 +218,8 @@ class StopReport:
     pids: list[int] = field(default_factory=list)
     # names SIGKILLed early (``early``): still up when their own, shorter wait ended
     cut: list[str] = field(default_factory=list)
+    # names SIGKILLed once their workers were gone (``after_children``)
+    ended: list[str] = field(default_factory=list)
 
 
 def _tracked(r: Running | Leader) -> list[psutil.Process]:
@@ -217,13 +274,21 @@ def session_family(root: psutil.Process) -> list[psutil.Process]:
     return list(procs.values())
 
 
-def _wait_gone(procs: Sequence[psutil.Process], timeout: float, poll: float = 0.01) -> list[psutil.Process]:
+def _wait_gone(
+    procs: Sequence[psutil.Process],
+    timeout: float,
+    poll: float = 0.01,
+    each: Callable[[list[psutil.Process]], None] | None = None,
+) -> list[psutil.Process]:
     """Wait until every process in ``procs`` has exited (a zombie counts as exited); the
     ones still alive at ``timeout``. Polls /proc rather than waiting on each PID in turn
-    (psutil.wait_procs), because orphans that exited stay zombies until init reaps them."""
+    (psutil.wait_procs), because orphans that exited stay zombies until init reaps them.
+    ``each`` is told what is left at every poll."""
     end = time.monotonic() + timeout
     while True:
         left = [p for p in procs if alive(p)]
+        if each is not None:
+            each(left)
         if not left or time.monotonic() >= end:
             return left
         time.sleep(poll)
@@ -282,23 +347,31 @@ def stop(
     grace_s: float = 10.0,
     kill_wait_s: float = 5.0,
     early: Mapping[str, float] | None = None,
+    freed: Callable[[], None] | None = None,
+    after_children: Mapping[str, Callable[[], bool]] | None = None,
 ) -> StopReport:
     """Stop ``running`` and all their descendants; raise StopError if any survive.
 
     SIGINT/SIGTERM/SIGHUP to this process are deferred until it returns. The observers
-    (the reaper) hear when the grace ends, and that the processes are gone. ``early``: see
-    :func:`stop_leaders`.
+    (the reaper) hear when the grace ends, and that the processes are gone. ``early``,
+    ``freed``, ``after_children``: see :func:`stop_leaders`.
     """
     with signals_deferred():
         for o in list(_observers):
             o.stopping(running, time.time() + grace_s)
         try:
             rep = stop_leaders(
-                [r.leader for r in running], grace_s=grace_s, kill_wait_s=kill_wait_s, early=early
+                [r.leader for r in running],
+                grace_s=grace_s,
+                kill_wait_s=kill_wait_s,
+                early=early,
+                freed=freed,
+                after_children=after_children,
             )
         finally:
             for r in running:  # reap our direct children (zombies by now, unless they survived)
                 r.popen.poll()
+        release_tmp(running)
         for o in list(_observers):
             o.stopped(running)
         return rep
@@ -328,6 +401,7 @@ def kill(running: Running, *, kill_wait_s: float = KILL_WAIT_S) -> StopReport:
             raise StopError(
                 "processes survived SIGKILL: " + ", ".join(f"{running.name} pid {p.pid}" for p in left)
             )
+        release_tmp([running])
         for o in list(_observers):
             o.stopped([running])
         return StopReport(
@@ -341,6 +415,8 @@ def stop_leaders(
     grace_s: float,
     kill_wait_s: float = 5.0,
     early: Mapping[str, float] | None = None,
+    freed: Callable[[], None] | None = None,
+    after_children: Mapping[str, Callable[[], bool]] | None = None,
 ) -> StopReport:
     """SIGTERM to each leader's group and every tracked process, ``grace_s``, SIGKILL to what
     is left, then verify every PID gone (StopError names survivors). Needs no Popen: the
@@ -351,6 +427,16 @@ def stop_leaders(
     (vllm-router): its graceful shutdown waits for the requests it forwards, and the servers
     behind it, stopping too, wait for the proxy's connections to close, so neither would end
     before the grace.
+
+    ``freed`` is called once no process but the leaders themselves (and their resource
+    trackers) is left (a vLLM API server holds only its port; its engine core and workers hold
+    the devices), or at the latest when every process is verified gone: what waits for the
+    devices may go on meanwhile.
+
+    ``after_children`` (leader name -> predicate): once such a leader's own processes are gone
+    (but its resource tracker) and its predicate says so, the leader alone gets SIGKILL then,
+    rather than the rest of its graceful exit (a vLLM API server's interpreter shutdown, ~0.3 s
+    on the CPU lane once its engine core and workers are gone); its tracker then exits by itself.
     """
     t0 = time.monotonic()
     owner: dict[int, str] = {}
@@ -360,19 +446,23 @@ def stop_leaders(
             owner[p.pid] = r.name
             procs.append(p)
     groups = list(dict.fromkeys(r.pid for r in leaders))  # in order: the router's first
+    log.debug(
+        "stop: %d processes of %d leaders found in %.3f s", len(procs), len(leaders), time.monotonic() - t0
+    )
     _signal_all(groups, procs, signal.SIGTERM)
     left, waited, cut = procs, 0.0, []
+    watch = _Watch(leaders, procs, owner, freed, after_children)
     for name, at in sorted((early or {}).items(), key=lambda kv: kv[1]):
         if at >= grace_s:
             break  # the SIGKILL at the end of the grace comes first
-        left = _wait_gone(left, at - waited)
+        left = _wait_gone(left, at - waited, each=watch)
         waited = at
         holding = [p for p in left if owner[p.pid] == name]
         if holding:
             log.info("%s still up %.1f s after SIGTERM: SIGKILL (what waits on it can end)", name, at)
             _signal_all([r.pid for r in leaders if r.name == name], holding, signal.SIGKILL)
             cut.append(name)
-    left = _wait_gone(left, grace_s - waited)
+    left = _wait_gone(left, grace_s - waited, each=watch)
     killed = sorted({owner[p.pid] for p in left})
     if left:
         log.warning(
@@ -385,7 +475,73 @@ def stop_leaders(
         raise StopError(
             "processes survived SIGKILL: " + ", ".join(f"{owner[p.pid]} pid {p.pid}" for p in survivors)
         )
-    return StopReport(seconds=time.monotonic() - t0, killed=killed, pids=sorted(owner), cut=cut)
+    watch([])
+    log.debug("stop: every process gone %.3f s after the start of the stop", _since(t0))
+    if watch.ended:
+        log.info("SIGKILLed once their workers were gone: %s", ", ".join(watch.ended))
+    return StopReport(
+        seconds=time.monotonic() - t0, killed=killed, pids=sorted(owner), cut=cut, ended=watch.ended
+    )
+
+
+# Python's multiprocessing resource tracker (argv "-c from multiprocessing.resource_tracker import
+# main; main(N)"), a child of vLLM's API server: it holds no device, and it exits by itself once
+# its parent has (after unlinking what the parent leaked).
+RESOURCE_TRACKER = "multiprocessing.resource_tracker"
+
+
+def _helper(p: psutil.Process) -> bool:
+    """A process of ours that holds nothing: a resource tracker (told by its argv; never used
+    to find a process to signal, only to tell which of ours still hold devices)."""
+    try:
+        return any(RESOURCE_TRACKER in a for a in p.cmdline())
+    except psutil.Error:
+        return False
+
+
+def _since(t0: float) -> float:
+    return time.monotonic() - t0
+
+
+class _Watch:
+    """Told what is left at every poll of a stop: calls ``freed`` once, the first time no process
+    but the leaders and their helpers is left; SIGKILLs a leader of ``after_children`` once its
+    own processes but helpers are gone and its predicate says it may go (its graceful exit has
+    nothing left to do)."""
+
+    def __init__(
+        self,
+        leaders: Sequence[Leader],
+        procs: Sequence[psutil.Process],
+        owner: Mapping[int, str],
+        freed: Callable[[], None] | None,
+        after_children: Mapping[str, Callable[[], bool]] | None,
+    ):
+        self.leaders = {r.pid for r in leaders}
+        self.by_name = {r.name: r.pid for r in leaders}
+        self.helpers = {p.pid for p in procs if p.pid not in self.leaders and _helper(p)}
+        self.owner = owner
+        self.freed = freed
+        self.pending = dict(after_children or {})
+        self.ended: list[str] = []
+
+    def __call__(self, left: Sequence[psutil.Process]) -> None:
+        holders = [p for p in left if p.pid not in self.leaders and p.pid not in self.helpers]
+        if self.freed is not None and not holders:
+            freed, self.freed = self.freed, None
+            log.debug("stop: devices free (no engine core or worker left)")
+            freed()
+        for name, may_go in list(self.pending.items()):
+            pid = self.by_name.get(name)
+            leader = next((p for p in left if p.pid == pid), None)
+            if leader is None:
+                del self.pending[name]  # gone by itself
+            elif not any(self.owner[p.pid] == name for p in holders) and may_go():
+                del self.pending[name]
+                with contextlib.suppress(psutil.Error):
+                    leader.send_signal(signal.SIGKILL)
+                log.debug("stop: %s SIGKILLed: its workers are gone and its shutdown logged", name)
+                self.ended.append(name)
 
 
 def cut_connections(addresses: Collection[tuple[str, int]]) -> int:

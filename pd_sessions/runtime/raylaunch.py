@@ -189,7 +189,7 @@ class NodeAgent:
         if not shared:
             path = Path(os.environ.get("TMPDIR", "/tmp")) / f"pd-sessions-{shared_token}" / path.name
         env = node_env(os.environ, spec_env, str(Path(__file__).resolve().parents[2]))
-        r = process.spawn(name, argv, env=env, log_path=path, url=url, new_session=False)
+        r = process.spawn(name, argv, env=env, log_path=path, url=url, new_session=False, private_tmp=True)
         with self._lock:
             self._running[r.pid] = r
             self._recorded.append(r.leader)
@@ -234,7 +234,19 @@ class NodeAgent:
         finally:
             for r in running:
                 r.popen.poll()
+        process.release_tmp(running)
         return {"seconds": rep.seconds, "killed": rep.killed, "pids": rep.pids, "cut": rep.cut}
+
+    def drop_logs(self, pids: list[int]) -> None:
+        """Remove the node-local logs of ``pids`` (stopped, and read to their end by the driver),
+        and their folder once empty."""
+        for pid in pids:
+            path = self._local_logs.pop(pid, None)
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                with contextlib.suppress(OSError):
+                    path.parent.rmdir()
 
     def verify_gone(self, leaders: list[tuple[str, int, float]] | None = None) -> list[str]:
         """'name pid N' for every recorded process (or every one of ``leaders``) still alive."""
@@ -591,10 +603,18 @@ class RayLauncher:
         return r
 
     def stop(
-        self, group: Sequence[Running], *, grace_s: float, early: Mapping[str, float] | None = None
+        self,
+        group: Sequence[Running],
+        *,
+        grace_s: float,
+        early: Mapping[str, float] | None = None,
+        freed: Callable[[], None] | None = None,
+        after_children: Mapping[str, Callable[[], bool]] | None = None,
     ) -> StopReport:
         """Every node's processes and this host's together, under one grace; then every node
-        verifies that every process it recorded is gone. StopError names survivors and hosts."""
+        verifies that every process it recorded is gone. StopError names survivors and hosts.
+        ``freed``: called as the stop ends (across hosts configs run one at a time);
+        ``after_children`` is not used (each node's agent stops its own processes gracefully)."""
         t0 = time.monotonic()
         local = [r for r in group if id(r) not in self.remote]
         by_node: dict[str, list[int]] = {}
@@ -609,11 +629,22 @@ class RayLauncher:
             rep = LOCAL.stop(local, grace_s=grace_s, early=early) if local else StopReport(0.0)
             errors = self._remote_reports(refs, rep, timeout=grace_s + parentwatch.KILL_WAIT_S + 30)
             self.pump.close()
+            self._drop_logs(by_node)
             errors += self.verify()
         if errors:
             raise StopError("; ".join(errors))
         rep.seconds = time.monotonic() - t0
+        if freed is not None:
+            freed()
         return rep
+
+    def _drop_logs(self, by_node: Mapping[str, list[int]]) -> None:
+        """The stopped processes' node-local logs are read to their end: remove them there."""
+        for name, pids in by_node.items():
+            agent = self.hosts.node(name).agent
+            if agent is not None:
+                with contextlib.suppress(Exception):
+                    self.hosts._call(agent.drop_logs.remote(pids), 10)
 
     def _remote_reports(self, refs: Mapping[str, Any], rep: StopReport, *, timeout: float) -> list[str]:
         """Merge each node's stop report into ``rep``; what failed, by host. A dead agent took

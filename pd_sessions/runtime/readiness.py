@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from pd_sessions.core.errors import GuardTimeout, ProcessExited, ReadinessTimeout
-from pd_sessions.runtime import http
+from pd_sessions.runtime import cancel, http
 from pd_sessions.runtime.process import Running
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,7 @@ def wait_ready(
     next_progress = start + progress_every
     watched = [t.running for t in targets] + list(also_alive)
     while True:
+        cancel.check()  # a sweep running configs side by side passes a stop on (runtime/cancel.py)
         check_alive(watched, "while the cluster was starting")
         pending = [t for t in targets if t.ready_at is None]
         for t in pending:
@@ -165,6 +166,7 @@ def guarded(
     start = time.monotonic()
     beat = start + heartbeat_every
     while th.is_alive():
+        cancel.check()
         check_alive(watched(), when)
         now = time.monotonic()
         if timeout is not None and now > start + timeout:

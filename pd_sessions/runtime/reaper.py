@@ -125,8 +125,9 @@ class Reaper:
 
     def created(self, kind: str, name: str) -> None:
         """A resource the harness is about to create (record first, then create): the
-        simulated hosts' namespaces and links (kinds in runtime.netns) and files (``file``:
-        a file or symbolic link, never a folder). Left ones are removed after the processes,
+        simulated hosts' namespaces and links (kinds in runtime.netns), files (``file``:
+        a file or symbolic link, never a folder) and the processes' private temporary folders
+        (``tmpdir``, process.spawn). Left ones are removed after the processes,
         newest first."""
         self._send({"resource": [kind, name]})
 
@@ -233,11 +234,11 @@ def _remove_left(resources: list[tuple[str, str]], say: Callable[[str], None], *
     failed: list[str] = []
     for kind, name in reversed(resources):
         try:
-            if kind == "file":
+            if kind in ("file", process.TMP_DIR):
                 if failed or keep_files:
                     say(f"{kind} {name}: kept (something else could not be removed)")
                     continue
-                gone = _remove_file(Path(name))
+                gone = _remove_file(Path(name)) if kind == "file" else _remove_tmp_dir(Path(name))
             else:
                 gone = netns.remove(kind, name)
         except (OSError, PdError, ValueError) as e:
@@ -247,6 +248,14 @@ def _remove_left(resources: list[tuple[str, str]], say: Callable[[str], None], *
     for f in failed:
         say(f"FAILED: {f}")
     return 1 if failed else 0
+
+
+def _remove_tmp_dir(path: Path) -> bool:
+    """Remove a process's private temporary folder (process.spawn's private_tmp); False if gone."""
+    if not path.exists():
+        return False
+    process.remove_tmp_dir(path)
+    return True
 
 
 def _remove_file(path: Path) -> bool:
