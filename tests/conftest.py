@@ -455,6 +455,10 @@ def simulated_hosts_2(tmp_path_factory):
 # --- across hosts (issue 26): real vLLM on the simulated hosts, through --ray ----------------
 
 
+# The faults on the wire between the hosts (issue 29: checks/faults/wire.py), run by the
+# rehearsal runs on the same clusters after the default checks (tests/test_e2e_wire_faults.py).
+WIRE = ("--check", "wire")
+
 # Every rehearsal's P/D path budget (--pd-path-budget): the passing ones warm their pair in
 # 0.1-0.4 s, so they prove the bound is ample for a correct cross-host setup, and the loopback
 # can-fail runs fail within it instead of the default 60 s.
@@ -512,13 +516,15 @@ def loopback_runs(simulated_hosts_2, tmp_path_factory) -> dict[str, SweepRun]:
 
 @pytest.fixture(scope="session")
 def hosts_mooncake(simulated_hosts_2, tmp_path_factory) -> SweepRun:
-    """The Mooncake sweep's 1x1 across the two simulated hosts, every default check."""
+    """The Mooncake sweep's 1x1 across the two simulated hosts, every default check, then the
+    wire faults (WIRE)."""
     heavy("mooncake.engine")
-    return rehearsal(tmp_path_factory, simulated_hosts_2, "mooncake_sweep")
+    return rehearsal(tmp_path_factory, simulated_hosts_2, "mooncake_sweep", *WIRE)
 
 
 @pytest.fixture(scope="session")
 def hosts_nixl(simulated_hosts_2, tmp_path_factory) -> SweepRun:
-    """The NIXL sweep's 1x1 across the two simulated hosts, every default check."""
+    """The NIXL sweep's 1x1 across the two simulated hosts, every default check, then the wire
+    faults (WIRE)."""
     heavy("nixl._api")
-    return rehearsal(tmp_path_factory, simulated_hosts_2, "nixl_sweep")
+    return rehearsal(tmp_path_factory, simulated_hosts_2, "nixl_sweep", *WIRE)

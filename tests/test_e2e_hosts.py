@@ -53,7 +53,7 @@ def test_1p1d_across_two_hosts_passes_every_default_check_and_the_kv_crossed_the
     r = request.getfixturevalue(run)
     assert r.rc == 0, r.text
     checks = r.checks
-    assert tuple(checks) == check_registry.DEFAULTS
+    assert tuple(checks) == (*check_registry.DEFAULTS, *check_registry.WIRE)  # WIRE: test_e2e_wire_faults
     assert all(c["verdict"] == "pass" for c in checks.values()), {n: c["message"] for n, c in checks.items()}
     host1, host2 = simulated_hosts_2.hosts
     plan = (r.run_dir / "plan.txt").read_text()

@@ -19,6 +19,8 @@ OUTSIDE_THE_FAMILY = {
     "Stopped",
     # SIGTERM/SIGHUP in nox's interpreter, raised as nox's Ctrl-C so that nox waits for the harness
     "NoxStopped",
+    # the same stop passed on to a config running in a worker thread (runtime/cancel.py)
+    "Cancelled",
     # an absent metric; every place that reads one catches it next to HttpError
     "MetricMissing",
 }

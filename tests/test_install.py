@@ -191,12 +191,13 @@ def test_missing_commands_name_their_debian_packages():
     assert missing_commands({"ls": "coreutils"}, which=on_path) == []
     assert missing_commands({}) == []
     # the tests session's: a compiler for the canary's ELF files, Chromium and its driver for the page,
-    # iproute2 for the simulated hosts
+    # iproute2 for the simulated hosts, nftables for the wire faults between them
     assert missing_commands(TEST_COMMANDS, which=on_path) == [
         "chromium",
         "chromium-driver",
         "gcc",
         "iproute2",
+        "nftables",
     ]
 
 

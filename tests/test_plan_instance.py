@@ -87,11 +87,12 @@ def test_env_table_cpu_nixl_and_the_configs_own_value_wins():
         "VLLM_NIXL_SIDE_CHANNEL_PORT",
         "VLLM_CPU_KVCACHE_SPACE",
         "VLLM_CPU_OMP_THREADS_BIND",
+        "TORCHDYNAMO_DISABLE",
         "PD_SESSIONS_NIXL_PROGRESS_DELAY_US",
         "X",
     ]
     assert env["VLLM_PORT"] == "1" and env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "21000"
-    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1" and env["TORCHDYNAMO_DISABLE"] == "1"
 
 
 def test_env_gpus_get_the_passed_through_env():
@@ -99,7 +100,7 @@ def test_env_gpus_get_the_passed_through_env():
     env = instance_env(Slot("decode", 0, 2, 1, gpus=("2", "3")), launch(gpu_env=(("G", "1"),)), ports)
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["G"] == "1"
     assert env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] == "9000"
-    assert "VLLM_CPU_OMP_THREADS_BIND" not in env
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in env and "TORCHDYNAMO_DISABLE" not in env
 
 
 @pytest.mark.parametrize(

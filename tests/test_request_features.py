@@ -4,6 +4,8 @@ with a case that must fail (an answer that differs), on answers as vLLM writes t
 from __future__ import annotations
 
 import json
+import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -13,6 +15,7 @@ from pd_sessions.checks import parity
 from pd_sessions.checks import request_features as rf
 from pd_sessions.checks.answers import Answer, Choice, error_message, sse_events
 from pd_sessions.core import kv_identity
+from pd_sessions.core.errors import HttpError
 from pd_sessions.core.kv_identity import Counts
 
 EXACT = parity.Judge("exact", "same numeric layout", 1.0)
@@ -375,3 +378,105 @@ def test_a_known_limit_of_the_connector_is_not_sent_and_named_in_the_verdict():
     assert (
         r.details["not_sent"] and r.details["refused"] == [] and r.details["cases"][5]["not_sent"] == reason
     )
+
+
+# ---------------------------------------------------------------- how the gatherer sends (fakes)
+
+
+class Spec:
+    def __init__(self, name: str):
+        self.name, self.url = name, f"http://{name}"
+
+
+class FakeAsker(rf.Asker):
+    """An Asker whose HTTP is a recorder: every request waits at ``barrier`` (parties: how many
+    must be in flight at once, else it breaks and the request raises) and answers A."""
+
+    def __init__(self, barrier_parties: int, connector: str = "nixl"):
+        self.plan = type(
+            "Plan",
+            (),
+            {
+                "prefill": (Spec("prefill-0"),),
+                "decode": (Spec("decode-0"),),
+                "router": Spec("router"),
+            },
+        )()
+        self.p0, self.connector, self.ssm = self.plan.prefill[0], connector, False
+        self.judge, self.model, self.timeout = EXACT, "m", 5.0
+        self.barrier = threading.Barrier(barrier_parties, timeout=5.0)
+        self.sent: list[tuple[str, str, dict]] = []
+        self.lock = threading.Lock()
+
+    def ask(self, url, f):
+        with self.lock:
+            self.sent.append((url, f.name, f.payload))
+        self.barrier.wait()
+        return A
+
+
+def test_warm_up_sends_one_logprobs_request_to_every_instance_at_once():
+    asker = FakeAsker(barrier_parties=2)  # prefill-0 and decode-0 must be in flight together
+    warm = asker.warm_up()
+    assert set(warm) == {"prefill-0", "decode-0"}
+    assert sorted(u for u, _, _ in asker.sent) == ["http://decode-0", "http://prefill-0"]
+    assert all(p["logprobs"] == 1 and p["max_tokens"] == 1 for _, _, p in asker.sent)
+    # the warm-up prompt is shorter than any block: nothing of it stays in a prefix cache
+    assert len(rf.WARM_PROMPT.split()) < 8
+
+
+def test_feature_sides_are_sent_at_once_and_a_known_direct_side_not_again():
+    feats = [rf.first(rf.PROMPT), *rf.features(rf.PROMPT, "x", 0)]
+    # 11 P/D sides and 10 direct sides (max_tokens=1's is known): each request waits until 7 are
+    # in flight, so sent one after the other the first would time out
+    asker = FakeAsker(barrier_parties=7)
+    known = {feats[0].name: rf.Timed(A, 0.01)}
+    with rf.ThreadPoolExecutor(max_workers=rf.WORKERS) as pool:
+        cases = rf.feature_cases(asker, pool, feats, known)
+    assert [c.name for c in cases] == [f.name for f in feats]
+    assert feats[0].name not in [n for u, n, _ in asker.sent if u == "http://prefill-0"]
+    assert len(asker.sent) == 2 * len(feats) - 1 == 21
+    assert all(c.seconds and c.seconds["pd"] >= 0 for c in cases)
+
+
+def test_a_feature_the_connector_does_not_serve_is_not_sent():
+    feats = rf.features(rf.PROMPT, "x", 0)
+    asker = FakeAsker(barrier_parties=1, connector="mooncake")
+    with rf.ThreadPoolExecutor(max_workers=2) as pool:
+        cases = rf.feature_cases(asker, pool, feats, {})
+    assert [c.name for c in cases if c.not_sent] == ["n=2 greedy (top_k=1)", "n=2 seeded"]
+    assert not [n for _, n, _ in asker.sent if n.startswith("n=2 greedy") or n == "n=2 seeded"]
+
+
+def test_the_warm_up_is_recorded_and_named_never_judged():
+    warm = {"prefill-0": 3.1, "decode-0": 3.5}
+    r = rf.evaluate(
+        named(all_cases()),
+        judge=EXACT,
+        identity=IDENTITY,
+        expected_cases=rf.expected_cases(128),
+        warm_up_s=warm,
+    )
+    assert r.passed and r.details["warm_up_s"] == warm
+    assert (
+        "vLLM compiles batched_count_greater_than on an engine's first: prefill-0 3.1 s, decode-0 3.5 s"
+        in r.message
+    )
+    assert {x.name: x.value for x in r.figures}["warm_up"] == 3.5
+
+
+def test_a_stuck_path_drops_the_requests_not_yet_started():
+    class Stuck(FakeAsker):
+        def ask(self, url, f):
+            with self.lock:
+                self.sent.append((url, f.name, f.payload))
+            time.sleep(0.3)
+            raise HttpError(url, "timed out")
+
+    feats = [rf.first(rf.PROMPT), *rf.features(rf.PROMPT, "x", 0)]
+    asker = Stuck(barrier_parties=1)
+    t0 = time.monotonic()
+    with pytest.raises(HttpError), rf.requests_pool() as pool:
+        rf.feature_cases(asker, pool, feats, {})
+    # 22 requests, 8 at a time, 0.3 s each: all of them would take 3 rounds (0.9 s)
+    assert len(asker.sent) < 2 * len(feats) and time.monotonic() - t0 < 0.85

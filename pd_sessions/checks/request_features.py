@@ -30,6 +30,13 @@ A feature the P/D path cannot serve must be refused clearly (HTTP 4xx with a mes
 recorded as refused, not failed. A different answer with 200 (prefill-direct refusing what the
 router answers, or answering otherwise) fails; so does a 5xx.
 
+How it is sent, so that the cost stays small: first one request with ``logprobs`` straight to
+every instance at once (vLLM compiles a sampler helper on an engine's first such request: seconds
+on the CPU lane, paid by whichever request came first; :meth:`Asker.warm_up`), then every feature's
+P/D and prefill-direct sides at once (a small thread pool; no KV counter is read around them),
+then the block-boundary prompts one at a time through the router, nothing else in flight through
+the decodes, each prefill-direct side sent while the next P/D request runs.
+
 Pure: :func:`compare` (one case), :func:`evaluate` (the verdict). :func:`run` is the gatherer.
 """
 
@@ -37,7 +44,9 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -262,6 +271,9 @@ def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
         Figure("refused", len(details.get("refused") or [])),
         Figure("not_sent", len(details.get("not_sent") or [])),
     ]
+    warm = details.get("warm_up_s") or {}
+    if warm:
+        out.append(Figure("warm_up", max(warm.values()), "s"))
     seen = (details.get("kv_sum") or {}).get("seen") or {}
     if kv_identity.EXTERNAL in seen:
         out.append(Figure("kv_external", seen[kv_identity.EXTERNAL], "tokens"))
@@ -304,8 +316,11 @@ def evaluate(
     judge: parity.Judge,
     identity: str,
     expected_cases: Sequence[str] = (),
+    warm_up_s: Mapping[str, float] | None = None,
 ) -> CheckResult:
     """Every case compared (:func:`compare`); the block-boundary rows summed against the identity.
+    ``warm_up_s``: each instance's seconds for its warm-up request (:meth:`Asker.warm_up`),
+    recorded and named in the verdict, never judged.
 
     no cases, or an expected case missing   -> fail
     any case with a problem                 -> fail, naming each case and its first problems
@@ -340,6 +355,7 @@ def evaluate(
         "refused": refused,
         "not_sent": limited,
         "kv_sum": {"seen": seen.as_dict(), "expected": want.as_dict()},
+        "warm_up_s": dict(warm_up_s or {}),
     }
     missing = [n for n in expected_cases if n not in {c.name for c in cases}]
     if not cases or missing:
@@ -368,7 +384,16 @@ def evaluate(
         msg += f"; refused clearly: {'; '.join(refused)}"
     if limited:
         msg += f"; {'; '.join(limited)}"
+    if warm_up_s:
+        msg += (
+            f"; warmed first with one logprobs request per instance at once (vLLM compiles "
+            f"batched_count_greater_than on an engine's first: {_seconds(warm_up_s)})"
+        )
     return CheckResult("request_features", PASS, msg, details)
+
+
+def _seconds(by_name: Mapping[str, float]) -> str:
+    return ", ".join(f"{n} {s:.1f} s" for n, s in by_name.items())
 
 
 def _row(c: Case, problems: Sequence[str], note: str | None) -> dict[str, Any]:
@@ -493,10 +518,25 @@ def expected_cases(block: int) -> list[str]:
     return [*names, f"the {4 * block + 2}-token prompt again (decode cache hit)"]
 
 
+@dataclass(frozen=True)
+class Timed:
+    """An answer and the seconds it took."""
+
+    answer: Answer
+    seconds: float
+
+
+WARM_PROMPT = "Warm up:"
+# Requests in flight at once in the features stage (P/D and prefill-direct sides together): the
+# burst check sends 32 through the router; this stays well under it.
+WORKERS = 8
+
+
 class Asker:
     """Sends the check's requests: through the router, straight to prefill-0, and (margin mode)
     prefill-0's scores of the P/D tokens. An HTTP error status is an answer (a refusal), not an
-    exception; a timeout or a refused connection is raised (http.HttpError)."""
+    exception; a timeout or a refused connection is raised (http.HttpError). Thread-safe: every
+    call stands alone (the check sends independent requests at once)."""
 
     def __init__(self, window: CheckWindow, judge: parity.Judge):
         self.plan = window.plan
@@ -505,7 +545,6 @@ class Asker:
         self.judge = judge
         self.p0 = window.plan.prefill[0]
         self.connector, self.ssm = window.plan.config.connector, window.plan.config.hybrid
-        self.pd_s = 0.0  # the last routed request's seconds
 
     def ask(self, url: str, f: Feature) -> Answer:
         payload = {"model": self.model, "return_token_ids": True, **f.payload}
@@ -520,6 +559,19 @@ class Asker:
         if f.streamed:
             return Answer.from_stream(text, chat=chat)
         return Answer.from_response(json.loads(text), chat=chat)
+
+    def timed(self, url: str, f: Feature) -> Timed:
+        t0 = time.monotonic()
+        a = self.ask(url, f)
+        return Timed(a, time.monotonic() - t0)
+
+    def routed(self, f: Feature) -> Timed:
+        """``f`` through the router, timed."""
+        return self.timed(self.plan.router.url, f)
+
+    def direct(self, f: Feature) -> Timed:
+        """``f`` straight to prefill-0, timed."""
+        return self.timed(self.p0.url, f)
 
     def forced(self, pd: Answer, f: Feature) -> tuple[tuple[parity.ForcedToken, ...], ...] | None:
         """Margin mode: each P/D choice's tokens scored by prefill-0 (None in exact mode or when
@@ -540,47 +592,85 @@ class Asker:
             out.append(tuple(parity.forced_tokens(resp, len(prompt_ids), ids)))
         return tuple(out)
 
-    def first_token_prompt(self) -> str:
-        """The first of PROMPTS whose greedy first token (prefill-0 direct) has text."""
+    def first_token_prompt(self) -> tuple[str, Timed]:
+        """The first of PROMPTS whose greedy first token (prefill-0 direct) has text, with that
+        answer (the direct side of its ``max_tokens=1`` case)."""
         for p in PROMPTS:
-            a = self.ask(self.p0.url, first(p))
-            if a.ok and a.choices and a.choices[0].text.strip():
-                return p
-        return PROMPT
+            a = self.direct(first(p))
+            if a.answer.ok and a.answer.choices and a.answer.choices[0].text.strip():
+                return p, a
+        return PROMPT, self.direct(first(PROMPT))
 
-    def case(self, f: Feature) -> Case:
-        """``f`` through the router, then straight to prefill-0 (and scored there, margin mode);
-        not sent when the connector is known not to serve its shape (the reason recorded)."""
-        limit = connector_support.unserved_request(self.connector, f.shape)
+    def warm_up(self) -> dict[str, float]:
+        """One greedy request with ``logprobs`` straight to every prefill and decode instance at
+        once; instance name -> its seconds.
+
+        Why: vLLM compiles ``batched_count_greater_than`` (``vllm/v1/sample/ops/logprobs.py``,
+        ``@torch.compile`` with the platform's inductor backend; ``Sampler.gather_logprobs``
+        calls it) on an engine's first request that asks for logprobs, whatever
+        ``--enforce-eager`` says, the engine answering nothing meanwhile. On the CPU lane, before
+        its instances ran with ``TORCHDYNAMO_DISABLE=1`` (core/plan/instance.py), that took 3.1 s
+        on prefill-0 and 3.5 s on decode-0 (vLLM 0.32.0, 2026-12-02), and the first P/D request
+        with logprobs paid both, one after the other (a 2-choice seeded request took 6.3 s, then
+        0.2 s once warm). Sent at once, the compiles overlap where the engines have cores of
+        their own; the time is recorded in the details and named in the verdict. The prompt is
+        shorter than a block, so no prefix cache keeps any of it."""
+        f = Feature("warm-up", {"prompt": WARM_PROMPT, "max_tokens": 1, "temperature": 0.0, "logprobs": 1})
+        specs = (*self.plan.prefill, *self.plan.decode)
+        with ThreadPoolExecutor(max_workers=len(specs)) as pool:
+            sent = [(s.name, pool.submit(self.timed, s.url, f)) for s in specs]
+            return {name: round(fut.result().seconds, 3) for name, fut in sent}
+
+
+@contextmanager
+def requests_pool() -> Iterator[ThreadPoolExecutor]:
+    """The pool the check's requests share. When one fails (a timeout: a stuck path), the requests
+    not yet started are dropped, so the failure comes after about one request timeout, as when
+    they went one at a time; those in flight end with their own timeouts."""
+    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
+        try:
+            yield pool
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+
+
+def case_of(asker: Asker, f: Feature, pd: Timed, direct: Timed, kv: KvRow | None = None) -> Case:
+    """The case of ``f`` from its two sides (scored by prefill-0 in margin mode)."""
+    return Case(
+        f.name,
+        pd.answer,
+        direct.answer,
+        sampled=f.sampled,
+        one_token=f.one_token,
+        streamed=f.streamed,
+        echo_prompt=f.payload.get("prompt") if f.echo else None,
+        forced=asker.forced(pd.answer, f),
+        kv=kv,
+        seconds={"pd": pd.seconds, "direct": direct.seconds},
+    )
+
+
+def feature_cases(
+    asker: Asker, pool: ThreadPoolExecutor, feats: Sequence[Feature], known: Mapping[str, Timed]
+) -> list[Case]:
+    """Every feature's P/D and prefill-direct sides sent at once (``known``: direct sides already
+    answered); a feature the connector is known not to serve is not sent (the reason recorded).
+    They are independent: no KV counter is read around them."""
+    sent: dict[str, tuple[Future[Timed], Future[Timed] | Timed]] = {}
+    for f in feats:
+        if connector_support.unserved_request(asker.connector, f.shape) is None:
+            direct = known.get(f.name) or pool.submit(asker.direct, f)
+            sent[f.name] = (pool.submit(asker.routed, f), direct)
+    cases = []
+    for f in feats:
+        limit = connector_support.unserved_request(asker.connector, f.shape)
         if limit is not None:
-            return Case(f.name, Answer(status=0), Answer(status=0), not_sent=limit)
-        pd = self.routed(f)
-        return self.judged(f, pd)
-
-    def routed(self, f: Feature) -> Answer:
-        """``f`` through the router, timed (``pd_s``)."""
-        t0 = time.monotonic()
-        pd = self.ask(self.plan.router.url, f)
-        self.pd_s = time.monotonic() - t0
-        return pd
-
-    def judged(self, f: Feature, pd: Answer, kv: KvRow | None = None) -> Case:
-        """The case of ``f`` whose P/D answer is ``pd``: prefill-0's side added."""
-        t0 = time.monotonic()
-        direct = self.ask(self.p0.url, f)
-        forced = self.forced(pd, f)
-        return Case(
-            f.name,
-            pd,
-            direct,
-            sampled=f.sampled,
-            one_token=f.one_token,
-            streamed=f.streamed,
-            echo_prompt=f.payload.get("prompt") if f.echo else None,
-            forced=forced,
-            kv=kv,
-            seconds={"pd": self.pd_s, "direct": time.monotonic() - t0},
-        )
+            cases.append(Case(f.name, Answer(status=0), Answer(status=0), not_sent=limit))
+            continue
+        pd, direct = sent[f.name]
+        cases.append(case_of(asker, f, pd.result(), direct if isinstance(direct, Timed) else direct.result()))
+    return cases
 
 
 def block_prompts(asker: Asker, block: int) -> list[tuple[str, list[int]]]:
@@ -609,20 +699,24 @@ def settle(plan: Any, before: Mapping[str, Counts], prompt_tokens: int) -> dict[
         time.sleep(KV_POLL_S)
 
 
-def block_cases(asker: Asker, block: int) -> list[Case]:
-    """The block-boundary prompts through the router one at a time, each with the decodes'
-    counters around it, then the 4B+2 one again: the decode that served it holds 4B of its tokens
-    (another decode, in a 1PnD config, holds none)."""
-    plan, cases = asker.plan, []
-    prompts = block_prompts(asker, block)
-    prompts.append((f"the {4 * block + 2}-token prompt again (decode cache hit)", prompts[-1][1]))
+def block_cases(
+    asker: Asker, pool: ThreadPoolExecutor, block: int, prompts: Sequence[tuple[str, list[int]]]
+) -> list[Case]:
+    """The block-boundary prompts through the router one at a time, nothing else in flight
+    through the decodes, each with the decodes' counters around it, then the 4B+2 one again:
+    the decode that served it holds 4B of its tokens (another decode, in a 1PnD config, holds
+    none). Each prefill-direct side is sent once its P/D side has answered (it reaches prefill-0
+    only, so no decode counter sees it), while the next P/D request runs."""
+    plan = asker.plan
+    prompts = [*prompts, (f"the {4 * block + 2}-token prompt again (decode cache hit)", prompts[-1][1])]
     holder = None  # the decode that served the first 4B+2 prompt
+    sent: list[tuple[Feature, Timed, Future[Timed], KvRow | None]] = []
     for i, (name, ids) in enumerate(prompts):
         f = Feature(name, {"prompt": ids, "max_tokens": BLOCK_MAX_TOKENS, "temperature": 0.0})
         before = instances.scrape_decode_counts(plan)
         pd = asker.routed(f)
         row = None
-        if pd.ok:
+        if pd.answer.ok:
             deltas = settle(plan, before, len(ids))
             who = max(deltas, key=lambda n: deltas[n].total)
             repeat = i == len(prompts) - 1
@@ -630,28 +724,32 @@ def block_cases(asker: Asker, block: int) -> list[Case]:
             holder = who if i == len(prompts) - 2 else holder
             want = kv_identity.expected(asker.connector, ssm=asker.ssm, prompt_tokens=len(ids), cached=cached)
             row = KvRow(len(ids), cached, sum(deltas.values(), Counts()), want)
-        cases.append(asker.judged(f, pd, row))
-    return cases
+        sent.append((f, pd, pool.submit(asker.direct, f), row))
+    return [case_of(asker, f, pd, direct.result(), row) for f, pd, direct, row in sent]
 
 
 def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
-    """Each feature through the router, then straight to prefill-0 (or scored by it, margin
-    mode); the block-boundary prompts one at a time with the decodes' counters around each."""
+    """Every engine warmed for logprobs at once (:meth:`Asker.warm_up`, the block prompts
+    tokenized meanwhile); the features' P/D and prefill-direct sides all at once (scored by
+    prefill-0 in margin mode); then the block-boundary prompts one at a time with the decodes'
+    counters around each."""
     plan = window.plan
     judge = parity.Judge.for_config(plan.config)
     asker = Asker(window, judge)
     block = instances.block_size(plan)
     connector, ssm = plan.config.connector, plan.config.hybrid
     try:
-        prompt = asker.first_token_prompt()
-        one = asker.case(first(prompt))
-        answered = [a for a in (one.pd, one.direct) if a.ok and a.choices]
-        if not answered:
-            raise ValueError(f"max_tokens=1 was answered by neither side: {one.pd.error!r}")
-        c0 = answered[0].choices[0]
-        cases = [one]
-        cases += [asker.case(f) for f in features(prompt, c0.text, (c0.token_ids or (0,))[0])]
-        cases += block_cases(asker, block)
+        with requests_pool() as pool:
+            warming = pool.submit(asker.warm_up)
+            prompts = block_prompts(asker, block)  # /tokenize: the API servers only, not the engines
+            warm = warming.result()
+            prompt, one_direct = asker.first_token_prompt()
+            c0 = one_direct.answer.choices[0] if one_direct.answer.ok and one_direct.answer.choices else None
+            if c0 is None:
+                raise ValueError(f"max_tokens=1 was not answered by prefill-0: {one_direct.answer.error!r}")
+            feats = [first(prompt), *features(prompt, c0.text, (c0.token_ids or (0,))[0])]
+            cases = feature_cases(asker, pool, feats, {feats[0].name: one_direct})
+            cases += block_cases(asker, pool, block, prompts)
     except ValueError as e:  # an answer that is not what its endpoint promises (not JSON, no ids)
         return CheckResult("request_features", FAIL, f"could not run: {e}")
     return evaluate(
@@ -659,4 +757,5 @@ def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
         judge=judge,
         identity=kv_identity.describe(connector, ssm=ssm),
         expected_cases=expected_cases(block),
+        warm_up_s=warm,
     )

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pd_sessions.core import connector_support
+from pd_sessions.core import check_registry, connector_support
 from pd_sessions.core.errors import PlanError, UsageError
 from pd_sessions.core.selection import Selection, select_run
 from pd_sessions.env.envfacts import summary_lines
@@ -91,7 +91,7 @@ def run_options(
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if args.ray and args.simulate_hosts:
         raise UsageError("--ray and --simulate-hosts: give one (--simulate-hosts starts its own Ray cluster)")
-    return SweepOptions(
+    opts = SweepOptions(
         platform=sel.platform,
         results_dir=(args.results_dir or Path("results") / f"{results_name}-{stamp}").resolve(),
         allow_unpinned=args.allow_unpinned_remote_code,
@@ -106,3 +106,5 @@ def run_options(
         **({"grace_s": args.grace} if args.grace is not None else {}),
         **checks,
     )
+    check_registry.across_hosts_only(opts.checks, across_hosts=bool(args.ray or args.simulate_hosts))
+    return opts

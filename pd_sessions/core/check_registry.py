@@ -32,6 +32,9 @@ class CheckInfo:
     faults: bool = False
     # Checks that must run after it when it runs (the cluster needs them to be whole again).
     requires: tuple[str, ...] = ()
+    # It needs prefill and decode on different hosts (a wire between them): refused before
+    # launch on one host (--simulate-hosts N or --ray ADDRESS give the hosts).
+    hosts: bool = False
 
 
 # In running order.
@@ -152,12 +155,49 @@ CHECKS: tuple[CheckInfo, ...] = (
         options={"deadline_s": 600.0, "bound_s": 120.0},
         faults=True,
     ),
+    # Faults on the wire between the prefill and decode hosts (pd_sessions/checks/faults/wire.py):
+    # nftables rules on the KV ports, a tbf qdisc; each proves its fault bit from the kernel's
+    # counters and holds the same promise. Only across hosts.
+    CheckInfo(
+        "wire_loss",
+        "a share of the KV packets between the prefill and decode hosts dropped (each rate of "
+        "`rates`, in %): every request correct or failed clearly; where requests start to slow "
+        "or fail; the cluster recovers",
+        default=False,
+        options={"rates": (2, 20), "requests": 3, "bound_s": 30.0},
+        hosts=True,
+    ),
+    CheckInfo(
+        "wire_partition",
+        "every KV packet between the prefill and decode hosts dropped for partition_s in the "
+        "middle of a burst, then healed: what the requests got, the time to serve correctly again",
+        default=False,
+        options={"requests": 4, "partition_s": 3.0, "bound_s": 30.0},
+        hosts=True,
+    ),
+    CheckInfo(
+        "wire_cap",
+        "the prefill host's interface capped (tbf, rate_kbit): a burst still passes, every "
+        "request correct, slower by what the cap costs",
+        default=False,
+        options={"requests": 3, "rate_kbit": 4000, "bound_s": 30.0},
+        hosts=True,
+    ),
+    CheckInfo(
+        "wire_delay",
+        "a delay (netem, delay_ms) on the prefill host's interface: every request correct; "
+        "recorded as not run where the kernel has no netem",
+        default=False,
+        options={"requests": 3, "delay_ms": 20, "bound_s": 30.0},
+        hosts=True,
+    ),
 )
 BY_NAME = {c.name: c for c in CHECKS}
 NAMES = tuple(BY_NAME)
 # The checks that run everywhere unless a sweep lists its own (see defaults() per platform).
 DEFAULTS = tuple(c.name for c in CHECKS if c.default and len(c.platforms) == 2)
 FAULTS = tuple(c.name for c in CHECKS if c.faults)
+WIRE = tuple(c.name for c in CHECKS if c.hosts)
 
 
 def defaults(platform: str) -> tuple[str, ...]:
@@ -168,6 +208,19 @@ def defaults(platform: str) -> tuple[str, ...]:
 def injects_faults(names: Sequence[str]) -> bool:
     """Whether any of ``names`` (checks, or other names such as exec[0]) injects faults."""
     return any(BY_NAME[n].faults for n in names if n in BY_NAME)
+
+
+def across_hosts_only(names: Sequence[str], *, across_hosts: bool) -> None:
+    """ConfigError when one of ``names`` needs prefill and decode on different hosts and the
+    run has one host: it names them and the fix (before anything is launched)."""
+    need = [n for n in names if n in BY_NAME and BY_NAME[n].hosts]
+    if need and not across_hosts:
+        raise ConfigError(
+            "--check",
+            f"{', '.join(need)} inject(s) faults on the wire between the prefill and decode hosts, "
+            "and this run has one host (no wire between them): add --simulate-hosts 2 (two "
+            "simulated hosts on this machine) or --ray ADDRESS (a Ray cluster's hosts)",
+        )
 
 
 def resolve(

@@ -197,7 +197,9 @@ def add_sweep_options(s: argparse.ArgumentParser) -> None:
         help="also run this check besides the sweep's own (repeatable, or comma-separated), e.g. "
         "an opt-in one; 'faults' adds every fault scenario ("
         + ", ".join(check_registry.FAULTS)
-        + "); names are checked like the TOML's",
+        + "); 'wire' every fault on the wire between hosts ("
+        + ", ".join(check_registry.WIRE)
+        + ", across hosts only); names are checked like the TOML's",
     )
     c.add_argument(
         "--skip-check",

@@ -57,10 +57,12 @@ def only_names(items: Iterable[str]) -> tuple[str, ...]:
 
 def checks(base: Iterable[str], added: Iterable[str]) -> tuple[str, ...]:
     """``base`` (the sweep's checks on this platform, or --set checks=[...]) plus ``added``
-    (--check: names, comma lists, "faults" for every fault scenario), validated like the TOML's
-    ``checks`` (ConfigError naming an unknown one), in running order."""
+    (--check: names, comma lists, "faults" for every fault scenario, "wire" for every wire
+    fault), validated like the TOML's ``checks`` (ConfigError naming an unknown one), in running order."""
     extra = [
-        n for name in only_names(added) for n in (check_registry.FAULTS if name == "faults" else (name,))
+        n
+        for name in only_names(added)
+        for n in {"faults": check_registry.FAULTS, "wire": check_registry.WIRE}.get(name, (name,))
     ]
     return check_registry.resolve(list(dict.fromkeys([*base, *extra])), field_name="--check")
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
+from pd_sessions.core.errors import PlanError
 from pd_sessions.core.plan import ClusterPlan, ProcessSpec
 from pd_sessions.runtime import process
 from pd_sessions.runtime.process import Running, StopReport
@@ -45,6 +46,10 @@ class Launcher(Protocol):
     def link_baseline(self) -> dict[str, tuple[int, int]] | None:
         """Across hosts: the same, as read on each host before its first process started."""
 
+    def on_host(self, host: str, op: str, **kwargs: Any) -> Any:
+        """Across hosts: wire operation ``op`` (runtime/wire.py) on ``host``, in its network;
+        PlanError on one host (there is no wire between prefill and decode)."""
+
 
 class LocalLauncher:
     """Every process on this host."""
@@ -71,6 +76,13 @@ class LocalLauncher:
 
     def link_baseline(self) -> dict[str, tuple[int, int]] | None:
         return None
+
+    def on_host(self, host: str, op: str, **kwargs: Any) -> Any:
+        raise PlanError(
+            "wire faults",
+            "prefill and decode run on one host: there is no wire between them; run across hosts "
+            "(--simulate-hosts 2 on this machine, or --ray ADDRESS)",
+        )
 
 
 LOCAL = LocalLauncher()

@@ -54,7 +54,7 @@ from pd_sessions.core.inventory import Inventory
 from pd_sessions.core.plan import ClusterPlan, ProcessSpec
 from pd_sessions.core.plan.hosts import HostFacts, HostLayout
 from pd_sessions.runtime import hosts as hostinfo
-from pd_sessions.runtime import parentwatch, process, tiny_model
+from pd_sessions.runtime import parentwatch, process, tiny_model, wire
 from pd_sessions.runtime.launcher import LOCAL
 from pd_sessions.runtime.ports import PortAllocator
 from pd_sessions.runtime.process import Leader, Running, StopReport
@@ -257,6 +257,15 @@ class NodeAgent:
         """(rx_bytes, tx_bytes) of ``interface`` on this node."""
         stats = Path("/sys/class/net") / interface / "statistics"
         return int((stats / "rx_bytes").read_text()), int((stats / "tx_bytes").read_text())
+
+    def wire(self, op: str, kwargs: dict[str, Any]) -> Any:
+        """A wire fault operation on this node's network (runtime/wire.py's OPS); ``ifname=None``
+        is the interface of this node's address."""
+        if "ifname" in kwargs and kwargs["ifname"] is None:
+            import ray
+
+            kwargs = {**kwargs, "ifname": interface_of(ray.util.get_node_ip_address())}
+        return wire.call(op, kwargs)
 
 
 def _alive(x: Leader) -> bool:
@@ -681,6 +690,10 @@ class RayLauncher:
                 rx, tx = self.hosts._call(node.agent.counters.remote(node.facts.interface))
                 out[name] = (int(rx), int(tx))
         return out
+
+    def on_host(self, host: str, op: str, **kwargs: Any) -> Any:
+        """Wire operation ``op`` (runtime/wire.py's OPS) run on ``host``, in its network."""
+        return self.hosts._call(self.hosts.node(host).agent.wire.remote(op, kwargs))
 
     def verify(self) -> list[str]:
         """Each node that ran a process verifies that every (pid, start time) recorded there is

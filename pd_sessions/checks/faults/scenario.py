@@ -149,12 +149,14 @@ class Answer:
 class Scenario:
     """One fault scenario on a window's cluster; ``name`` names it in the injector's epochs."""
 
-    def __init__(self, window: CheckWindow, name: str):
+    def __init__(self, window: CheckWindow, name: str, *, injector: bool = True):
+        """``injector``: the scenario switches the fault injector (NotWrapped at once on a cluster
+        without it); the wire faults (wire.py) need none."""
         self.window = window
         self.cluster = window.cluster
         self.plan: ClusterPlan = window.plan
         self.model = self.plan.served_model_name
-        self.control_path = Path(control_file(self.plan))
+        self.control_path = Path(control_file(self.plan)) if injector else Path()
         self.name = name
         self.epoch = f"{name}-{uuid.uuid4().hex[:8]}"
         self.judge = parity.Judge.for_config(self.plan.config)

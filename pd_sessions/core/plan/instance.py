@@ -19,6 +19,12 @@ from pd_sessions.core.plan.specs import ProcessSpec
 # (engine-core handshake, ZMQ sockets, torch.distributed for TP ranks).
 INTERNAL_PORT_BLOCK = 16
 CPU_KVCACHE_GIB = 1
+# The CPU lane runs --enforce-eager (no compiled model), yet vLLM still torch.compiles (inductor)
+# helpers decorated with @torch.compile on their first use, the engine answering nothing meanwhile:
+# e.g. vllm/v1/sample/ops/logprobs.py batched_count_greater_than on an engine's first request with
+# logprobs, 3-7 s on the CPU lane (docs/cpu-lane.md, "Request paths users send"). Dynamo disabled,
+# they run eagerly: the same results.
+CPU_NO_COMPILE_ENV = (("TORCHDYNAMO_DISABLE", "1"),)
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 
@@ -134,8 +140,8 @@ def instance_env(slot: Slot, launch: Launch, ports: InstancePorts) -> dict[str, 
                    it advertises)
     GPUs placed    CUDA_VISIBLE_DEVICES, then the lane's passed-through GPU env
     cpu            VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND ("auto" when unbound),
-                   then the connector's CPU-lane environment (spec.cpu_lane.env, e.g. NIXL's
-                   progress-thread delay)
+                   TORCHDYNAMO_DISABLE=1 (CPU_NO_COMPILE_ENV), then the connector's CPU-lane
+                   environment (spec.cpu_lane.env, e.g. NIXL's progress-thread delay)
     across hosts   the host's own address above (not config.host), and hosts.host_env
     last           the config's extra_env: its value wins ("" turns the delay off)
     """
@@ -149,6 +155,7 @@ def instance_env(slot: Slot, launch: Launch, ports: InstancePorts) -> dict[str, 
     if launch.platform == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(CPU_KVCACHE_GIB)
         env["VLLM_CPU_OMP_THREADS_BIND"] = slot.cpu_bind or "auto"
+        env.update(dict(CPU_NO_COMPILE_ENV))
         env.update(dict(spec.cpu_lane.env))
     if slot.host:
         env.update(host_env(slot.host, c, launch.platform))
