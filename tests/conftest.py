@@ -266,10 +266,11 @@ def _sweep_once(results: Path, *, argv: list[str] | None = None, args: tuple[str
 # The fault scenarios each shared run adds after the default checks (test_e2e_faults asserts on
 # them): over both connectors the four that keep their promise every time on this stack (drop,
 # zero, swap, stall then abort). The two that kill a prefill are opt-in (PD_SESSIONS_E2E_KILLS=1
-# adds them to the NIXL run; `nox -s faults` runs them on both connectors): over Mooncake they
-# break the promise upstream (a pull from a dead or restarted prefill hangs), and over NIXL the
-# SIGKILLed prefill's worker outlived its SIGKILL for minutes in 2 of 3 runs on a loaded 2-core
-# host while the decode's worker spun and answered nothing (docs/failure-modes.md, rows 34-35).
+# adds them to the NIXL run, about 55 s; `nox -s faults` runs them on both connectors): over
+# Mooncake they break the promise upstream (a pull from a dead or restarted prefill hangs), and
+# over NIXL the SIGKILLed prefill's worker stays in the kernel's exit path (exit_mmap, runnable)
+# for over 30 s in about 1 run of 4 on this 2-core host while the decode waits for it
+# (docs/failure-modes.md, rows 34-35).
 MOONCAKE_FAULTS = "fault_drop,fault_zero,fault_swap,fault_stall_abort"
 E2E_KILLS = os.environ.get("PD_SESSIONS_E2E_KILLS") == "1"
 NIXL_FAULTS = "faults" if E2E_KILLS else MOONCAKE_FAULTS

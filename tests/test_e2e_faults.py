@@ -114,6 +114,8 @@ def test_a_prefill_killed_mid_pull_is_named_and_the_decode_recovers(nixl_sweep: 
     d = c["details"]
     assert d["dead"] == "prefill-0" and c["message"].startswith("prefill-0 SIGKILLed")
     assert d["injected"]["stall"] >= 1 and d["killed_after_wait_s"] is not None
+    assert d["undead"] is None and 0 < d["died_s"] < 30  # every process of it gone, and how fast
+    print(f"fault_peer_death: {c['message'][:200]}; every process gone {d['died_s']} s after the SIGKILL")
     assert d["request"]["kind"] in ("correct", "failed clearly") and d["request"]["seconds"] < 60
     assert d["survivors"]["decode-0"] == {"health": "ok", "held": None}
     assert d["survivors"]["router"]["health"] == "ok"

@@ -279,10 +279,14 @@ def test_peer_death_fails_when_the_killed_prefill_outlives_its_sigkill():
         waited_s=0.5,
         killed_after_s=30.2,
         policy="recompute",
-        undead="processes survived SIGKILL: prefill-0 pid 5625",
+        undead="processes survived SIGKILL: prefill-0 pid 5625 "
+        "(VLLM::Worker: 2 threads: 1 R, 1 S in do_epoll_wait)",
+        died_s=30.1,
     )
     assert r.verdict == FAIL and "the SIGKILL did not end prefill-0: processes survived" in r.message
-    assert r.details["undead"].endswith("pid 5625")
+    # where the survivor's threads were, as the kernel said (process.kernel_state)
+    assert "prefill-0 pid 5625 (VLLM::Worker: 2 threads: 1 R, 1 S in do_epoll_wait)" in r.message
+    assert r.details["died_s"] == 30.1
 
 
 def test_restart_passes_with_its_times_and_fails_naming_why():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -16,9 +17,10 @@ import pytest
 from conftest import wait_for_text
 from helpers import FAMILY, IGNORES_TERM, session_members, wait_for_members
 
+from pd_sessions.core.errors import StopError
 from pd_sessions.runtime import process
 from pd_sessions.runtime.logtail import log_tail
-from pd_sessions.runtime.process import spawn, stop
+from pd_sessions.runtime.process import kernel_state, spawn, stop
 
 
 def test_stop_kills_whole_family_and_spares_bystander(tmp_path, bystander):
@@ -92,6 +94,69 @@ def test_sigterm_during_teardown_is_deferred_until_it_ends(tmp_path):
         assert got and got[0] >= done - 0.05, "the SIGTERM was handled before teardown finished"
     finally:
         signal.signal(signal.SIGTERM, old_term)
+
+
+def _fake_task(proc, pid, tid, comm, state, wchan, stack=()):
+    t = proc / str(pid) / "task" / str(tid)
+    t.mkdir(parents=True)
+    (t / "comm").write_text(comm + "\n")
+    # /proc/PID/stat: pid (comm) state ppid ... utime (14th) stime (15th)
+    (t / "stat").write_text(f"{tid} ({comm}) {state} 1 2 3 4 5 6 7 8 9 10 1234 56 0 0\n")
+    (t / "wchan").write_text(wchan)
+    (t / "syscall").write_text("running\n" if state == "R" else "202 0x1 0x2\n")
+    (t / "stack").write_text("".join(f"[<0>] {f}+0x10/0x20\n" for f in stack))
+    (proc / str(pid) / "comm").write_text("VLLM::Worker\n")
+
+
+def test_kernel_state_sums_up_where_each_thread_is(tmp_path):
+    """The evidence a SIGKILL survivor is reported with: its threads by state, where each
+    waits (wchan, else the top of its kernel stack), and per thread the CPU ticks and stack."""
+    _fake_task(tmp_path, 70, 70, "VLLM::Worker", "R", "0", ["process_vm_rw_core", "process_vm_rw"])
+    for tid in (71, 72):
+        _fake_task(tmp_path, 70, tid, "gloo_tcp_loop", "S", "do_epoll_wait")
+    _fake_task(tmp_path, 70, 73, "ucx", "S", "futex_do_wait")
+    s = kernel_state(70, proc=tmp_path)
+    assert s.line == (
+        "VLLM::Worker: 4 threads: 1 R in process_vm_rw_core, 3 S (do_epoll_wait 2, futex_do_wait 1)"
+    )
+    assert (
+        "tid 70 'VLLM::Worker' state R cpu 1234+56 ticks (last on CPU ?, allowed ?, nice ?) wchan 0" in s.full
+    )
+    assert "stack process_vm_rw_core < process_vm_rw" in s.full
+    assert kernel_state(71, proc=tmp_path).line == "gone"
+
+
+def test_kernel_state_of_a_live_process_names_where_it_sleeps():
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        end = time.monotonic() + 10
+        while "nanosleep" not in (line := kernel_state(p.pid).line) and time.monotonic() < end:
+            time.sleep(0.02)
+        assert ": 1 thread: 1 S in " in line and "nanosleep" in line, line
+    finally:
+        p.kill()
+        p.wait()
+    assert kernel_state(p.pid).line == "gone"
+
+
+def test_a_sigkill_survivor_is_named_with_its_kernel_state(tmp_path, monkeypatch):
+    """process.kill: a process that outlives its SIGKILL (a NIXL worker did, for minutes) is
+    named with where its threads are, so the failure carries its own evidence."""
+    r = spawn(
+        "victim",
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        env=os.environ,
+        log_path=tmp_path / "v.log",
+    )
+    monkeypatch.setattr(process, "_wait_gone", lambda procs, timeout: list(procs))
+    monkeypatch.setattr(
+        process, "kernel_state", lambda pid: process.KernelState("python: 1 thread: 1 R", "full")
+    )
+    with pytest.raises(
+        StopError, match=rf"processes survived SIGKILL: victim pid {r.pid} \(python: 1 thread: 1 R\)"
+    ):
+        process.kill(r, kill_wait_s=0.1)
+    r.popen.wait(10)
 
 
 # An API server in small: an "engine core" child, and a resource tracker (its argv names

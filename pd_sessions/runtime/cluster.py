@@ -113,8 +113,14 @@ class Cluster:
         r = self.instance(name)
         self.down[name] = r
         self.instances = [x for x in self.instances if x is not r]  # one assignment: guards read it
-        process.kill(r)
-        log.info("%s (pid %d) SIGKILLed on purpose", name, r.pid)
+        rep = process.kill(r)
+        log.info(
+            "%s (pid %d) SIGKILLed on purpose: %d processes gone %.2f s after the signal",
+            name,
+            r.pid,
+            len(rep.pids),
+            rep.seconds,
+        )
         return r
 
     def restart_instance(

@@ -398,8 +398,14 @@ def kill(running: Running, *, kill_wait_s: float = KILL_WAIT_S) -> StopReport:
         finally:
             running.popen.poll()
         if left:
+            states = {p.pid: kernel_state(p.pid) for p in left}
+            for pid, st in states.items():
+                log.warning(
+                    "%s pid %d outlived SIGKILL by %.0f s: %s", running.name, pid, kill_wait_s, st.full
+                )
             raise StopError(
-                "processes survived SIGKILL: " + ", ".join(f"{running.name} pid {p.pid}" for p in left)
+                "processes survived SIGKILL: "
+                + ", ".join(f"{running.name} pid {p.pid} ({states[p.pid].line})" for p in left)
             )
         release_tmp([running])
         for o in list(_observers):
@@ -407,6 +413,80 @@ def kill(running: Running, *, kill_wait_s: float = KILL_WAIT_S) -> StopReport:
         return StopReport(
             seconds=time.monotonic() - t0, killed=[running.name], pids=sorted(p.pid for p in procs)
         )
+
+
+@dataclass(frozen=True)
+class KernelState:
+    """Where a process's threads are, as the kernel says (/proc/PID/task/*): ``line`` sums
+    them up ('VLLM::Worker: 1 thread R in process_vm_rw_core, 40 S (futex_do_wait 30, ...)'),
+    ``full`` has each thread's state, wchan, syscall and kernel stack (readable as root)."""
+
+    line: str
+    full: str
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def kernel_state(pid: int, proc: Path = Path("/proc")) -> KernelState:
+    """What the kernel says of ``pid``'s threads: evidence for a process that outlives its
+    SIGKILL (a thread spinning in the kernel, or one waiting where a fatal signal is not
+    heard). Never raises; a process already gone reads as such."""
+    base = proc / str(pid)
+    comm = _read(base / "comm") or "?"
+    try:
+        tids = sorted((int(t.name) for t in (base / "task").iterdir()), key=lambda t: (t != pid, t))
+    except (OSError, ValueError):
+        return KernelState("gone", "gone")
+    counts: dict[str, int] = {}
+    where: dict[str, dict[str, int]] = {}
+    rows = []
+    for tid in tids:
+        t = base / "task" / str(tid)
+        stat = _read(t / "stat")
+        fields = stat.rsplit(")", 1)[-1].split() if stat else []
+        st = fields[0] if fields else "?"
+        utime_stime = f"{fields[11]}+{fields[12]} ticks" if len(fields) > 12 else ""
+        # the CPU it last ran on (stat field 39), the CPUs it may run on, and its nice value
+        on_cpu = fields[36] if len(fields) > 36 else "?"
+        nice = fields[16] if len(fields) > 16 else "?"
+        allowed = next(
+            (
+                ln.split(":", 1)[1].strip()
+                for ln in _read(t / "status").splitlines()
+                if ln.startswith("Cpus_allowed_list")
+            ),
+            "?",
+        )
+        stack = [ln.split("] ", 1)[-1].split("+", 1)[0] for ln in _read(t / "stack").splitlines()]
+        wchan = _read(t / "wchan")
+        spot = wchan if wchan not in ("", "0") else (stack[0] if stack else "")
+        counts[st] = counts.get(st, 0) + 1
+        if spot:
+            where.setdefault(st, {})[spot] = where.setdefault(st, {}).get(spot, 0) + 1
+        rows.append(
+            f"  tid {tid} {_read(t / 'comm')!r} state {st} cpu {utime_stime} (last on CPU {on_cpu}, "
+            f"allowed {allowed}, nice {nice}) wchan {wchan or '-'} "
+            f"syscall {_read(t / 'syscall').split(' ')[0] or '-'}"
+            + (f" stack {' < '.join(stack)}" if stack else "")
+        )
+
+    def at(st: str) -> str:
+        w = sorted(where.get(st, {}).items(), key=lambda kv: -kv[1])
+        if not w:
+            return ""
+        if counts[st] == 1:
+            return f" in {w[0][0]}"
+        return " (" + ", ".join(f"{k} {v}" for k, v in w[:3]) + (", ..." if len(w) > 3 else "") + ")"
+
+    order = sorted(counts, key=lambda s: (s == "S", s))
+    summary = ", ".join(f"{counts[s]} {s}{at(s)}" for s in order)
+    line = f"{comm}: {len(tids)} thread{'s' if len(tids) != 1 else ''}: {summary}"
+    return KernelState(line, f"{line}\n" + "\n".join(rows))
 
 
 def stop_leaders(

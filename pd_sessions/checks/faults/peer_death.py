@@ -72,6 +72,7 @@ def evaluate(
     killed_after_s: float | None,
     policy: str,
     undead: str | None = None,
+    died_s: float | None = None,
 ) -> CheckResult:
     """The verdict.
 
@@ -95,6 +96,7 @@ def evaluate(
         "outcome": outcome.kind,
         "answered_after_s": round(outcome.seconds, 3),
         "killed_after_wait_s": None if killed_after_s is None else round(killed_after_s, 3),
+        "died_s": None if died_s is None else round(died_s, 3),  # SIGKILL -> every process gone
         "survivors_idle_s": round(recovery.seconds, 3),
         "request": outcome.to_dict(),
         "injected": dict(injected),
@@ -152,7 +154,7 @@ def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
         name="pd-peer-death-request",
         daemon=True,
     )
-    victim = waited = killed_after = undead = None
+    victim = waited = killed_after = died_s = undead = None
     s.inject("stall", where="decode", stall_s=stall_s)
     t_sent = time.monotonic()
     try:
@@ -163,10 +165,12 @@ def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
             served = instances.scrape_served(plan)
             rose = [p.name for p in plan.prefill if served.get(p.name, 0.0) > served_before.get(p.name, 0.0)]
             victim = (rose or [plan.prefill[0].name])[0]
+            t_kill = time.monotonic()
             try:
                 cluster.kill_instance(victim)
             except StopError as e:  # judged with the rest: what the request and survivors did
                 undead = str(e)
+            died_s = time.monotonic() - t_kill
             killed_after = time.monotonic() - t_wait
     finally:
         s.off()
@@ -184,6 +188,7 @@ def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
         recovery,
         waited_s=waited,
         killed_after_s=killed_after,
+        died_s=died_s,
         policy=policy(window),
         undead=undead,
     )
