@@ -14,6 +14,7 @@ import subprocess
 import xml.etree.ElementTree as ET
 
 import pytest
+from conftest import WIRE_LOSS_RATES
 
 from pd_sessions.checks.faults.promise import BROKEN, HUNG, WRONG
 from pd_sessions.core import check_registry, wire
@@ -42,7 +43,7 @@ def test_every_wire_scenario_ran_on_the_rehearsal_bit_and_kept_the_promise(run, 
     }
 
     loss = checks["wire_loss"]["details"]
-    assert [x["percent"] for x in loss["rates"]] == [2, 20]
+    assert [x["percent"] for x in loss["rates"]] == list(WIRE_LOSS_RATES[run])
     for rate in loss["rates"]:
         assert rate["counters"][wire.DROPPED] > 0, rate  # the rule dropped KV packets
         assert rate["counters"][wire.SEEN] >= rate["counters"][wire.DROPPED]

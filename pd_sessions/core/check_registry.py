@@ -164,7 +164,7 @@ CHECKS: tuple[CheckInfo, ...] = (
         "`rates`, in %): every request correct or failed clearly; where requests start to slow "
         "or fail; the cluster recovers",
         default=False,
-        options={"rates": (2, 20), "requests": 3, "bound_s": 30.0},
+        options={"rates": (2, 20), "requests": 3, "bound_s": 60.0},
         hosts=True,
     ),
     CheckInfo(
@@ -172,7 +172,7 @@ CHECKS: tuple[CheckInfo, ...] = (
         "every KV packet between the prefill and decode hosts dropped for partition_s in the "
         "middle of a burst, then healed: what the requests got, the time to serve correctly again",
         default=False,
-        options={"requests": 4, "partition_s": 3.0, "bound_s": 30.0},
+        options={"requests": 4, "partition_s": 3.0, "bound_s": 60.0},
         hosts=True,
     ),
     CheckInfo(
@@ -180,7 +180,7 @@ CHECKS: tuple[CheckInfo, ...] = (
         "the prefill host's interface capped (tbf, rate_kbit): a burst still passes, every "
         "request correct, slower by what the cap costs",
         default=False,
-        options={"requests": 3, "rate_kbit": 4000, "bound_s": 30.0},
+        options={"requests": 3, "rate_kbit": 4000, "bound_s": 60.0},
         hosts=True,
     ),
     CheckInfo(
@@ -188,7 +188,7 @@ CHECKS: tuple[CheckInfo, ...] = (
         "a delay (netem, delay_ms) on the prefill host's interface: every request correct; "
         "recorded as not run where the kernel has no netem",
         default=False,
-        options={"requests": 3, "delay_ms": 20, "bound_s": 30.0},
+        options={"requests": 3, "delay_ms": 20, "bound_s": 60.0},
         hosts=True,
     ),
 )
