@@ -33,7 +33,8 @@ def test_defaults_are_every_check_in_running_order():
         "accuracy",
     )
     assert registry.resolve(None) == registry.DEFAULTS
-    assert (*registry.DEFAULTS, "preemption", "perf", *registry.FAULTS) == registry.NAMES  # opt-in: selected
+    opt_in = ("preemption", "perf", *registry.FAULTS, *registry.WIRE)  # run when selected
+    assert (*registry.DEFAULTS, *opt_in) == registry.NAMES
 
 
 def test_selection_is_put_in_running_order():

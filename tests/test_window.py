@@ -215,6 +215,7 @@ def test_the_runner_runs_every_check_in_order_around_one_window(fake, monkeypatc
         "preemption",
         "perf",
         *registry.FAULTS,
+        *registry.WIRE,
     ):
         monkeypatch.setitem(runner.GATHERERS, name, gather(name))
     results = []
@@ -303,6 +304,7 @@ def test_a_stuck_path_fails_every_later_check_without_running_it(fake, monkeypat
         "preemption",
         "perf",
         *registry.FAULTS,
+        *registry.WIRE,
     ):
         monkeypatch.setitem(runner.GATHERERS, name, gather(name))
     fake.router_hangs = True
