@@ -144,6 +144,8 @@ def test_a_nodes_agent_killed_fails_the_run_naming_the_instance_and_leaves_nothi
     decode = next(p for p in servers if dict(itertools.pairwise(p.cmdline())).get("--host") == host2)
     worker = psutil.Process(decode.ppid())
     assert worker.pid != run.proc.pid and os.getpgid(decode.pid) == os.getpgid(worker.pid)
+    tmp = Path(decode.environ()["TMPDIR"])  # its private TMPDIR on host2
+    assert tmp.name.startswith("pds-tmp-decode-0-") and tmp.is_dir()
     t0 = time.monotonic()
     worker.kill()
     took = run.all_gone_within(servers + run.local(), t0, 60.0)
@@ -151,6 +153,7 @@ def test_a_nodes_agent_killed_fails_the_run_naming_the_instance_and_leaves_nothi
     run.reader.join(5)
     assert "decode-0 (http://" in run.text and "exited with status -9" in run.text, run.text
     assert not any(alive(p) for p in servers)
+    assert not tmp.exists()  # removed by a fresh agent once it verified the decode gone
     print(f"agent killed: the run failed and everything was gone {took:.2f} s after")
 
 

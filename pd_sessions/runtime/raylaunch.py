@@ -195,7 +195,8 @@ class NodeAgent:
             self._recorded.append(r.leader)
             if not shared:
                 self._local_logs[r.pid] = path
-        return {"pid": r.pid, "create_time": r.create_time, "shared": shared}
+        tmp = str(r.tmp_dir) if r.tmp_dir else None
+        return {"pid": r.pid, "create_time": r.create_time, "shared": shared, "tmp_dir": tmp}
 
     def poll(self, pid: int) -> int | None:
         """Its exit status, or None while it runs (and its descendants recorded meanwhile)."""
@@ -247,6 +248,12 @@ class NodeAgent:
                     path.unlink()
                 with contextlib.suppress(OSError):
                     path.parent.rmdir()
+
+    def remove_tmp_dirs(self, paths: list[str]) -> None:
+        """Remove the private temporary folders of processes a dead agent started here (they went
+        with its worker's group; their folders stayed)."""
+        for p in paths:
+            process.remove_tmp_dir(Path(p))
 
     def verify_gone(self, leaders: list[tuple[str, int, float]] | None = None) -> list[str]:
         """'name pid N' for every recorded process (or every one of ``leaders``) still alive."""
@@ -531,6 +538,7 @@ class _Remote:
     running: Running
     handle: RemoteHandle
     shared: bool
+    tmp_dir: str | None = None  # its private TMPDIR on its node (removed there when it stops)
     offset: int = 0
 
 
@@ -604,7 +612,7 @@ class RayLauncher:
         r = Running(
             spec.name, handle, log_path, time.monotonic(), spec.url, got["create_time"], node=spec.node
         )
-        item = self.remote[id(r)] = _Remote(r, handle, got["shared"])
+        item = self.remote[id(r)] = _Remote(r, handle, got["shared"], got.get("tmp_dir"))
         if not item.shared:
             log_path.touch()
             self.pump.add(item)
@@ -711,6 +719,9 @@ class RayLauncher:
                     if it.handle.node.name == name
                 ]
                 left = self.hosts._call(node.agent.verify_gone.remote(known), timeout=120)
+                tmp = [x.tmp_dir for x in self.remote.values() if x.handle.node.name == name and x.tmp_dir]
+                if not left and tmp:
+                    self.hosts._call(node.agent.remove_tmp_dirs.remote(tmp), timeout=60)
             if left:
                 out.append(f"still running on {name} ({node.address}): {', '.join(left)}")
         return out
