@@ -269,6 +269,10 @@ def test_the_runner_runs_every_check_in_order_around_one_window(fake, monkeypatc
         ("fault_stall_abort", {"requests": 2, "stall_s": 8.0, "bound_s": 15.0}, n),
         ("fault_peer_death", {"stall_s": 5.0, "bound_s": 60.0}, n),
         ("fault_restart", {"deadline_s": 600.0, "bound_s": 120.0}, n),
+        ("wire_loss", {"rates": (2, 20), "requests": 3, "bound_s": 60.0}, n),
+        ("wire_partition", {"requests": 4, "partition_s": 3.0, "bound_s": 60.0}, n),
+        ("wire_cap", {"requests": 3, "rate_kbit": 4000, "bound_s": 60.0}, n),
+        ("wire_delay", {"requests": 3, "delay_ms": 20, "bound_s": 60.0}, n),
     ]
 
 
