@@ -48,8 +48,6 @@ EXTRA_CONFIG_KEY = "pd_sessions_faults"
 CONNECTOR_MODULE = "pd_sessions.fault_connector"
 # Every line the injector writes starts with this, then one JSON object.
 EVENT_PREFIX = "pd_sessions fault: "
-# How often the injector looks at the control file again (seconds).
-RELOAD_S = 0.05
 
 
 @dataclass(frozen=True)
