@@ -351,6 +351,8 @@ def simhosts_leftovers(run_id: str, pids=()) -> list[str]:
 
     spaces = os.listdir(netns.NETNS_DIR) if netns.NETNS_DIR.exists() else []
     left = [f"namespace {n}" for n in spaces if n.startswith(f"{core.PREFIX}-{run_id}-")]
+    etc = os.listdir(netns.ETC_NETNS) if netns.ETC_NETNS.exists() else []
+    left += [f"folder {netns.ETC_NETNS / n}" for n in etc if n.startswith(f"{core.PREFIX}-{run_id}-")]
     left += [f"link {n}" for n in os.listdir(netns.SYSFS_NET) if n.startswith(f"{core.PREFIX}{run_id}")]
     for path in (Path(f"/tmp/{core.PREFIX}-{run_id}"), Path(core.STATE_DIR) / f"{run_id}.json"):
         if os.path.lexists(path):

@@ -88,11 +88,23 @@ def test_env_table_cpu_nixl_and_the_configs_own_value_wins():
         "VLLM_CPU_KVCACHE_SPACE",
         "VLLM_CPU_OMP_THREADS_BIND",
         "TORCHDYNAMO_DISABLE",
+        "VLLM_ENABLE_V1_MULTIPROCESSING",
         "PD_SESSIONS_NIXL_PROGRESS_DELAY_US",
         "X",
     ]
     assert env["VLLM_PORT"] == "1" and env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "21000"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1" and env["TORCHDYNAMO_DISABLE"] == "1"
+
+
+@pytest.mark.parametrize("tp,dp,one_process", [(1, 1, True), (2, 1, False), (1, 2, False)])
+def test_a_cpu_slot_of_one_rank_runs_its_worker_in_the_engine_core(tp, dp, one_process):
+    """vLLM's CPU platform would spawn a worker process for a one-rank engine (a GPU runs it in
+    the engine core) unless VLLM_ENABLE_V1_MULTIPROCESSING=0; with more ranks it is left alone."""
+    ports = InstancePorts(http=8000, internal=20000, bootstrap=9000, side_channel=None, dp_rpc=None)
+    env = instance_env(Slot("decode", 0, tp, dp), launch(cfg(), "cpu"), ports)
+    assert (env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0") is one_process
+    on_gpu = instance_env(Slot("decode", 0, tp, dp), launch(cfg()), ports)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in on_gpu
 
 
 def test_env_gpus_get_the_passed_through_env():

@@ -70,6 +70,7 @@ def own_ray_cluster(tmp_path):
         netns.remove(netns.LINK, plan.bridge)
         shutil.rmtree(short, ignore_errors=True)  # the nodes' temp dirs, and their parent
         assert not any(netns.netns_exists(h.netns) for h in plan.hosts) and not netns.link_exists(plan.bridge)
+        assert not any((netns.ETC_NETNS / h.netns).exists() for h in plan.hosts)
         assert not os.path.lexists(short)
 
 

@@ -147,6 +147,28 @@ def test_a_hosts_address_is_reachable_from_another_host_but_its_loopback_is_not(
     assert not netns.forwards_out(sim.plan.bridge, h1.address), "the bridge would forward off the machine"
 
 
+LOOKUP = (
+    "import socket, sys, time; t = time.monotonic(); name = socket.getfqdn(sys.argv[1]); "
+    "print(name, round(time.monotonic() - t, 2))"
+)
+
+
+def test_a_host_has_no_name_server_so_a_lookup_ends_at_once(simulated_hosts_2):
+    """The machine's name server is beyond the bridge, which forwards nothing: a lookup that
+    reached it from a host waited out the resolver (2 x 5 s; Python's http.server binding
+    looked up its own address so: every fake server on a host started 10 s late). Each host has
+    its own resolv.conf (the namespace's loopback: refused at once), and it goes with the host."""
+    from pd_sessions.runtime import netns
+
+    h1, _ = simulated_hosts_2.hosts
+    out = subprocess.run(
+        _in(h1.netns, sys.executable, "-c", LOOKUP, h1.address), capture_output=True, text=True, timeout=60
+    )
+    name, took = out.stdout.split()
+    assert name == h1.address and float(took) < 2, out
+    assert "nameserver 127.0.0.1" in (netns.ETC_NETNS / h1.netns / "resolv.conf").read_text()
+
+
 HOLDER = textwrap.dedent("""
     import json, sys, time
     from pathlib import Path

@@ -21,6 +21,7 @@ route lookup (no packet).
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -29,6 +30,18 @@ from pd_sessions.core.errors import HostSetupError
 SYSFS_NET = Path("/sys/class/net")
 PROC_CONF = Path("/proc/sys/net/ipv4/conf")
 NETNS_DIR = Path("/run/netns")  # where `ip netns add` names namespaces
+# `ip netns exec NS` mounts the files of /etc/netns/NS over /etc's: each namespace's resolv.conf.
+ETC_NETNS = Path("/etc/netns")
+# A simulated host has no name server: the machine's one is beyond the bridge, which forwards
+# nothing, so every lookup that reached DNS (a reverse lookup of the host's own address, as
+# Python's http.server does when it binds) waited out the resolver's 2 x 5 s first. Here the
+# resolver asks the namespace's own loopback, where nothing listens: refused at once. /etc/hosts
+# is the machine's, as on a real host.
+RESOLV_CONF = (
+    "# pd-sessions simulated host: no name server (runtime/netns.py); lookups end at once\n"
+    "nameserver 127.0.0.1\n"
+    "options timeout:1 attempts:1\n"
+)
 # Kinds of what this module creates, as the reaper records them.
 LINK, NETNS = "link", "netns"
 
@@ -81,6 +94,11 @@ def add_host(
     default route via ``gateway``), ``peer`` on ``bridge``."""
     step = f"creating namespace {ns} ({ifname} {address}/{prefixlen}, peer {peer} on {bridge})"
     _ip("netns", "add", ns, step=step)
+    try:
+        (ETC_NETNS / ns).mkdir(parents=True, exist_ok=True)
+        (ETC_NETNS / ns / "resolv.conf").write_text(RESOLV_CONF)
+    except OSError as e:
+        raise HostSetupError(f"simulated hosts: {step}: writing {ETC_NETNS / ns}/resolv.conf: {e}") from e
     _ip("link", "add", peer, "type", "veth", "peer", "name", ifname, "netns", ns, step=step)
     _ip("link", "set", peer, "master", bridge, "up", step=step)
     _ip("-n", ns, "link", "set", "lo", "up", step=step)
@@ -91,10 +109,12 @@ def add_host(
 
 def remove(kind: str, name: str) -> bool:
     """Remove one thing the simulated hosts created, by kind (:data:`LINK`: a veth's root end
-    takes its pair with it; :data:`NETNS`: its interfaces go with the last process in it);
-    False if it was gone already."""
+    takes its pair with it; :data:`NETNS`: its interfaces go with the last process in it, its
+    /etc/netns folder with it); False if it was gone already."""
     if kind not in (LINK, NETNS):
         raise ValueError(f"unknown kind {kind!r}")
+    if kind == NETNS:
+        shutil.rmtree(ETC_NETNS / name, ignore_errors=True)  # only read when a process enters it
     if not exists(kind, name):
         return False
     try:

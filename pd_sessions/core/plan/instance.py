@@ -25,6 +25,13 @@ CPU_KVCACHE_GIB = 1
 # logprobs, 3-7 s on the CPU lane (docs/cpu-lane.md, "Request paths users send"). Dynamo disabled,
 # they run eagerly: the same results.
 CPU_NO_COMPILE_ENV = (("TORCHDYNAMO_DISABLE", "1"),)
+# vllm/platforms/cpu.py turns a one-rank engine's in-process executor ("uni", what a GPU instance
+# of TP 1 runs) into the multiprocess one unless VLLM_ENABLE_V1_MULTIPROCESSING=0: a third process
+# per instance, spawned, importing torch and vLLM again (6-9 s of one core per instance start on
+# the CPU lane). With the variable the worker runs in the engine core, as on a GPU; the API server
+# still starts its engine core as a process of its own (AsyncLLM always does). Only for a slot of
+# one rank (TP 1, DP 1): with more ranks vLLM picks the multiprocess executor anyway.
+CPU_ONE_RANK_ENV = (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),)
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 
@@ -140,7 +147,8 @@ def instance_env(slot: Slot, launch: Launch, ports: InstancePorts) -> dict[str, 
                    it advertises)
     GPUs placed    CUDA_VISIBLE_DEVICES, then the lane's passed-through GPU env
     cpu            VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND ("auto" when unbound),
-                   TORCHDYNAMO_DISABLE=1 (CPU_NO_COMPILE_ENV), then the connector's CPU-lane
+                   TORCHDYNAMO_DISABLE=1 (CPU_NO_COMPILE_ENV), VLLM_ENABLE_V1_MULTIPROCESSING=0
+                   for a slot of one rank (CPU_ONE_RANK_ENV), then the connector's CPU-lane
                    environment (spec.cpu_lane.env, e.g. NIXL's progress-thread delay)
     across hosts   the host's own address above (not config.host), and hosts.host_env
     last           the config's extra_env: its value wins ("" turns the delay off)
@@ -156,6 +164,8 @@ def instance_env(slot: Slot, launch: Launch, ports: InstancePorts) -> dict[str, 
         env["VLLM_CPU_KVCACHE_SPACE"] = str(CPU_KVCACHE_GIB)
         env["VLLM_CPU_OMP_THREADS_BIND"] = slot.cpu_bind or "auto"
         env.update(dict(CPU_NO_COMPILE_ENV))
+        if slot.tp == 1 and slot.dp == 1:
+            env.update(dict(CPU_ONE_RANK_ENV))
         env.update(dict(spec.cpu_lane.env))
     if slot.host:
         env.update(host_env(slot.host, c, launch.platform))
