@@ -78,7 +78,7 @@ def test_ledger_claims_explicit_ports_and_refuses_a_repeat():
 def test_env_table_cpu_nixl_and_the_configs_own_value_wins():
     c = cfg(connector="nixl", extra_env=(("VLLM_PORT", "1"), ("X", "2")))
     ports = InstancePorts(http=8000, internal=20000, bootstrap=None, side_channel=21000, dp_rpc=None)
-    env = instance_env(Slot("prefill", 0, 1, 1, cpu_bind="0|1"), launch(c, "cpu"), ports)
+    env = instance_env(Slot("prefill", 0, 1, 1, cpu_bind="0,1"), launch(c, "cpu"), ports)
     assert list(env) == [
         "VLLM_HOST_IP",
         "VLLM_PORT",
@@ -89,20 +89,38 @@ def test_env_table_cpu_nixl_and_the_configs_own_value_wins():
         "VLLM_CPU_OMP_THREADS_BIND",
         "TORCHDYNAMO_DISABLE",
         "VLLM_ENABLE_V1_MULTIPROCESSING",
+        "OMP_NUM_THREADS",
+        "OMP_PLACES",
+        "OMP_PROC_BIND",
         "PD_SESSIONS_NIXL_PROGRESS_DELAY_US",
         "X",
     ]
     assert env["VLLM_PORT"] == "1" and env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "21000"
-    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1" and env["TORCHDYNAMO_DISABLE"] == "1"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1" and env["TORCHDYNAMO_DISABLE"] == "1"
 
 
-@pytest.mark.parametrize("tp,dp,one_process", [(1, 1, True), (2, 1, False), (1, 2, False)])
-def test_a_cpu_slot_of_one_rank_runs_its_worker_in_the_engine_core(tp, dp, one_process):
+@pytest.mark.parametrize(
+    "tp,dp,bind,one_process",
+    [(1, 1, "1", True), (1, 1, "0,1", True), (2, 1, "0|1", False), (1, 2, "0", False)],
+)
+def test_a_cpu_slot_of_one_rank_runs_its_worker_in_the_engine_core_bound_as_vllm_binds_it(
+    tp, dp, bind, one_process
+):
     """vLLM's CPU platform would spawn a worker process for a one-rank engine (a GPU runs it in
-    the engine core) unless VLLM_ENABLE_V1_MULTIPROCESSING=0; with more ranks it is left alone."""
+    the engine core) unless VLLM_ENABLE_V1_MULTIPROCESSING=0; the OpenMP binding vLLM gives that
+    worker is then the instance's own. With more ranks both are left to vLLM."""
     ports = InstancePorts(http=8000, internal=20000, bootstrap=9000, side_channel=None, dp_rpc=None)
-    env = instance_env(Slot("decode", 0, tp, dp), launch(cfg(), "cpu"), ports)
+    env = instance_env(Slot("decode", 0, tp, dp, cpu_bind=bind), launch(cfg(), "cpu"), ports)
     assert (env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0") is one_process
+    omp = {k: env.get(k) for k in ("OMP_NUM_THREADS", "OMP_PLACES", "OMP_PROC_BIND")}
+    if one_process:
+        assert omp == {
+            "OMP_NUM_THREADS": str(len(bind.split(","))),
+            "OMP_PLACES": f"{{{bind}}}",
+            "OMP_PROC_BIND": "true",
+        }
+    else:
+        assert omp == dict.fromkeys(omp)
     on_gpu = instance_env(Slot("decode", 0, tp, dp), launch(cfg()), ports)
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in on_gpu
 

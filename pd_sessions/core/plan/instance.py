@@ -32,6 +32,21 @@ CPU_NO_COMPILE_ENV = (("TORCHDYNAMO_DISABLE", "1"),)
 # still starts its engine core as a process of its own (AsyncLLM always does). Only for a slot of
 # one rank (TP 1, DP 1): with more ranks vLLM picks the multiprocess executor anyway.
 CPU_ONE_RANK_ENV = (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),)
+
+
+def omp_env(cores: str) -> tuple[tuple[str, str], ...]:
+    """The OpenMP binding of one rank on ``cores`` ("0" or "0,1"), as vLLM's multiprocess executor
+    sets it in the worker it spawns (vllm/utils/ompmultiprocessing.py, OMPProcessManager.
+    configure_omp_envs, neither libiomp nor libgomp preloaded): with the worker in the engine core
+    no one else would, and torch would run one unbound thread per core of the machine."""
+    ids = [c.strip() for c in cores.split(",") if c.strip()]
+    return (
+        ("OMP_NUM_THREADS", str(len(ids))),
+        ("OMP_PLACES", "{" + ",".join(ids) + "}"),
+        ("OMP_PROC_BIND", "true"),
+    )
+
+
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 
@@ -147,8 +162,9 @@ def instance_env(slot: Slot, launch: Launch, ports: InstancePorts) -> dict[str, 
                    it advertises)
     GPUs placed    CUDA_VISIBLE_DEVICES, then the lane's passed-through GPU env
     cpu            VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND ("auto" when unbound),
-                   TORCHDYNAMO_DISABLE=1 (CPU_NO_COMPILE_ENV), VLLM_ENABLE_V1_MULTIPROCESSING=0
-                   for a slot of one rank (CPU_ONE_RANK_ENV), then the connector's CPU-lane
+                   TORCHDYNAMO_DISABLE=1 (CPU_NO_COMPILE_ENV); for a slot of one rank bound to
+                   cores, VLLM_ENABLE_V1_MULTIPROCESSING=0 (CPU_ONE_RANK_ENV) and that rank's
+                   OpenMP binding (omp_env); then the connector's CPU-lane
                    environment (spec.cpu_lane.env, e.g. NIXL's progress-thread delay)
     across hosts   the host's own address above (not config.host), and hosts.host_env
     last           the config's extra_env: its value wins ("" turns the delay off)
@@ -164,8 +180,9 @@ def instance_env(slot: Slot, launch: Launch, ports: InstancePorts) -> dict[str, 
         env["VLLM_CPU_KVCACHE_SPACE"] = str(CPU_KVCACHE_GIB)
         env["VLLM_CPU_OMP_THREADS_BIND"] = slot.cpu_bind or "auto"
         env.update(dict(CPU_NO_COMPILE_ENV))
-        if slot.tp == 1 and slot.dp == 1:
+        if slot.tp == 1 and slot.dp == 1 and slot.cpu_bind and "|" not in slot.cpu_bind:
             env.update(dict(CPU_ONE_RANK_ENV))
+            env.update(dict(omp_env(slot.cpu_bind)))
         env.update(dict(spec.cpu_lane.env))
     if slot.host:
         env.update(host_env(slot.host, c, launch.platform))
