@@ -1,4 +1,4 @@
-"""vLLM general plugin (entry point ``vllm.general_plugins``): two shims for the CPU lane.
+"""vLLM general plugin (entry point ``vllm.general_plugins``): three shims for the CPU lane.
 
 vLLM loads general plugins in every process it starts (API server, engine core, workers).
 
@@ -15,6 +15,12 @@ vLLM loads general plugins in every process it starts (API server, engine core, 
   and requests stalled for up to 30 s (docs/cpu-lane.md). With the variable set, agents are created with
   that delay instead: the thread wakes on its event fds, and at least every delay otherwise.
   A config that sets ``pthrDelay`` itself keeps it.
+- **NIXL's worker keeps its instance's cores** (only where ``PD_SESSIONS_NIXL_KEEP_CORES=1``; the
+  planner sets it for NIXL instances on the CPU lane). On a CPU host vLLM's NIXL worker moves the
+  thread that builds it, the engine's own, to the last core of each NUMA node: every NIXL
+  instance, prefill and decode, then computed on the machine's last core, and across simulated
+  hosts on another host's core. With the variable the thread's cores before the worker's
+  ``__init__`` are its cores after it.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from pd_sessions.core.connectors import MOONCAKE, NIXL
-from pd_sessions.core.connectors.nixl import PROGRESS
+from pd_sessions.core.connectors.nixl import KEEP_CORES, PROGRESS
 
 # The variable the planner sets for the CPU lane (the NIXL spec's cpu_lane.env names it).
 NIXL_DELAY_ENV = PROGRESS.env
@@ -110,8 +116,56 @@ def apply_nixl_progress_delay(environ: Mapping[str, str]) -> bool:
     return True
 
 
+def keeping_cores(init: Callable[..., None]) -> Callable[..., None]:
+    """``init`` (NIXL's worker ``__init__``) with the calling thread's cores (its CPU affinity)
+    put back as they were when ``init`` changed them, said once on stderr."""
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        before = os.sched_getaffinity(0)
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            after = os.sched_getaffinity(0)
+            if after != before:
+                os.sched_setaffinity(0, before)
+                print(
+                    f"pd_sessions: {NIXL.title} worker: this thread stays on cores {sorted(before)} "
+                    f"(the worker moved it to {sorted(after)}; {KEEP_CORES.env})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+    __init__._pd_sessions_keeps_cores = True  # type: ignore[attr-defined]
+    return __init__
+
+
+def apply_nixl_keep_cores(environ: Mapping[str, str]) -> bool:
+    """Wrap vLLM's NIXL worker's ``__init__`` when ``environ`` asks for it (KEEP_CORES); whether
+    it was wrapped now (not when unset, already wrapped, or that vLLM has no such worker)."""
+    if environ.get(KEEP_CORES.env, "").strip() != "1" or not hasattr(os, "sched_setaffinity"):
+        return False
+    try:
+        module = importlib.import_module(KEEP_CORES.module)
+    except ImportError:
+        return False
+    cls = getattr(module, KEEP_CORES.worker_class, None)
+    if cls is None:
+        print(
+            f"pd_sessions: {KEEP_CORES.env} not applied: "
+            f"{KEEP_CORES.module} has no {KEEP_CORES.worker_class}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return False
+    if getattr(cls.__init__, "_pd_sessions_keeps_cores", False):
+        return False
+    cls.__init__ = keeping_cores(cls.__init__)
+    return True
+
+
 def register() -> None:
     apply_nixl_progress_delay(os.environ)
+    apply_nixl_keep_cores(os.environ)
 
     import torch
 

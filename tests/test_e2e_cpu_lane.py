@@ -5,6 +5,7 @@ vllm-router, the project's generated tiny model. Run by `nox -s tests` (and CI).
 from __future__ import annotations
 
 import json
+import re
 import signal
 import sys
 import time
@@ -187,11 +188,17 @@ def test_phases_and_run_files_are_recorded(run: SweepRun):
         assert (run.run_dir / log).exists()
 
 
-def test_nixl_agents_got_the_cpu_lanes_progress_delay(nixl_sweep: SweepRun):
-    """Each instance's NIXL agent got the CPU lane's progress delay."""
-    for log in ("prefill-0.log", "decode-0.log"):
-        text = (nixl_sweep.run_dir / log).read_text()
-        assert "progress thread polls every 1000 us instead of spinning" in text
+def test_nixl_agents_got_the_cpu_lanes_progress_delay_and_stayed_on_their_cores(nixl_sweep: SweepRun):
+    """Each instance's NIXL agent got the CPU lane's progress delay, and its worker left the
+    engine's thread on the instance's own core: vLLM's NIXL worker moves it to the machine's last
+    core (the decode's, core 1), so the prefill's (core 0) is put back and says so."""
+    plan = (nixl_sweep.run_dir / "plan.txt").read_text()
+    cores = dict(re.findall(r"^  (prefill-0|decode-0): \S+ \(cores (\d+)", plan, re.M))
+    assert cores == {"prefill-0": "0", "decode-0": "1"}, plan
+    text = {n: (nixl_sweep.run_dir / f"{n}.log").read_text() for n in cores}
+    assert all("progress thread polls every 1000 us instead of spinning" in t for t in text.values())
+    assert "NIXL worker: this thread stays on cores [0] (the worker moved it to [1]" in text["prefill-0"]
+    assert "NIXL worker: this thread stays" not in text["decode-0"]  # already on the last core
 
 
 def test_push_is_refused_on_the_cpu_lane_before_anything_starts(nixl_push_sweep: SweepRun):

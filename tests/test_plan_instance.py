@@ -93,6 +93,7 @@ def test_env_table_cpu_nixl_and_the_configs_own_value_wins():
         "OMP_PLACES",
         "OMP_PROC_BIND",
         "PD_SESSIONS_NIXL_PROGRESS_DELAY_US",
+        "PD_SESSIONS_NIXL_KEEP_CORES",
         "X",
     ]
     assert env["VLLM_PORT"] == "1" and env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "21000"

@@ -18,9 +18,12 @@ from types import SimpleNamespace
 import pytest
 from conftest import heavy
 
+from pd_sessions.core.connectors.nixl import KEEP_CORES
 from pd_sessions.vllm_plugin import (
     NIXL_DELAY_ENV,
+    apply_nixl_keep_cores,
     apply_nixl_progress_delay,
+    keeping_cores,
     nixl_delay_us,
     shim_needed,
     with_progress_delay,
@@ -118,3 +121,66 @@ def test_a_nixl_without_the_binding_we_wrap_is_said_not_silently_skipped(monkeyp
     monkeypatch.setattr(module, "nixlBind", SimpleNamespace())
     assert not apply_nixl_progress_delay({NIXL_DELAY_ENV: "1000"})
     assert f"{NIXL_DELAY_ENV} not applied" in capsys.readouterr().err
+
+
+def _affinity_in_a_thread(call):
+    """(cores before, cores after) of a fresh thread that runs ``call`` (affinity is per thread:
+    the test's own stays as it is)."""
+    import threading
+
+    out = {}
+
+    def run():
+        out["before"] = os.sched_getaffinity(0)
+        call()
+        out["after"] = os.sched_getaffinity(0)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(30)
+    return out["before"], out["after"]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to move a thread between")
+def test_the_nixl_worker_leaves_its_thread_on_its_cores(capsys):
+    """A worker __init__ that moves its thread to the last core (as vLLM's NIXL worker does on a
+    CPU host) leaves it where it was once wrapped, and says so once; unwrapped, it moves."""
+    last = max(os.sched_getaffinity(0))
+
+    class Worker:
+        def __init__(self, x):
+            self.x = x
+            os.sched_setaffinity(0, {last})
+
+    def build():
+        Worker(1)
+
+    before, after = _affinity_in_a_thread(build)
+    assert after == {last} != before  # the can-fail side: NIXL's move, unwrapped
+    Worker.__init__ = keeping_cores(Worker.__init__)
+    before, after = _affinity_in_a_thread(build)
+    assert after == before != {last}
+    err = capsys.readouterr().err
+    assert f"stays on cores {sorted(before)} (the worker moved it to [{last}]; {KEEP_CORES.env})" in err
+
+
+def test_the_plugin_wraps_vllms_nixl_worker_only_when_asked():
+    """In a fresh interpreter: with the variable, vLLM's own NIXL worker class is wrapped (once);
+    without it, left alone."""
+    heavy("vllm")
+    heavy("nixl._api")
+    code = textwrap.dedent(f"""
+        import importlib, json, os
+        from pd_sessions import vllm_plugin
+        first = vllm_plugin.apply_nixl_keep_cores(os.environ)
+        again = vllm_plugin.apply_nixl_keep_cores(os.environ)
+        cls = getattr(importlib.import_module({KEEP_CORES.module!r}), {KEEP_CORES.worker_class!r})
+        print(json.dumps([first, again, getattr(cls.__init__, "_pd_sessions_keeps_cores", False)]))
+    """)
+    for value, want in (("1", [True, False, True]), ("", [False, False, False])):
+        env = {**os.environ, KEEP_CORES.env: value, "PYTHONPATH": str(ROOT)}
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+        )
+        assert json.loads(out.stdout.strip().splitlines()[-1]) == want, out.stderr[-2000:]
+    assert not apply_nixl_keep_cores({})

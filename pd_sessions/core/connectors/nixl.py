@@ -74,6 +74,28 @@ PROGRESS = ProgressShim(
     cpu_delay_us=1000,
 )
 
+
+@dataclass(frozen=True)
+class CoresShim:
+    """Where pd-sessions' vLLM plugin keeps NIXL's worker on its instance's cores, and the
+    variable that asks it to."""
+
+    env: str  # "1": keep the calling thread's cores across the worker's __init__
+    module: str  # vLLM's NIXL worker module
+    worker_class: str  # its base worker class (the pull and push workers inherit __init__)
+
+
+# On a CPU host vLLM's NIXL worker moves the thread that builds it (the engine's own, which runs
+# the model) to the last core of each NUMA node (os.sched_setaffinity in its __init__, "reserve
+# different cores for start_load_kv() from model_forward()"): on the CPU lane every NIXL instance,
+# prefill and decode, ended up computing on the machine's last core, whatever its own binding, and
+# across simulated hosts on another host's core.
+KEEP_CORES = CoresShim(
+    env="PD_SESSIONS_NIXL_KEEP_CORES",
+    module="vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker",
+    worker_class="NixlBaseConnectorWorker",
+)
+
 # Prometheus sample names after the text parser, summed over label sets (engine, model).
 XFER_COUNT = "vllm:nixl_xfer_time_seconds_count"
 XFER_BYTES = "vllm:nixl_bytes_transferred_sum"
@@ -142,8 +164,11 @@ def host_env(config: ConfigView, platform: str, address: str, interface: str | N
 
 ACROSS_HOSTS = AcrossHosts(env=host_env)
 CPU_LANE = CpuLane(
-    env=((PROGRESS.env, str(PROGRESS.cpu_delay_us)),),
-    shims=(f"NIXL agents poll every {PROGRESS.cpu_delay_us} us instead of spinning ({PROGRESS.env})",),
+    env=((PROGRESS.env, str(PROGRESS.cpu_delay_us)), (KEEP_CORES.env, "1")),
+    shims=(
+        f"NIXL agents poll every {PROGRESS.cpu_delay_us} us instead of spinning ({PROGRESS.env})",
+        f"NIXL's worker stays on its instance's cores ({KEEP_CORES.env})",
+    ),
 )
 
 # vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py,
