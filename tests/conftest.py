@@ -470,24 +470,20 @@ WIRE_LOSS_RATES = {"hosts_mooncake": (2,), "hosts_nixl": (2, 20)}
 REHEARSAL_PD_PATH_BUDGET_S = 20
 
 
-def start_rehearsal(
-    tmp_path_factory, sim, sweep: str, *args: str, toml: Path | None = None
-) -> tuple[Path, Cli]:
+def start_rehearsal(tmp_path_factory, sim, sweep: str, *args: str) -> tuple[Path, Cli]:
     """Start ``pd-sessions sweep SWEEP --only 1x1 --ray <the simulated hosts' head>`` (prefill on
-    host1, decode on host2; ``toml``: a file of the sweep's own instead of its name), with
-    ``args``: (its results folder, its running Cli)."""
+    host1, decode on host2), with ``args``: (its results folder, its running Cli)."""
     heavy("vllm")
     results = tmp_path_factory.mktemp(f"hosts_{sweep}") / "r"
-    source = str(toml) if toml else sweep
-    base = ("sweep", source, "--only", "1x1", "--platform", "cpu", "--ray", sim.ray_address)
+    base = ("sweep", sweep, "--only", "1x1", "--platform", "cpu", "--ray", sim.ray_address)
     budget = ("--pd-path-budget", str(REHEARSAL_PD_PATH_BUDGET_S))
     return results, Cli(*base, *budget, "--results-dir", str(results), *args)
 
 
-def rehearsal(tmp_path_factory, sim, sweep: str, *args: str, toml: Path | None = None) -> SweepRun:
+def rehearsal(tmp_path_factory, sim, sweep: str, *args: str) -> SweepRun:
     """:func:`start_rehearsal`, waited for; ``extra["tmp_left"]`` as in :func:`_sweep_once`."""
     before = tmp_leftovers()
-    results, cli = start_rehearsal(tmp_path_factory, sim, sweep, *args, toml=toml)
+    results, cli = start_rehearsal(tmp_path_factory, sim, sweep, *args)
     rc = cli.wait(timeout=1400)
     return SweepRun(rc=rc, cli=cli, results=results, extra={"tmp_left": sorted(tmp_leftovers() - before)})
 
@@ -528,11 +524,9 @@ def hosts_mooncake(simulated_hosts_2, tmp_path_factory) -> SweepRun:
     """The Mooncake sweep's 1x1 across the two simulated hosts, every default check, then the
     wire faults (WIRE)."""
     heavy("mooncake.engine")
-    toml = tmp_path_factory.mktemp("mooncake_wire") / "mooncake_sweep.toml"
     rates = ", ".join(map(str, WIRE_LOSS_RATES["hosts_mooncake"]))
-    builtin = (ROOT / "pd_sessions" / "configs" / "mooncake_sweep.toml").read_text()
-    toml.write_text(f"{builtin}\n[check_options.wire_loss]\nrates = [{rates}]\n")
-    return rehearsal(tmp_path_factory, simulated_hosts_2, "mooncake_sweep", *WIRE, toml=toml)
+    loss = ("--set", f"check_options.wire_loss.rates=[{rates}]")
+    return rehearsal(tmp_path_factory, simulated_hosts_2, "mooncake_sweep", *WIRE, *loss)
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,7 @@ from pd_sessions.runtime.cluster import running_cluster
 from pd_sessions.runtime.ports import PortAllocator
 
 
-class Told:
+class Told(process.Observer):
     """What the reaper is told (its observer interface), recorded."""
 
     def __init__(self):
@@ -31,9 +31,6 @@ class Told:
 
     def spawned(self, r):
         self.started.append((r.name, r.pid))
-
-    def stopping(self, rs, kill_at):
-        pass
 
     def stopped(self, rs):
         self.gone += [(r.name, r.pid) for r in rs]

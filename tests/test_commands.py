@@ -11,6 +11,7 @@ import pytest
 from pd_sessions import cli
 from pd_sessions.commands import launch
 from pd_sessions.commands import sweep as sweep_command
+from pd_sessions.core.errors import ConfigError
 from pd_sessions.core.inventory import Inventory
 from pd_sessions.core.selection import select_run
 from pd_sessions.run.user_commands import parse_exec
@@ -145,3 +146,31 @@ def test_a_dry_run_warns_of_what_the_selection_refuses_without_it():
     warnings = launch.refuse_before_launch(sel, {"modules": {"vllm": {"version": "0.32.0"}}}, dry_run=True)
     assert len(warnings) == 1 and warnings[0].startswith("WARNING: config 1x1: Mooncake over RDMA")
     assert warnings[0] in launch.setup_lines(sel, ENV, warnings)
+
+
+def test_set_a_checks_option_reaches_the_run_and_the_recorded_overrides():
+    """`--set check_options.CHECK.OPTION=VALUE` is the sweep's [check_options.CHECK] table from the
+    command line: it replaces that one option (the rest keep the sweep's values), is recorded
+    with the overrides, and a wrong check, option or value is an error naming it."""
+    args = parse(
+        "sweep", "mooncake_sweep", "--platform", "cpu", "--set", "check_options.wire_loss.rates=[2]",
+        "--set", "check_options.too_long.bound_s=3",
+    )  # fmt: skip
+    sel = select_run("mooncake_sweep", args, CPUS)
+    options = sweep_command.check_options(args, sel, [])["check_options"]
+    plain = select_run("mooncake_sweep", parse("sweep", "mooncake_sweep", "--platform", "cpu"), CPUS)
+    assert options["wire_loss"]["rates"] == (2,) and options["too_long"]["bound_s"] == 3
+    assert options["wire_loss"] == {**plain.sweep.check_options["wire_loss"], "rates": (2,)}
+    assert plain.sweep.check_options["wire_loss"]["rates"] != (2,)
+    assert "check_options.wire_loss.rates = (2,)" in sel.over.describe()
+    for item, named in [
+        ("check_options.wire_los.rates=[2]", "check_options.wire_los: unknown check"),
+        ("check_options.wire_loss.rate=[2]", "check_options.wire_loss.rate: unknown option"),
+        ("check_options.wire_loss.rates=[0]", "check_options.wire_loss.rates: got [0]"),
+        ("check_options.wire_loss=[2]", "expected check_options.CHECK.OPTION=VALUE"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            select_run(
+                "mooncake_sweep", parse("sweep", "mooncake_sweep", "--platform", "cpu", "--set", item), CPUS
+            )
+        assert named in str(e.value), (item, str(e.value))

@@ -18,12 +18,14 @@ import os
 import re
 import signal
 import time
+import urllib.request
 import xml.etree.ElementTree as ET
 
 import psutil
 import pytest
-from conftest import heavy, plan_ports, processes_using
+from conftest import heavy, plan_ports, processes_using, wait_until
 from helpers import NoxRun, process_on_port
+from prometheus_client.parser import text_string_to_metric_families
 
 from pd_sessions.runtime.process import alive
 from pd_sessions.runtime.process import session_family as family
@@ -36,6 +38,18 @@ BUILDKITE_GRACE_S = 10.0
 # ~1.5 min of CI) it passed: nox exited 129 4.7 s after the SIGHUP, all gone, results written.
 # In CI, test_stops.py's hup_group and serve tests cover it through nox on the fake stack.
 @pytest.mark.parametrize("sig", [signal.SIGTERM], ids=lambda s: s.name)
+def prompt_tokens(metrics_url: str) -> float:
+    """The instance's vllm:prompt_tokens_total (prometheus_client's parser)."""
+    with urllib.request.urlopen(metrics_url, timeout=5) as r:
+        text = r.read().decode()
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "vllm:prompt_tokens_total"
+    )
+
+
 def test_a_stop_while_checks_run_ends_nox_only_once_the_real_cluster_is_gone(tmp_path, sig):
     heavy("vllm")
     heavy("mooncake.engine")
@@ -52,9 +66,13 @@ def test_a_stop_while_checks_run_ends_nox_only_once_the_real_cluster_is_gone(tmp
         assert leader, f"nothing listens on port {ports[name]}"
         servers += [leader, *leader.children(recursive=True)]
     assert len(servers) > 3 and {p.pid for p in servers} <= {p.pid for p in procs}, (servers, procs)
-    # into the checks (they take 10-30 s). Not "wait for the first check's line": nox passes the
-    # harness's output on in blocks, so that line may arrive only once the checks are over.
-    time.sleep(1.0)
+    # into the checks (they take 10-30 s): once the prefill has seen prompt tokens beyond the
+    # pair warm-up's, a check's requests are in flight. Not "wait for the first check's line":
+    # nox passes the harness's output on in blocks, so that line may arrive only once the
+    # checks are over.
+    prefill = f"http://127.0.0.1:{ports['prefill-0']}/metrics"
+    warmed = prompt_tokens(prefill)
+    wait_until(lambda: prompt_tokens(prefill) > warmed, 60, "a check's first request", proc=run.proc)
     t0 = time.monotonic()
     os.killpg(run.proc.pid, sig)
     status = run.wait(BUILDKITE_GRACE_S)  # nox itself is done inside Buildkite's grace

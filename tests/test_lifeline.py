@@ -196,15 +196,9 @@ def test_a_signal_while_spawning_is_acted_on_once_the_process_is_recorded(tmp_pa
     def handler(signum, frame):
         raise Boom()
 
-    class SignalsMidSpawn:
+    class SignalsMidSpawn(process.Observer):
         def spawned(self, r):
             os.kill(os.getpid(), signal.SIGTERM)
-
-        def stopping(self, rs, kill_at):
-            pass
-
-        def stopped(self, rs):
-            pass
 
     recorded: list[process.Running] = []
     old = signal.signal(signal.SIGTERM, handler)

@@ -122,7 +122,8 @@ def add_common_options(s: argparse.ArgumentParser) -> None:
         metavar="FIELD=VALUE",
         dest="set_fields",
         help="set any config field, parsed and checked like the TOML (repeatable), e.g. "
-        "--set gpu_memory_utilization=0.8 --set block_size=16",
+        "--set gpu_memory_utilization=0.8 --set block_size=16; also the sweep's checks "
+        "(--set 'checks=[\"smoke\"]') and a check's option (--set 'check_options.wire_loss.rates=[2]')",
     )
     o.add_argument(
         "--extra-arg",

@@ -558,6 +558,8 @@ class Overrides:
     extra_args: tuple[str, ...] = ()
     # ``--set checks=[...]``: the sweep's top-level ``checks``, replaced (in running order).
     checks: tuple[str, ...] | None = None
+    # ``--set check_options.CHECK.OPTION=VALUE``: (check, option, value), each checked already.
+    check_options: tuple[tuple[str, str, Any], ...] = ()
 
     def __bool__(self) -> bool:
         return bool(self.fields or self.extra_args)
@@ -568,6 +570,15 @@ class Overrides:
         out += [f"extra_args += {a!r}" for a in self.extra_args]
         if self.checks is not None:
             out.append(f"checks = {list(self.checks)!r}")
+        out += [f"check_options.{c}.{k} = {v!r}" for c, k, v in self.check_options]
+        return out
+
+    def apply_check_options(self, base: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+        """The sweep's check options (``[check_options.X]``, defaults filled in) with the
+        command line's ``--set check_options.X.Y=V`` over them."""
+        out = {check: dict(opts) for check, opts in base.items()}
+        for check, key, value in self.check_options:
+            out.setdefault(check, {})[key] = value
         return out
 
     def apply(self, config: ClusterConfig) -> ClusterConfig:
@@ -600,6 +611,7 @@ def make_overrides(
     """
     fields: list[tuple[str, Any]] = []
     checks: tuple[str, ...] | None = None
+    check_opts: list[tuple[str, str, Any]] = []
     if model is not None:
         fields.append(("model", model))
     if revision is not None:
@@ -614,6 +626,9 @@ def make_overrides(
             )
         if key == "checks":
             checks = registry.resolve(parse_value(raw.strip()), source=OVERRIDE_SOURCE)
+            continue
+        if key.startswith("check_options"):
+            check_opts.append(_check_option(key, parse_value(raw.strip())))
             continue
         fields.append((key, parse_value(raw.strip())))
     for key, _ in fields:
@@ -632,4 +647,25 @@ def make_overrides(
             raise ConfigError(
                 "--extra-arg", f"got {a!r}; allowed: one non-empty argv element", source=OVERRIDE_SOURCE
             )
-    return Overrides(fields=tuple(fields), extra_args=tuple(extra_args), checks=checks)
+    return Overrides(
+        fields=tuple(fields), extra_args=tuple(extra_args), checks=checks, check_options=tuple(check_opts)
+    )
+
+
+def _check_option(key: str, value: Any) -> tuple[str, str, Any]:
+    """``--set check_options.CHECK.OPTION=VALUE`` -> (check, option, value), checked as the
+    sweep's ``[check_options.CHECK]`` table is (unknown check or option, wrong type: the
+    ConfigError names it)."""
+    parts = key.split(".")
+    if len(parts) != 3 or not all(parts):
+        raise ConfigError(
+            "--set",
+            f"got {key!r}; expected check_options.CHECK.OPTION=VALUE, e.g. check_options.wire_loss.rates=[2]",
+            source=OVERRIDE_SOURCE,
+        )
+    _, check, option = parts
+    return (
+        check,
+        option,
+        registry.resolve_options({check: {option: value}}, source=OVERRIDE_SOURCE)[check][option],
+    )

@@ -99,6 +99,8 @@ def select_run(sweep_name: str, args: argparse.Namespace, inv: Inventory) -> Sel
     """
     over = overrides(args)
     sweep = load(sweep_name)
+    if over.check_options:
+        sweep = dataclasses.replace(sweep, check_options=over.apply_check_options(sweep.check_options))
     platform, planned_inv, note = preflight(
         sweep, args.platform, inv, dry_run=args.dry_run, share_gpus=args.share_gpus
     )

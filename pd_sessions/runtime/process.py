@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
 import psutil
 
@@ -45,14 +45,25 @@ class Leader:
     create_time: float = 0.0
 
 
-class Observer(Protocol):
-    """Told about every process spawn() starts and stop() stops (reaper.Reaper)."""
+class Observer:
+    """Told about every process spawn() starts and stop() stops, and of every private TMPDIR
+    made and removed for one (reaper.Reaper). Each method does nothing here: a subclass
+    overrides what it keeps."""
 
-    def spawned(self, r: Running) -> None: ...
+    def spawned(self, r: Running) -> None:
+        """``r`` started."""
 
-    def stopping(self, rs: Sequence[Running], kill_at: float) -> None: ...
+    def stopping(self, rs: Sequence[Running], kill_at: float) -> None:
+        """A stop of ``rs`` began; SIGKILL at wall-clock ``kill_at`` for what is still up."""
 
-    def stopped(self, rs: Sequence[Running]) -> None: ...
+    def stopped(self, rs: Sequence[Running]) -> None:
+        """``rs`` are verified gone."""
+
+    def created(self, kind: str, name: str) -> None:
+        """A resource of ``kind`` (:data:`TMP_DIR`) named ``name`` was made."""
+
+    def removed(self, kind: str, name: str) -> None:
+        """That resource is gone."""
 
 
 _observers: list[Observer] = []
@@ -202,12 +213,13 @@ def release_tmp(running: Sequence[Running]) -> None:
             r.tmp_dir = None
 
 
-def _tell_resource(what: str, path: str) -> None:
-    """Tell the observers that keep resources (the reaper: ``created``/``removed``) of a folder."""
+def _tell_resource(what: Literal["created", "removed"], path: str) -> None:
+    """Tell every observer that the private TMPDIR ``path`` was made or removed."""
     for o in list(_observers):
-        method = getattr(o, what, None)
-        if method is not None:
-            method(TMP_DIR, path)
+        if what == "created":
+            o.created(TMP_DIR, path)
+        else:
+            o.removed(TMP_DIR, path)
 
 
 @dataclass

@@ -63,7 +63,7 @@ class _Process(Protocol):
     def pid(self) -> int: ...
 
 
-class Reaper:
+class Reaper(process.Observer):
     """The harness's side of the reaper: starts it, and tells it what to stop if we die.
 
     Used as a process observer (``process.observed(reaper)``): ``spawned`` when a process

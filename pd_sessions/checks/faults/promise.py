@@ -17,11 +17,11 @@ The promise: every request is correct or failed clearly. Afterwards the cluster 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pd_sessions.core.results import Table
+from pd_sessions.core.results import FAIL, PASS, CheckResult, Table
 
 CORRECT, FAILED_CLEARLY, WRONG, HUNG, BROKEN = "correct", "failed clearly", "wrong", "hung", "broken"
 KINDS = (CORRECT, FAILED_CLEARLY, WRONG, HUNG, BROKEN)
@@ -170,3 +170,39 @@ def injected_problem(injected: Mapping[str, int], mode: str, *, want: int = 1) -
 def counts_table(c: Mapping[str, Any], title: str = "requests under the fault") -> Table:
     """How the requests ended, one column per kind (a missing count is 0)."""
     return Table(title, KINDS, (tuple(int(c.get(k, 0)) for k in KINDS),))
+
+
+def not_passing(outcomes: Sequence[Outcome], why: str, *, shown: int = 3) -> str | None:
+    """None when every request was correct, else how many were not, ``why`` they had to be,
+    and the first ``shown`` of them (label, how it ended, its HTTP status)."""
+    wrong = [o for o in outcomes if o.kind != CORRECT]
+    if not wrong:
+        return None
+    return f"{len(wrong)} request(s) did not pass ({why}): " + "; ".join(
+        f"{o.label!r}: {o.kind}" + (f" (HTTP {o.status})" if o.status else "") for o in wrong[:shown]
+    )
+
+
+def recovery_details(recovery: Recovery) -> dict[str, Any]:
+    """A scenario's recovery in its details: the seconds, and the whole record."""
+    return {"recovery_s": round(recovery.seconds, 3), "recovery": recovery.to_dict()}
+
+
+def verdict(
+    name: str,
+    problems: Sequence[str | None],
+    recovery: Recovery | None,
+    details: Mapping[str, Any],
+    *,
+    failed: str,
+    passed: Callable[[], str],
+) -> CheckResult:
+    """The promise's verdict of one scenario: FAIL with ``failed`` and every problem found
+    (``problems``' non-None entries, then the recovery's when the cluster is not whole again),
+    else PASS with ``passed()``."""
+    found = [p for p in problems if p]
+    if recovery is not None and not recovery.ok:
+        found.append(recovery.line())
+    if found:
+        return CheckResult(name, FAIL, failed + "; ".join(found), dict(details))
+    return CheckResult(name, PASS, passed(), dict(details))

@@ -44,7 +44,10 @@ from pd_sessions.checks.faults.promise import (
     broken_promise,
     counts,
     counts_table,
+    not_passing,
+    recovery_details,
     said,
+    verdict,
 )
 from pd_sessions.checks.faults.scenario import Answer, Scenario
 from pd_sessions.checks.window import CheckWindow
@@ -170,38 +173,31 @@ def evaluate_loss(runs: Sequence[RateRun], baseline: Sequence[Outcome], recovery
         "rates": [r.to_dict(base_s) for r in runs],
         "first_slow_rate": first_slow,
         "first_failing_rate": first_fail,
-        "recovery_s": round(recovery.seconds, 3),
-        "recovery": recovery.to_dict(),
+        **recovery_details(recovery),
     }
-    problems = []
+    problems: list[str | None] = []
     for r in runs:
         bit = not_bitten(f"the rule dropping {r.percent} % dropped no KV packet", r.counters, wire.DROPPED)
-        if bit:
-            problems.append(f"{r.percent} %: {bit}")
         broken = broken_promise(r.outcomes)
-        if broken:
-            problems.append(f"{r.percent} %: {broken}")
+        problems += [f"{r.percent} %: {bit}" if bit else None, f"{r.percent} %: {broken}" if broken else None]
     broken = broken_promise(baseline)
-    if broken:
-        problems.append(f"without loss: {broken}")
-    if not recovery.ok:
-        problems.append(recovery.line())
-    if problems:
-        return CheckResult("wire_loss", FAIL, "; ".join(problems), details)
-    per_rate = "; ".join(
-        f"{r.percent} %: {r.counters.get(wire.DROPPED, 0)} of {r.counters.get(wire.SEEN, 0)} KV packets "
-        f"dropped, {said(counts(r.outcomes))}, median {median([o.seconds for o in r.outcomes]):.2f} s"
-        for r in runs
-    )
-    when = (
-        f"requests slowed from {first_slow} %" if first_slow is not None else "no rate slowed the requests"
-    ) + (f", failed from {first_fail} %" if first_fail is not None else ", none failed")
-    return CheckResult(
-        "wire_loss",
-        PASS,
-        f"{per_rate} (median without loss {base_s:.2f} s): {when}; {recovery.line()}",
-        details,
-    )
+    problems.append(f"without loss: {broken}" if broken else None)
+
+    def passed() -> str:
+        per_rate = "; ".join(
+            f"{r.percent} %: {r.counters.get(wire.DROPPED, 0)} of {r.counters.get(wire.SEEN, 0)} KV "
+            f"packets dropped, {said(counts(r.outcomes))}, "
+            f"median {median([o.seconds for o in r.outcomes]):.2f} s"
+            for r in runs
+        )
+        when = (
+            f"requests slowed from {first_slow} %"
+            if first_slow is not None
+            else "no rate slowed the requests"
+        ) + (f", failed from {first_fail} %" if first_fail is not None else ", none failed")
+        return f"{per_rate} (median without loss {base_s:.2f} s): {when}; {recovery.line()}"
+
+    return verdict("wire_loss", problems, recovery, details, failed="", passed=passed)
 
 
 # ---------------------------------------------------------------- wire_partition
@@ -255,32 +251,27 @@ def evaluate_partition(
         "recovery": recovery.to_dict(),
     }
     problems = [
-        p
-        for p in (
-            not_bitten("the partition's rule dropped no KV packet", counters, wire.DROPPED),
-            broken_promise(outcomes),
-        )
-        if p
+        not_bitten("the partition's rule dropped no KV packet", counters, wire.DROPPED),
+        broken_promise(outcomes),
     ]
-    if not recovery.ok:
-        problems.append(recovery.line())
-    if problems:
-        return CheckResult("wire_partition", FAIL, f"partition ({said(c)}): " + "; ".join(problems), details)
-    how = (
-        "each answered correctly once healed"
-        if c[CORRECT] == len(outcomes)
-        else "each failed with an HTTP error"
-        if c[FAILED_CLEARLY] == len(outcomes)
-        else "each correct or failed with an HTTP error"
-    )
-    return CheckResult(
-        "wire_partition",
-        PASS,
-        f"every KV packet between the hosts dropped for {partition_s:g} s "
-        f"({counters.get(wire.DROPPED, 0)} packets): {said(c)}: {how}, the last {last:.1f} s after "
-        f"the heal; served correctly again {recovered_after_heal_s:.1f} s after the heal "
-        f"({recovery.line()})",
-        details,
+
+    def passed() -> str:
+        how = (
+            "each answered correctly once healed"
+            if c[CORRECT] == len(outcomes)
+            else "each failed with an HTTP error"
+            if c[FAILED_CLEARLY] == len(outcomes)
+            else "each correct or failed with an HTTP error"
+        )
+        return (
+            f"every KV packet between the hosts dropped for {partition_s:g} s "
+            f"({counters.get(wire.DROPPED, 0)} packets): {said(c)}: {how}, the last {last:.1f} s after "
+            f"the heal; served correctly again {recovered_after_heal_s:.1f} s after the heal "
+            f"({recovery.line()})"
+        )
+
+    return verdict(
+        "wire_partition", problems, recovery, details, failed=f"partition ({said(c)}): ", passed=passed
     )
 
 
@@ -337,31 +328,22 @@ def evaluate_cap(
         "tbf_drops": (stats or {}).get("drops", 0),
         "cap_time_s": round(cap_time, 3),
         "baseline": ended(baseline),
-        "recovery_s": round(recovery.seconds, 3),
         **ended(outcomes),
-        "recovery": recovery.to_dict(),
+        **recovery_details(recovery),
     }
-    problems = [p for p in (not_bitten(f"tbf at {rate_kbit} kbit/s", stats, "overlimits", "drops"),) if p]
-    wrong = [o for o in [*outcomes, *baseline] if o.kind != CORRECT]
-    if wrong:
-        problems.append(
-            f"{len(wrong)} request(s) did not pass (a capped link must only slow them): "
-            + "; ".join(
-                f"{o.label!r}: {o.kind}" + (f" (HTTP {o.status})" if o.status else "") for o in wrong[:3]
-            )
+    problems = [
+        not_bitten(f"tbf at {rate_kbit} kbit/s", stats, "overlimits", "drops"),
+        not_passing([*outcomes, *baseline], "a capped link must only slow them"),
+    ]
+
+    def passed() -> str:
+        return (
+            f"the prefill host capped at {rate_kbit} kbit/s (tbf: {sent} bytes, "
+            f"{details['tbf_overlimits']} overlimits, {details['tbf_drops']} drops; {cap_time:.1f} s at "
+            f"the cap): {said(c)}, median {capped_s:.2f} s against {base_s:.2f} s uncapped; {recovery.line()}"
         )
-    if not recovery.ok:
-        problems.append(recovery.line())
-    if problems:
-        return CheckResult("wire_cap", FAIL, f"cap ({said(c)}): " + "; ".join(problems), details)
-    return CheckResult(
-        "wire_cap",
-        PASS,
-        f"the prefill host capped at {rate_kbit} kbit/s (tbf: {sent} bytes, "
-        f"{details['tbf_overlimits']} overlimits, {details['tbf_drops']} drops; {cap_time:.1f} s at "
-        f"the cap): {said(c)}, median {capped_s:.2f} s against {base_s:.2f} s uncapped; {recovery.line()}",
-        details,
-    )
+
+    return verdict("wire_cap", problems, recovery, details, failed=f"cap ({said(c)}): ", passed=passed)
 
 
 # ---------------------------------------------------------------- wire_delay
@@ -418,27 +400,20 @@ def evaluate_delay(
         "baseline": ended(baseline),
         **ended(outcomes),
     }
-    problems = [p for p in (not_bitten(f"netem delaying {delay_ms} ms", stats, "packets"),) if p]
-    wrong = [o for o in [*outcomes, *baseline] if o.kind != CORRECT]
-    if wrong:
-        problems.append(
-            f"{len(wrong)} request(s) did not pass under a {delay_ms} ms delay: "
-            f"{wrong[0].label!r}: {wrong[0].kind}"
-        )
+    problems = [
+        not_bitten(f"netem delaying {delay_ms} ms", stats, "packets"),
+        not_passing([*outcomes, *baseline], f"under a {delay_ms} ms delay", shown=1),
+    ]
     if recovery is not None:
-        details["recovery_s"] = round(recovery.seconds, 3)
-        details["recovery"] = recovery.to_dict()
-        if not recovery.ok:
-            problems.append(recovery.line())
-    if problems:
-        return CheckResult("wire_delay", FAIL, f"delay ({said(c)}): " + "; ".join(problems), details)
-    return CheckResult(
-        "wire_delay",
-        PASS,
-        f"{delay_ms} ms added on the prefill host's interface: {said(c)}, median {delayed_s:.2f} s "
-        f"against {base_s:.2f} s" + (f"; {recovery.line()}" if recovery is not None else ""),
-        details,
-    )
+        details.update(recovery_details(recovery))
+
+    def passed() -> str:
+        return (
+            f"{delay_ms} ms added on the prefill host's interface: {said(c)}, median {delayed_s:.2f} s "
+            f"against {base_s:.2f} s" + (f"; {recovery.line()}" if recovery is not None else "")
+        )
+
+    return verdict("wire_delay", problems, recovery, details, failed=f"delay ({said(c)}): ", passed=passed)
 
 
 # ---------------------------------------------------------------- gathering (edge)
