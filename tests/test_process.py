@@ -250,7 +250,9 @@ def test_a_private_tmp_is_the_childs_tmpdir_and_goes_once_it_is_verified_gone(tm
         r = spawn("inst", [sys.executable, "-c", LEAVES_TMP], env=os.environ, log_path=log, private_tmp=True)
         got = Path(_tmp_of(log))
         assert got == r.tmp_dir and got.parent == Path(tempfile.gettempdir())
-        assert got.name.startswith("pds-tmp-inst-") and sorted(os.listdir(got)) == ["ipc-sock", "vllm_dist_x"]
+        assert got.name.startswith("pds-tmp-inst-")
+        assert sorted(os.listdir(got)) == [process.TMP_OWNER, "ipc-sock", "vllm_dist_x"]
+        assert (got / process.TMP_OWNER).read_text() == f"{r.pid} {r.create_time!r}\n"
         end(r)
         assert not got.exists() and r.tmp_dir is None
     log = tmp_path / "plain.log"
@@ -268,3 +270,29 @@ def test_a_spawn_that_fails_leaves_no_private_tmp(tmp_path):
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), f"{process.TMP_PREFIX}nope-*"))) == before
     with pytest.raises(ValueError, match="not a private temporary folder"):
         process.remove_tmp_dir(tmp_path)
+
+
+def test_a_later_run_removes_the_private_tmp_of_a_dead_owner_and_nothing_else(tmp_path, monkeypatch):
+    """What a run whose stop was cut short leaves (its driver SIGKILLed across hosts: the nodes'
+    Ray jobs end the processes, no one removes their folders) goes at the next run's start on
+    that machine: a folder whose recorded owner is gone. A live owner's folder, a folder without
+    an owner record (being made; an older pd-sessions) and other names stay."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    live = spawn("live", sleeper, env=os.environ, log_path=tmp_path / "l.log", private_tmp=True)
+    dead = spawn("dead", sleeper, env=os.environ, log_path=tmp_path / "d.log", private_tmp=True)
+    try:
+        os.killpg(dead.pid, signal.SIGKILL)  # not process.stop/kill: nothing removes its folder
+        dead.popen.wait(10)
+        unrecorded = tmp_path / f"{process.TMP_PREFIX}making-x"
+        unrecorded.mkdir()
+        other = tmp_path / "someone-elses"
+        other.mkdir()
+        (other / process.TMP_OWNER).write_text(f"{dead.pid} {dead.create_time!r}\n")
+        assert dead.tmp_dir.is_dir()
+        assert process.remove_orphan_tmp_dirs() == [str(dead.tmp_dir)]
+        assert not dead.tmp_dir.exists() and live.tmp_dir.is_dir() and unrecorded.is_dir() and other.is_dir()
+        assert process.remove_orphan_tmp_dirs() == []
+    finally:
+        stop([live, dead], grace_s=2)
+    assert not live.tmp_dir and process.remove_orphan_tmp_dirs() == []

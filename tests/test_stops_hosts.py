@@ -122,8 +122,13 @@ def test_the_driver_sigkilled_its_instances_go_with_its_ray_job(tmp_path, simula
     """pd-sessions (the Ray driver) SIGKILLed: its agents are not detached, so Ray ends them with
     its job, and their worker process groups with them (the instances); the router here is the
     reaper's."""
+    from pd_sessions.runtime.raylaunch import ray_hosts
+
     run = HostsRun(tmp_path, simulated_hosts_2)
     servers = run.servers()
+    remote = [p for p in servers if dict(itertools.pairwise(p.cmdline())).get("--host") != "127.0.0.1"]
+    tmps = sorted({Path(p.environ()["TMPDIR"]) for p in remote})  # the instances' TMPDIRs on host1, host2
+    assert len(tmps) == 2 and all(t.name.startswith("pds-tmp-") and t.is_dir() for t in tmps), tmps
     harness = next(p for p in run.local() if "pd_sessions sweep" in " ".join(p.cmdline()))
     t0 = time.monotonic()
     harness.kill()
@@ -131,6 +136,12 @@ def test_the_driver_sigkilled_its_instances_go_with_its_ray_job(tmp_path, simula
     with contextlib.suppress(ProcessLookupError):
         os.killpg(run.proc.pid, signal.SIGKILL)
     print(f"driver SIGKILLed: everything gone on every host {took:.2f} s after")
+    # Only the nodes' Ray jobs ended those processes: their folders stay until a later run's agent
+    # on each node finds their owners gone (process.remove_orphan_tmp_dirs).
+    assert [t for t in tmps if t.exists()] == tmps
+    with ray_hosts(simulated_hosts_2.ray_address) as hosts:
+        hosts.layout()  # a later run: its agents, one per node
+    assert [t for t in tmps if t.exists()] == []
 
 
 def test_a_nodes_agent_killed_fails_the_run_naming_the_instance_and_leaves_nothing(

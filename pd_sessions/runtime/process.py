@@ -176,6 +176,8 @@ def spawn(
             ct = psutil.Process(popen.pid).create_time()
         except psutil.Error:
             ct = 0.0
+        if tmp:
+            _write_owner(tmp, popen.pid, ct)
         r = Running(
             name=name,
             popen=popen,
@@ -197,11 +199,50 @@ TMP_PREFIX = "pds-tmp-"
 TMP_DIR = "tmpdir"
 
 
+# In each private folder: "<pid> <create_time>" of the process it was made for, so that a later
+# pd-sessions on the same machine can tell a dead owner's folder (remove_orphan_tmp_dirs).
+TMP_OWNER = ".pd-sessions-owner"
+
+
 def remove_tmp_dir(path: Path) -> None:
     """Remove a private temporary folder (never anything not named :data:`TMP_PREFIX`...)."""
     if not path.name.startswith(TMP_PREFIX):
         raise ValueError(f"{path}: not a private temporary folder of pd-sessions")
     shutil.rmtree(path, ignore_errors=True)
+
+
+def _write_owner(tmp: Path, pid: int, create_time: float) -> None:
+    with contextlib.suppress(OSError):
+        (tmp / TMP_OWNER).write_text(f"{pid} {create_time!r}\n")
+
+
+def remove_orphan_tmp_dirs(root: Path | None = None) -> list[str]:
+    """Remove the private temporary folders in ``root`` (the system's temporary folder) whose
+    owner is gone: its recorded PID not alive, or alive with another start time (a reused PID).
+    A folder without an owner record (being made, or made by an older pd-sessions) is left.
+    What is left behind this way: the folders of a run whose stopping was cut short, e.g. its
+    driver SIGKILLed across hosts, where only the nodes' Ray jobs ended the processes (their
+    folders stay until a later agent on that node calls this). The owner counts as gone when
+    neither it nor anything of its tree or session is alive. Returns the folders removed."""
+    base = Path(root or tempfile.gettempdir())
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(base))
+    except OSError:
+        return removed
+    for e in entries:
+        if not e.name.startswith(TMP_PREFIX) or not e.is_dir(follow_symlinks=False):
+            continue
+        try:
+            pid_s, ct_s = (Path(e.path) / TMP_OWNER).read_text().split()
+            pid, ct = int(pid_s), float(ct_s)
+        except (OSError, ValueError):
+            continue
+        if any(alive(p) for p in _tracked(Leader(e.name, pid, ct))):
+            continue
+        remove_tmp_dir(Path(e.path))
+        removed.append(e.path)
+    return removed
 
 
 def release_tmp(running: Sequence[Running]) -> None:

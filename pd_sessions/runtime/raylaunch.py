@@ -125,6 +125,9 @@ class NodeAgent:
         self._recorded: list[Leader] = []
         self._ports: PortAllocator | None = None
         self._local_logs: dict[int, Path] = {}
+        # What an earlier run left on this node when its stop was cut short (its driver
+        # SIGKILLed: Ray ended its processes, no one removed their private TMPDIRs).
+        self.orphans_removed = process.remove_orphan_tmp_dirs()
 
     def ping(self) -> bool:
         return True

@@ -156,6 +156,11 @@ class Lifeline:
     def __init__(self, results_dir: Path, *, grace_s: float, warn: Callable[[str], None]):
         self.reaper = Reaper(results_dir / "reaper.log", grace_s=grace_s, warn=warn)
         self.parent = parentwatch.watch()
+        left = process.remove_orphan_tmp_dirs()  # an earlier run's, whose stop was cut short
+        if left:
+            more = f" and {len(left) - 4} more" if len(left) > 4 else ""
+            names = ", ".join(Path(p).name for p in left[:4]) + more
+            warn(f"removed {len(left)} private temporary folder(s) of processes an earlier run left: {names}")
 
     def __enter__(self) -> Lifeline:
         return self
