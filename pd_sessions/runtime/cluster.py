@@ -3,11 +3,13 @@
     with running_cluster(plan, run_dir) as cluster:
         cluster.guard(lambda: do_checks(cluster), when="while checks ran")
 
-Start: every instance and the router at once (each in its own session, output
-to ``run_dir/<name>.log``; the router waits for its workers itself), wait until
-every instance is ready (alive, /health 200, /v1/models lists the model), then
-until every (prefill, decode) pair has served a request aimed at it (pd_sessions.runtime.pairs),
-and until the router is: /health 200 and a 1-token completion through it succeeds. Once every
+Start: every instance at once (each in its own session, output to ``run_dir/<name>.log``),
+wait until every instance is ready (alive, /health 200, /v1/models lists the model), then start
+the router and, while it starts, warm every (prefill, decode) pair with a request aimed at it
+(pd_sessions.runtime.pairs); then wait until the router is ready: /health 200 and a 1-token
+completion through it. (Started with the instances, vllm-router saw them only at its next
+whole-second poll: 0.6-1.0 s after they were ready; started once they are, its first check
+passes, 0.45 s after its spawn on the CPU lane, behind the warm-up.) Once every
 instance is healthy, a P/D path that keeps failing ends the wait within PD_PATH_BUDGET_S.
 Every process must stay alive throughout. Teardown (on success, error, SIGINT or SIGTERM
 turned into exceptions by the CLI): our own requests still open to the cluster are cut, then
@@ -45,10 +47,9 @@ DEFAULT_GRACE_S = 10.0
 # while the instances behind it (stopping too) wait for its connections to close.
 ROUTER_CUT_S = 1.0
 ROUTER_PROBE_PROMPT = "Ready"
-# How often the router's /health is probed once every instance is ready: it sees its workers only at
-# its own whole-second polls (vllm-router's --worker-startup-check-interval takes whole seconds),
-# and each tick the harness adds on top is on every config's critical path. (A failing completion
-# through it is retried every 0.2 s: a broken P/D path is not flooded.)
+# How often the router's /health is probed once it is started: each tick the harness adds on top
+# of its own start-up is on every config's critical path. (A failing completion through it is
+# retried every 0.2 s: a broken P/D path is not flooded.)
 ROUTER_TICK_S = 0.02
 
 
@@ -268,14 +269,14 @@ def running_cluster(
     try:
         if ports is not None:
             ports.release()
-        router = _spawn_all(cluster, env, tell, launcher)
+        _spawn_instances(cluster, env, tell, launcher)
         say(
-            f"{plan.config.name}: started {len(plan.instances)} instances and the router; "
-            f"waiting up to {deadline_s:.0f} s for them (logs in {run_dir})"
+            f"{plan.config.name}: started {len(plan.instances)} instances; waiting up to "
+            f"{deadline_s:.0f} s for them, then for the router (logs in {run_dir})"
         )
-        _wait_instances(cluster, router, deadline, say=say, tell=tell, tick=tick)
+        _wait_instances(cluster, deadline, say=say, tell=tell, tick=tick)
         cluster.timings["instances_ready"] = time.monotonic() - t0
-        _warm_pairs_and_router(cluster, router, deadline, pd_path_budget_s, say=say, tell=tell, tick=tick)
+        _warm_pairs_and_router(cluster, env, deadline, pd_path_budget_s, say=say, tell=tell, tick=tick)
         say(
             f"{plan.config.name}: cluster ready after {time.monotonic() - t0:.1f} s "
             f"(router {plan.router.url})"
@@ -294,40 +295,42 @@ def running_cluster(
             cluster.timings["teardown"] = time.monotonic() - t2
 
 
-def _spawn_all(
+def _spawn_instances(
     cluster: Cluster, env: Mapping[str, str], tell: Callable[[Event], None], launcher: Launcher
-) -> Running:
-    """Start every instance and the router at once, each told as spawned; the router's Running."""
-    plan = cluster.plan
+) -> None:
+    """Start every instance at once, each told as spawned."""
     # Deferred: a cancel between a Popen and this list would leave a server untracked.
     with process.signals_deferred():
-        for spec in plan.instances:
+        for spec in cluster.plan.instances:
             cluster.instances.append(launcher.spawn(spec, cluster.run_dir, env))
             tell(Event("spawned", spec.name, cluster.instances[-1].started_at, spec.health_url))
-        # The router starts at once too: it waits for its workers itself (checking every
-        # second), so its own start-up is hidden behind the instances'.
-        router = cluster.router = launcher.spawn(plan.router, cluster.run_dir, env)
+
+
+def _spawn_router(cluster: Cluster, env: Mapping[str, str], tell: Callable[[Event], None]) -> Running:
+    """Start the router (every instance is ready: its first look at its workers finds them)."""
+    plan = cluster.plan
+    with process.signals_deferred():
+        router = cluster.router = cluster.launcher.spawn(plan.router, cluster.run_dir, env)
     tell(Event("spawned", "router", router.started_at, plan.router.health_url))
     return router
 
 
 def _wait_instances(
     cluster: Cluster,
-    router: Running,
     deadline: float,
     *,
     say: Callable[[str], None],
     tell: Callable[[Event], None],
     tick: float,
 ) -> None:
-    """Wait until every instance is ready (alive, /health 200, the model listed) while the router
-    stays alive; record each one's time to ready (``<name>_ready``) and tell it."""
+    """Wait until every instance is ready (alive, /health 200, the model listed); record each
+    one's time to ready (``<name>_ready``) and tell it."""
     plan = cluster.plan
     targets = [
         Target(r, [health_probe(s.health_url), models_probe(s.url, plan.served_model_name)])
         for r, s in zip(cluster.instances, plan.instances, strict=True)
     ]
-    wait_ready(targets, deadline=deadline, also_alive=[router], progress=say, tick=tick)
+    wait_ready(targets, deadline=deadline, progress=say, tick=tick)
     for t in targets:
         assert t.ready_at is not None
         cluster.timings[f"{t.running.name}_ready"] = t.ready_at - t.running.started_at
@@ -336,7 +339,7 @@ def _wait_instances(
 
 def _warm_pairs_and_router(
     cluster: Cluster,
-    router: Running,
+    env: Mapping[str, str],
     deadline: float,
     pd_path_budget_s: float,
     *,
@@ -344,10 +347,12 @@ def _warm_pairs_and_router(
     tell: Callable[[Event], None],
     tick: float,
 ) -> None:
-    """Every instance is ready: warm each (prefill, decode) pair, then wait for the router (/health
-    200 and a completion through it); record ``pairs_warm`` and ``router_ready``."""
+    """Every instance is ready: start the router, warm each (prefill, decode) pair while it starts,
+    then wait for the router (/health 200 and a completion through it); record ``pairs_warm`` and
+    ``router_ready``."""
     plan = cluster.plan
     t1 = time.monotonic()
+    router = _spawn_router(cluster, env, tell)
     # Every instance is healthy: from here a P/D path that keeps failing ends the wait
     # within the budget, not at the overall deadline.
     pd_deadline = min(deadline, time.monotonic() + pd_path_budget_s)
