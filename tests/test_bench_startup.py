@@ -34,7 +34,7 @@ FAKE_NOX = textwrap.dedent("""
     with open(sys.argv[2], "w") as f:
         f.write(str(server.pid))
     time.sleep(0.3)  # the server's own child has started
-    print("[pd-sessions     0.5s] 1x1: started 2 instances; waiting up to 1200 s", flush=True)
+    print("[pd-sessions     0.5s] 1x1: started 2 instances and the router; waiting up to 1200 s", flush=True)
 
     def stop(signum, frame):
         os.killpg(server.pid, signal.SIGTERM)  # the sweep's teardown (a stubborn server survives it)
@@ -67,8 +67,8 @@ def test_milestones_first_line_of_each_ansi_ignored():
         (5.0, "nox > python -m pd_sessions.env.canary mooncake"),
         (6.0, "nox > python -m pd_sessions sweep mooncake_sweep --only 1x1 --platform cpu"),
         (6.5, "[pd-sessions     0.0s] configs: 1x1"),
-        (6.6, "[pd-sessions     0.1s] 1x1: started 2 instances; waiting up to 1200 s, then for the router"),
-        (9.0, "[pd-sessions     2.5s] 1x2: started 3 instances; waiting up to 1200 s, then for the router"),
+        (6.6, "[pd-sessions     0.1s] 1x1: started 2 instances and the router; waiting up to 1200 s"),
+        (9.0, "[pd-sessions     2.5s] 1x2: started 3 instances and the router; waiting up to 1200 s"),
     ]
     assert startup.milestones(lines) == {
         "session": 0.1,

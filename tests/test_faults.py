@@ -62,7 +62,7 @@ def test_router_dies_or_never_ready(tmp_path, bystander, behavior, needle):
     line = next(line for _, line in r.lines if "FAILED: router" in line)
     assert needle in line
     if behavior.startswith("exit"):
-        # the router starts once the instances are ready; its death is seen at once
+        # the router starts with the instances, so its death is seen while they start
         died = float(re.search(r"exiting with 2 as told at ([0-9.]+)", r.text).group(1))
         assert "status 2" in line and 0 <= r.first("FAILED: router") - died < 2.0
     else:

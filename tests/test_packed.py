@@ -120,9 +120,8 @@ def test_a_stop_cancels_every_running_config_marks_the_rest_not_run_and_leaves_n
     run.wait_for("a | a: started 2 instances", 30)
     run.wait_for("b | b: started 2 instances", 30)
     harness = psutil.Process(run.proc.pid)
-    # two configs of two instances, each with its "engine core" child, and the reaper (a router
-    # starts once its config's instances are ready: never here, the decodes never are)
-    wait_until(lambda: len(session_family(harness)) >= 1 + 2 * 2 * 2 + 1, 10, "every process started")
+    # two configs of two instances and a router, each with its "engine core" child, and the reaper
+    wait_until(lambda: len(session_family(harness)) >= 1 + 2 * 3 * 2 + 1, 10, "every process started")
     procs = [p for p in session_family(harness) if p.pid != harness.pid]
     run.proc.send_signal(sig)
     assert run.wait(20) == status, run.text

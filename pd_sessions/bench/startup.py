@@ -37,9 +37,9 @@ from pd_sessions.runtime.process import alive, session_family
 
 ROOT = Path(__file__).resolve().parents[2]
 MODES = ("rebuild", "reuse")
-# The line `pd-sessions sweep` prints right after it spawned a config's instances
+# The line `pd-sessions sweep` prints right after it spawned a config's instances and router
 # (cluster.running_cluster; the first instance was spawned a few milliseconds before it).
-SPAWNED = re.compile(r": started \d+ instances; waiting")
+SPAWNED = re.compile(r": started \d+ instances and the router")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # Milestones in the order a run reaches them: (name, how its first line is recognized).
 MILESTONES: tuple[tuple[str, Callable[[str], bool]], ...] = (

@@ -3,13 +3,14 @@
     with running_cluster(plan, run_dir) as cluster:
         cluster.guard(lambda: do_checks(cluster), when="while checks ran")
 
-Start: every instance at once (each in its own session, output to ``run_dir/<name>.log``),
-wait until every instance is ready (alive, /health 200, /v1/models lists the model), then start
-the router and, while it starts, warm every (prefill, decode) pair with a request aimed at it
-(pd_sessions.runtime.pairs); then wait until the router is ready: /health 200 and a 1-token
-completion through it. (Started with the instances, vllm-router saw them only at its next
-whole-second poll: 0.6-1.0 s after they were ready; started once they are, its first check
-passes, 0.45 s after its spawn on the CPU lane, behind the warm-up.) Once every
+Start: every instance and the router at once (each in its own session, output to
+``run_dir/<name>.log``), the router behind a gate (runtime/gate.py: its imports done, it waits);
+wait until every instance is ready (alive, /health 200, /v1/models lists the model), then open
+the router's gate and, while it looks at its workers, warm every (prefill, decode) pair with a
+request aimed at it (pd_sessions.runtime.pairs); then wait until the router is ready: /health
+200 and a 1-token completion through it. (Started with the instances and no gate, vllm-router
+saw them only at its next whole-second poll, 0.6-1.0 s after they were ready; started once they
+were, its own imports took 0.45-0.5 s.) Once every
 instance is healthy, a P/D path that keeps failing ends the wait within PD_PATH_BUDGET_S.
 Every process must stay alive throughout. Teardown (on success, error, SIGINT or SIGTERM
 turned into exceptions by the CLI): our own requests still open to the cluster are cut, then
@@ -19,6 +20,7 @@ verified gone; the router gets its SIGKILL after ROUTER_CUT_S already (see ``tea
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -32,7 +34,7 @@ from urllib.parse import urlsplit
 
 from pd_sessions.core.errors import PdError, ReadinessTimeout, StopError
 from pd_sessions.core.plan import ClusterPlan, ProcessSpec
-from pd_sessions.runtime import http, pairs, process
+from pd_sessions.runtime import gate, http, pairs, process
 from pd_sessions.runtime.launcher import LOCAL, Launcher
 from pd_sessions.runtime.ports import PortAllocator
 from pd_sessions.runtime.process import Running
@@ -269,14 +271,14 @@ def running_cluster(
     try:
         if ports is not None:
             ports.release()
-        _spawn_instances(cluster, env, tell, launcher)
+        router = _spawn_all(cluster, env, tell, launcher)
         say(
-            f"{plan.config.name}: started {len(plan.instances)} instances; waiting up to "
-            f"{deadline_s:.0f} s for them, then for the router (logs in {run_dir})"
+            f"{plan.config.name}: started {len(plan.instances)} instances and the router; "
+            f"waiting up to {deadline_s:.0f} s for them (logs in {run_dir})"
         )
-        _wait_instances(cluster, deadline, say=say, tell=tell, tick=tick)
+        _wait_instances(cluster, router, deadline, say=say, tell=tell, tick=tick)
         cluster.timings["instances_ready"] = time.monotonic() - t0
-        _warm_pairs_and_router(cluster, env, deadline, pd_path_budget_s, say=say, tell=tell, tick=tick)
+        _warm_pairs_and_router(cluster, router, deadline, pd_path_budget_s, say=say, tell=tell, tick=tick)
         say(
             f"{plan.config.name}: cluster ready after {time.monotonic() - t0:.1f} s "
             f"(router {plan.router.url})"
@@ -295,42 +297,42 @@ def running_cluster(
             cluster.timings["teardown"] = time.monotonic() - t2
 
 
-def _spawn_instances(
+def _spawn_all(
     cluster: Cluster, env: Mapping[str, str], tell: Callable[[Event], None], launcher: Launcher
-) -> None:
-    """Start every instance at once, each told as spawned."""
+) -> Running:
+    """Start every instance and the router (behind its gate) at once, each told as spawned; the
+    router's Running."""
+    plan = cluster.plan
     # Deferred: a cancel between a Popen and this list would leave a server untracked.
     with process.signals_deferred():
-        for spec in cluster.plan.instances:
+        for spec in plan.instances:
             cluster.instances.append(launcher.spawn(spec, cluster.run_dir, env))
             tell(Event("spawned", spec.name, cluster.instances[-1].started_at, spec.health_url))
-
-
-def _spawn_router(cluster: Cluster, env: Mapping[str, str], tell: Callable[[Event], None]) -> Running:
-    """Start the router (every instance is ready: its first look at its workers finds them)."""
-    plan = cluster.plan
-    with process.signals_deferred():
-        router = cluster.router = cluster.launcher.spawn(plan.router, cluster.run_dir, env)
+        # The router imports while the instances start, then waits at its gate until they are
+        # ready (_warm_pairs_and_router opens it): its first look at its workers finds them.
+        held = dataclasses.replace(plan.router, argv=tuple(gate.gated(plan.router.argv)))
+        router = cluster.router = launcher.spawn(held, cluster.run_dir, env)
     tell(Event("spawned", "router", router.started_at, plan.router.health_url))
     return router
 
 
 def _wait_instances(
     cluster: Cluster,
+    router: Running,
     deadline: float,
     *,
     say: Callable[[str], None],
     tell: Callable[[Event], None],
     tick: float,
 ) -> None:
-    """Wait until every instance is ready (alive, /health 200, the model listed); record each
-    one's time to ready (``<name>_ready``) and tell it."""
+    """Wait until every instance is ready (alive, /health 200, the model listed) while the router
+    stays alive; record each one's time to ready (``<name>_ready``) and tell it."""
     plan = cluster.plan
     targets = [
         Target(r, [health_probe(s.health_url), models_probe(s.url, plan.served_model_name)])
         for r, s in zip(cluster.instances, plan.instances, strict=True)
     ]
-    wait_ready(targets, deadline=deadline, progress=say, tick=tick)
+    wait_ready(targets, deadline=deadline, also_alive=[router], progress=say, tick=tick)
     for t in targets:
         assert t.ready_at is not None
         cluster.timings[f"{t.running.name}_ready"] = t.ready_at - t.running.started_at
@@ -339,7 +341,7 @@ def _wait_instances(
 
 def _warm_pairs_and_router(
     cluster: Cluster,
-    env: Mapping[str, str],
+    router: Running,
     deadline: float,
     pd_path_budget_s: float,
     *,
@@ -347,12 +349,12 @@ def _warm_pairs_and_router(
     tell: Callable[[Event], None],
     tick: float,
 ) -> None:
-    """Every instance is ready: start the router, warm each (prefill, decode) pair while it starts,
-    then wait for the router (/health 200 and a completion through it); record ``pairs_warm`` and
-    ``router_ready``."""
+    """Every instance is ready: open the router's gate, warm each (prefill, decode) pair while it
+    looks at its workers, then wait for it (/health 200 and a completion through it); record
+    ``pairs_warm`` and ``router_ready``."""
     plan = cluster.plan
     t1 = time.monotonic()
-    router = _spawn_router(cluster, env, tell)
+    gate.open_gate(router.pid)
     # Every instance is healthy: from here a P/D path that keeps failing ends the wait
     # within the budget, not at the overall deadline.
     pd_deadline = min(deadline, time.monotonic() + pd_path_budget_s)
