@@ -1,6 +1,6 @@
 """The fault scenarios on real vLLM (CPU lane), asserted on the shared runs of conftest: the
-Mooncake and NIXL sweeps (drop, zero, swap, stall then abort; with PD_SESSIONS_E2E_KILLS=1 the
-NIXL sweep adds peer death and restart in place), whose connectors the planner wrapped with
+Mooncake and NIXL sweeps (drop, zero, swap, stall then abort; the NIXL sweep adds peer death and
+restart in place unless PD_SESSIONS_E2E_KILLS=0), whose connectors the planner wrapped with
 pd-sessions' fault injector. Each scenario must keep its promise (or, for
 zero and swap, be caught by the checks), the injector's own counters must prove the fault
 happened, and the numbers (detection rates, recovery times) must be in the results.
@@ -18,8 +18,8 @@ CONNECTOR = {"mooncake_sweep": "MooncakeConnector", "nixl_sweep": "NixlConnector
 COMMON = ("fault_drop", "fault_zero", "fault_swap", "fault_stall_abort")
 kills = pytest.mark.skipif(
     not E2E_KILLS,
-    reason="PD_SESSIONS_E2E_KILLS=1 adds peer death and restart in place to the shared NIXL run "
-    "(opt-in: docs/failure-modes.md, rows 34-35)",
+    reason="PD_SESSIONS_E2E_KILLS=0 left peer death and restart in place out of the shared NIXL run "
+    "(docs/failure-modes.md, rows 34-35)",
 )
 
 
