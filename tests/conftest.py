@@ -467,7 +467,7 @@ WIRE_LOSS_RATES = {"hosts_mooncake": (2,), "hosts_nixl": (2, 20)}
 # Every rehearsal's P/D path budget (--pd-path-budget): the passing ones warm their pair in
 # 0.1-0.4 s, so they prove the bound is ample for a correct cross-host setup, and the loopback
 # can-fail runs fail within it instead of the default 60 s.
-REHEARSAL_PD_PATH_BUDGET_S = 20
+REHEARSAL_PD_PATH_BUDGET_S = 10
 
 
 def start_rehearsal(tmp_path_factory, sim, sweep: str, *args: str) -> tuple[Path, Cli]:
