@@ -350,8 +350,8 @@ def _cluster_notes(c: dict[str, Any]) -> list[str]:
     own = c["pd_sessions"].get("own_code_s", {})
     lines.append(
         f"- of which pd_sessions' own code (prepare + noticing + other; the router part is "
-        f"vllm-router's 1 s worker poll and the first P/D request, teardown is the "
-        f"processes' own exit after SIGTERM): {_fmt(own, ' s', digits=3)}, "
+        f"vllm-router's first look at its workers once let go (runtime/gate.py) and the first "
+        f"P/D request, teardown is the processes' own exit after SIGTERM): {_fmt(own, ' s', digits=3)}, "
         f"{_fmt(c['pd_sessions'].get('own_code_fraction'), ' %', scale=100)} of wall"
     )
     return lines + [
