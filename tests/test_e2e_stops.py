@@ -34,10 +34,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 BUILDKITE_GRACE_S = 10.0
 
 
-# SIGHUP takes the same path in nox and in pd-sessions; with it here too (one more real cluster,
-# ~1.5 min of CI) it passed: nox exited 129 4.7 s after the SIGHUP, all gone, results written.
-# In CI, test_stops.py's hup_group and serve tests cover it through nox on the fake stack.
-@pytest.mark.parametrize("sig", [signal.SIGTERM], ids=lambda s: s.name)
 def prompt_tokens(metrics_url: str) -> float:
     """The instance's vllm:prompt_tokens_total (prometheus_client's parser)."""
     with urllib.request.urlopen(metrics_url, timeout=5) as r:
@@ -50,6 +46,10 @@ def prompt_tokens(metrics_url: str) -> float:
     )
 
 
+# SIGHUP takes the same path in nox and in pd-sessions; with it here too (one more real cluster,
+# ~1.5 min of CI) it passed: nox exited 129 4.7 s after the SIGHUP, all gone, results written.
+# In CI, test_stops.py's hup_group and serve tests cover it through nox on the fake stack.
+@pytest.mark.parametrize("sig", [signal.SIGTERM], ids=lambda s: s.name)
 def test_a_stop_while_checks_run_ends_nox_only_once_the_real_cluster_is_gone(tmp_path, sig):
     heavy("vllm")
     heavy("mooncake.engine")

@@ -109,6 +109,7 @@ PROCESS_BOUNDARIES = {
     "pd_sessions.bench.py_proxy",
     "pd_sessions.perf_driver",  # vLLM's bench serve, with vLLM's interpreter, in the perf check
     "pd_sessions.link_probe",  # the KV transport alone, in processes of its own (the perf check)
+    "pd_sessions.runtime.gate",  # the router, imported ahead and held until its workers are ready
 }
 
 

@@ -354,7 +354,7 @@ def _warm_pairs_and_router(
     ``pairs_warm`` and ``router_ready``."""
     plan = cluster.plan
     t1 = time.monotonic()
-    gate.open_gate(router.pid)
+    gate.open_gate(router)
     # Every instance is healthy: from here a P/D path that keeps failing ends the wait
     # within the budget, not at the overall deadline.
     pd_deadline = min(deadline, time.monotonic() + pd_path_budget_s)

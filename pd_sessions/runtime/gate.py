@@ -9,9 +9,14 @@ fastapi for its mini load balancer), is then on the path. Through the gate the i
 while the instances start; the cluster opens the gate (:func:`open_gate`, SIGUSR1) once every
 instance is ready, and the router's first look finds them.
 
-SIGUSR1 is blocked before the imports, so a signal sent while they run is kept until the wait.
-Any other signal acts as on the router itself (SIGTERM ends it while it waits). A MODULE that
-fails to import exits at once with its traceback, as ``python -m`` would.
+The gate blocks SIGUSR1 first thing, then says so on its output (:data:`HELD`); :func:`open_gate`
+waits for that line before it signals (before it, SIGUSR1's default action would end the
+process), so a gate opened while the imports run is kept until the wait. Any other signal acts as
+on the router itself (SIGTERM ends it while it waits). A MODULE that fails to import exits at
+once with its traceback, as ``python -m`` would.
+
+Why ``python -m``: the held module runs in this process, as ``python -m MODULE`` would run it;
+only the command line in front changes.
 """
 
 from __future__ import annotations
@@ -22,8 +27,17 @@ import os
 import runpy
 import signal
 import sys
+import time
+from pathlib import Path
+
+from pd_sessions.core.errors import ReadinessTimeout
+from pd_sessions.runtime.process import Running
 
 GO = signal.SIGUSR1
+# The gate's first line, once GO is blocked: from then on GO is kept until the wait.
+HELD = "pd_sessions gate: holding"
+# How long open_gate waits for that line (an interpreter start and pd-sessions' import).
+HELD_WAIT_S = 60.0
 
 
 def gated(argv: list[str] | tuple[str, ...]) -> list[str]:
@@ -33,9 +47,32 @@ def gated(argv: list[str] | tuple[str, ...]) -> list[str]:
     return [argv[0], "-m", __name__, *argv[2:]]
 
 
-def open_gate(pid: int) -> None:
-    """Let the gated process ``pid`` run its module."""
-    os.kill(pid, GO)
+def open_gate(r: Running, *, wait_s: float = HELD_WAIT_S) -> None:
+    """Let the gated process ``r`` run its module, once its log shows the gate holding (GO then
+    waits for it instead of ending it). A process that exits first is left to the caller's
+    liveness check; one that never says so within ``wait_s`` is a ReadinessTimeout naming it."""
+    start = time.monotonic()
+    while not _holding(r.log_path):
+        if r.poll() is not None:
+            return
+        if time.monotonic() - start > wait_s:
+            raise ReadinessTimeout(
+                r.name,
+                url=r.url or "?",
+                waited_s=time.monotonic() - start,
+                last_probe=f"its gate never said {HELD!r}",
+                log_path=r.log_path,
+                log_tail=r.log_tail(),
+            )
+        time.sleep(0.005)
+    os.kill(r.pid, GO)
+
+
+def _holding(log: Path) -> bool:
+    try:
+        return HELD.encode() in log.read_bytes()
+    except OSError:
+        return False
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -47,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     ns = p.parse_args(argv)
     module, args = ns.module, ns.args
     signal.pthread_sigmask(signal.SIG_BLOCK, {GO})
+    print(f"{HELD} {module} until its workers are ready", flush=True)
     importlib.import_module(module)  # and with it everything it imports
     del sys.modules[module]  # run afresh below, as __main__ (its imports stay loaded)
     signal.sigwait({GO})
