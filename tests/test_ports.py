@@ -4,6 +4,7 @@ import random
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +82,15 @@ def test_a_released_port_is_not_handed_out_again_by_this_process():
         assert port not in {again.take(f"b{i}") for i in range(50)}
     finally:
         again.release()
+
+
+def test_a_single_port_comes_from_below_the_kernels_ephemeral_range():
+    """A port the kernel picks for an outgoing connection or a bind to port 0 lies in its
+    ephemeral range; one of ours there could be taken between its release at the spawn and the
+    server's bind, seconds later. So every allocated port comes from BLOCK_RANGE, below it."""
+    lo_eph = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    lo, hi = BLOCK_RANGE
+    assert hi <= lo_eph
+    with PortAllocator() as ports:
+        got = [ports.take(f"p{i}") for i in range(20)]
+    assert all(lo <= p < hi for p in got) and len(set(got)) == 20, got

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
-# Blocks (ranges a process scans upward from, e.g. VLLM_PORT) come from below
-# Linux's default ephemeral range (32768-60999), so kernel-chosen ports for
-# outgoing connections and port-0 binds do not land inside them, and above the
-# ranges connector libraries pick their own ports from (Mooncake: 12001, 15000+).
+# Every allocated port, single or block (a range a process scans upward from, e.g.
+# VLLM_PORT), comes from below Linux's default ephemeral range (32768-60999), so kernel-chosen
+# ports for outgoing connections and port-0 binds do not land on it between its release at the
+# spawn and the server's bind, and above the ranges connector libraries pick their own ports
+# from (Mooncake: 12001, 15000+).
 BLOCK_RANGE = (20000, 32000)
 
 

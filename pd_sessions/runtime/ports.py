@@ -69,20 +69,26 @@ class PortAllocator:
         self._rng = rng or random.Random()
 
     def take(self, label: str) -> int:
-        spare: list[socket.socket] = []  # held meanwhile, so the kernel offers another port
-        try:
-            for _ in range(100):
-                s = _bind(self.host, 0)
-                port: int = s.getsockname()[1]
-                if not _taken_before(port):
-                    self._held.append(s)
-                    self._ports.add(port)
-                    return port
-                spare.append(s)
-        finally:
-            for x in spare:
-                x.close()
-        raise PlanError(label, f"found no free port on {self.host} that this process did not hand out before")
+        """A free port in BLOCK_RANGE, below the kernel's ephemeral range: a port the kernel
+        chose (a bind to port 0) lies in that range, where, once released at the spawn, any
+        process's outgoing connection or port-0 bind could take it before the server binds it,
+        seconds later (seen: a Mooncake prefill's bootstrap port taken so on a simulated host
+        where another cluster was starting, "Address already in use" 30 s after the spawn)."""
+        lo, hi = BLOCK_RANGE
+        for _ in range(400):
+            port = self._rng.randrange(lo, hi)
+            if port in self._ports or _taken_before(port):
+                continue
+            try:
+                s = _bind(self.host, port)
+            except OSError:
+                continue
+            self._held.append(s)
+            self._ports.add(port)
+            return port
+        raise PlanError(
+            label, f"found no free port in {lo}-{hi} on {self.host} that this process did not hand out before"
+        )
 
     def take_block(self, label: str, size: int) -> int:
         lo, hi = BLOCK_RANGE
