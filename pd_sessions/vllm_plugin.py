@@ -41,6 +41,11 @@ NIXL_DELAY_ENV = PROGRESS.env
 log = logging.getLogger(__name__)
 
 
+def _say(line: str) -> None:
+    """One line on the vLLM process's stderr (its log): what a shim did, or why it did not."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def shim_needed(accelerator_available: bool, already_applied: bool) -> bool:
     """Apply the shim only on hosts without an accelerator, once per process."""
     return not accelerator_available and not already_applied
@@ -71,11 +76,9 @@ def with_progress_delay(create: Callable[..., Any], delay_us: int) -> Callable[.
     def nixlAgent(name: str, config: Any, *args: Any, **kwargs: Any) -> Any:
         if getattr(config, "useProgThread", False) and getattr(config, "pthrDelay", None) == 0:
             config.pthrDelay = delay_us
-            print(
+            _say(
                 f"pd_sessions: {NIXL.title} agent {name}: progress thread polls every {delay_us} us "
-                f"instead of spinning ({NIXL_DELAY_ENV})",
-                file=sys.stderr,
-                flush=True,
+                f"instead of spinning ({NIXL_DELAY_ENV})"
             )
         return create(name, config, *args, **kwargs)
 
@@ -90,7 +93,7 @@ def apply_nixl_progress_delay(environ: Mapping[str, str]) -> bool:
     try:
         delay = nixl_delay_us(environ)
     except ValueError as e:
-        print(f"pd_sessions: ignored: {e}", file=sys.stderr, flush=True)
+        _say(f"pd_sessions: ignored: {e}")
         return False
     if delay is None:
         return False
@@ -103,11 +106,9 @@ def apply_nixl_progress_delay(environ: Mapping[str, str]) -> bool:
     bind = getattr(sys.modules[front], PROGRESS.bindings, None)
     create = getattr(bind, PROGRESS.constructor, None)
     if create is None:
-        print(
+        _say(
             f"pd_sessions: {NIXL_DELAY_ENV} not applied: this {NIXL.title} Python API ({front}) has no "
-            f"{PROGRESS.bindings}.{PROGRESS.constructor} to wrap; its progress thread keeps its own setting",
-            file=sys.stderr,
-            flush=True,
+            f"{PROGRESS.bindings}.{PROGRESS.constructor} to wrap; its progress thread keeps its own setting"
         )
         return False
     if hasattr(create, "_pd_sessions_delay_us"):
@@ -128,11 +129,9 @@ def keeping_cores(init: Callable[..., None]) -> Callable[..., None]:
             after = os.sched_getaffinity(0)
             if after != before:
                 os.sched_setaffinity(0, before)
-                print(
+                _say(
                     f"pd_sessions: {NIXL.title} worker: this thread stays on cores {sorted(before)} "
-                    f"(the worker moved it to {sorted(after)}; {KEEP_CORES.env})",
-                    file=sys.stderr,
-                    flush=True,
+                    f"(the worker moved it to {sorted(after)}; {KEEP_CORES.env})"
                 )
 
     __init__._pd_sessions_keeps_cores = True  # type: ignore[attr-defined]
@@ -150,11 +149,8 @@ def apply_nixl_keep_cores(environ: Mapping[str, str]) -> bool:
         return False
     cls = getattr(module, KEEP_CORES.worker_class, None)
     if cls is None:
-        print(
-            f"pd_sessions: {KEEP_CORES.env} not applied: "
-            f"{KEEP_CORES.module} has no {KEEP_CORES.worker_class}",
-            file=sys.stderr,
-            flush=True,
+        _say(
+            f"pd_sessions: {KEEP_CORES.env} not applied: {KEEP_CORES.module} has no {KEEP_CORES.worker_class}"
         )
         return False
     if getattr(cls.__init__, "_pd_sessions_keeps_cores", False):

@@ -127,7 +127,8 @@ class NodeAgent:
         self._local_logs: dict[int, Path] = {}
         # What an earlier run left on this node when its stop was cut short (its driver
         # SIGKILLed: Ray ended its processes, no one removed their private TMPDIRs).
-        self.orphans_removed = process.remove_orphan_tmp_dirs()
+        for path in process.remove_orphan_tmp_dirs():
+            log.info("removed %s: its process, of an earlier run, is gone", path)
 
     def ping(self) -> bool:
         return True
