@@ -27,7 +27,7 @@ import nox
 ROOT = Path(__file__).parent
 sys.path.insert(0, str(ROOT))
 
-from pd_sessions.bench.options import bench_parser  # noqa: E402
+from pd_sessions.bench.bench_args import bench_parser  # noqa: E402
 from pd_sessions.core import connectors  # noqa: E402
 from pd_sessions.env import nox_support  # noqa: E402
 
@@ -107,7 +107,7 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, reuse_venv=True, tags=["ci"])
 def buildkite(session: nox.Session) -> None:
-    """Render .buildkite/ (pipeline + vLLM test_areas) from pd_sessions/report/ci_jobs.py."""
+    """Render .buildkite/ (pipeline + vLLM test_areas) from pd_sessions/report/buildkite_pipelines.py."""
     session.install("-e", str(ROOT), *nox_support.requirements("buildkite.txt"))
     session.run("python", "-m", "pd_sessions", "buildkite")
 

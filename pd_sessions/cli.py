@@ -64,7 +64,8 @@ def _parser() -> argparse.ArgumentParser:
         "download every wheel a session needs, for an offline host (pd-sessions wheelhouse --help)",
     )
     sub.add_parser(
-        "buildkite", help="render .buildkite/ from the job registry in pd_sessions/report/ci_jobs.py"
+        "buildkite",
+        help="render .buildkite/ from the job registry in pd_sessions/report/buildkite_pipelines.py",
     )
     rep = sub.add_parser(
         "report",

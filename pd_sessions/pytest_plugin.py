@@ -218,12 +218,12 @@ def pd_cluster(
     from pd_sessions.core.config import load, select
     from pd_sessions.core.preflight import preflight
     from pd_sessions.run import serve
-    from pd_sessions.run.options import SweepOptions
-    from pd_sessions.runtime import clusterenv, hosts
+    from pd_sessions.run.sweep_options import SweepOptions
+    from pd_sessions.runtime import clusterenv, machine
 
     sweep_name, config_name = parse_spec(spec or DEFAULT_CLUSTER)
     sweep = load(sweep_name)
-    platform, inv, _ = preflight(sweep, request.config.getoption("--pd-platform"), hosts.detect())
+    platform, inv, _ = preflight(sweep, request.config.getoption("--pd-platform"), machine.detect())
     (entry,), _ = select(sweep.entries(platform), platform, only=(config_name,))
     base = request.config.getoption("--pd-results-dir") or tmp_path_factory.mktemp("pd_cluster")
     deadline = request.config.getoption("--pd-deadline")

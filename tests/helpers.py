@@ -68,7 +68,7 @@ class FakePorts:
 
 def bench_doc(runs, **parts) -> dict:
     """A bench results.json document of ``runs`` (and the ``parts`` given) on a made-up machine."""
-    from pd_sessions.bench import report
+    from pd_sessions.bench import bench_results
 
     return {
         "started_at": "2026-11-29T00:00:00+00:00",
@@ -84,7 +84,7 @@ def bench_doc(runs, **parts) -> dict:
         },
         "settings": {"platform": "cpu", "repeats": 3, "checks": ["smoke"]},
         "runs": runs,
-        "clusters": report.summarize_clusters(runs) if runs else {},
+        "clusters": bench_results.summarize_clusters(runs) if runs else {},
         **parts,
     }
 
@@ -346,7 +346,7 @@ def simhosts_leftovers(run_id: str, pids=()) -> list[str]:
     """What simulated-hosts run ``run_id`` left on this machine: its namespaces, its links
     (bridge, veths), its short link, its state file, and any of ``pids`` (its Ray processes)
     or their session members still alive."""
-    from pd_sessions.core import simhosts as core
+    from pd_sessions.core import simhost_plan as core
     from pd_sessions.runtime import netns
 
     spaces = os.listdir(netns.NETNS_DIR) if netns.NETNS_DIR.exists() else []

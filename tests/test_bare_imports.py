@@ -8,7 +8,7 @@ among them, at top level and inside functions) must import with the standard lib
 plus ``packaging``.
 
 ``packaging`` is allowed, by choice: nox itself depends on it (checked below against nox's
-metadata), so wherever the noxfile runs, packaging is there; install.py and installed.py use it
+metadata), so wherever the noxfile runs, packaging is there; lane_install.py and in_place.py use it
 for version and requirement parsing rather than re-implementing PEP 440 and PEP 508.
 
 The bare interpreter is this Python started with ``-S -E`` (no site-packages, no PYTHONPATH) with
@@ -77,7 +77,7 @@ def test_the_noxfile_imports_what_this_test_expects():
     modules = noxfile_modules()
     for m in (
         "pd_sessions.env.nox_support",  # the noxfile's helpers
-        "pd_sessions.bench.options",  # the bench session parses its posargs with the bench's parser
+        "pd_sessions.bench.bench_args",  # the bench session parses its posargs with the bench's parser
         "pd_sessions.core.cliargs",
         "pd_sessions.core.config",
         "pd_sessions.core.errors",

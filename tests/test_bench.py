@@ -19,7 +19,7 @@ import pytest
 from conftest import ROOT, heavy, wait_until
 from helpers import bench_doc, fake_stack_env, fake_sweep_toml
 
-from pd_sessions.bench import report, teardown
+from pd_sessions.bench import bench_results, teardown
 from pd_sessions.bench.clusters import UPSTREAM_PROXY_SLEEP_S, RunRecord
 from pd_sessions.bench.prober import HealthProber
 from pd_sessions.bench.stats import Goal, overhead, percentile, summary
@@ -93,7 +93,7 @@ def test_summarize_clusters_ratios_and_failed_runs_left_out():
     runs += [_run("upstream", 110.0, 91.0, 89.0, repeat=i) for i in range(3)]
     runs += [_run("single", 61.0, 60.0, 59.9, repeat=i) for i in range(3)]
     runs.append(_run("pd_sessions", 999.0, 999.0, 1.0, ok=False, repeat=3))
-    c = report.summarize_clusters(runs)["1x1"]
+    c = bench_results.summarize_clusters(runs)["1x1"]
     assert c["pd_sessions"]["runs"] == 4 and c["pd_sessions"]["ok"] == 3
     assert c["pd_sessions"]["wall_s"]["median"] == 100.0
     assert c["pd_sessions"]["overhead_s"]["median"] == pytest.approx(10.0)  # 100 - 89 - 1
@@ -121,14 +121,14 @@ def test_goals_markdown_and_chart(tmp_path):
             "ignores_sigterm": summary([5.1, 5.2, 8.0]),
         },
     )
-    doc["goals"] = [g.to_dict() for g in report.goals(doc)]
+    doc["goals"] = [g.to_dict() for g in bench_results.goals(doc)]
     by_name = {g["name"]: g for g in doc["goals"]}
     assert by_name["1x1: harness overhead"]["met"] is False  # 10 %
     assert by_name["1x1: readiness noticed after /health 200"]["met"] is True
     assert by_name["1x1: teardown, healthy cluster"]["met"] is True  # 2 s
     assert by_name["teardown, a child ignores SIGTERM"]["limit"] == 7.0
     assert by_name["teardown, a child ignores SIGTERM"]["met"] is True  # median 5.2
-    paths = report.write(doc, tmp_path)
+    paths = bench_results.write(doc, tmp_path)
     md = paths["markdown"].read_text()
     assert "| 1x1: harness overhead | <= 2 % | 10.00 % | no |" in md
     assert "upstream 1x1 #9" in md  # failed runs are listed, not hidden
@@ -293,7 +293,7 @@ def test_cluster_drivers_on_the_fake_stack(tmp_path):
     assert sum(pd["check_s"].values()) <= pd["checks_s"]
     assert "measured by the clusters part" in stdout and doc["check_runs"] == []
     cost = doc["checks_cost"]["fake:1x1"]
-    edge = sum(pd["check_s"][n] for n in report.EDGE_CHECKS)
+    edge = sum(pd["check_s"][n] for n in bench_results.EDGE_CHECKS)
     assert cost["edge_s"]["median"] == pytest.approx(edge, abs=0.01)
     assert "## What each check costs" in (out / "results.md").read_text()
     assert "## Config 1x1: phases (s)" in (out / "results.md").read_text()
@@ -323,8 +323,8 @@ def test_cluster_drivers_on_the_fake_stack(tmp_path):
 def test_partial_results_of_an_interrupted_run_are_marked(tmp_path):
     runs = [_run("pd_sessions", 100.0, 90.0, 89.0)]  # stopped before upstream and single ran
     doc = bench_doc(runs, interrupted="Stopped: stopped by SIGTERM")
-    doc["goals"] = [g.to_dict() for g in report.goals(doc)]
-    md = report.write(doc, tmp_path)["markdown"].read_text()
+    doc["goals"] = [g.to_dict() for g in bench_results.goals(doc)]
+    md = bench_results.write(doc, tmp_path)["markdown"].read_text()
     assert "**INTERRUPTED** (Stopped: stopped by SIGTERM): partial results." in md
     assert "= **-** (1.0" in md  # no parallel-start ratio without a single-instance run
 
@@ -336,7 +336,7 @@ def test_rerender_from_raw_samples(tmp_path):
     doc = bench_doc(runs)
     doc["clusters"] = {}  # stale summaries are recomputed from the runs
     (tmp_path / "results.json").write_text(json.dumps(doc))
-    paths = report.rerender(tmp_path / "results.json")
+    paths = bench_results.rerender(tmp_path / "results.json")
     assert json.loads(paths["json"].read_text())["clusters"]["1x1"]["pd_sessions"]["ok"] == 3
     assert "## Config 1x1: phases (s)" in paths["markdown"].read_text()
 
@@ -358,7 +358,7 @@ def test_summarize_checks_per_connector_edge_sum_and_goal(tmp_path):
     runs.append(_checked_run("nixl_sweep", "nixl", {**BASE, "too_long": 999.0}, ok=False, repeat=2))
     runs.append(_checked_run("nixl_sweep", "nixl", {**BASE, "burst": 999.0}, driver="upstream"))
     runs.append(_run("pd_sessions", 100.0, 90.0, 89.0))
-    cost = report.summarize_checks(runs)
+    cost = bench_results.summarize_checks(runs)
     assert list(cost) == ["mooncake_sweep:1x1", "nixl_sweep:1x1"]
     moon, nixl = cost["mooncake_sweep:1x1"], cost["nixl_sweep:1x1"]
     assert (moon["runs"], moon["ok"], nixl["runs"], nixl["ok"]) == (3, 3, 3, 2)
@@ -367,32 +367,32 @@ def test_summarize_checks_per_connector_edge_sum_and_goal(tmp_path):
     ]  # in the registry's running order
     assert moon["base_s"]["median"] == 2.0 and moon["edge_s"]["median"] == 6.0
     assert nixl["edge_s"]["median"] == 60.0 and nixl["check_s"]["too_long"]["max"] == 30.5
-    assert nixl["connector"] == "nixl" and nixl["edge_checks"] == list(report.EDGE_CHECKS)
+    assert nixl["connector"] == "nixl" and nixl["edge_checks"] == list(bench_results.EDGE_CHECKS)
     doc = bench_doc([r for r in runs if "check_s" not in r or r["driver"] != "pd_sessions"])
     doc["checks_cost"] = cost
-    goals = {g.name: g for g in report.goals(doc)}
+    goals = {g.name: g for g in bench_results.goals(doc)}
     assert goals["1x1 over mooncake: the edge checks add"].met is True
     assert goals["1x1 over nixl: the edge checks add"].met is False
-    assert goals["1x1 over nixl: the edge checks add"].limit == report.EDGE_CHECKS_GOAL_S == 15.0
-    md = report.markdown({**doc, "goals": [g.to_dict() for g in goals.values()]})
+    assert goals["1x1 over nixl: the edge checks add"].limit == bench_results.EDGE_CHECKS_GOAL_S == 15.0
+    md = bench_results.markdown({**doc, "goals": [g.to_dict() for g in goals.values()]})
     assert "## What each check costs (s, pd_sessions driver)" in md
     assert "| nixl | 1x1 | 2/3 | 0.50 (0.50-0.50) |" in md and "| **60.00 (60.00-60.00)** |" in md
     assert "| 1x1 over nixl: the edge checks add | <= 15 s | 60.000 s | no |" in md
-    assert "nixl_sweep" not in report.summarize_checks([runs[-2]])  # upstream driver: not counted
+    assert "nixl_sweep" not in bench_results.summarize_checks([runs[-2]])  # upstream driver: not counted
 
 
 def test_checks_cost_only_edge_checks_that_ran():
     runs = [_checked_run("s", "nixl", {**BASE, "too_long": 0.3})]
-    c = report.summarize_checks(runs)["s:1x1"]
+    c = bench_results.summarize_checks(runs)["s:1x1"]
     assert c["edge_checks"] == ["too_long"] and c["edge_s"]["median"] == 0.3
-    assert report.checks_markdown({}) == []
+    assert bench_results.checks_markdown({}) == []
 
 
 def test_rerender_recomputes_checks_cost(tmp_path):
     runs = [_checked_run("mooncake_sweep", "mooncake", {**BASE, "burst": 4.0})]
     doc = bench_doc(runs, check_runs=[_checked_run("nixl_sweep", "nixl", {**BASE, "burst": 9.0})])
     (tmp_path / "results.json").write_text(json.dumps(doc))
-    out = json.loads(report.rerender(tmp_path / "results.json")["json"].read_text())
+    out = json.loads(bench_results.rerender(tmp_path / "results.json")["json"].read_text())
     assert {k: v["edge_s"]["median"] for k, v in out["checks_cost"].items()} == {
         "mooncake_sweep:1x1": 4.0,
         "nixl_sweep:1x1": 9.0,
@@ -405,7 +405,7 @@ def test_checks_part_runs_each_check_sweep(tmp_path):
     )
     assert "runs" not in doc and len(doc["check_runs"]) == 1
     run = doc["check_runs"][0]
-    assert run["ok"] and run["sweep"] == "fake" and set(run["check_s"]) >= set(report.EDGE_CHECKS)
+    assert run["ok"] and run["sweep"] == "fake" and set(run["check_s"]) >= set(bench_results.EDGE_CHECKS)
     assert doc["checks_cost"]["fake:1x1"]["ok"] == 1
     assert "edge checks" in stdout
 
@@ -415,8 +415,10 @@ def test_request_features_has_its_own_goal_of_10_s_per_config():
     runs = [_checked_run("mooncake_sweep", "mooncake", {**BASE, **rf}, repeat=i) for i in range(2)]
     runs += [_checked_run("nixl_sweep", "nixl", {**BASE, "request_features": 12.5}, repeat=0)]
     doc = bench_doc([])
-    doc["checks_cost"] = report.summarize_checks(runs)
-    goals = {g.name: g for g in report.goals(doc)}
+    doc["checks_cost"] = bench_results.summarize_checks(runs)
+    goals = {g.name: g for g in bench_results.goals(doc)}
     assert goals["1x1 over mooncake: request_features adds"].met is True
     assert goals["1x1 over nixl: request_features adds"].met is False
-    assert goals["1x1 over nixl: request_features adds"].limit == report.REQUEST_FEATURES_GOAL_S == 10.0
+    assert (
+        goals["1x1 over nixl: request_features adds"].limit == bench_results.REQUEST_FEATURES_GOAL_S == 10.0
+    )

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pd_sessions.bench import page, report
+from pd_sessions.bench import bench_results, page
 from pd_sessions.core.errors import BenchError
 from pd_sessions.core.results import CheckResult, ConfigResult
 from pd_sessions.report import unfinished
@@ -31,8 +31,8 @@ def test_the_report_part_measures_a_six_config_page(tmp_path: Path):
     text = Path(doc["page"]).read_text()
     assert text.count('class="config-row"') == 6 and text.count('class="log-tail"') == 6  # all failed
     assert doc["page_bytes"] == len(text.encode())
-    assert report.page_markdown(doc)[0].startswith("## report.html of 6 configs")
-    names = [g.name for g in report.goals({"report_page": doc})]
+    assert bench_results.page_markdown(doc)[0].startswith("## report.html of 6 configs")
+    names = [g.name for g in bench_results.goals({"report_page": doc})]
     assert names == ["report.html: rendering adds to a run", "report.html: size for 6 configs"]
 
 

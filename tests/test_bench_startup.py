@@ -16,7 +16,7 @@ import pytest
 from conftest import wait_until
 from helpers import gone
 
-from pd_sessions.bench import report, startup
+from pd_sessions.bench import bench_results, startup
 
 FAKE_NOX = textwrap.dedent("""
     import os, signal, subprocess, sys, time
@@ -24,7 +24,7 @@ FAKE_NOX = textwrap.dedent("""
     print("nox > Running session mooncake_sweep", flush=True)
     print("nox > \\x1b[1mCreating virtual environment (uv) using python3.11 in /tmp/x\\x1b[0m", flush=True)
     time.sleep(0.2)
-    print("nox > python -m pd_sessions.env.canary mooncake", flush=True)
+    print("nox > python -m pd_sessions.env.import_canary mooncake", flush=True)
     print("nox > python -m pd_sessions sweep mooncake_sweep --only 1x1", flush=True)
     code = "import signal, subprocess, sys, time\\n"
     if stubborn:
@@ -64,7 +64,7 @@ def test_milestones_first_line_of_each_ansi_ignored():
     lines = [
         (0.1, "nox > Running session mooncake_sweep"),
         (0.2, "nox > \x1b[32mRe-using existing virtual environment at /tmp/x/mooncake_sweep.\x1b[0m"),
-        (5.0, "nox > python -m pd_sessions.env.canary mooncake"),
+        (5.0, "nox > python -m pd_sessions.env.import_canary mooncake"),
         (6.0, "nox > python -m pd_sessions sweep mooncake_sweep --only 1x1 --platform cpu"),
         (6.5, "[pd-sessions     0.0s] configs: 1x1"),
         (6.6, "[pd-sessions     0.1s] 1x1: started 2 instances and the router; waiting up to 1200 s"),
@@ -106,11 +106,11 @@ def test_startup_markdown():
     runs[-1]["error"] = "no instance spawned within 900 s"
     su = {"command": "nox -s mooncake_sweep", "what": "from nox to the spawn", "runs": runs}
     su.update(startup.summarize(runs))
-    md = "\n".join(report.startup_markdown(su))
+    md = "\n".join(bench_results.startup_markdown(su))
     assert "| rebuilt (--reuse-venv=never): before | 1/1 |" in md and "**60.00** |" in md
     assert "| reused: now | 1/2 |" in md and "saves 40 s per call" in md and "= **3**" in md
     assert "FAILED reuse #1: no instance spawned within 900 s" in md
-    assert report.startup_markdown(None) == []
+    assert bench_results.startup_markdown(None) == []
 
 
 @pytest.mark.parametrize("kind", ["healthy", "stubborn"])

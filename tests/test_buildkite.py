@@ -1,4 +1,4 @@
-"""Buildkite (pd_sessions/report/buildkite.py) with a fake ``buildkite-agent`` on PATH: the
+"""Buildkite (pd_sessions/report/buildkite_annotation.py) with a fake ``buildkite-agent`` on PATH: the
 annotation keeps the table and links report.html as Buildkite documents artifact links; the
 results directory is uploaded by the sweep only when asked (steps without artifact_paths)."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pd_sessions.core.results import CheckResult, ConfigResult
-from pd_sessions.report import buildkite
+from pd_sessions.report import buildkite_annotation
 
 FAKE_AGENT = f"""#!{sys.executable}
 import json, os, sys
@@ -55,7 +55,7 @@ def test_annotation_keeps_the_table_and_links_the_page_as_an_artifact(agent, tmp
     page = tmp_path / "results" / "cpu-lane" / "report.html"
     page.parent.mkdir(parents=True)
     page.write_text("<!doctype html>")
-    assert buildkite.annotate(
+    assert buildkite_annotation.annotate(
         [result("1x1", "passed"), result("2x2", "failed")], sweep="mooncake_sweep", page=page
     )
     (call,) = calls(agent)
@@ -67,14 +67,16 @@ def test_annotation_keeps_the_table_and_links_the_page_as_an_artifact(agent, tmp
 
 
 def test_a_passing_sweep_is_annotated_success_and_without_a_page_there_is_no_link(agent):
-    assert buildkite.annotate([result("1x1", "passed")], sweep="s", page=None)
+    assert buildkite_annotation.annotate([result("1x1", "passed")], sweep="s", page=None)
     (call,) = calls(agent)
     assert call["argv"][:3] == ["annotate", "--style", "success"]
     assert "artifact://" not in call["stdin"] and call["stdin"].startswith("**s**: passed")
 
 
 def test_a_page_path_with_quotes_cannot_break_out_of_the_link():
-    body = buildkite.annotation([result("1x1", "passed")], sweep="<b>s</b>", page='r/"x<y>"/report.html')
+    body = buildkite_annotation.annotation(
+        [result("1x1", "passed")], sweep="<b>s</b>", page='r/"x<y>"/report.html'
+    )
     assert 'href="artifact://r/&quot;x&lt;y&gt;&quot;/report.html"' in body and "<b>" not in body
 
 
@@ -82,15 +84,15 @@ def test_upload_sends_the_results_directory_relative_to_the_job(agent, tmp_path,
     monkeypatch.chdir(tmp_path)
     results = tmp_path / "results" / "nixl"
     results.mkdir(parents=True)
-    said = buildkite.upload(results)
+    said = buildkite_annotation.upload(results)
     (call,) = calls(agent)
     assert call["argv"] == ["artifact", "upload", "results/nixl/**/*"] and call["cwd"] == str(tmp_path)
     assert said == "results uploaded as Buildkite artifacts: results/nixl/**/*"
     monkeypatch.setenv("FAKE_AGENT_STATUS", "3")
-    assert "exited with status 3" in buildkite.upload(results)
+    assert "exited with status 3" in buildkite_annotation.upload(results)
 
 
 def test_without_the_agent_nothing_happens(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
-    assert buildkite.annotate([result("1x1", "passed")], sweep="s", page=None) is False
-    assert "buildkite-agent is not on PATH" in buildkite.upload(tmp_path)
+    assert buildkite_annotation.annotate([result("1x1", "passed")], sweep="s", page=None) is False
+    assert "buildkite-agent is not on PATH" in buildkite_annotation.upload(tmp_path)

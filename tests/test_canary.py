@@ -1,6 +1,6 @@
 """The canary's verdicts over real ELF files built with gcc at test time (no ELF mocks). Without a
 C compiler those tests fail saying so: the tests session installs gcc with the CPU lane's Debian
-packages (pd_sessions.env.install.TEST_COMMANDS)."""
+packages (pd_sessions.env.lane_install.TEST_COMMANDS)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pd_sessions.env import canary
+from pd_sessions.env import import_canary
 
 GCC = shutil.which("gcc") or shutil.which("cc")
 
@@ -87,13 +87,13 @@ def elfs(tmp_path_factory) -> dict[str, Path]:
 
 
 def verdicts(path: Path, torch_cuda):
-    needed, rpaths = canary.read_elf(path)
-    res = {n: canary.resolve(n, rpaths, cache={}) for n in needed if canary.CUDART.match(n)}
-    return canary.check_needed(path.name, needed, torch_cuda, res)
+    needed, rpaths = import_canary.read_elf(path)
+    res = {n: import_canary.resolve(n, rpaths, cache={}) for n in needed if import_canary.CUDART.match(n)}
+    return import_canary.check_needed(path.name, needed, torch_cuda, res)
 
 
 def test_read_elf_sees_needed_and_origin(elfs):
-    needed, rpaths = canary.read_elf(elfs["cu13"])
+    needed, rpaths = import_canary.read_elf(elfs["cu13"])
     assert "libcudart.so.13" in needed
     assert rpaths == [str(elfs["cu13"].parent / "cuda13")]
 
@@ -148,24 +148,24 @@ def test_ld_library_path_resolves(elfs, monkeypatch):
     ],
 )
 def test_distribution_verdicts(installed, cuda, ok, needles):
-    (f,) = canary.check_distributions(installed, cuda, ["mooncake"])
+    (f,) = import_canary.check_distributions(installed, cuda, ["mooncake"])
     assert f.ok is ok
     for n in needles:
         assert n in f.message
 
 
 def test_nixl_backend_must_match_torch():
-    (f,) = canary.check_distributions({"nixl": "1.5.1", "nixl-cu12": "1.5.1"}, 13, ["nixl"])
+    (f,) = import_canary.check_distributions({"nixl": "1.5.1", "nixl-cu12": "1.5.1"}, 13, ["nixl"])
     assert not f.ok and "nixl-cu12==1.5.1 does not match torch's CUDA 13" in f.message
     assert "nixl-cu13==1.5.1" in f.message
-    (f,) = canary.check_distributions({"nixl": "1.5.1", "nixl-cu13": "1.5.1"}, 13, ["nixl"])
+    (f,) = import_canary.check_distributions({"nixl": "1.5.1", "nixl-cu13": "1.5.1"}, 13, ["nixl"])
     assert f.ok
 
 
 def test_canary_cli_json_line_and_status():
     """The real canary on this environment's Mooncake (CPU lane: non-cuda wheel must pass)."""
     r = subprocess.run(
-        [sys.executable, "-m", "pd_sessions.env.canary", "mooncake", "--torch-cuda-major", "none"],
+        [sys.executable, "-m", "pd_sessions.env.import_canary", "mooncake", "--torch-cuda-major", "none"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -201,7 +201,7 @@ def test_cuda12_wheel_next_to_non_cuda_fails_then_printed_fix_passes(tmp_path):
 
     def canary():
         r = subprocess.run(
-            [str(py), "-m", "pd_sessions.env.canary", "mooncake", "--torch-cuda-major", "none"],
+            [str(py), "-m", "pd_sessions.env.import_canary", "mooncake", "--torch-cuda-major", "none"],
             capture_output=True,
             text=True,
             timeout=120,

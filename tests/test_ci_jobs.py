@@ -12,20 +12,24 @@ import pytest
 import yaml
 from conftest import ROOT
 
-from pd_sessions.report import ci_jobs
+from pd_sessions.report import buildkite_pipelines
 
 SCHEMA = ROOT / "pd_sessions" / "data" / "buildkite-pipeline-schema.json"
 
 
-@pytest.mark.parametrize("rel,text", sorted(ci_jobs.rendered().items()), ids=lambda x: str(x)[:40])
+@pytest.mark.parametrize(
+    "rel,text", sorted(buildkite_pipelines.rendered().items()), ids=lambda x: str(x)[:40]
+)
 def test_committed_files_equal_the_registry(rel, text):
     path = ROOT / rel
     assert path.exists(), f"{rel} is missing: run `nox -s buildkite` and commit the result"
-    assert path.read_text() == text, f"{rel} drifted from pd_sessions/ci_jobs.py: run `nox -s buildkite`"
+    assert path.read_text() == text, (
+        f"{rel} drifted from pd_sessions/buildkite_pipelines.py: run `nox -s buildkite`"
+    )
 
 
 def test_no_stray_generated_files():
-    generated = {str(p) for p in ci_jobs.rendered()}
+    generated = {str(p) for p in buildkite_pipelines.rendered()}
     on_disk = {str(p.relative_to(ROOT)) for p in (ROOT / ".buildkite").rglob("*.y*ml")}
     assert on_disk == generated
 
@@ -38,7 +42,7 @@ def test_pipeline_validates_against_buildkite_schema():
 
 def test_schema_rejects_a_broken_pipeline():
     schema = json.loads(SCHEMA.read_text())
-    doc = ci_jobs.pipeline()
+    doc = buildkite_pipelines.pipeline()
     doc["steps"][0]["retry"] = {"automatic": [{"exit_status": -1, "limit": 99}]}
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(doc, schema)
@@ -66,7 +70,7 @@ def _nox_lists(session: str) -> bool:
 def test_every_command_is_one_nox_session_call_that_exists():
     names = set()
     for cmd in _commands():
-        if cmd == ci_jobs.IMAGE_NOX_INSTALL:  # test_areas: nox into vLLM's image, nothing else
+        if cmd == buildkite_pipelines.IMAGE_NOX_INSTALL:  # test_areas: nox into vLLM's image, nothing else
             continue
         m = re.fullmatch(r"(?:nox|python3 -m nox --no-venv) -s (\w+)( -- .*)?", cmd)
         assert m, f"not a plain nox call: {cmd!r}"
@@ -78,9 +82,9 @@ def test_every_command_is_one_nox_session_call_that_exists():
 
 
 def test_gpu_steps_force_cuda_and_nightly_is_scheduled_soft_fail():
-    for job in ci_jobs.JOBS:
+    for job in buildkite_pipelines.JOBS:
         assert ("--platform cuda" in job.command) == (job.gpus > 0)
-    doc = ci_jobs.pipeline()
+    doc = buildkite_pipelines.pipeline()
     steps = {s["key"]: s for s in doc["steps"]}
     nightly = steps["kimi-linear-nixl-pd-nightly"]
     assert nightly["if"] == 'build.source == "schedule"' and nightly["soft_fail"] is True
@@ -94,12 +98,12 @@ def test_gpu_steps_force_cuda_and_nightly_is_scheduled_soft_fail():
 
 
 def test_test_areas_match_vllm_format():
-    moon = ci_jobs.test_area("disaggregated_mooncake")
+    moon = buildkite_pipelines.test_area("disaggregated_mooncake")
     (step,) = moon["steps"]
     assert moon["group"] == "Disaggregated Mooncake" and moon["depends_on"] == ["image-build"]
     assert (step["device"], step["num_devices"], step["timeout_in_minutes"]) == ("b200-k8s", 4, 10)
     assert step["source_file_dependencies"] == ["vllm/distributed/kv_transfer/kv_connector/v1/mooncake/"]
-    dis = ci_jobs.test_area("disaggregated")
+    dis = buildkite_pipelines.test_area("disaggregated")
     kimi = next(s for s in dis["steps"] if "kimi" in s["key"])
     assert kimi["device"] == "h200" and kimi["num_devices"] == 4 and kimi["optional"] is True
     assert kimi["timeout_in_minutes"] == 60
@@ -108,28 +112,28 @@ def test_test_areas_match_vllm_format():
 def test_test_areas_run_the_images_vllm_and_the_pipeline_installs_its_own():
     """vLLM's CI tests the pull request's image: its steps must not build a venv from the index."""
     for name in ("disaggregated", "disaggregated_mooncake"):
-        for step in ci_jobs.test_area(name)["steps"]:
+        for step in buildkite_pipelines.test_area(name)["steps"]:
             install, run = step["commands"]
-            assert install == ci_jobs.IMAGE_NOX_INSTALL
+            assert install == buildkite_pipelines.IMAGE_NOX_INSTALL
             assert run.startswith("python3 -m nox --no-venv -s ") and "--platform cuda" in run
-    for step in ci_jobs.pipeline()["steps"]:
+    for step in buildkite_pipelines.pipeline()["steps"]:
         assert step["command"].startswith("nox -s ") and "--no-venv" not in step["command"]
 
 
 def test_each_step_uploads_its_results_once():
     """The standalone pipeline uploads through artifact_paths; vLLM's test_areas format has none,
     so those steps ask the sweep to upload (--upload-artifacts); never both."""
-    jobs = {j.key: j for j in ci_jobs.JOBS}
-    for step in ci_jobs.pipeline()["steps"]:
+    jobs = {j.key: j for j in buildkite_pipelines.JOBS}
+    for step in buildkite_pipelines.pipeline()["steps"]:
         assert step["artifact_paths"] == [f"{jobs[step['key']].results_dir}/**/*"]
         assert "--upload-artifacts" not in step["command"]
     for name in ("disaggregated", "disaggregated_mooncake"):
-        for step in ci_jobs.test_area(name)["steps"]:
+        for step in buildkite_pipelines.test_area(name)["steps"]:
             assert "artifact_paths" not in step
             run = step["commands"][-1]
             assert run.endswith(f"--results-dir {jobs[step['key']].results_dir} --upload-artifacts")
     # the CPU lane's end-to-end runs (their report.html and screenshot) land in what it uploads
-    cpu = next(s for s in ci_jobs.pipeline()["steps"] if s["key"] == "cpu-lane")
+    cpu = next(s for s in buildkite_pipelines.pipeline()["steps"] if s["key"] == "cpu-lane")
     assert cpu["env"]["PD_SESSIONS_E2E_RESULTS"].startswith("results/cpu-lane/")
 
 

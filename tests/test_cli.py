@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import ROOT
 
-from pd_sessions.runtime.hosts import detect
+from pd_sessions.runtime.machine import detect
 
 
 def cli(*args, timeout=60):

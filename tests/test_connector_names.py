@@ -40,11 +40,11 @@ ALLOWED = {
     # The CI job registry: data like a sweep file. Its GPU jobs mirror vLLM's own CI steps for each
     # connector (their keys, labels, the vLLM source paths that trigger them, MOONCAKE_DEVICE_NAME
     # on the B200 pool), so that the rendered steps drop into vLLM's test_areas unchanged.
-    PKG / "report" / "ci_jobs.py": "vLLM's CI step names and paths, per connector",
+    PKG / "report" / "buildkite_pipelines.py": "vLLM's CI step names and paths, per connector",
     # The perf check's "transport alone": each connector package's own library (NIXL agents,
     # Mooncake's transfer engine) driven outside vLLM, one pair of functions per transport, keyed
     # by the package's name (the check passes spec.package.name); its errors name the library.
-    PKG / "link_probe.py": "each connector package's transport library, driven outside vLLM",
+    PKG / "vllm_side" / "link_probe.py": "each connector package's transport library, driven outside vLLM",
 }
 
 WORD = re.compile(r"[A-Za-z0-9]+")

@@ -17,7 +17,7 @@ import pytest
 from conftest import WIRE_LOSS_RATES
 
 from pd_sessions.checks.faults.promise import BROKEN, HUNG, WRONG
-from pd_sessions.core import check_registry, wire
+from pd_sessions.core import check_registry, wire_rules
 
 pytestmark = [pytest.mark.e2e, pytest.mark.multihost]
 
@@ -45,13 +45,13 @@ def test_every_wire_scenario_ran_on_the_rehearsal_bit_and_kept_the_promise(run, 
     loss = checks["wire_loss"]["details"]
     assert [x["percent"] for x in loss["rates"]] == list(WIRE_LOSS_RATES[run])
     for rate in loss["rates"]:
-        assert rate["counters"][wire.DROPPED] > 0, rate  # the rule dropped KV packets
-        assert rate["counters"][wire.SEEN] >= rate["counters"][wire.DROPPED]
+        assert rate["counters"][wire_rules.DROPPED] > 0, rate  # the rule dropped KV packets
+        assert rate["counters"][wire_rules.SEEN] >= rate["counters"][wire_rules.DROPPED]
         kept(rate)
     assert loss["recovery"]["ok"] and loss["recovery_s"] >= 0
 
     part = checks["wire_partition"]["details"]
-    assert part["dropped_packets"] > 0 and part["counters"][wire.SEEN] == part["dropped_packets"], part
+    assert part["dropped_packets"] > 0 and part["counters"][wire_rules.SEEN] == part["dropped_packets"], part
     kept(part)
     assert part["recovery"]["ok"] and part["recovery_s"] > 0
 
@@ -77,7 +77,7 @@ def test_no_rule_and_no_qdisc_is_left_on_either_host(request, simulated_hosts_2)
         request.getfixturevalue(run)
     for h in simulated_hosts_2.hosts:
         table = subprocess.run(
-            ["ip", "netns", "exec", h.netns, "nft", "list", "table", wire.FAMILY, wire.TABLE],
+            ["ip", "netns", "exec", h.netns, "nft", "list", "table", wire_rules.FAMILY, wire_rules.TABLE],
             capture_output=True,
             text=True,
         )
@@ -88,4 +88,7 @@ def test_no_rule_and_no_qdisc_is_left_on_either_host(request, simulated_hosts_2)
             text=True,
             check=True,
         )
-        assert wire.qdisc_stats(qd.stdout, "tbf") is None and wire.qdisc_stats(qd.stdout, "netem") is None
+        assert (
+            wire_rules.qdisc_stats(qd.stdout, "tbf") is None
+            and wire_rules.qdisc_stats(qd.stdout, "netem") is None
+        )

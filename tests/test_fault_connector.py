@@ -1,4 +1,4 @@
-"""The fault-injecting connector (pd_sessions/fault_connector.py).
+"""The fault-injecting connector (pd_sessions/vllm_side/fault_connector.py).
 
 Its logic is driven here on a fake connector base (what vLLM's connector would do is not under
 test: the e2e fault scenarios run it on real vLLM); the KV cache tensors are real torch tensors,
@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 from conftest import heavy
 
-from pd_sessions import fault_connector
 from pd_sessions.core import faults
 from pd_sessions.core.faults import Control
-from pd_sessions.fault_connector import FaultInjecting
+from pd_sessions.vllm_side import fault_connector
+from pd_sessions.vllm_side.fault_connector import FaultInjecting
 
 
 class FakeResults:
@@ -230,7 +230,9 @@ def test_the_wrapper_of_a_registered_connector_keeps_its_name_and_its_class(monk
     monkeypatch.setattr(fault_connector, "_registered", registered)
     monkeypatch.setattr(fault_connector, "_classes", {})
     wrapped = fault_connector.NixlConnector
-    assert wrapped.__name__ == "NixlConnector" and wrapped.__module__ == "pd_sessions.fault_connector"
+    assert (
+        wrapped.__name__ == "NixlConnector" and wrapped.__module__ == "pd_sessions.vllm_side.fault_connector"
+    )
     assert issubclass(wrapped, FakeBase) and issubclass(wrapped, FaultInjecting)
     assert getattr(fault_connector, "NixlConnector") is wrapped  # built once  # noqa: B009
     with pytest.raises(AttributeError, match="no KV connector 'NoSuchConnector' to wrap"):

@@ -1,4 +1,4 @@
-"""runtime/hosts.py's one nvidia-smi query, through a fake ``nvidia-smi`` on PATH: detect() and
+"""runtime/machine.py's one nvidia-smi query, through a fake ``nvidia-smi`` on PATH: detect() and
 gpu_names() read it; a failing or missing nvidia-smi means no GPU and generic names."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from pd_sessions.runtime import hosts
+from pd_sessions.runtime import machine
 
 FAKE = textwrap.dedent("""\
     #!/bin/sh
@@ -31,20 +31,20 @@ def fake_smi(tmp_path, monkeypatch):
 
 
 def test_detect_and_names_read_one_query(fake_smi, monkeypatch):
-    assert hosts.query_gpus("index") == ["0", "1"]
-    inv = hosts.detect({})
+    assert machine.query_gpus("index") == ["0", "1"]
+    inv = machine.detect({})
     assert inv.gpus == ("0", "1") and inv.gpu_source == "nvidia-smi"
-    assert hosts.detect({"CUDA_VISIBLE_DEVICES": "1"}).gpus == ("1",)
-    assert hosts.gpu_names(["1", "GPU-aaa", "7"]) == ["NVIDIA H100", "NVIDIA H200", "GPU 7"]
+    assert machine.detect({"CUDA_VISIBLE_DEVICES": "1"}).gpus == ("1",)
+    assert machine.gpu_names(["1", "GPU-aaa", "7"]) == ["NVIDIA H100", "NVIDIA H200", "GPU 7"]
 
 
 def test_a_failing_nvidia_smi_is_no_gpu_and_generic_names(fake_smi, monkeypatch):
     monkeypatch.setenv("FAKE_SMI_RC", "9")
-    assert hosts.query_gpus("index") == []
-    assert hosts.detect({}).gpus == () and hosts.detect({}).gpu_source == "none"
-    assert hosts.gpu_names(["0"]) == ["GPU 0"]
+    assert machine.query_gpus("index") == []
+    assert machine.detect({}).gpus == () and machine.detect({}).gpu_source == "none"
+    assert machine.gpu_names(["0"]) == ["GPU 0"]
 
 
 def test_no_nvidia_smi_is_no_gpu(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
-    assert hosts.query_gpus("index") == [] and hosts.detect({}).gpus == ()
+    assert machine.query_gpus("index") == [] and machine.detect({}).gpus == ()

@@ -102,13 +102,14 @@ def test_nothing_imports_the_cli_back():
 # Modules run with `python -m` besides the CLI itself: each is a process boundary.
 PROCESS_BOUNDARIES = {
     "pd_sessions.env.envfacts",  # describes another interpreter, from inside it
-    "pd_sessions.env.canary",  # imports connectors in a process of its own (a native crash ends it alone)
+    # imports connectors in a process of its own (a native crash ends it alone)
+    "pd_sessions.env.import_canary",
     "pd_sessions.runtime.reaper",  # the reaper, which must outlive the harness
     "pd_sessions.canary",  # the canary's documented name, kept when it moved to env/ (delegates)
     "pd_sessions.bench.fake_backend",  # servers the router benchmark starts
     "pd_sessions.bench.py_proxy",
-    "pd_sessions.perf_driver",  # vLLM's bench serve, with vLLM's interpreter, in the perf check
-    "pd_sessions.link_probe",  # the KV transport alone, in processes of its own (the perf check)
+    "pd_sessions.vllm_side.perf_driver",  # vLLM's bench serve, with vLLM's interpreter, in the perf check
+    "pd_sessions.vllm_side.link_probe",  # the KV transport alone, in processes of its own (the perf check)
     "pd_sessions.runtime.gate",  # the router, imported ahead and held until its workers are ready
 }
 
@@ -137,7 +138,7 @@ def test_one_way_in():
 
 
 # A runnable module kept under its documented name that hands over to where the code lives.
-DELEGATES = {"pd_sessions.canary": "pd_sessions.env.canary"}
+DELEGATES = {"pd_sessions.canary": "pd_sessions.env.import_canary"}
 
 
 def test_entry_points_parse_with_argparse():
@@ -266,7 +267,7 @@ def test_function_lengths_count_methods_nested_and_async_without_decorators():
 
 def test_no_function_over_100_lines():
     """A function over 100 lines does too much to be read at once (issue 23 split plan_cluster,
-    cmd_sweep, run_checks and bench.report.markdown): split it into functions that each do one
+    cmd_sweep, run_checks and bench.bench_results.markdown): split it into functions that each do one
     thing, pure decisions apart from their effects."""
     long = [
         f"{m}:{line} {name} ({n} lines)"

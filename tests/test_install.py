@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pd_sessions.core.errors import InstallError
-from pd_sessions.env.install import (
+from pd_sessions.env.lane_install import (
     TEST_COMMANDS,
     Action,
     Platform,

@@ -13,8 +13,7 @@ import pytest
 from conftest import ROOT, nox_no_venv
 
 from pd_sessions.core.errors import UsageError
-from pd_sessions.env.install import Action
-from pd_sessions.env.installed import (
+from pd_sessions.env.in_place import (
     FIND_LINKS_ENV,
     Installer,
     action_argv,
@@ -25,6 +24,7 @@ from pd_sessions.env.installed import (
     offline_args,
     plan_installed,
 )
+from pd_sessions.env.lane_install import Action
 
 PY = "/opt/img/bin/python3"
 HERE = {"location": "/x", "dist": "d", "version": "1", "editable": None}
@@ -252,7 +252,7 @@ def test_an_interpreter_without_vllm_is_an_exit_2_naming_every_missing_piece(tmp
         f"install it with `uv pip install --python {python} ",
     ):  # no pip in a uv venv
         assert needle in out, out
-    assert "pd_sessions.env.canary" not in out and "pd_sessions sweep" not in out  # stopped before
+    assert "pd_sessions.env.import_canary" not in out and "pd_sessions sweep" not in out  # stopped before
 
 
 @pytest.mark.e2e

@@ -49,9 +49,16 @@ def _add_line(path: Path, after: str, line: str) -> None:
         (  # the planner once imported the vLLM plugin for one constant (issue 23)
             "core/plan/instance.py",
             "from __future__ import annotations",
-            "from pd_sessions.vllm_plugin import NIXL_DELAY_ENV  # noqa",
+            "from pd_sessions.vllm_side.vllm_plugin import NIXL_DELAY_ENV  # noqa",
             "layers: entry points",
-            "pd_sessions.core.plan.instance -> pd_sessions.vllm_plugin",
+            "pd_sessions.core.plan.instance -> pd_sessions.vllm_side.vllm_plugin",
+        ),
+        (  # code that runs inside vLLM reaching into the harness's edges
+            "vllm_side/perf_driver.py",
+            "from __future__ import annotations",
+            "from pd_sessions.runtime import http  # noqa",
+            "vllm_side: what runs inside vLLM's interpreter",
+            "pd_sessions.vllm_side.perf_driver -> pd_sessions.runtime.http",
         ),
         (  # runtime reaching up into the checks
             "runtime/cluster.py",
@@ -61,11 +68,11 @@ def _add_line(path: Path, after: str, line: str) -> None:
             "pd_sessions.runtime.cluster -> pd_sessions.checks.runner",
         ),
         (  # ports binds sockets: that is runtime's, not the core's
-            "core/ports.py",
+            "core/port_source.py",
             "from __future__ import annotations",
             "import socket  # noqa",
             "core is pure",
-            "pd_sessions.core.ports:",
+            "pd_sessions.core.port_source:",
         ),
         (  # psutil in the core
             "core/config.py",
@@ -78,7 +85,7 @@ def _add_line(path: Path, after: str, line: str) -> None:
             "env/wheelhouse/resolve.py",
             "from __future__ import annotations",
             "from pd_sessions.env.wheelhouse import download  # noqa",
-            "the wheelhouse: cli > download > resolve",
+            "the wheelhouse: wheelhouse_command > download > resolve",
             "pd_sessions.env.wheelhouse.resolve -> pd_sessions.env.wheelhouse.download",
         ),
         (  # process once imported lifeline, and lifeline process (issue 23): a cycle

@@ -1,4 +1,4 @@
-"""python -m pd_sessions.link_probe: the KV transport alone between two processes (real Mooncake
+"""python -m pd_sessions.vllm_side.link_probe: the KV transport alone between two processes (real Mooncake
 transfer engine over TCP here; the NIXL side runs in the e2e perf check of the NIXL sweep)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from conftest import ROOT, heavy
 def probe(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "probe.json"
     p = subprocess.run(
-        [sys.executable, "-m", "pd_sessions.link_probe", *args, "--out", str(out)],
+        [sys.executable, "-m", "pd_sessions.vllm_side.link_probe", *args, "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,

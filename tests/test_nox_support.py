@@ -15,12 +15,12 @@ from conftest import ROOT
 from packaging.requirements import Requirement
 
 from pd_sessions import cli
-from pd_sessions.bench.options import bench_parser
+from pd_sessions.bench.bench_args import bench_parser
 from pd_sessions.commands import launch
 from pd_sessions.core.errors import PlanError
 from pd_sessions.core.inventory import Inventory
-from pd_sessions.env import installed, nox_support
-from pd_sessions.runtime import hosts, parentwatch
+from pd_sessions.env import in_place, nox_support
+from pd_sessions.runtime import machine, parentwatch
 
 CPU_HOST = Inventory(gpus=(), cpus=(0, 1), gpu_source="test")
 RDMA_HOST = Inventory(gpus=("0", "1"), cpus=(0, 1), gpu_source="test", rdma_devices=("mlx5_0",))
@@ -29,7 +29,7 @@ HERE = {"location": "/x", "dist": "d", "version": "1", "editable": None}
 
 def facts(*, cuda: str | None = None, missing: tuple[str, ...] = (), more: dict | None = None) -> dict:
     """An envfacts document: everything a CPU-lane run needs, less ``missing`` modules."""
-    harness = {Requirement(r).name: "1" for r in installed.harness_requirements()}
+    harness = {Requirement(r).name: "1" for r in in_place.harness_requirements()}
     return {
         "python": {"executable": "/env/bin/python", "version": "3.11.9"},
         "torch": {"version": "2.13.0", "cuda": cuda, "hip": None, "location": "/t", "build_known": True},
@@ -89,7 +89,7 @@ class FakeSession:
 @pytest.fixture(autouse=True)
 def cpu_host(monkeypatch):
     """A CPU-only host, whatever this machine has (a test may set another)."""
-    monkeypatch.setattr(hosts, "detect", lambda: CPU_HOST)
+    monkeypatch.setattr(machine, "detect", lambda: CPU_HOST)
 
 
 def stopped(call, *args, **kw) -> int:
@@ -135,7 +135,7 @@ DEVICE = ["--only", "1x1", "--platform", "cuda", "--set", "mooncake_protocol=rdm
 def test_the_device_name_reaches_the_overrides_on_both_paths(monkeypatch):
     """nox's check used to build the overrides without mooncake_device_name: a device that this
     host lacks was refused by the CLI only, after nox had installed everything."""
-    monkeypatch.setattr(hosts, "detect", lambda: RDMA_HOST)
+    monkeypatch.setattr(machine, "detect", lambda: RDMA_HOST)
     posargs = [*DEVICE, "--mooncake-device-name", "mlx5_9"]
     with pytest.raises(PlanError) as e:
         launch.checked(cli._parser().parse_args(["sweep", "mooncake_sweep", *posargs]))
@@ -186,7 +186,7 @@ def test_a_dry_run_in_a_venv_installs_only_the_package_then_plans():
     nox_support.sweep(session, "mooncake_sweep")
     assert "dry run: would install -r requirements/cpu.txt and this package" in session.logged
     assert "  CPU: install mooncake-transfer-engine-non-cuda" in session.logged
-    assert "  then: python -m pd_sessions.env.canary mooncake" in session.logged
+    assert "  then: python -m pd_sessions.env.import_canary mooncake" in session.logged
     assert session.of("install") == [(("-e", str(ROOT)), {"env": None})]
     ((argv, kw),) = session.of("run")
     assert argv == (
@@ -269,7 +269,7 @@ def test_the_installed_environment_lacking_a_piece_is_an_exit_2_naming_it():
     assert stopped(nox_support.sweep, session, "mooncake_sweep") == 2
     assert "lacks what this session needs" in session.logged
     assert "the router: vllm-router==" in session.logged and "vLLM:" not in session.logged
-    assert session.ran("pd_sessions.env.canary") == [] and session.ran("pd_sessions", "sweep") == []
+    assert session.ran("pd_sessions.env.import_canary") == [] and session.ran("pd_sessions", "sweep") == []
 
 
 def test_the_installed_environment_with_no_install_changes_nothing_then_runs():
@@ -280,7 +280,7 @@ def test_the_installed_environment_with_no_install_changes_nothing_then_runs():
     assert session.of("install") == []
     envfacts, canary, run = (a for a, _ in session.of("run"))
     assert envfacts[:3] == (sys.executable, "-m", "pd_sessions.env.envfacts")
-    assert canary == (sys.executable, "-m", "pd_sessions.env.canary", "mooncake")
+    assert canary == (sys.executable, "-m", "pd_sessions.env.import_canary", "mooncake")
     assert run == (sys.executable, "-m", "pd_sessions", "sweep", "mooncake_sweep", "--skip-check", "accuracy")
     assert all(kw["external"] for _, kw in session.of("run"))
 
@@ -294,7 +294,7 @@ def test_the_installed_environment_swaps_the_connector_torch_needs():
     assert [a for a, _ in session.of("run")][1:] == [
         (*pip, "uninstall", "-y", "mooncake-transfer-engine-non-cuda"),
         (*pip, "install", "mooncake-transfer-engine==0.3.13"),
-        (sys.executable, "-m", "pd_sessions.env.canary", "mooncake"),
+        (sys.executable, "-m", "pd_sessions.env.import_canary", "mooncake"),
     ]
 
 
@@ -305,7 +305,7 @@ def test_a_venv_gets_the_lane_then_the_connector_variants_for_its_torch():
     assert installs[:2] == [("-r", str(ROOT / "requirements" / "cuda.txt")), ("-e", str(ROOT))]
     assert ("--no-deps", "nixl-cu13==1.5.1") in installs
     assert "torch 2.13.0 is built for CUDA 13: " in session.logged
-    assert session.ran("python", "-m", "pd_sessions.env.canary", "nixl")
+    assert session.ran("python", "-m", "pd_sessions.env.import_canary", "nixl")
 
 
 def test_the_generic_sessions_take_the_sweep_first(tmp_path):
@@ -327,7 +327,7 @@ def test_the_generic_sessions_take_the_sweep_first(tmp_path):
 def test_the_imports_sessions_dry_run_installs_nothing_and_runs_no_canary():
     session = FakeSession(["--dry-run"], name="nixl_imports")
     nox_support.imports(session, ["nixl"])
-    assert "then: python -m pd_sessions.env.canary nixl" in session.logged
+    assert "then: python -m pd_sessions.env.import_canary nixl" in session.logged
     assert session.of("install") == [] and session.of("run") == []
 
 
@@ -358,7 +358,7 @@ def test_the_bench_session_parses_its_options_with_the_bench_parser(tmp_path, mo
     )
     nox_support.bench(session, bench_parser(prog="nox -s bench --"))
     assert session.ran(
-        sys.executable, "-m", "pd_sessions.env.canary", "nixl"
+        sys.executable, "-m", "pd_sessions.env.import_canary", "nixl"
     )  # --sweep=X: its connector only
     assert session.ran("pd_sessions", "bench", f"--sweep={toml}", "--check-sweeps=", "--repeats", "1")
     # the default: mooncake_sweep, and the check sweeps' connectors too

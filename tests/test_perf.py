@@ -10,7 +10,6 @@ import threading
 import pytest
 from conftest import FIXTURES
 
-from pd_sessions import perf_driver
 from pd_sessions.checks import perf, perf_baselines
 from pd_sessions.checks import perf_figures as pf
 from pd_sessions.core import check_registry as registry
@@ -18,6 +17,7 @@ from pd_sessions.core import connectors, selection
 from pd_sessions.core.config import load_sweep, make_overrides
 from pd_sessions.core.connectors.base import MetricEvidence
 from pd_sessions.core.errors import ConfigError, PerfError
+from pd_sessions.vllm_side import perf_driver
 
 PERF = FIXTURES / "perf"
 KEY = ("tiny-llama", "nixl", "1x1", "cpu, 2 cores")

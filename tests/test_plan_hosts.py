@@ -1,4 +1,4 @@
-"""The planner across hosts (core.plan.hosts and plan_cluster with a HostLayout): phase 1's facts in,
+"""The planner across hosts (core.plan.across_hosts and plan_cluster with a HostLayout): phase 1's facts in,
 each instance on its host with that host's address, ports and devices, the router on the driver's."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.errors import ConfigError, PlanError
 from pd_sessions.core.inventory import Inventory
 from pd_sessions.core.plan import plan_cluster
-from pd_sessions.core.plan.hosts import HostFacts, HostLayout, assign_hosts, is_loopback
+from pd_sessions.core.plan.across_hosts import HostFacts, HostLayout, assign_hosts, is_loopback
 
 DRIVER = HostFacts("driver", "198.18.0.254", Inventory((), (0, 1)))
 

@@ -196,7 +196,7 @@ def test_the_fault_injector_wraps_the_connector_keeping_its_name_and_settings(co
     kv = kv_transfer_config(c, "decode", "cpu", faults_control="/r/c/faults.json")
     assert kv["kv_connector"] == plain["kv_connector"] and kv["kv_role"] == "kv_consumer"
     assert kv["kv_load_failure_policy"] == "recompute"
-    assert kv["kv_connector_module_path"] == "pd_sessions.fault_connector"
+    assert kv["kv_connector_module_path"] == "pd_sessions.vllm_side.fault_connector"
     extra = kv["kv_connector_extra_config"]
     assert extra["pd_sessions_faults"] == {"control": "/r/c/faults.json"}
     # the connector's own extra settings stay (mooncake: protocol, device)

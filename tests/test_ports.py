@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pd_sessions.core.errors import PlanError
-from pd_sessions.core.ports import BLOCK_RANGE
+from pd_sessions.core.port_source import BLOCK_RANGE
 from pd_sessions.runtime.ports import PortAllocator
 
 

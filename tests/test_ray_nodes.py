@@ -26,7 +26,7 @@ pytestmark = pytest.mark.multihost
 def own_ray_cluster(tmp_path):
     """(head address, hosts): a Ray head and two namespace nodes started with `ray start`."""
     simhosts_available()
-    from pd_sessions.core import simhosts as core
+    from pd_sessions.core import simhost_plan as core
     from pd_sessions.runtime import netns
     from pd_sessions.runtime.simhosts import _Nodes, ray_command
 

@@ -130,7 +130,7 @@ def test_check_adds_checks_to_the_sweeps_own_in_running_order():
 
 
 def test_fault_checks_wrap_the_connectors_with_a_control_file_in_the_configs_results(tmp_path):
-    from pd_sessions.run.options import SweepOptions, faults_control
+    from pd_sessions.run.sweep_options import SweepOptions, faults_control
 
     sel = select_run("faults", args("--platform", "cpu"), CPUS)
     assert [c.name for c in sel.configs] == ["mooncake", "nixl"]

@@ -17,7 +17,7 @@ import pytest
 from conftest import ROOT, Cli, simhosts_available, wait_for_text, wait_until
 from helpers import simhosts_leftovers
 
-from pd_sessions.core import simhosts as core
+from pd_sessions.core import simhost_plan as core
 from pd_sessions.core.errors import ConfigError, ProcessExited
 from pd_sessions.runtime import simhosts
 

@@ -1,4 +1,4 @@
-"""The simulated hosts' pure decisions (core/simhosts.py): names, addresses, core shares, the
+"""The simulated hosts' pure decisions (core/simhost_plan.py): names, addresses, core shares, the
 privilege check and the Ray command lines. The real hosts are tests/test_simhosts.py."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from pd_sessions.core import simhosts as core
+from pd_sessions.core import simhost_plan as core
 from pd_sessions.core.errors import ConfigError
 
 SUBNET = ipaddress.IPv4Network("198.18.7.0/24")

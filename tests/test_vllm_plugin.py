@@ -19,7 +19,7 @@ import pytest
 from conftest import heavy
 
 from pd_sessions.core.connectors.nixl import KEEP_CORES
-from pd_sessions.vllm_plugin import (
+from pd_sessions.vllm_side.vllm_plugin import (
     NIXL_DELAY_ENV,
     apply_nixl_keep_cores,
     apply_nixl_progress_delay,
@@ -71,7 +71,7 @@ def test_the_wrapped_constructor_sets_the_delay_where_nixl_left_it_at_zero(capsy
 
 _IDLE_AGENT = textwrap.dedent("""
     import json, os, sys, time
-    from pd_sessions.vllm_plugin import apply_nixl_progress_delay
+    from pd_sessions.vllm_side.vllm_plugin import apply_nixl_progress_delay
     wrapped = apply_nixl_progress_delay(os.environ)
     wrapped_again = apply_nixl_progress_delay(os.environ)
     from nixl._api import nixl_agent, nixl_agent_config
@@ -171,7 +171,7 @@ def test_the_plugin_wraps_vllms_nixl_worker_only_when_asked():
     heavy("nixl._api")
     code = textwrap.dedent(f"""
         import importlib, json, os
-        from pd_sessions import vllm_plugin
+        from pd_sessions.vllm_side import vllm_plugin
         first = vllm_plugin.apply_nixl_keep_cores(os.environ)
         again = vllm_plugin.apply_nixl_keep_cores(os.environ)
         cls = getattr(importlib.import_module({KEEP_CORES.module!r}), {KEEP_CORES.worker_class!r})

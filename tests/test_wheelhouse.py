@@ -14,8 +14,8 @@ import pytest
 
 from pd_sessions.core.errors import InstallError, UsageError
 from pd_sessions.env import wheelhouse
-from pd_sessions.env.wheelhouse import cli as wheelhouse_cli
 from pd_sessions.env.wheelhouse import download, resolve
+from pd_sessions.env.wheelhouse import wheelhouse_command as wheelhouse_cli
 
 CUDA13 = resolve.Target("3.12", 13)
 CPU = resolve.Target("3.12", None)

@@ -1,5 +1,5 @@
 """Faults on the wire between the prefill and decode hosts (issue 29): the rules and qdiscs
-(core/wire.py), their counters' parsing, the scenarios' verdicts (checks/faults/wire.py), the
+(core/wire_rules.py), their counters' parsing, the scenarios' verdicts (checks/faults/wire_scenarios.py), the
 refusal on one host; and the rules applied for real in a network namespace (root and `nft`),
 where a KV port is cut and another port is not. The verdicts' can-fail cases: a fault that did
 not bite (its counters at zero) fails its scenario. The e2e runs: tests/test_e2e_wire_faults.py."""
@@ -16,13 +16,13 @@ import uuid
 import pytest
 from conftest import ROOT
 
-from pd_sessions.checks.faults import wire as scenarios
+from pd_sessions.checks.faults import wire_scenarios as scenarios
 from pd_sessions.checks.faults.promise import CORRECT, FAILED_CLEARLY, HUNG, WRONG, Outcome, Recovery
-from pd_sessions.core import check_registry, selection, wire
+from pd_sessions.core import check_registry, selection, wire_rules
 from pd_sessions.core.errors import ConfigError
 from pd_sessions.core.results import FAIL, PASS
 
-PATH = wire.KvPath("198.18.0.1", "198.18.0.2", (5600, 40001), (41002,))
+PATH = wire_rules.KvPath("198.18.0.1", "198.18.0.2", (5600, 40001), (41002,))
 OK = Recovery({"prefill-0": "ok", "decode-0": "ok", "router": "ok"}, {"prefill-0": None, "decode-0": None},
               Outcome("probe", CORRECT, 0.2, 200, "x"), 0.4, 30)  # fmt: skip
 
@@ -35,7 +35,7 @@ def out(kind: str = CORRECT, s: float = 0.2, status: int | None = 200) -> Outcom
 
 
 def test_the_rules_match_both_hosts_addresses_and_the_kv_ports_only_in_both_directions():
-    text = wire.ruleset(PATH, 20)
+    text = wire_rules.ruleset(PATH, 20)
     assert "ip saddr 198.18.0.1 ip daddr 198.18.0.2 tcp sport { 5600, 40001 } jump kv" in text
     assert "ip saddr 198.18.0.1 ip daddr 198.18.0.2 tcp dport { 41002 } jump kv" in text
     assert "ip saddr 198.18.0.2 ip daddr 198.18.0.1 tcp dport { 5600, 40001 } jump kv" in text
@@ -44,10 +44,10 @@ def test_the_rules_match_both_hosts_addresses_and_the_kv_ports_only_in_both_dire
     # a table left by a killed run is replaced: made if absent, then deleted, then made anew
     assert text.startswith("table inet pds_wire\ndelete table inet pds_wire\n")
     # a partition drops every KV packet, no random draw
-    cut = wire.ruleset(PATH, 100)
+    cut = wire_rules.ruleset(PATH, 100)
     assert 'counter name "dropped" drop' in cut and "numgen" not in cut
     # a side without KV ports adds no rule (nft refuses an empty set)
-    one = wire.ruleset(wire.KvPath("198.18.0.1", "198.18.0.2", (5600,), ()), 2)
+    one = wire_rules.ruleset(wire_rules.KvPath("198.18.0.1", "198.18.0.2", (5600,), ()), 2)
     assert "{ }" not in one.replace("counter seen { }", "").replace("counter dropped { }", "")
 
 
@@ -63,13 +63,13 @@ def test_the_rules_match_both_hosts_addresses_and_the_kv_ports_only_in_both_dire
 def test_a_kv_path_that_matches_nothing_sensible_is_refused_naming_the_field(kw, said):
     fields = {**PATH.__dict__, **kw}
     with pytest.raises(ValueError, match=said.replace("[", r"\[").replace("]", r"\]")):
-        wire.KvPath(**fields)
+        wire_rules.KvPath(**fields)
 
 
 @pytest.mark.parametrize("percent", [0, 101, 2.5, True])
 def test_a_loss_rate_outside_1_to_100_percent_is_refused(percent):
     with pytest.raises(ValueError, match="percent: got"):
-        wire.ruleset(PATH, percent)
+        wire_rules.ruleset(PATH, percent)
 
 
 def test_the_counters_and_the_qdisc_statistics_are_read_from_the_tools_json():
@@ -81,20 +81,20 @@ def test_the_counters_and_the_qdisc_statistics_are_read_from_the_tools_json():
             {"counter": {"family": "inet", "name": "seen", "table": "other", "packets": 7, "bytes": 1}},
         ]
     }
-    assert wire.counters(json.dumps(nft)) == {"seen": 223, "dropped": 4}
+    assert wire_rules.counters(json.dumps(nft)) == {"seen": 223, "dropped": 4}
     with pytest.raises(ValueError, match="not nft's JSON"):
-        wire.counters("[]")
+        wire_rules.counters("[]")
     tc = [{"kind": "tbf", "root": True, "bytes": 837077, "packets": 591, "drops": 28, "overlimits": 521}]
-    assert wire.qdisc_stats(json.dumps(tc), "tbf") == {
+    assert wire_rules.qdisc_stats(json.dumps(tc), "tbf") == {
         "bytes": 837077,
         "packets": 591,
         "drops": 28,
         "overlimits": 521,
     }
-    assert wire.qdisc_stats(json.dumps([{"kind": "noqueue", "root": True}]), "tbf") is None
-    assert wire.netem_missing("Error: Specified qdisc kind is unknown.")
-    assert not wire.netem_missing("Error: Exclusivity flag on, cannot modify.")
-    assert wire.tbf_argv("eth0", rate_kbit=4000, burst_bytes=16384, latency_ms=400)[-6:] == [
+    assert wire_rules.qdisc_stats(json.dumps([{"kind": "noqueue", "root": True}]), "tbf") is None
+    assert wire_rules.netem_missing("Error: Specified qdisc kind is unknown.")
+    assert not wire_rules.netem_missing("Error: Exclusivity flag on, cannot modify.")
+    assert wire_rules.tbf_argv("eth0", rate_kbit=4000, burst_bytes=16384, latency_ms=400)[-6:] == [
         "rate", "4000kbit", "burst", "16384", "latency", "400ms",
     ]  # fmt: skip
 
@@ -249,7 +249,7 @@ def netns_ready() -> None:
 
 def test_the_rules_cut_the_kv_ports_between_the_two_addresses_and_nothing_else_counting_the_drops():
     """In a throwaway namespace with both hosts' addresses on its loopback: a partition's rules
-    (core.wire.ruleset(..., 100), applied by runtime/wire.py) stop a connection to the prefill's
+    (core.wire_rules.ruleset(..., 100), applied by runtime/wire_apply.py) stop a connection to the prefill's
     KV port, let one to another port through, and count what they dropped; healing removes them."""
     netns_ready()
     ns = f"pdst{uuid.uuid4().hex[:8]}"
@@ -261,21 +261,21 @@ def test_the_rules_cut_the_kv_ports_between_the_two_addresses_and_nothing_else_c
         script = f"""
 import socket, sys
 sys.path.insert(0, {str(ROOT)!r})
-from pd_sessions.runtime import wire
+from pd_sessions.runtime import wire_apply
 kv, other = socket.socket(), socket.socket()
 kv.bind(("198.18.250.1", 0)); kv.listen(); other.bind(("198.18.250.1", 0)); other.listen()
 port = kv.getsockname()[1]
 path = dict(prefill="198.18.250.1", decode="198.18.250.2", prefill_ports=[port], decode_ports=[])
-wire.drop(path, 100)
+wire_apply.drop(path, 100)
 def reach(srv):
     c = socket.socket(); c.bind(("198.18.250.2", 0)); c.settimeout(0.5)
     try:
         c.connect(srv.getsockname()); return True
     except OSError:
         return False
-print(reach(kv), reach(other), wire.rules_present(), wire.counters()["dropped"] > 0)
-wire.heal()
-print(wire.rules_present(), reach(kv))
+print(reach(kv), reach(other), wire_apply.rules_present(), wire_apply.counters()["dropped"] > 0)
+wire_apply.heal()
+print(wire_apply.rules_present(), reach(kv))
 """
         got = subprocess.run(
             ["ip", "netns", "exec", ns, sys.executable, "-c", script],
@@ -291,9 +291,9 @@ print(wire.rules_present(), reach(kv))
 
 
 def test_kv_ports_are_the_listening_ports_of_the_process_tree_less_the_http_port():
-    """runtime.wire.kv_ports on a real process tree: a child listening on two ports, one of them
+    """runtime.wire_apply.kv_ports on a real process tree: a child listening on two ports, one of them
     excluded as the HTTP port; a port on another address is not the KV path's."""
-    from pd_sessions.runtime import wire as rwire
+    from pd_sessions.runtime import wire_apply as rwire
 
     child = subprocess.Popen(
         [sys.executable, "-c",

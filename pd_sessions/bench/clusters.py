@@ -24,8 +24,8 @@ from pd_sessions.core.errors import BenchError
 from pd_sessions.core.inventory import Inventory
 from pd_sessions.core.plan import ClusterPlan
 from pd_sessions.core.results import CheckResult
-from pd_sessions.run.options import SweepOptions, make_plan
 from pd_sessions.run.sweep import run_config
+from pd_sessions.run.sweep_options import SweepOptions, make_plan
 from pd_sessions.runtime import http, process
 from pd_sessions.runtime.cluster import Cluster, Event, spawn_spec, teardown
 from pd_sessions.runtime.ports import PortAllocator

@@ -49,7 +49,7 @@ MILESTONES: tuple[tuple[str, Callable[[str], bool]], ...] = (
         "venv_reused",
         lambda line: line.startswith(("nox > Reusing existing virtual environment", "nox > Re-using")),
     ),
-    ("canary", lambda line: line.startswith("nox > ") and "pd_sessions.env.canary" in line),
+    ("canary", lambda line: line.startswith("nox > ") and "pd_sessions.env.import_canary" in line),
     ("cli", lambda line: line.startswith("nox > ") and "-m pd_sessions sweep" in line),
     ("spawned", lambda line: bool(SPAWNED.search(line))),
 )

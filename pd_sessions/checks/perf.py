@@ -8,7 +8,7 @@ the P/D / colocated ratios. Around each P/D run the instances' /metrics (and, fo
 prefills' "KV Transfer metrics" log lines) give where TTFT goes (:func:`perf_figures.ttft_split`)
 and the effective KV bandwidth; then the transport alone moves a transfer of the same size in
 the same descriptor size between two processes on the same devices
-(``python -m pd_sessions.link_probe``): "x GB/s = y % of what the transport itself moves here".
+(``python -m pd_sessions.vllm_side.link_probe``): "x GB/s = y % of what the transport itself moves here".
 Last, the figures are compared with the perf baseline of this (model, connector, config,
 hardware class) (:mod:`perf_baselines`), or recorded with ``--record-baseline``.
 
@@ -55,7 +55,7 @@ from pd_sessions.core.connectors.base import MetricEvidence
 from pd_sessions.core.errors import ConfigError, PerfError
 from pd_sessions.core.plan import ClusterPlan
 from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, Value
-from pd_sessions.runtime import hosts, http, process
+from pd_sessions.runtime import http, machine, process
 from pd_sessions.runtime.cluster import Cluster
 
 # Where the baseline figures' names come from: figure key of bench_figures -> baselined.
@@ -316,18 +316,18 @@ def bench_argv(plan: ClusterPlan, run: Run, options: Mapping[str, Any], result_d
 
 
 def _write_json(path: Path, doc: dict[str, Any]) -> None:
-    """Atomically, as pd_sessions.perf_driver reads and writes its files."""
+    """Atomically, as pd_sessions.vllm_side.perf_driver reads and writes its files."""
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(doc))
     os.replace(tmp, path)
 
 
 class Driver:
-    """The bench driver process (``python -m pd_sessions.perf_driver``) and its request files."""
+    """The bench driver process (``python -m pd_sessions.vllm_side.perf_driver``) and its request files."""
 
     def __init__(self, cluster: Cluster, folder: Path, env: Mapping[str, str]):
         self.cluster, self.folder, self.n = cluster, folder, 0
-        argv = [cluster.plan.instances[0].argv[0], "-m", "pd_sessions.perf_driver", str(folder)]
+        argv = [cluster.plan.instances[0].argv[0], "-m", "pd_sessions.vllm_side.perf_driver", str(folder)]
         self.proc = process.spawn("perf-driver", argv, env=env, log_path=folder / "perf-driver.log")
 
     def wait(self, name: str, timeout_s: float, what: str) -> dict[str, Any]:
@@ -472,13 +472,13 @@ def measure_runs(
 
 def probe_link(cluster: Cluster, transfers: Transfers, folder: Path, env: Mapping[str, str]) -> LinkProbe:
     """The transport alone, between two processes on prefill-0's and decode-0's devices, moving the
-    window's mean transfer in its mean descriptor size (``python -m pd_sessions.link_probe``)."""
+    window's mean transfer in its mean descriptor size (``python -m pd_sessions.vllm_side.link_probe``)."""
     plan = cluster.plan
     p0, d0 = plan.prefill[0], plan.decode[0]
     nbytes, descs = probe_size(transfers)
     out = folder / "link-probe.json"
     out.unlink(missing_ok=True)
-    argv = [p0.argv[0], "-m", "pd_sessions.link_probe",
+    argv = [p0.argv[0], "-m", "pd_sessions.vllm_side.link_probe",
             "--transport", connectors.get(plan.config.connector).package.name,
             "--kv-transfer-config", p0.argv[p0.argv.index("--kv-transfer-config") + 1],
             "--bytes", str(nbytes), "--descriptors", str(descs), "--repeats", str(PROBE_REPEATS),
@@ -497,7 +497,7 @@ def probe_link(cluster: Cluster, transfers: Transfers, folder: Path, env: Mappin
     doc = json.loads(out.read_text()) if out.exists() else {}
     if rc != 0 or "error" in doc or "seconds" not in doc:
         raise PerfError(
-            f"python -m pd_sessions.link_probe exited with status {rc}: {doc.get('error', '')} "
+            f"python -m pd_sessions.vllm_side.link_probe exited with status {rc}: {doc.get('error', '')} "
             f"(log: {proc.log_path})\n{proc.log_tail(15)}"
         )
     return link_probe_from(doc)
@@ -506,7 +506,7 @@ def probe_link(cluster: Cluster, transfers: Transfers, folder: Path, env: Mappin
 def hardware(plan: ClusterPlan) -> str:
     """The hardware class the baseline is keyed by: the GPUs the instances run on, else the cores."""
     gpus = sorted({g for s in plan.instances for g in s.gpus})
-    return perf_baselines.hardware_class(hosts.gpu_names(gpus), len(os.sched_getaffinity(0)))
+    return perf_baselines.hardware_class(machine.gpu_names(gpus), len(os.sched_getaffinity(0)))
 
 
 def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:

@@ -297,7 +297,7 @@ def ttft_split(
 
 @dataclass(frozen=True)
 class LinkProbe:
-    """What the transport alone moved between the same two endpoints (pd_sessions.link_probe)."""
+    """What the transport alone moved between the same two endpoints (pd_sessions.vllm_side.link_probe)."""
 
     transport: str  # "NIXL (UCX)", "Mooncake transfer engine (tcp)"
     bytes: int  # per transfer

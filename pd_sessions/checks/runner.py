@@ -46,7 +46,7 @@ from pd_sessions.checks import (
     too_long,
 )
 from pd_sessions.checks import accuracy as acc
-from pd_sessions.checks.faults import corrupt, drop, peer_death, restart, stall_abort, wire
+from pd_sessions.checks.faults import corrupt, drop, peer_death, restart, stall_abort, wire_scenarios
 from pd_sessions.checks.instances import REQUEST_TIMEOUT_S
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core import check_registry as registry
@@ -74,10 +74,10 @@ GATHERERS: dict[str, Gatherer] = {
     "fault_stall_abort": stall_abort.run,
     "fault_peer_death": peer_death.run,
     "fault_restart": restart.run,
-    "wire_loss": wire.run_loss,
-    "wire_partition": wire.run_partition,
-    "wire_cap": wire.run_cap,
-    "wire_delay": wire.run_delay,
+    "wire_loss": wire_scenarios.run_loss,
+    "wire_partition": wire_scenarios.run_partition,
+    "wire_cap": wire_scenarios.run_cap,
+    "wire_delay": wire_scenarios.run_delay,
 }
 
 # A check request that gets no answer this long is stuck (a KV pull that never completes):

@@ -1,10 +1,10 @@
-"""``pd-sessions bench``: a passthrough; the bench parses its own options (pd_sessions.bench.cli)."""
+"""``pd-sessions bench``: a passthrough; the bench parses its own options (bench/bench_command.py)."""
 
 from __future__ import annotations
 
 import argparse
 
-from pd_sessions.bench import cli as bench_cli
+from pd_sessions.bench import bench_command as bench_cli
 
 
 def run(args: argparse.Namespace) -> int:

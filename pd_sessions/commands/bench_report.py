@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pd_sessions.bench import report as bench_report
+from pd_sessions.bench import bench_results as bench_report
 from pd_sessions.core.errors import UsageError
 
 

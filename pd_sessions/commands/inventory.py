@@ -6,11 +6,11 @@ import argparse
 import json
 
 from pd_sessions.core.inventory import resolve_platform
-from pd_sessions.runtime import hosts
+from pd_sessions.runtime import machine
 
 
 def run(args: argparse.Namespace) -> int:
-    inv = hosts.detect()
+    inv = machine.detect()
     doc = {
         "gpus": list(inv.gpus),
         "cpus": list(inv.cpus),

@@ -13,13 +13,13 @@ from pd_sessions.core import check_registry, connector_support
 from pd_sessions.core.errors import PlanError, UsageError
 from pd_sessions.core.selection import Selection, select_run
 from pd_sessions.env.envfacts import summary_lines
-from pd_sessions.run.options import SweepOptions
-from pd_sessions.runtime import hosts
+from pd_sessions.run.sweep_options import SweepOptions
+from pd_sessions.runtime import machine
 
 
 def checked(args: argparse.Namespace) -> Selection:
     """The run's selection on this host: the noxfile checks a session's posargs the same way."""
-    return select_run(args.sweep, args, hosts.detect())
+    return select_run(args.sweep, args, machine.detect())
 
 
 def _model_config(model: str) -> dict[str, Any] | None:

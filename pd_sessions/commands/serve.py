@@ -10,7 +10,7 @@ from pd_sessions.commands.sweep import plan_text
 from pd_sessions.core.errors import UsageError
 from pd_sessions.env.envfacts import facts
 from pd_sessions.run import serve
-from pd_sessions.run.hosts import hosts_for
+from pd_sessions.run.ray_hosts import hosts_for
 from pd_sessions.runtime.console import Stopped, say
 
 

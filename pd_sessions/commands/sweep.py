@@ -20,13 +20,13 @@ from pd_sessions.core.plan.packing import Packing
 from pd_sessions.core.results import ConfigResult
 from pd_sessions.core.selection import Selection
 from pd_sessions.env.envfacts import facts
-from pd_sessions.report import buildkite, unfinished
+from pd_sessions.report import buildkite_annotation, unfinished
 from pd_sessions.report.html import PAGE
 from pd_sessions.report.writers import table
 from pd_sessions.run import user_commands
-from pd_sessions.run.hosts import hosts_for, phase_one
-from pd_sessions.run.options import SweepOptions, make_plan
+from pd_sessions.run.ray_hosts import hosts_for, phase_one
 from pd_sessions.run.sweep import run_sweep, sweep_packing
+from pd_sessions.run.sweep_options import SweepOptions, make_plan
 from pd_sessions.runtime import process, reaper
 from pd_sessions.runtime.console import say
 from pd_sessions.runtime.ports import PortAllocator
@@ -231,7 +231,7 @@ def write_results(
     )
     print("\n" + table(results), flush=True)
     say(f"report: {page}" if page else f"report: {PAGE} could not be written (see the warning above)")
-    if buildkite.annotate(results, sweep=suite, page=page):
+    if buildkite_annotation.annotate(results, sweep=suite, page=page):
         say("summary added as a Buildkite annotation")
     if upload:
-        say(buildkite.upload(opts.results_dir))
+        say(buildkite_annotation.upload(opts.results_dir))

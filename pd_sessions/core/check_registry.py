@@ -28,7 +28,7 @@ class CheckInfo:
     # Platforms where ``default`` applies; elsewhere the check runs only when a sweep lists it.
     platforms: tuple[str, ...] = ("cpu", "cuda")
     # It injects faults: its cluster's connectors are then wrapped by the fault injector
-    # (pd_sessions/fault_connector.py). Never a default: select it (`checks`, `--check`).
+    # (pd_sessions/vllm_side/fault_connector.py). Never a default: select it (`checks`, `--check`).
     faults: bool = False
     # Checks that must run after it when it runs (the cluster needs them to be whole again).
     requires: tuple[str, ...] = ()
@@ -155,7 +155,7 @@ CHECKS: tuple[CheckInfo, ...] = (
         options={"deadline_s": 600.0, "bound_s": 120.0},
         faults=True,
     ),
-    # Faults on the wire between the prefill and decode hosts (pd_sessions/checks/faults/wire.py):
+    # Faults on the wire between the prefill and decode hosts (pd_sessions/checks/faults/wire_scenarios.py):
     # nftables rules on the KV ports, a tbf qdisc; each proves its fault bit from the kernel's
     # counters and holds the same promise. Only across hosts.
     CheckInfo(

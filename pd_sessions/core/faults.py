@@ -4,7 +4,7 @@ Pure (standard library only). Two processes share it:
 
 - the **harness** (the fault scenarios, ``pd_sessions/checks/faults/``) writes a :class:`Control`
   to the cluster's control file to switch the mode at run time: one cluster serves every mode;
-- the **injector** (``pd_sessions/fault_connector.py``, a subclass of the configured KV connector
+- the **injector** (``pd_sessions/vllm_side/fault_connector.py``, a subclass of the configured KV connector
   that vLLM creates in its scheduler and worker processes) reads the file, applies the mode to a
   chosen fraction of the requests, and says each thing it did as one log line
   (:func:`event_line`); the harness counts them (:func:`count_events`) to prove the fault
@@ -45,7 +45,7 @@ SIDES = ("decode", "prefill")
 # The kv_connector_extra_config key the planner puts the injector's settings under.
 EXTRA_CONFIG_KEY = "pd_sessions_faults"
 # The module vLLM's KVConnectorFactory imports the wrapper from (kv_connector_module_path).
-CONNECTOR_MODULE = "pd_sessions.fault_connector"
+CONNECTOR_MODULE = "pd_sessions.vllm_side.fault_connector"
 # Every line the injector writes starts with this, then one JSON object.
 EVENT_PREFIX = "pd_sessions fault: "
 

@@ -1,6 +1,6 @@
 """Host inventory types and the pure decisions on them: which GPUs are visible, which platform.
 
-Detection (reading the environment, running ``nvidia-smi``) is ``runtime.hosts``.
+Detection (reading the environment, running ``nvidia-smi``) is ``runtime.machine``.
 """
 
 from __future__ import annotations

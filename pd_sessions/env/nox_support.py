@@ -36,11 +36,11 @@ from pd_sessions.core.errors import PdError
 from pd_sessions.core.inventory import resolve_platform
 from pd_sessions.core.preflight import preflight
 from pd_sessions.core.selection import overrides, select_run
-from pd_sessions.env import install, installed
+from pd_sessions.env import in_place, lane_install
 from pd_sessions.env.envfacts import summary_lines
-from pd_sessions.runtime import hosts, parentwatch
+from pd_sessions.runtime import machine, parentwatch
 
-ROOT = install.ROOT
+ROOT = lane_install.ROOT
 # What the test sessions install besides the package (and, for `tests`, the CPU lane).
 TEST_REQUIREMENTS = ("test.txt", "buildkite.txt", "bench.txt")
 # The tests session's multi-host tests (the simulated hosts, Ray nodes): not the unit session's.
@@ -85,7 +85,7 @@ class Target:
         self.installed = session.venv_backend == "none" or self.opts.installed
         self.no_install = self.opts.no_install or _nox_no_install(session)
         try:
-            self.find_links = installed.find_links_folder(self.opts.find_links, os.environ)
+            self.find_links = in_place.find_links_folder(self.opts.find_links, os.environ)
         except PdError as e:
             fail(session, str(e), e.exit_status)
         self.python = sys.executable if self.installed else "python"
@@ -110,7 +110,7 @@ class Target:
         return {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
     def venv_install(self, *args: str, env: dict[str, str] | None = None) -> None:
-        offline = installed.offline_args(self.find_links)
+        offline = in_place.offline_args(self.find_links)
         self.session.install(*offline, *args, env=env)
 
 
@@ -121,7 +121,7 @@ def _nox_no_install(session: Session) -> bool:
 
 
 class VenvInstaller:
-    """install.Installer over a session venv, honouring --find-links."""
+    """lane_install.Installer over a session venv, honouring --find-links."""
 
     def __init__(self, target: Target):
         self.target = target
@@ -145,7 +145,7 @@ def check(
     """
     args = parser.parse_args(target.rest)  # exits 2 (and prints usage) on a bad argument
     try:
-        inv = hosts.detect()
+        inv = machine.detect()
         if sweep_name is None:
             overrides(args)  # raises on a bad override, as the CLI would
             return resolve_platform(args.platform, inv), args
@@ -173,7 +173,7 @@ def connectors(
             _venv_env(session, target, platform, names, commands)
     except PdError as e:
         fail(session, str(e), e.exit_status)
-    target.run("-m", "pd_sessions.env.canary", *names)
+    target.run("-m", "pd_sessions.env.import_canary", *names)
 
 
 def _venv_env(
@@ -185,8 +185,8 @@ def _venv_env(
 ) -> None:
     """The session venv: the lane's requirements and this package (with the Debian packages the
     lane and ``commands`` need), then the connector variants for the torch that brought."""
-    env = install.index_env(dict(os.environ))
-    install.install_lane(
+    env = lane_install.index_env(dict(os.environ))
+    lane_install.install_lane(
         VenvInstaller(target),
         platform,
         say=session.log,
@@ -194,12 +194,12 @@ def _venv_env(
         commands=commands,
     )
     doc = target.facts()
-    torch_platform, actions = install.plan_connectors(doc, names)
+    torch_platform, actions = lane_install.plan_connectors(doc, names)
     session.log(
         f"torch {(doc.get('torch') or {}).get('version')} is built for "
         f"{torch_platform.describe()}: {len(actions)} connector action(s)"
     )
-    install.apply_actions(VenvInstaller(target), actions, torch_platform, env=env, say=session.log)
+    lane_install.apply_actions(VenvInstaller(target), actions, torch_platform, env=env, say=session.log)
 
 
 def installed_env(
@@ -210,7 +210,7 @@ def installed_env(
     doc = target.facts()
     for line in summary_lines(doc):
         session.log(line)
-    plan = installed.plan_installed(
+    plan = in_place.plan_installed(
         doc, names, lane=platform, need_lm_eval=accuracy, no_install=target.no_install
     )
     if plan.missing:
@@ -236,9 +236,9 @@ def installed_env(
 
 
 def _apply_installed(
-    session: Session, target: Target, plan: installed.InstalledPlan, doc: dict[str, Any]
+    session: Session, target: Target, plan: in_place.InstalledPlan, doc: dict[str, Any]
 ) -> None:
-    inst = installed.installer(doc, shutil.which("uv"))
+    inst = in_place.installer(doc, shutil.which("uv"))
     if inst is None:
         fail(
             session,
@@ -247,10 +247,10 @@ def _apply_installed(
         )
     for a in plan.actions:
         session.log(f"pd-sessions install: {a}")
-        session.run(*installed.action_argv(inst, a, find_links=target.find_links), external=True)
+        session.run(*in_place.action_argv(inst, a, find_links=target.find_links), external=True)
     if plan.install_harness:
         session.log(f"pd-sessions install: pd-sessions (editable, from {ROOT})")
-        session.run(*installed.harness_argv(inst, find_links=target.find_links), external=True)
+        session.run(*in_place.harness_argv(inst, find_links=target.find_links), external=True)
 
 
 # What a dry run says torch brings on each lane: the CPU lane's torch is CPU-only; a CUDA lane's
@@ -267,13 +267,13 @@ def dry_run_install(session: Session, target: Target, platform: str, names: Sequ
         session.log("dry run on the installed environment: nothing is installed")
         return
     session.log(
-        f"dry run: would install -r {install.lane_requirements(platform).relative_to(ROOT)} "
+        f"dry run: would install -r {lane_install.lane_requirements(platform).relative_to(ROOT)} "
         f"and this package, then the connector variants for the torch that brings:"
     )
     for doc in DRY_RUN_TORCH[platform]:
-        plat, actions = install.plan_connectors(doc, names)
+        plat, actions = lane_install.plan_connectors(doc, names)
         session.log(f"  {plat.describe()}: " + "; ".join(map(str, actions)))
-    session.log(f"  then: python -m pd_sessions.env.canary {' '.join(names)}")
+    session.log(f"  then: python -m pd_sessions.env.import_canary {' '.join(names)}")
 
 
 def named_sweep(session: Session) -> str:
@@ -349,7 +349,7 @@ def tests(session: Session) -> None:
     target = Target(session)
     every = [p.name for p in kv_connectors.packages()]
     # gcc: the canary's tests build real ELF files (installed with the lane's Debian packages)
-    connectors(session, target, "cpu", every, commands=install.TEST_COMMANDS)
+    connectors(session, target, "cpu", every, commands=lane_install.TEST_COMMANDS)
     if not target.installed:
         target.venv_install(*requirements(*TEST_REQUIREMENTS, *MULTIHOST_REQUIREMENTS))
     target.run("-m", "pytest", *target.rest, env={**(target.env or {}), "PD_SESSIONS_FULL_ENV": "1"})
@@ -363,7 +363,7 @@ def bench(session: Session, parser: argparse.ArgumentParser) -> None:
     args = parser.parse_args(target.rest)  # exits 2 on a bad option; --help prints and exits 0
     try:
         main = load(args.sweep)
-        platform, _, _ = preflight(main, args.platform, hosts.detect())
+        platform, _, _ = preflight(main, args.platform, machine.detect())
         sweeps = [main, *(load(n) for n in args.check_sweeps.split(",") if n)]
     except PdError as e:
         fail(session, str(e), e.exit_status)

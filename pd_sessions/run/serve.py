@@ -19,8 +19,8 @@ from pathlib import Path
 from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.inventory import Inventory
 from pd_sessions.core.plan import ClusterPlan
-from pd_sessions.run.hosts import hosts_for, phase_one
-from pd_sessions.run.options import SweepOptions, make_plan
+from pd_sessions.run.ray_hosts import hosts_for, phase_one
+from pd_sessions.run.sweep_options import SweepOptions, make_plan
 from pd_sessions.runtime import clusterenv
 from pd_sessions.runtime.cluster import Cluster, running_cluster
 from pd_sessions.runtime.launcher import LOCAL
@@ -35,7 +35,7 @@ def one_cluster(
     config: ClusterConfig, inv: Inventory, opts: SweepOptions, *, progress: Callable[[str], None]
 ) -> Iterator[Cluster]:
     """Plan ``config`` (plan.txt in its run dir), start it, yield it ready; always tear down.
-    With ``opts.ray``, across the hosts of that Ray cluster (run/hosts.py)."""
+    With ``opts.ray``, across the hosts of that Ray cluster (run/ray_hosts.py)."""
     run_dir = opts.results_dir / config.name
     ports = PortAllocator(config.host)
     remote: dict[str, RemotePorts] = {}

@@ -22,8 +22,8 @@ from pd_sessions.core.results import RUNNING, CheckResult, ConfigResult, Process
 from pd_sessions.report import unfinished
 from pd_sessions.report.writers import write_config_result
 from pd_sessions.run import packed, user_commands
-from pd_sessions.run.hosts import loopback_said, phase_one
-from pd_sessions.run.options import SweepOptions, make_plan
+from pd_sessions.run.ray_hosts import loopback_said, phase_one
+from pd_sessions.run.sweep_options import SweepOptions, make_plan
 from pd_sessions.runtime.cluster import Event, running_cluster
 from pd_sessions.runtime.launcher import LOCAL
 from pd_sessions.runtime.ports import PortAllocator
@@ -53,7 +53,7 @@ def run_config(
     freed: Callable[[], None] | None = None,
 ) -> ConfigResult:
     """Plan, start, check, tear down and record one config (``on_event``: see running_cluster;
-    ``hosts``: across Ray hosts, run/hosts.py; ``freed``: its devices are free, cluster.teardown).
+    ``hosts``: across Ray hosts, run/ray_hosts.py; ``freed``: its devices are free, cluster.teardown).
 
     ``into``: the record to fill (else a new one). An unforeseen exception (not a PdError)
     errors this config, its traceback in ``error.log``; a stop (SIGINT, SIGTERM) marks it

@@ -1,7 +1,7 @@
 """What every entry point shares (standard library only): timestamped progress lines, signals
 turned into exceptions so teardown runs, and our errors turned into exit statuses.
 
-The CLI (pd_sessions.cli) and its bench subcommand (pd_sessions.bench.cli) both use these; they
+The CLI (pd_sessions.cli) and its bench subcommand (pd_sessions.bench.bench_command) both use these; they
 live here so that neither reaches into the other.
 """
 

@@ -47,7 +47,7 @@ class Launcher(Protocol):
         """Across hosts: the same, as read on each host before its first process started."""
 
     def on_host(self, host: str, op: str, **kwargs: Any) -> Any:
-        """Across hosts: wire operation ``op`` (runtime/wire.py) on ``host``, in its network;
+        """Across hosts: wire operation ``op`` (runtime/wire_apply.py) on ``host``, in its network;
         PlanError on one host (there is no wire between prefill and decode)."""
 
 

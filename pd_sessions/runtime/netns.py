@@ -3,7 +3,7 @@
 The simulated hosts (runtime/simhosts.py) build their network with these, and the reaper
 (runtime/reaper.py) removes what a killed run left with :func:`remove`. Every function here
 names what it touches; none looks anything up by pattern: the caller passes the exact names it
-created (all of them ``pds<run id>...``, see core/simhosts.py).
+created (all of them ``pds<run id>...``, see core/simhost_plan.py).
 
 Why ``ip`` and not a netlink library in this process: making a namespace and configuring inside
 it means entering it, and pyroute2 does that by forking the calling process without exec. In a

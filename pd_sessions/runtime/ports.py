@@ -15,7 +15,7 @@ import socket
 import threading
 
 from pd_sessions.core.errors import PlanError
-from pd_sessions.core.ports import BLOCK_RANGE
+from pd_sessions.core.port_source import BLOCK_RANGE
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -52,9 +52,9 @@ import psutil
 from pd_sessions.core.errors import PdError, PlanError, StopError, UsageError
 from pd_sessions.core.inventory import Inventory
 from pd_sessions.core.plan import ClusterPlan, ProcessSpec
-from pd_sessions.core.plan.hosts import HostFacts, HostLayout
-from pd_sessions.runtime import hosts as hostinfo
-from pd_sessions.runtime import parentwatch, process, tiny_model, wire
+from pd_sessions.core.plan.across_hosts import HostFacts, HostLayout
+from pd_sessions.runtime import machine as hostinfo
+from pd_sessions.runtime import parentwatch, process, tiny_model, wire_apply
 from pd_sessions.runtime.launcher import LOCAL
 from pd_sessions.runtime.ports import PortAllocator
 from pd_sessions.runtime.process import Leader, Running, StopReport
@@ -270,13 +270,13 @@ class NodeAgent:
         return int((stats / "rx_bytes").read_text()), int((stats / "tx_bytes").read_text())
 
     def wire(self, op: str, kwargs: dict[str, Any]) -> Any:
-        """A wire fault operation on this node's network (runtime/wire.py's OPS); ``ifname=None``
+        """A wire fault operation on this node's network (runtime/wire_apply.py's OPS); ``ifname=None``
         is the interface of this node's address."""
         if "ifname" in kwargs and kwargs["ifname"] is None:
             import ray
 
             kwargs = {**kwargs, "ifname": interface_of(ray.util.get_node_ip_address())}
-        return wire.call(op, kwargs)
+        return wire_apply.call(op, kwargs)
 
 
 def _alive(x: Leader) -> bool:
@@ -704,7 +704,7 @@ class RayLauncher:
         return out
 
     def on_host(self, host: str, op: str, **kwargs: Any) -> Any:
-        """Wire operation ``op`` (runtime/wire.py's OPS) run on ``host``, in its network."""
+        """Wire operation ``op`` (runtime/wire_apply.py's OPS) run on ``host``, in its network."""
         return self.hosts._call(self.hosts.node(host).agent.wire.remote(op, kwargs))
 
     def verify(self) -> list[str]:

@@ -5,7 +5,7 @@ loopback, a disjoint share of the machine's cores and a real Ray node; the Ray h
 driver and the router stay on the root side, on the bridge's address. A server bound to a host's
 loopback is NOT reachable from another host: the bugs that hide behind one shared loopback
 (NIXL's side channel on localhost, Mooncake advertising 127.0.0.1) show as they do across real
-hosts. The names, addresses and shares are decided in core/simhosts.py (its docstring has the
+hosts. The names, addresses and shares are decided in core/simhost_plan.py (its docstring has the
 tables); the network calls are runtime/netns.py (iproute2).
 
 The interface (issue 26; part B's launcher and tests build on it)
@@ -19,7 +19,7 @@ made; a machine without the privilege is refused before anything is made, naming
   run; ``ray_init_kwargs()`` = ``{"address": ray_address, "_node_ip_address": driver_address}``
   for the driver's ``ray.init`` (Ray's own detection would pick this machine's main address,
   where no node of this cluster is).
-- ``hosts``: one :class:`~pd_sessions.core.simhosts.SimHost` each, ``host1`` .. ``hostN``:
+- ``hosts``: one :class:`~pd_sessions.core.simhost_plan.SimHost` each, ``host1`` .. ``hostN``:
   ``name``, ``netns``, ``address``, ``ifname`` (inside the namespace), ``peer`` (on the bridge),
   ``cpus`` and ``gpus`` (its disjoint shares), ``labels`` (``{"pd-host": "host1"}``, the Ray node
   label), ``resource`` (custom resource ``pd-host-host1``, 1 unit), ``node_id`` (hex) and
@@ -69,9 +69,9 @@ from typing import Any
 
 import psutil
 
-from pd_sessions.core import simhosts as core
+from pd_sessions.core import simhost_plan as core
 from pd_sessions.core.errors import HostSetupError, PdError, StopError
-from pd_sessions.core.simhosts import NetPlan, SimHost
+from pd_sessions.core.simhost_plan import NetPlan, SimHost
 from pd_sessions.runtime import netns, process, readiness
 from pd_sessions.runtime.ports import PortAllocator
 from pd_sessions.runtime.reaper import Reaper
@@ -86,7 +86,7 @@ FILE = "file"
 
 
 def facts() -> core.PrivilegeFacts:
-    """What this machine offers the simulated hosts (see core.simhosts.missing)."""
+    """What this machine offers the simulated hosts (see core.simhost_plan.missing)."""
     cap_eff = 0
     with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as f:
         for line in f:

@@ -1,5 +1,5 @@
 """The fault scenarios: one check each, run through pd-sessions' fault-injecting connector
-(pd_sessions/fault_connector.py; the modes and the control file: pd_sessions/core/faults.py).
+(pd_sessions/vllm_side/fault_connector.py; the modes and the control file: pd_sessions/core/faults.py).
 
 | check | module | fault |
 | --- | --- | --- |
@@ -8,7 +8,7 @@
 | fault_stall_abort | stall_abort.py | clients leave while the prefill, then the decode, is stalled |
 | fault_peer_death | peer_death.py | the prefill SIGKILLed while the decode waits for its KV |
 | fault_restart | restart.py | the killed prefill started again in place |
-| wire_loss, wire_partition, wire_cap, wire_delay | wire.py | across hosts, on the wire: loss, |
+| wire_loss, wire_partition, wire_cap, wire_delay | wire_scenarios.py | across hosts, on the wire: loss, |
 | | | a partition, a bandwidth cap, a delay (no injector) |
 
 ``promise.py`` is the pure part they share (what a request's outcome is, the recovery);

@@ -18,7 +18,7 @@ field                     read by
                           planner); the router's ``--prefill URL BOOTSTRAP``; the stuck diagnosis
 ``across_hosts``          what each host adds when prefill and decode run on different hosts,
                           and which variables advertise an address to the other hosts
-                          (``core.plan.hosts``: loopback there is refused before launch)
+                          (``core.plan.across_hosts``: loopback there is refused before launch)
 ``hops``                  the pair warm-up's two hops (``runtime.pairs``), the Python proxy
 ``evidence``              the KV proof's success evidence and failure lines (``checks.evidence``)
 ``limits``                what the planner and ``launch`` refuse before anything starts
@@ -143,7 +143,7 @@ def _no_host_env(config: ConfigView, platform: str, address: str, interface: str
 @dataclass(frozen=True)
 class AcrossHosts:
     """What the connector needs when its instances run on different hosts (``--ray``,
-    ``--simulate-hosts``; core/plan/hosts.py reads it).
+    ``--simulate-hosts``; core/plan/across_hosts.py reads it).
 
     advertised_env  variables, besides VLLM_HOST_IP and ``ports.side_channel_host_env``, that give
                     the other hosts an address to dial: a loopback value there is refused
@@ -325,7 +325,7 @@ class ConnectorSpec:
     # where vLLM added the class, for a vLLM that lacks it (e.g. "vllm-project/vllm#35264")
     added_by: str = ""
     # how its decode worker's connector metadata lists the loads to start (reqs_to_recv), for
-    # pd-sessions' fault injector (pd_sessions/fault_connector.py): "flat" {req: meta},
+    # pd-sessions' fault injector (pd_sessions/vllm_side/fault_connector.py): "flat" {req: meta},
     # "by_engine" {remote engine: {req: meta}}; None (unknown): the injector's zero, swap and
     # decode stall are logged as skipped
     recv_layout: str | None = None

@@ -1,7 +1,7 @@
 """Pure planner: config + host inventory + ports -> one spec per process.
 
 Nothing here starts a process, binds a port or reads the environment: the
-inventory and a :class:`~pd_sessions.core.ports.PortSource` are passed in.
+inventory and a :class:`~pd_sessions.core.port_source.PortSource` are passed in.
 
 The steps, one module each (``planner.plan_cluster`` runs them in order):
 - ``settings``: what the config means for every instance (--model, remote code, flags that

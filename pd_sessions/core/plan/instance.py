@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pd_sessions.core import connectors, faults
 from pd_sessions.core.config import DUMMY_WEIGHT_MODELS, ClusterConfig
 from pd_sessions.core.errors import PlanError
-from pd_sessions.core.plan.hosts import host_env, host_problems, loopback_advertised
+from pd_sessions.core.plan.across_hosts import host_env, host_problems, loopback_advertised
 from pd_sessions.core.plan.ledger import PortLedger
 from pd_sessions.core.plan.placement import Slot
 from pd_sessions.core.plan.settings import Lane, ModelSettings
@@ -63,7 +63,7 @@ class Launch:
     # across hosts: plan an instance that would advertise loopback anyway (warned), not refuse it
     allow_loopback: bool = False
     # The fault scenarios' control file (absolute path): every instance's connector is then
-    # pd-sessions' fault-injecting wrapper of it (pd_sessions/fault_connector.py); None = plain.
+    # pd-sessions' fault-injecting wrapper of it (pd_sessions/vllm_side/fault_connector.py); None = plain.
     faults_control: str | None = None
 
 

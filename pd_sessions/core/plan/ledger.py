@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pd_sessions.core.errors import PlanError
-from pd_sessions.core.ports import PortSource
+from pd_sessions.core.port_source import PortSource
 
 
 class PortLedger:

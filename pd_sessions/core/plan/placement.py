@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.errors import PlanError
 from pd_sessions.core.inventory import Inventory
-from pd_sessions.core.plan.hosts import Assignment, HostFacts
+from pd_sessions.core.plan.across_hosts import Assignment, HostFacts
 
 
 @dataclass(frozen=True)

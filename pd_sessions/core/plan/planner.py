@@ -9,14 +9,14 @@ from pd_sessions.core import connector_support
 from pd_sessions.core.config import PLATFORMS, ClusterConfig
 from pd_sessions.core.errors import PlanError
 from pd_sessions.core.inventory import Inventory
-from pd_sessions.core.plan.hosts import HostLayout, assign_hosts
+from pd_sessions.core.plan.across_hosts import HostLayout, assign_hosts
 from pd_sessions.core.plan.instance import Launch, plan_instance
 from pd_sessions.core.plan.ledger import PortLedger
 from pd_sessions.core.plan.placement import Placement, Slot, place, place_on_hosts
 from pd_sessions.core.plan.router import plan_router
 from pd_sessions.core.plan.settings import lane_settings, model_settings
 from pd_sessions.core.plan.specs import ClusterPlan, ProcessSpec
-from pd_sessions.core.ports import PortSource
+from pd_sessions.core.port_source import PortSource
 
 
 def plan_cluster(
@@ -40,7 +40,7 @@ def plan_cluster(
     (e.g. the path of the generated tiny model); requests use ``config.model``.
     ``decode_model`` overrides it for decode instances only (parity's fault injection).
     ``passthrough_env``: the harness's values of GPU_PASSTHROUGH_ENV (cuda only).
-    ``layout``: across hosts (phase 1's facts, see core/plan/hosts.py): each instance on its
+    ``layout``: across hosts (phase 1's facts, see core/plan/across_hosts.py): each instance on its
     host, binding and advertising that host's address, its ports from ``host_ports[host]`` (each
     host's ports unique on that host; ``ports`` is the driver's, where the router runs).
     ``faults_control``: the fault scenarios' control file; every connector is then wrapped by

@@ -22,7 +22,7 @@ The result: the wheels, ``manifest.json`` (target, and per wheel: name, version,
 size), ``requirements.lock`` (``name==version`` lines) and ``SHA256SUMS``.
 
 Consuming side: the sessions take ``--find-links DIR`` or ``PD_SESSIONS_FIND_LINKS`` and then install
-with "no index, only this folder" (:mod:`pd_sessions.env.installed`).
+with "no index, only this folder" (:mod:`pd_sessions.env.in_place`).
 
 The package, layered (a contract in pyproject.toml keeps the order):
 
@@ -35,6 +35,6 @@ The package, layered (a contract in pyproject.toml keeps the order):
 
 from __future__ import annotations
 
-from pd_sessions.env.wheelhouse.cli import main
+from pd_sessions.env.wheelhouse.wheelhouse_command import main
 
 __all__ = ["main"]

@@ -25,7 +25,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from pd_sessions.core.errors import InstallError, UsageError
-from pd_sessions.env.install import index_env
+from pd_sessions.env.lane_install import index_env
 from pd_sessions.env.wheelhouse.resolve import (
     Result,
     Target,
@@ -143,7 +143,7 @@ class Tools:
 
 def tool_env(environ: Mapping[str, str]) -> dict[str, str]:
     """uv's and pip's environment: ``environ`` with the index settings both read
-    (:func:`~pd_sessions.env.install.index_env`), and uv never downloading a Python."""
+    (:func:`~pd_sessions.env.lane_install.index_env`), and uv never downloading a Python."""
     env = dict(environ)
     env.update(index_env(env))
     env.setdefault("UV_PYTHON_DOWNLOADS", "never")

@@ -24,7 +24,7 @@ from packaging.version import Version
 
 from pd_sessions.core import connectors
 from pd_sessions.core.errors import InstallError, UsageError
-from pd_sessions.env.install import ROOT, kv_requirements
+from pd_sessions.env.lane_install import ROOT, kv_requirements
 
 # vLLM for a CUDA major when --vllm is not given. PyPI's default vLLM wheels are CUDA 13 builds
 # since 0.20; 0.26.0 is the newest pinned to torch 2.11.0 and needs no flashinfer-cubin.

@@ -19,22 +19,31 @@ from typing import Any
 
 import psutil
 
-from pd_sessions.bench import clusters, multihost, packing, page, report, routers, startup, teardown
-from pd_sessions.bench.options import PARTS, bench_parser
+from pd_sessions.bench import (
+    bench_results,
+    clusters,
+    multihost,
+    packing_bench,
+    page,
+    routers,
+    startup,
+    teardown,
+)
+from pd_sessions.bench.bench_args import PARTS, bench_parser
 from pd_sessions.checks.accuracy import AccuracyOptions
 from pd_sessions.core import check_registry
 from pd_sessions.core.config import ClusterConfig, Sweep, load, select
 from pd_sessions.core.errors import BenchError
 from pd_sessions.core.inventory import Inventory
 from pd_sessions.core.preflight import preflight
-from pd_sessions.run.options import SweepOptions
-from pd_sessions.runtime import hosts
+from pd_sessions.run.sweep_options import SweepOptions
+from pd_sessions.runtime import machine
 from pd_sessions.runtime.console import install_signal_handlers, run_command, say
 
 ORDER = ("single", "pd_sessions", "upstream")
 
 
-def machine() -> dict[str, Any]:
+def machine_facts() -> dict[str, Any]:
     def version(dist: str) -> str | None:
         try:
             return metadata.version(dist)
@@ -80,14 +89,14 @@ def run(args: argparse.Namespace) -> int:
     logs = out / "logs" / stamp
     t0 = time.monotonic()
     sweep = load(args.sweep)
-    plat, inv, _ = preflight(sweep, args.platform, hosts.detect())
+    plat, inv, _ = preflight(sweep, args.platform, machine.detect())
     only = tuple(o for item in args.only for o in item.split(",") if o)
     configs = [e.config for e in select(sweep.entries(plat), plat, only=only)[0]]
     skip = () if args.with_accuracy else ("accuracy",)
     opts = _options(sweep, plat, logs / "clusters", args.grace, skip, perf=args.with_perf)
     doc: dict[str, Any] = {
         "started_at": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": machine(),
+        "machine": machine_facts(),
         "settings": {
             "platform": plat,
             "sweep": sweep.name,
@@ -134,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
                 f"packing part: the GPU sweep's defaults on a fake 8-GPU host, packed vs serial "
                 f"({args.repeats} x)"
             )
-            doc["packing"] = packing.run(
+            doc["packing"] = packing_bench.run(
                 logs / "packing", repeats=args.repeats, progress=say, grace_s=args.grace
             )
             failed |= not doc["packing"]["ok"]
@@ -153,14 +162,16 @@ def run(args: argparse.Namespace) -> int:
         raise
     finally:
         if doc.get("runs"):
-            doc["clusters"] = report.summarize_clusters(doc["runs"])
+            doc["clusters"] = bench_results.summarize_clusters(doc["runs"])
         if doc.get("runs") or doc.get("check_runs"):
-            doc["checks_cost"] = report.summarize_checks(doc.get("runs", []) + doc.get("check_runs", []))
+            doc["checks_cost"] = bench_results.summarize_checks(
+                doc.get("runs", []) + doc.get("check_runs", [])
+            )
         doc["machine"]["load_after"] = _load()
         doc["duration_s"] = round(time.monotonic() - t0, 1)
-        doc["goals"] = [g.to_dict() for g in report.goals(doc)]
-        paths = report.write(doc, out)
-        print("\n" + report.markdown(doc), flush=True)
+        doc["goals"] = [g.to_dict() for g in bench_results.goals(doc)]
+        paths = bench_results.write(doc, out)
+        print("\n" + bench_results.markdown(doc), flush=True)
         say("wrote " + ", ".join(str(p) for p in paths.values()))
     return 1 if failed else 0
 
@@ -265,7 +276,7 @@ def _measure_checks(
                 say(f"checks part: {sweep.name} {config.name} (repeat {rep + 1}/{args.repeats})")
                 rec = clusters.run_pd_sessions(config, inv, opts, rep, say)
                 runs.append({**rec.to_dict(), "sweep": sweep.name})
-                edge = sum(rec.extra.get("check_s", {}).get(n, 0.0) for n in report.EDGE_CHECKS)
+                edge = sum(rec.extra.get("check_s", {}).get(n, 0.0) for n in bench_results.EDGE_CHECKS)
                 say(
                     f"checks part: {sweep.name} {config.name}: "
                     + (f"edge checks {edge:.1f} s" if rec.ok else f"FAILED: {rec.error}")

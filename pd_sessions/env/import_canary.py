@@ -1,6 +1,6 @@
 """Import canary for the KV connectors. Run it as its own process:
 
-    python -m pd_sessions.env.canary CONNECTOR... [--torch-cuda-major N|none]
+    python -m pd_sessions.env.import_canary CONNECTOR... [--torch-cuda-major N|none]
 
 so a crash in native code ends the canary, not the session. It checks, in order:
 
@@ -327,7 +327,7 @@ def run(connectors: Sequence[str], torch_cuda: int | None) -> Report:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pd_sessions.env.canary")
+    p = argparse.ArgumentParser(prog="python -m pd_sessions.env.import_canary")
     p.add_argument(
         "connectors",
         nargs="+",

@@ -1,13 +1,13 @@
 """Faults on the wire between the prefill and decode hosts (pure): the nftables ruleset, the tc
-argv, and the parsing of their counters. ``runtime/wire.py`` runs them on a host (its agent, in
-its network namespace); ``checks/faults/wire.py`` holds the scenarios.
+argv, and the parsing of their counters. ``runtime/wire_apply.py`` runs them on a host (its agent, in
+its network namespace); ``checks/faults/wire_scenarios.py`` holds the scenarios.
 
 What the rules match: only the KV traffic between the two hosts. A packet is KV when it goes
 between the prefill host's address and the decode host's, to or from a port one of the two
 instances' process trees listens on (other than its HTTP port): NIXL's side channel and UCX's
 listeners, Mooncake's bootstrap server and transfer engine. The router's HTTP (from the driver's
 host) and Ray's control traffic (each node with the head, Ray's own ports) never match. The ports
-are read from the running instances (runtime/wire.py), not guessed.
+are read from the running instances (runtime/wire_apply.py), not guessed.
 
 The table lives on the decode host, which sees every KV packet: from the prefill on its input
 hook, to the prefill on its output hook. Its name is fixed (:data:`TABLE`), so a table a killed

@@ -1,4 +1,4 @@
-"""``python -m pd_sessions.link_probe``: what the KV transport alone moves between two processes
+"""``python -m pd_sessions.vllm_side.link_probe``: what the KV transport alone moves between two processes
 on this host, for the perf check's "x GB/s = y % of what the transport itself moves here".
 
 Why ``python -m``: the transport's native libraries (NIXL, Mooncake's transfer engine) load in
@@ -43,7 +43,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from pd_sessions.vllm_plugin import apply_nixl_progress_delay
+from pd_sessions.vllm_side.vllm_plugin import apply_nixl_progress_delay
 
 PEER_TIMEOUT_S = 60.0
 
@@ -248,7 +248,7 @@ def probe(args: Args) -> dict[str, Any]:
 
 
 def parse(argv: Sequence[str] | None = None) -> tuple[Args, Path]:
-    p = argparse.ArgumentParser(prog="python -m pd_sessions.link_probe", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m pd_sessions.vllm_side.link_probe", description=__doc__)
     p.add_argument(
         "--transport",
         choices=sorted(TRANSPORTS),
@@ -303,12 +303,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # the check reads the reason from the output file
         doc = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         out.write_text(json.dumps(doc))
-        print(f"pd_sessions.link_probe: {doc['error']}", file=sys.stderr, flush=True)
+        print(f"pd_sessions.vllm_side.link_probe: {doc['error']}", file=sys.stderr, flush=True)
         return 1
     out.write_text(json.dumps(doc))
     median = sorted(doc["seconds"])[len(doc["seconds"]) // 2]
     print(
-        f"pd_sessions.link_probe: {doc['transport']}: {args.bytes} bytes in {args.descriptors} pieces, "
+        f"pd_sessions.vllm_side.link_probe: {doc['transport']}: {args.bytes} bytes "
+        f"in {args.descriptors} pieces, "
         f"median {median * 1e3:.3f} ms ({args.bytes / median / 1e9:.3f} GB/s)",
         flush=True,
     )

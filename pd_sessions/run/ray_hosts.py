@@ -9,8 +9,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from pd_sessions.core.config import TINY_MODELS, ClusterConfig
-from pd_sessions.core.plan.hosts import HostLayout
-from pd_sessions.run.options import SweepOptions, model_path
+from pd_sessions.core.plan.across_hosts import HostLayout
+from pd_sessions.run.sweep_options import SweepOptions, model_path
 from pd_sessions.runtime.raylaunch import RayHosts, RemotePorts, ray_hosts
 
 

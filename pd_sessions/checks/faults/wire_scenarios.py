@@ -4,7 +4,7 @@ before launch (core/check_registry.py: ``across_hosts_only``).
 
 Each scenario applies its fault on the hosts' network for its own duration and removes it
 afterwards, whatever ends it (an error, Ctrl-C): the nftables table on the decode host, the
-qdisc on the prefill host (core/wire.py has the rules and why there). Each proves its fault bit
+qdisc on the prefill host (core/wire_rules.py has the rules and why there). Each proves its fault bit
 from the kernel's counters (the rule's dropped packets, tbf's overlimits or drops): a fault that
 did not bite fails the scenario. The promise is the injected faults' (promise.py): every request
 equals prefill-direct or fails with a clear HTTP error within ``bound_s``; never a 200 with other
@@ -21,7 +21,7 @@ text, never a hang; afterwards the cluster is whole again, and the time it took 
   kernel" where tc says so.
 
 Pure: the ``evaluate_*`` functions and :func:`slow`. The gatherers run the faults through the
-cluster's launcher (``on_host``: the node agent of that host, runtime/wire.py).
+cluster's launcher (``on_host``: the node agent of that host, runtime/wire_apply.py).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from pd_sessions.checks.faults.promise import (
 )
 from pd_sessions.checks.faults.scenario import Answer, Scenario
 from pd_sessions.checks.window import CheckWindow
-from pd_sessions.core import wire
+from pd_sessions.core import wire_rules
 from pd_sessions.core.errors import PdError
 from pd_sessions.core.plan import ProcessSpec
 from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, pick, reporting
@@ -140,8 +140,8 @@ def loss_numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
             tuple(
                 (
                     r["percent"],
-                    r["counters"].get(wire.SEEN, 0),
-                    r["counters"].get(wire.DROPPED, 0),
+                    r["counters"].get(wire_rules.SEEN, 0),
+                    r["counters"].get(wire_rules.DROPPED, 0),
                     *(r["counts"][k] for k in KINDS),
                     r["median_s"],
                     r["max_s"],
@@ -177,7 +177,9 @@ def evaluate_loss(runs: Sequence[RateRun], baseline: Sequence[Outcome], recovery
     }
     problems: list[str | None] = []
     for r in runs:
-        bit = not_bitten(f"the rule dropping {r.percent} % dropped no KV packet", r.counters, wire.DROPPED)
+        bit = not_bitten(
+            f"the rule dropping {r.percent} % dropped no KV packet", r.counters, wire_rules.DROPPED
+        )
         broken = broken_promise(r.outcomes)
         problems += [f"{r.percent} %: {bit}" if bit else None, f"{r.percent} %: {broken}" if broken else None]
     broken = broken_promise(baseline)
@@ -185,7 +187,8 @@ def evaluate_loss(runs: Sequence[RateRun], baseline: Sequence[Outcome], recovery
 
     def passed() -> str:
         per_rate = "; ".join(
-            f"{r.percent} %: {r.counters.get(wire.DROPPED, 0)} of {r.counters.get(wire.SEEN, 0)} KV "
+            f"{r.percent} %: {r.counters.get(wire_rules.DROPPED, 0)} of "
+            f"{r.counters.get(wire_rules.SEEN, 0)} KV "
             f"packets dropped, {said(counts(r.outcomes))}, "
             f"median {median([o.seconds for o in r.outcomes]):.2f} s"
             for r in runs
@@ -244,14 +247,14 @@ def evaluate_partition(
     details: dict[str, Any] = {
         "partition_s": partition_s,
         "counters": dict(counters),
-        "dropped_packets": counters.get(wire.DROPPED, 0),
+        "dropped_packets": counters.get(wire_rules.DROPPED, 0),
         "last_answer_after_heal_s": round(last, 3),
         "recovery_s": round(recovered_after_heal_s, 3),
         **ended(outcomes),
         "recovery": recovery.to_dict(),
     }
     problems = [
-        not_bitten("the partition's rule dropped no KV packet", counters, wire.DROPPED),
+        not_bitten("the partition's rule dropped no KV packet", counters, wire_rules.DROPPED),
         broken_promise(outcomes),
     ]
 
@@ -265,7 +268,7 @@ def evaluate_partition(
         )
         return (
             f"every KV packet between the hosts dropped for {partition_s:g} s "
-            f"({counters.get(wire.DROPPED, 0)} packets): {said(c)}: {how}, the last {last:.1f} s after "
+            f"({counters.get(wire_rules.DROPPED, 0)} packets): {said(c)}: {how}, the last {last:.1f} s after "
             f"the heal; served correctly again {recovered_after_heal_s:.1f} s after the heal "
             f"({recovery.line()})"
         )
@@ -451,7 +454,7 @@ class Wire:
     def on(self, host: str, op: str, **kwargs: Any) -> Any:
         return self.window.cluster.launcher.on_host(host, op, **kwargs)
 
-    def path(self) -> wire.KvPath:
+    def path(self) -> wire_rules.KvPath:
         """The KV path: each host's address and the ports its instance listens on there."""
 
         def ports(spec: ProcessSpec) -> tuple[int, ...]:
@@ -461,10 +464,10 @@ class Wire:
             )
             return tuple(int(x) for x in got)
 
-        return wire.KvPath(self.prefill.host, self.decode.host, ports(self.prefill), ports(self.decode))
+        return wire_rules.KvPath(self.prefill.host, self.decode.host, ports(self.prefill), ports(self.decode))
 
     @contextmanager
-    def dropping(self, path: wire.KvPath, percent: int) -> Iterator[dict[str, int]]:
+    def dropping(self, path: wire_rules.KvPath, percent: int) -> Iterator[dict[str, int]]:
         """``percent`` % of the KV packets dropped on the decode host for the block; the rule's
         counters (read before it goes) fill the yielded dict; the table is removed whatever
         ends the block."""
@@ -546,7 +549,7 @@ def _loss(w: Wire, options: Mapping[str, Any]) -> CheckResult:
         with w.dropping(path, int(percent)) as got:
             for k in range(LOSS_BURSTS):  # a low rate may meet no packet of one small burst
                 answers += w.burst(prompts(f"Loss {percent}.{k}", n), bound_s)
-                if w.on(str(w.decode.node), "counters").get(wire.DROPPED, 0) > 0:
+                if w.on(str(w.decode.node), "counters").get(wire_rules.DROPPED, 0) > 0:
                     break
         runs.append(RateRun(int(percent), w.judge(answers, bound_s), dict(got)))
     return evaluate_loss(runs, baseline, w.s.recover(idle))

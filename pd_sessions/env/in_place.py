@@ -25,7 +25,7 @@ from packaging.utils import canonicalize_name
 
 from pd_sessions.core import connectors as kv_connectors
 from pd_sessions.core.errors import UsageError
-from pd_sessions.env.install import (
+from pd_sessions.env.lane_install import (
     REQUIREMENTS,
     ROOT,
     Action,

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pd_sessions.bench import multihost, packing
+from pd_sessions.bench import multihost, packing_bench
 from pd_sessions.bench.page import PAGE_GOAL_BYTES, PAGE_GOAL_S
 from pd_sessions.bench.stats import Goal, ratio, summary
 from pd_sessions.core.check_registry import NAMES as CHECK_ORDER
@@ -211,7 +211,7 @@ def goals(doc: dict[str, Any]) -> list[Goal]:
         gs.append(
             Goal(
                 "packing: sweep wall, packed / one after another",
-                packing.RATIO_GOAL,
+                packing_bench.RATIO_GOAL,
                 "ratio",
                 pk["ratio"]["median"],
                 "the GPU sweep's default configs on a fake 8-GPU host (fake stack)",
@@ -255,7 +255,7 @@ def markdown(doc: dict[str, Any]) -> str:
     lines += startup_markdown(doc.get("startup"))
     lines += page_markdown(doc.get("report_page"))
     lines += multihost.markdown(doc.get("multihost"))
-    lines += packing.markdown(doc.get("packing"))
+    lines += packing_bench.markdown(doc.get("packing"))
     lines += teardown_markdown(doc.get("teardown"))
     lines += router_markdown(doc.get("router"))
     lines += failed_markdown(doc.get("runs", []) + doc.get("check_runs", []))

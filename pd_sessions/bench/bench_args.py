@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pd_sessions.core.connectors import DEFAULT, MOONCAKE, NIXL
 
-# The first line of pd_sessions/bench/cli.py's docstring, as `--help` has always shown it.
+# The first line of pd_sessions/bench/bench_command.py's docstring, as `--help` has always shown it.
 DESCRIPTION = (
     "``pd-sessions bench`` (``nox -s bench``): run the benchmark and write "
     "bench/results.{json,md} + phases.png."

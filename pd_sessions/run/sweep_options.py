@@ -15,8 +15,8 @@ from pd_sessions.core import check_registry
 from pd_sessions.core.config import TINY_MODELS, ClusterConfig
 from pd_sessions.core.inventory import Inventory
 from pd_sessions.core.plan import GPU_PASSTHROUGH_ENV, ClusterPlan, plan_cluster
-from pd_sessions.core.plan.hosts import HostLayout
-from pd_sessions.core.ports import PortSource
+from pd_sessions.core.plan.across_hosts import HostLayout
+from pd_sessions.core.port_source import PortSource
 from pd_sessions.run import user_commands
 from pd_sessions.runtime import tiny_model
 from pd_sessions.runtime.cluster import DEFAULT_DEADLINE_S, DEFAULT_GRACE_S
@@ -97,7 +97,7 @@ def make_plan(
     layout: HostLayout | None = None,
     host_ports: Mapping[str, PortSource] | None = None,
 ) -> ClusterPlan:
-    """The plan of ``config`` on this host, or across the hosts of ``layout`` (run/hosts.py)."""
+    """The plan of ``config`` on this host, or across the hosts of ``layout`` (run/ray_hosts.py)."""
     return plan_cluster(
         config,
         inv,

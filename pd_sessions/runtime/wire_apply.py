@@ -1,6 +1,6 @@
 """Faults on the wire, applied on this host, in this process's network namespace (edge): nftables
 rules through ``nft -f -``, qdiscs through ``tc``, their counters, and the KV ports an instance's
-process tree listens on. What is applied is decided in core/wire.py (its docstring has the rules).
+process tree listens on. What is applied is decided in core/wire_rules.py (its docstring has the rules).
 
 Across hosts each call runs on the host concerned, in its node agent (runtime/raylaunch.py,
 ``NodeAgent.wire``): the agent lives in that host's network (a simulated host's namespace, or a
@@ -21,7 +21,7 @@ from typing import Any
 
 import psutil
 
-from pd_sessions.core import wire
+from pd_sessions.core import wire_rules
 from pd_sessions.core.errors import HostSetupError
 
 TIMEOUT_S = 20.0
@@ -56,21 +56,29 @@ def missing() -> list[str]:
 
 
 def drop(path: dict[str, Any], percent: int) -> None:
-    """Drop ``percent`` % of the KV packets of ``path`` (core.wire.KvPath's fields)."""
-    p = wire.KvPath(
+    """Drop ``percent`` % of the KV packets of ``path`` (core.wire_rules.KvPath's fields)."""
+    p = wire_rules.KvPath(
         path["prefill"], path["decode"], tuple(path["prefill_ports"]), tuple(path["decode_ports"])
     )
-    _run(["nft", "-f", "-"], stdin=wire.ruleset(p, percent), step=f"dropping {percent} % of the KV packets")
+    _run(
+        ["nft", "-f", "-"],
+        stdin=wire_rules.ruleset(p, percent),
+        step=f"dropping {percent} % of the KV packets",
+    )
 
 
 def heal() -> None:
     """Remove the table (present or not)."""
-    _run(["nft", "-f", "-"], stdin=wire.remove_script(), step=f"removing table {wire.FAMILY} {wire.TABLE}")
+    _run(
+        ["nft", "-f", "-"],
+        stdin=wire_rules.remove_script(),
+        step=f"removing table {wire_rules.FAMILY} {wire_rules.TABLE}",
+    )
 
 
 def rules_present() -> bool:
     code, _, _ = _run(
-        ["nft", "list", "table", wire.FAMILY, wire.TABLE], step="listing the table", check=False
+        ["nft", "list", "table", wire_rules.FAMILY, wire_rules.TABLE], step="listing the table", check=False
     )
     return code == 0
 
@@ -78,25 +86,26 @@ def rules_present() -> bool:
 def counters() -> dict[str, int]:
     """The table's named counters (packets): {"seen": N, "dropped": M}."""
     _, out, _ = _run(
-        ["nft", "-j", "list", "counters", "table", wire.FAMILY, wire.TABLE], step="reading the counters"
+        ["nft", "-j", "list", "counters", "table", wire_rules.FAMILY, wire_rules.TABLE],
+        step="reading the counters",
     )
-    return wire.counters(out)
+    return wire_rules.counters(out)
 
 
 def cap(ifname: str, rate_kbit: int, burst_bytes: int, latency_ms: int) -> None:
     _run(
-        wire.tbf_argv(ifname, rate_kbit=rate_kbit, burst_bytes=burst_bytes, latency_ms=latency_ms),
+        wire_rules.tbf_argv(ifname, rate_kbit=rate_kbit, burst_bytes=burst_bytes, latency_ms=latency_ms),
         step=f"capping {ifname} at {rate_kbit} kbit/s",
     )
 
 
 def delay(ifname: str, delay_ms: int) -> str | None:
     """Add a netem delay; None when applied, else tc's message (no netem in this kernel: see
-    core.wire.netem_missing). Other failures raise."""
-    code, _, err = _run(wire.netem_argv(ifname, delay_ms=delay_ms), step="adding netem", check=False)
+    core.wire_rules.netem_missing). Other failures raise."""
+    code, _, err = _run(wire_rules.netem_argv(ifname, delay_ms=delay_ms), step="adding netem", check=False)
     if code == 0:
         return None
-    if wire.netem_missing(err):
+    if wire_rules.netem_missing(err):
         return err.strip()
     raise HostSetupError(f"wire faults: adding netem on {ifname}: {err.strip() or code}")
 
@@ -104,14 +113,14 @@ def delay(ifname: str, delay_ms: int) -> str | None:
 def qdisc(ifname: str, kind: str) -> dict[str, int] | None:
     """The root qdisc's statistics when it is ``kind``, else None."""
     _, out, _ = _run(["tc", "-s", "-j", "qdisc", "show", "dev", ifname], step=f"reading {ifname}'s qdisc")
-    return wire.qdisc_stats(out, kind)
+    return wire_rules.qdisc_stats(out, kind)
 
 
 def uncap(ifname: str, kind: str) -> bool:
     """Remove the root qdisc when it is ``kind`` (ours); whether one was removed."""
     if qdisc(ifname, kind) is None:
         return False
-    _run(wire.qdisc_del_argv(ifname), step=f"removing the {kind} qdisc of {ifname}")
+    _run(wire_rules.qdisc_del_argv(ifname), step=f"removing the {kind} qdisc of {ifname}")
     return True
 
 

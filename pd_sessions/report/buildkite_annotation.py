@@ -9,7 +9,7 @@ uploaded: relative to the job's working directory, where the agent runs.
 Who uploads the results directory, once: the standalone pipeline's steps name it in
 ``artifact_paths`` (the agent uploads it after the command); vLLM's test_areas format has no such
 field, so those steps pass ``--upload-artifacts`` and the sweep uploads it itself as it ends
-(pd_sessions/report/ci_jobs.py; a test keeps each step to one of the two).
+(pd_sessions/report/buildkite_pipelines.py; a test keeps each step to one of the two).
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ from pd_sessions.core.errors import BenchError
 from pd_sessions.core.inventory import Inventory
 from pd_sessions.core.plan.packing import need, pack
 from pd_sessions.core.results import PASSED
-from pd_sessions.run.options import SweepOptions
 from pd_sessions.run.sweep import run_sweep
+from pd_sessions.run.sweep_options import SweepOptions
 
 log = logging.getLogger(__name__)
 

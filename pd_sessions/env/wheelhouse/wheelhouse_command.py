@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pd_sessions.core.errors import InstallError, UsageError
-from pd_sessions.env.installed import FIND_LINKS_ENV, offline_args
+from pd_sessions.env.in_place import FIND_LINKS_ENV, offline_args
 from pd_sessions.env.wheelhouse.download import build, find_builder
 from pd_sessions.env.wheelhouse.resolve import (
     DEFAULT_VLLM,

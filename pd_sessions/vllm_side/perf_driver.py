@@ -1,4 +1,4 @@
-"""``python -m pd_sessions.perf_driver DIR``: vLLM's own ``vllm bench serve``, run for the perf
+"""``python -m pd_sessions.vllm_side.perf_driver DIR``: vLLM's own ``vllm bench serve``, run for the perf
 check in one process, with the interpreter that runs vLLM.
 
 vLLM's benchmark is its module ``vllm.benchmarks.serve`` (``add_cli_args`` and ``main``): the
@@ -101,7 +101,7 @@ def vllm_bench() -> tuple[Callable[[Sequence[str]], None], str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pd_sessions.perf_driver", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m pd_sessions.vllm_side.perf_driver", description=__doc__)
     p.add_argument("folder", type=Path, help="where the check writes run-N.json and reads done-N.json")
     p.add_argument("--idle-s", type=float, default=900.0, help="exit after this long without a request")
     args = p.parse_args(argv)
@@ -109,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run, version = vllm_bench()
     write_json(args.folder / "ready.json", {"vllm": version, "pid": os.getpid()})
     n = serve_requests(args.folder, run, idle_s=args.idle_s)
-    print(f"pd_sessions.perf_driver: {n} run(s), exiting", flush=True)
+    print(f"pd_sessions.vllm_side.perf_driver: {n} run(s), exiting", flush=True)
     return 0
 
 
