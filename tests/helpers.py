@@ -360,3 +360,20 @@ def simhosts_leftovers(run_id: str, pids=()) -> list[str]:
     for sid in pids:
         left += [f"process {pid} of session {sid}" for pid in session_members(sid)]
     return left
+
+
+def move_btime(monkeypatch, by: float) -> None:
+    """Move what ``/proc/stat``'s ``btime`` says by ``by`` seconds, as the kernel does when it
+    recomputes it (whole seconds, wall clock minus CLOCK_BOOTTIME) after a slew of the clock
+    across a second's boundary (issue 38): psutil's ``create_time()`` moves with it."""
+    from psutil import _pslinux
+
+    real = _pslinux.boot_time
+    monkeypatch.setattr(_pslinux, "boot_time", lambda: real() + by)
+
+
+def old_rule_same(pid: int, recorded_create_time: float) -> bool:
+    """The identity rule before issue 38 (psutil create_time within 0.01 s)."""
+    import psutil
+
+    return abs(psutil.Process(pid).create_time() - recorded_create_time) < 0.01

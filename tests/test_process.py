@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import wait_for_text
-from helpers import FAMILY, IGNORES_TERM, session_members, wait_for_members
+from helpers import FAMILY, IGNORES_TERM, move_btime, old_rule_same, session_members, wait_for_members
 
 from pd_sessions.core.errors import StopError
 from pd_sessions.runtime import process
@@ -252,7 +252,7 @@ def test_a_private_tmp_is_the_childs_tmpdir_and_goes_once_it_is_verified_gone(tm
         assert got == r.tmp_dir and got.parent == Path(tempfile.gettempdir())
         assert got.name.startswith("pds-tmp-inst-")
         assert sorted(os.listdir(got)) == [process.TMP_OWNER, "ipc-sock", "vllm_dist_x"]
-        assert (got / process.TMP_OWNER).read_text() == f"{r.pid} {r.create_time!r}\n"
+        assert (got / process.TMP_OWNER).read_text() == f"{r.pid} {r.start_ticks} ticks\n"
         end(r)
         assert not got.exists() and r.tmp_dir is None
     log = tmp_path / "plain.log"
@@ -288,7 +288,7 @@ def test_a_later_run_removes_the_private_tmp_of_a_dead_owner_and_nothing_else(tm
         unrecorded.mkdir()
         other = tmp_path / "someone-elses"
         other.mkdir()
-        (other / process.TMP_OWNER).write_text(f"{dead.pid} {dead.create_time!r}\n")
+        (other / process.TMP_OWNER).write_text(f"{dead.pid} {dead.start_ticks} ticks\n")
         assert dead.tmp_dir.is_dir()
         assert process.remove_orphan_tmp_dirs() == [str(dead.tmp_dir)]
         assert not dead.tmp_dir.exists() and live.tmp_dir.is_dir() and unrecorded.is_dir() and other.is_dir()
@@ -296,3 +296,60 @@ def test_a_later_run_removes_the_private_tmp_of_a_dead_owner_and_nothing_else(tm
     finally:
         stop([live, dead], grace_s=2)
     assert not live.tmp_dir and process.remove_orphan_tmp_dirs() == []
+
+
+def test_start_ticks_is_field_22_of_stat_read_after_the_last_parenthesis(tmp_path):
+    """The identity of a process: its PID and its start in clock ticks since boot, from a fake
+    /proc root (a command name with spaces and parentheses; a zombie; no such PID) and from the
+    real one (the same figure psutil divides by CLK_TCK before it adds btime)."""
+    fake = tmp_path / "proc"
+    fields = ["S", *(str(n) for n in range(4, 22)), "123456", *["0"] * 30]  # field 3 .. 52
+    for pid, comm, state in ((42, "a) b (c", "S"), (43, "zz", "Z")):
+        (fake / str(pid)).mkdir(parents=True)
+        (fake / str(pid) / "stat").write_text(f"{pid} ({comm}) {' '.join([state, *fields[1:]])}\n")
+    assert process.start_ticks(42, fake) == 123456
+    assert process.same_process(42, 123456, fake) and process.same_process(42, None, fake)
+    assert not process.same_process(42, 123457, fake)  # a reused PID
+    assert process.start_ticks(43, fake) == 123456 and not process.same_process(43, 123456, fake)  # zombie
+    assert process.start_ticks(44, fake) is None and not process.same_process(44, None, fake)
+    mine = process.start_ticks(os.getpid())
+    assert mine is not None and process.same_process(os.getpid(), mine)
+    since_boot = psutil.Process().create_time() - psutil.boot_time()
+    assert abs(mine / os.sysconf("SC_CLK_TCK") - since_boot) < 0.02
+
+
+@pytest.mark.parametrize("by", [1.0, -1.0])
+def test_a_live_owner_keeps_its_private_tmp_when_btime_moves_and_a_dead_ones_still_goes(
+    tmp_path, monkeypatch, by
+):
+    """Issue 38: btime (/proc/stat) is whole seconds the kernel recomputes from the wall clock; a
+    slew across a second's boundary moves every psutil create_time by 1 s. The owner of a private
+    TMPDIR is told by its start ticks, which do not move: its folder stays; a dead owner's goes.
+    (Under the rule before, create_time within 0.01 s, the live owner's folder was removed.)"""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    live = spawn("live", sleeper, env=os.environ, log_path=tmp_path / "l.log", private_tmp=True)
+    dead = spawn("dead", sleeper, env=os.environ, log_path=tmp_path / "d.log", private_tmp=True)
+    try:
+        os.killpg(dead.pid, signal.SIGKILL)
+        dead.popen.wait(10)
+        recorded = psutil.Process(live.pid).create_time()  # what the rule before recorded
+        move_btime(monkeypatch, by)
+        assert psutil.Process(live.pid).create_time() == pytest.approx(recorded + by)
+        assert not old_rule_same(live.pid, recorded)  # the rule before: "a reused PID, gone"
+        assert process.remove_orphan_tmp_dirs() == [str(dead.tmp_dir)]
+        assert live.tmp_dir.is_dir() and not dead.tmp_dir.exists()
+        assert process.same_process(live.pid, live.leader.start_ticks)
+    finally:
+        stop([live, dead], grace_s=2)
+
+
+def test_an_owner_record_of_an_older_pd_sessions_is_kept(tmp_path, monkeypatch):
+    """A ``.pd-sessions-owner`` with a wall-clock create_time (written before issue 38): an
+    unknown owner, its folder is left."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    old = tmp_path / f"{process.TMP_PREFIX}old-x"
+    old.mkdir()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    (old / process.TMP_OWNER).write_text(f"{int(gone.stdout)} 1796456300.12\n")
+    assert process.remove_orphan_tmp_dirs() == [] and old.is_dir()

@@ -285,8 +285,8 @@ def test_the_next_run_removes_what_a_dead_run_listed_and_nothing_else(tmp_path):
             json.dumps(
                 {
                     "run_id": dead,
-                    "owner": {"pid": int(gone_pid), "create_time": 1.0},
-                    "reaper": {"pid": int(gone_pid), "create_time": 1.0},
+                    "owner": {"pid": int(gone_pid), "start_ticks": 1},
+                    "reaper": {"pid": int(gone_pid), "start_ticks": 1},
                     "processes": [],
                     "resources": [[kind, name] for kind, name in made] + [["file", str(link)]],
                 }

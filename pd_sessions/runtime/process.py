@@ -6,6 +6,15 @@ and to every tracked descendant, a grace period, SIGKILL to what is left, then a
 check that every PID we tracked is gone. We never look processes up by name.
 (parentwatch.py signals only this process itself, when its parent is gone; its reaper
 stops what we started with :func:`stop_leaders` after we are gone.)
+
+A process's identity is its PID and its start time in clock ticks since boot (:func:`start_ticks`,
+field 22 of ``/proc/PID/stat``): the kernel fixes it at the fork and never changes it.
+:func:`same_process` is the one test of "is this still the process we recorded?" for every "is its
+owner gone?" decision (the simulated hosts' state files, the reaper, the private TMPDIRs, the Ray
+agents). Not psutil's ``create_time()``: that adds ``btime`` of ``/proc/stat``, whole seconds the
+kernel recomputes from the wall clock on every read, so a clock slew of a few milliseconds near a
+second's boundary moves every process's create_time by 1 s, and a live owner looked dead to a
+comparison with a tolerance (issue 38: a later run's sweep removed a live run's bridge).
 """
 
 from __future__ import annotations
@@ -41,8 +50,9 @@ class Leader:
 
     name: str
     pid: int
-    # create_time of the leader, to tell it from a later process with the same PID
-    create_time: float = 0.0
+    # the leader's start time in clock ticks (start_ticks), to tell it from a later process with
+    # the same PID; None: unknown (the PID is trusted)
+    start_ticks: int | None = None
 
 
 class Observer:
@@ -100,8 +110,9 @@ class Running:
     log_path: Path
     started_at: float
     url: str | None = None
-    # create_time of the leader, to tell it from a later process with the same PID
-    create_time: float = 0.0
+    # the leader's start time in clock ticks (start_ticks), to tell it from a later process with
+    # the same PID; None: unknown
+    start_ticks: int | None = None
     # the host it runs on when it is not this one (runtime/raylaunch.py); None: here
     node: str | None = None
     # its private temporary folder (its TMPDIR), removed once it is verified gone; None: none
@@ -119,7 +130,7 @@ class Running:
 
     @property
     def leader(self) -> Leader:
-        return Leader(self.name, self.pid, self.create_time)
+        return Leader(self.name, self.pid, self.start_ticks)
 
 
 def spawn(
@@ -172,19 +183,16 @@ def spawn(
             if tmp:
                 remove_tmp_dir(tmp)
             raise
-        try:
-            ct = psutil.Process(popen.pid).create_time()
-        except psutil.Error:
-            ct = 0.0
+        ticks = start_ticks(popen.pid)
         if tmp:
-            _write_owner(tmp, popen.pid, ct)
+            _write_owner(tmp, popen.pid, ticks)
         r = Running(
             name=name,
             popen=popen,
             log_path=log_path,
             started_at=time.monotonic(),
             url=url,
-            create_time=ct,
+            start_ticks=ticks,
             tmp_dir=tmp,
         )
         for o in list(_observers):
@@ -199,9 +207,39 @@ TMP_PREFIX = "pds-tmp-"
 TMP_DIR = "tmpdir"
 
 
-# In each private folder: "<pid> <create_time>" of the process it was made for, so that a later
-# pd-sessions on the same machine can tell a dead owner's folder (remove_orphan_tmp_dirs).
+# In each private folder: "<pid> <start ticks> ticks" of the process it was made for, so that a
+# later pd-sessions on the same machine can tell a dead owner's folder (remove_orphan_tmp_dirs).
+# (An older pd-sessions wrote "<pid> <create_time>": read as an unknown owner, the folder is kept.)
 TMP_OWNER = ".pd-sessions-owner"
+
+PROC = Path("/proc")
+
+
+def start_ticks(pid: int, proc: Path = PROC) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (field 22 of ``/proc/PID/stat``, read after
+    the last ``)``: the command name may hold spaces and parentheses); None if there is no such
+    process. Fixed by the kernel at the fork: no wall clock, no ``btime`` in it."""
+    try:
+        stat = (proc / str(pid) / "stat").read_bytes()
+    except OSError:
+        return None
+    try:
+        return int(stat.rsplit(b")", 1)[1].split()[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def same_process(pid: int, ticks: int | None, proc: Path = PROC) -> bool:
+    """Is ``pid`` (alive, not a zombie) still the process that started at ``ticks``
+    (:func:`start_ticks`)? ``ticks`` None (unknown): whether anything by that PID is alive."""
+    now = start_ticks(pid, proc)
+    if now is None or (ticks is not None and now != ticks):
+        return False
+    try:
+        stat = (proc / str(pid) / "stat").read_bytes()
+        return stat.rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
 
 
 def remove_tmp_dir(path: Path) -> None:
@@ -211,15 +249,18 @@ def remove_tmp_dir(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _write_owner(tmp: Path, pid: int, create_time: float) -> None:
+def _write_owner(tmp: Path, pid: int, ticks: int | None) -> None:
+    if ticks is None:
+        return  # gone already: no owner record, the folder goes with the process's stop
     with contextlib.suppress(OSError):
-        (tmp / TMP_OWNER).write_text(f"{pid} {create_time!r}\n")
+        (tmp / TMP_OWNER).write_text(f"{pid} {ticks} ticks\n")
 
 
 def remove_orphan_tmp_dirs(root: Path | None = None) -> list[str]:
     """Remove the private temporary folders in ``root`` (the system's temporary folder) whose
-    owner is gone: its recorded PID not alive, or alive with another start time (a reused PID).
-    A folder without an owner record (being made, or made by an older pd-sessions) is left.
+    owner is gone: its recorded PID not alive, or alive with another start time in clock ticks (a
+    reused PID; :func:`same_process`). A folder without an owner record (being made), or with one
+    an older pd-sessions wrote (a wall-clock create_time), is left.
     What is left behind this way: the folders of a run whose stopping was cut short, e.g. its
     driver SIGKILLed across hosts, where only the nodes' Ray jobs ended the processes (their
     folders stay until a later agent on that node calls this). The owner counts as gone when
@@ -234,11 +275,13 @@ def remove_orphan_tmp_dirs(root: Path | None = None) -> list[str]:
         if not e.name.startswith(TMP_PREFIX) or not e.is_dir(follow_symlinks=False):
             continue
         try:
-            pid_s, ct_s = (Path(e.path) / TMP_OWNER).read_text().split()
-            pid, ct = int(pid_s), float(ct_s)
+            pid_s, ticks_s, unit = (Path(e.path) / TMP_OWNER).read_text().split()
+            pid, ticks = int(pid_s), int(ticks_s)
         except (OSError, ValueError):
             continue
-        if any(alive(p) for p in _tracked(Leader(e.name, pid, ct))):
+        if unit != "ticks":
+            continue
+        if any(alive(p) for p in _tracked(Leader(e.name, pid, ticks))):
             continue
         remove_tmp_dir(Path(e.path))
         removed.append(e.path)
@@ -278,10 +321,10 @@ class StopReport:
 def _tracked(r: Running | Leader) -> list[psutil.Process]:
     """The leader, its descendants, and anything else still in its session."""
     procs: dict[int, psutil.Process] = {}
+    if r.start_ticks is not None and start_ticks(r.pid) not in (None, r.start_ticks):
+        return []  # the PID was recycled: our leader and its session are long gone
     try:
         leader = psutil.Process(r.pid)
-        if r.create_time and abs(leader.create_time() - r.create_time) >= 0.01:
-            return []  # the PID was recycled: our leader and its session are long gone
         procs[leader.pid] = leader
         for c in leader.children(recursive=True):
             procs[c.pid] = c

@@ -200,7 +200,7 @@ class NodeAgent:
             if not shared:
                 self._local_logs[r.pid] = path
         tmp = str(r.tmp_dir) if r.tmp_dir else None
-        return {"pid": r.pid, "create_time": r.create_time, "shared": shared, "tmp_dir": tmp}
+        return {"pid": r.pid, "start_ticks": r.start_ticks, "shared": shared, "tmp_dir": tmp}
 
     def poll(self, pid: int) -> int | None:
         """Its exit status, or None while it runs (and its descendants recorded meanwhile)."""
@@ -210,7 +210,7 @@ class NodeAgent:
             with contextlib.suppress(psutil.Error):
                 kids = psutil.Process(pid).children(recursive=True)
                 seen = {x.pid for x in self._family.get(pid, [])}
-                new = [Leader(r.name, k.pid, k.create_time()) for k in kids if k.pid not in seen]
+                new = [Leader(r.name, k.pid, process.start_ticks(k.pid)) for k in kids if k.pid not in seen]
                 with self._lock:
                     self._family.setdefault(pid, []).extend(new)
                     self._recorded.extend(new)
@@ -259,7 +259,7 @@ class NodeAgent:
         for p in paths:
             process.remove_tmp_dir(Path(p))
 
-    def verify_gone(self, leaders: list[tuple[str, int, float]] | None = None) -> list[str]:
+    def verify_gone(self, leaders: list[tuple[str, int, int | None]] | None = None) -> list[str]:
         """'name pid N' for every recorded process (or every one of ``leaders``) still alive."""
         check = [Leader(*x) for x in leaders] if leaders is not None else list(self._recorded)
         return [f"{x.name} pid {x.pid}" for x in check if _alive(x)]
@@ -280,12 +280,7 @@ class NodeAgent:
 
 
 def _alive(x: Leader) -> bool:
-    try:
-        p = psutil.Process(x.pid)
-        same = not x.create_time or abs(p.create_time() - x.create_time) < 0.01
-        return same and process.alive(p)
-    except psutil.Error:
-        return False
+    return process.same_process(x.pid, x.start_ticks)
 
 
 def agent_class(ray: Any) -> Any:
@@ -614,7 +609,7 @@ class RayLauncher:
         got = self.hosts._call(ref)
         handle = RemoteHandle(self.hosts, node, got["pid"])
         r = Running(
-            spec.name, handle, log_path, time.monotonic(), spec.url, got["create_time"], node=spec.node
+            spec.name, handle, log_path, time.monotonic(), spec.url, got["start_ticks"], node=spec.node
         )
         item = self.remote[id(r)] = _Remote(r, handle, got["shared"], got.get("tmp_dir"))
         if not item.shared:
@@ -718,7 +713,7 @@ class RayLauncher:
             except self.hosts.ray.exceptions.RayActorError:
                 node.agent = self.hosts._start_agent(node)
                 known = [
-                    (it.running.name, it.running.pid, it.running.create_time)
+                    (it.running.name, it.running.pid, it.running.start_ticks)
                     for it in self.remote.values()
                     if it.handle.node.name == name
                 ]

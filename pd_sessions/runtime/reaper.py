@@ -21,9 +21,10 @@ signal to our group reaches them: only the harness, or the reaper, stops them.
   its parent (nox) exits, however it exits; children get the same (``child_preexec``).
 - **The reaper** (:class:`Reaper`, ``python -m pd_sessions.runtime.reaper``): a process in its own
   session (so a signal to our group, SIGKILL included, misses it), fed over a pipe with every
-  process the harness starts (name, PID, start time), when a teardown begins (and when its grace
-  ends), and when a teardown has verified them gone. The pipe's end is its only trigger: when the
-  harness exits, however it exits, the kernel closes the pipe; the reaper then stops whatever is
+  process the harness starts (name, PID, start time in clock ticks: process.start_ticks), when a
+  teardown begins (and when its grace ends), and when a teardown has verified them gone. The
+  pipe's end is its only trigger: when the harness exits, however it exits, the kernel closes the
+  pipe; the reaper then stops whatever is
   still recorded (SIGTERM, the rest of the grace the harness had begun, SIGKILL, every PID
   verified gone, as process.stop does), logs what it did to ``<results>/reaper.log``, and exits.
   After a clean exit nothing is recorded and it exits at once.
@@ -57,7 +58,7 @@ from pd_sessions.runtime.parentwatch import KILL_WAIT_S
 
 class _Process(Protocol):
     name: str
-    create_time: float
+    start_ticks: int | None
 
     @property
     def pid(self) -> int: ...
@@ -115,7 +116,7 @@ class Reaper(process.Observer):
             )
 
     def spawned(self, r: _Process) -> None:
-        self._send({"add": {"name": r.name, "pid": r.pid, "create_time": r.create_time}})
+        self._send({"add": {"name": r.name, "pid": r.pid, "start_ticks": r.start_ticks}})
 
     def stopping(self, rs: Sequence[_Process], kill_at: float) -> None:
         self._send({"stopping": [r.pid for r in rs], "kill_at": kill_at})

@@ -67,8 +67,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from pd_sessions.core import simhost_plan as core
 from pd_sessions.core.errors import HostSetupError, PdError, StopError
 from pd_sessions.core.simhost_plan import NetPlan, SimHost
@@ -116,20 +114,23 @@ def ray_command() -> list[str]:
 # The state files: what each run made, for the next run's stale-run sweep.
 
 
-def _identity(pid: int) -> dict[str, float | int]:
-    try:
-        return {"pid": pid, "create_time": psutil.Process(pid).create_time()}
-    except psutil.Error:
-        return {"pid": pid, "create_time": 0.0}
+def _identity(pid: int) -> dict[str, int | None]:
+    """A process as a state file records it: its PID and its start in clock ticks
+    (process.start_ticks; never a wall-clock time, see process.py)."""
+    return {"pid": pid, "start_ticks": process.start_ticks(pid)}
 
 
 def _alive(who: dict[str, Any] | None) -> bool:
+    """Is the recorded process still that process (process.same_process)? A record without
+    start ticks (an older pd-sessions wrote a wall-clock create_time) counts as alive while
+    anything by its PID is: an unknown owner is never declared gone."""
     if not who:
         return False
     try:
-        p = psutil.Process(int(who["pid"]))
-        return abs(p.create_time() - float(who["create_time"])) < 0.01 and process.alive(p)
-    except psutil.Error:
+        pid = int(who["pid"])
+        ticks = who.get("start_ticks")
+        return process.same_process(pid, None if ticks is None else int(ticks))
+    except (KeyError, TypeError, ValueError):
         return False
 
 
@@ -176,7 +177,13 @@ def _remove_recorded(doc: dict[str, Any]) -> list[str]:
     """Remove what a state file lists (processes, then links, then namespaces, then files);
     the failures."""
     failed = []
-    leaders = [process.Leader(**x) for x in doc.get("processes", [])]
+    # Only processes recorded with their start ticks are signalled (an older record's PID may
+    # be another process by now).
+    leaders = [
+        process.Leader(x["name"], int(x["pid"]), int(x["start_ticks"]))
+        for x in doc.get("processes", [])
+        if x.get("start_ticks") is not None
+    ]
     if leaders:
         try:
             process.stop_leaders(leaders, grace_s=RAY_GRACE_S)
@@ -290,7 +297,7 @@ class SimulatedHosts:
             r = process.spawn(name, argv, env=env, log_path=log_path)
             self._reaper.spawned(r)
             self._running.append(r)
-            self._state.add("processes", {"name": r.name, "pid": r.pid, "create_time": r.create_time})
+            self._state.add("processes", {"name": r.name, "pid": r.pid, "start_ticks": r.start_ticks})
         return r
 
     def build_network(self) -> None:
