@@ -345,7 +345,8 @@ class NoxRun(Cli):
 def simhosts_leftovers(run_id: str, pids=()) -> list[str]:
     """What simulated-hosts run ``run_id`` left on this machine: its namespaces, its links
     (bridge, veths), its short link, its state file, and any of ``pids`` (its Ray processes)
-    or their session members still alive."""
+    or their session members still alive; and the guard route (``unreachable 198.18.0.0/15``)
+    when no run's bridge is left to hold it."""
     from pd_sessions.core import simhost_plan as core
     from pd_sessions.runtime import netns
 
@@ -359,6 +360,8 @@ def simhosts_leftovers(run_id: str, pids=()) -> list[str]:
             left.append(f"file {path}")
     for sid in pids:
         left += [f"process {pid} of session {sid}" for pid in session_members(sid)]
+    if netns.exists(netns.ROUTE, netns.GUARD_ROUTE):  # there, and no run's bridge holds it
+        left.append(f"route unreachable {netns.GUARD_ROUTE}")
     return left
 
 

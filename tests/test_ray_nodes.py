@@ -68,7 +68,9 @@ def own_ray_cluster(tmp_path):
             netns.remove(netns.NETNS, h.netns)
             netns.remove(netns.LINK, h.peer)
         netns.remove(netns.LINK, plan.bridge)
+        netns.remove(netns.ROUTE, netns.GUARD_ROUTE)  # create_bridge added it (if no run held it)
         shutil.rmtree(short, ignore_errors=True)  # the nodes' temp dirs, and their parent
+        assert not netns.exists(netns.ROUTE, netns.GUARD_ROUTE)
         assert not any(netns.netns_exists(h.netns) for h in plan.hosts) and not netns.link_exists(plan.bridge)
         assert not any((netns.ETC_NETNS / h.netns).exists() for h in plan.hosts)
         assert not os.path.lexists(short)

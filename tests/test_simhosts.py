@@ -15,11 +15,11 @@ import textwrap
 
 import pytest
 from conftest import ROOT, Cli, simhosts_available, wait_for_text, wait_until
-from helpers import simhosts_leftovers
+from helpers import move_btime, old_rule_same, simhosts_leftovers
 
 from pd_sessions.core import simhost_plan as core
-from pd_sessions.core.errors import ConfigError, ProcessExited
-from pd_sessions.runtime import simhosts
+from pd_sessions.core.errors import ConfigError, HttpError, ProcessExited, RouteError
+from pd_sessions.runtime import routeguard, simhosts
 
 pytestmark = pytest.mark.multihost
 
@@ -288,7 +288,9 @@ def test_the_next_run_removes_what_a_dead_run_listed_and_nothing_else(tmp_path):
                     "owner": {"pid": int(gone_pid), "start_ticks": 1},
                     "reaper": {"pid": int(gone_pid), "start_ticks": 1},
                     "processes": [],
-                    "resources": [[kind, name] for kind, name in made] + [["file", str(link)]],
+                    "resources": [["route", netns.GUARD_ROUTE]]
+                    + [[kind, name] for kind, name in made]
+                    + [["file", str(link)]],
                 }
             )
         )
@@ -298,14 +300,17 @@ def test_the_next_run_removes_what_a_dead_run_listed_and_nothing_else(tmp_path):
         )
         said: list[str] = []
         assert simhosts.sweep_stale(states, said.append) == [dead]
-        assert f"run {dead}" in said[0] and "removing link pdsd0d0d0br" in said[0]
+        assert f"run {dead}" in said[0] and "removing route 198.18.0.0/15, link pdsd0d0d0br" in said[0]
         assert not any(netns.exists(kind, name) for kind, name in made)
         assert not os.path.lexists(link) and tmp_path.exists()
         assert not (states / f"{dead}.json").exists() and (states / f"{live}.json").exists()
         assert netns.link_exists(alive_bridge) and netns.link_exists(stray_bridge)
+        assert netns.guard_route_exists()  # the live run's bridge still holds it
     finally:
         for kind, name in [*made, (netns.LINK, alive_bridge), (netns.LINK, stray_bridge)]:
             netns.remove(kind, name)
+        netns.remove(netns.ROUTE, netns.GUARD_ROUTE)
+    assert not netns.exists(netns.ROUTE, netns.GUARD_ROUTE)
 
 
 def test_the_reaper_removes_recorded_links_and_files_when_the_harness_is_gone(tmp_path):
@@ -321,15 +326,20 @@ def test_the_reaper_removes_recorded_links_and_files_when_the_harness_is_gone(tm
     reaper = Reaper(tmp_path / "reaper.log", grace_s=1.0, warn=pytest.fail)
     try:
         reaper.created("file", str(state))
+        reaper.created(netns.ROUTE, netns.GUARD_ROUTE)
         reaper.created(netns.LINK, bridge)
         netns.create_bridge(bridge, str(subnet.network_address + 1), 24)
+        assert netns.guard_route_exists()
         reaper.close(timeout=60)  # the pipe ends as when the harness dies
         assert not netns.link_exists(bridge)
         assert not state.exists() and kept.exists()
         text = (tmp_path / "reaper.log").read_text()
         assert f"link {bridge}: removed" in text and f"file {state}: removed" in text
+        assert f"route {netns.GUARD_ROUTE}: " in text
+        assert not netns.exists(netns.ROUTE, netns.GUARD_ROUTE)
     finally:
         netns.remove(netns.LINK, bridge)
+        netns.remove(netns.ROUTE, netns.GUARD_ROUTE)
 
 
 def test_without_the_privilege_it_is_refused_before_anything_is_made(tmp_path, monkeypatch):
@@ -364,3 +374,195 @@ def test_single_host_code_imports_the_simulated_hosts_without_ray(tmp_path):
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+# --- issue 38: a live run is never taken for a dead one; its traffic never leaves the machine ---
+
+
+@pytest.mark.parametrize("by", [1.0, -1.0])
+def test_a_live_run_is_kept_by_the_sweep_whatever_btime_says(tmp_path, monkeypatch, by):
+    """btime (/proc/stat) moves by a whole second when the kernel recomputes it across a
+    second's boundary: every psutil create_time moves with it. The sweep tells a run's owner by
+    its start ticks, so a live run's bridge stays while a dead run's goes in the same sweep.
+    (The rule before, create_time within 0.01 s, took the live run for a dead one and removed its
+    bridge: what removed the suite's simulated_hosts_2 network.)"""
+    simhosts_available()
+    from pd_sessions.runtime import netns
+
+    states = tmp_path / "states"
+    states.mkdir()
+    live, dead = "a3a3a3", "b4b4b4"
+    subnet = core.pick_subnet(netns.root_addresses())
+    bridges = {run: core.bridge_name(run) for run in (live, dead)}
+    gone = subprocess.run([sys.executable, "-c", "import time; time.sleep(0.2)"], check=False)
+    assert gone.returncode == 0
+    try:
+        for k, run in enumerate((live, dead)):
+            netns.create_bridge(bridges[run], str(subnet.network_address + 200 + k), 32)
+        me = simhosts._identity(os.getpid())
+        dying = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        them = simhosts._identity(dying.pid)
+        dying.kill()
+        dying.wait()
+        for run, who in ((live, me), (dead, them)):
+            doc = {"run_id": run, "owner": who, "reaper": who}
+            doc["resources"] = [["route", netns.GUARD_ROUTE], ["link", bridges[run]]]
+            (states / f"{run}.json").write_text(json.dumps(doc))
+        recorded = __import__("psutil").Process().create_time()
+        move_btime(monkeypatch, by)
+        assert not old_rule_same(os.getpid(), recorded)  # the rule before: "the owner is gone"
+        said: list[str] = []
+        assert simhosts.sweep_stale(states, said.append) == [dead]
+        assert netns.link_exists(bridges[live]) and (states / f"{live}.json").exists()
+        assert not netns.link_exists(bridges[dead]) and not (states / f"{dead}.json").exists()
+        assert netns.guard_route_exists()  # the live run still holds it
+    finally:
+        for run in (live, dead):
+            netns.remove(netns.LINK, bridges[run])
+        netns.remove(netns.ROUTE, netns.GUARD_ROUTE)
+    assert not netns.exists(netns.ROUTE, netns.GUARD_ROUTE)
+
+
+def test_a_rehearsal_address_of_no_run_or_of_another_route_is_refused(monkeypatch, tmp_path):
+    """The route guard's rules without a network (route lookups faked): an address outside
+    198.18.0.0/15 passes; one of no run on this machine is refused when the route goes through a
+    gateway (off the machine) or there is none, and let through on a directly connected network;
+    one of a run must go through that run's bridge."""
+    from pd_sessions.runtime import netns
+
+    routes = {
+        "198.18.77.1": {"dst": "198.18.77.1", "gateway": "192.0.2.1", "dev": "eth0"},
+        "198.18.78.1": None,
+        "198.18.79.1": {"dst": "198.18.79.1", "dev": "lab0"},
+        "198.18.80.1": {"dst": "198.18.80.1", "dev": "eth0", "gateway": "192.0.2.1"},
+        "198.18.80.2": {"dst": "198.18.80.2", "dev": "pdsc5c5c5br"},
+    }
+    monkeypatch.setattr(netns, "route_get", lambda a: routes[a])
+    monkeypatch.setattr(netns, "ifindex", lambda dev: 7)
+    monkeypatch.setattr(routeguard, "_seen", {})
+    monkeypatch.setattr(routeguard, "_runs", {})
+    routeguard.check("10.1.2.3")
+    routeguard.check("127.0.0.1")
+    routeguard.check("localhost")
+    with pytest.raises(RouteError, match=r"198\.18\.77\.1: .*no simulated-hosts run .*gateway 192\.0\.2\.1"):
+        routeguard.check("198.18.77.1", state_dir=tmp_path)
+    with pytest.raises(RouteError, match=r"198\.18\.78\.1: .*no simulated-hosts run .*no route to it"):
+        routeguard.check("198.18.78.1", state_dir=tmp_path)
+    routeguard.check("198.18.79.1", state_dir=tmp_path)
+    routeguard.register("198.18.80.0/24", "c5c5c5")
+    said = r"bridge pdsc5c5c5br of simulated-hosts run c5c5c5 .*through eth0"
+    with pytest.raises(RouteError, match=said) as e:
+        routeguard.check("198.18.80.1", state_dir=tmp_path)
+    assert (e.value.bridge, e.value.run_id) == ("pdsc5c5c5br", "c5c5c5")
+    routeguard.check("198.18.80.2", state_dir=tmp_path)
+
+
+# Counts every packet for 198.18.0.0/15 that leaves the root namespace through any interface but
+# the loopback and the simulated hosts' own (``pds...``: the bridges; another run, the suite's
+# fixture, may be up): the default route's eth0 among them.
+NFT_TABLE = "pds_guard_test"
+NFT_COUNTER = f"""table ip {NFT_TABLE} {{
+  counter leaked {{ }}
+  chain out {{
+    type filter hook output priority 0; policy accept;
+    ip daddr 198.18.0.0/15 oifname "lo" accept
+    ip daddr 198.18.0.0/15 oifname "{core.PREFIX}*" accept
+    ip daddr 198.18.0.0/15 counter name "leaked"
+  }}
+}}
+"""
+
+
+def _leaked() -> int:
+    out = subprocess.run(
+        ["nft", "-j", "list", "counter", "ip", NFT_TABLE, "leaked"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    doc = json.loads(out.stdout)
+    return next(x["counter"]["packets"] for x in doc["nftables"] if "counter" in x)
+
+
+def _guard_routes() -> str:
+    return subprocess.run(
+        ["ip", "route", "show", "198.18.0.0/15"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def test_a_removed_bridge_fails_the_next_connection_at_once_and_nothing_leaves(tmp_path, monkeypatch):
+    """A run of its own (its "Ray" a sleeper), its bridge deleted by hand: the next connection to
+    its addresses (a request, a probe, the driver's join, a fresh process's request) fails at once
+    naming the bridge and the run, and no packet for 198.18.0.0/15 leaves through another
+    interface (an nftables counter in the root namespace's output chain stays 0, while it counts
+    a datagram sent through another interface on purpose)."""
+    simhosts_available()
+    import socket
+    import time
+
+    from pd_sessions.runtime import http, netns, raylaunch
+
+    def sleeper(self, timeout_s):
+        argv = [sys.executable, "-c", "import time; time.sleep(600)"]
+        self._spawn("ray-head", argv, dict(os.environ), self.results_dir / "sleeper.log")
+        self.ray_address = f"{self.plan.bridge_address}:6379"
+
+    monkeypatch.setattr(simhosts.SimulatedHosts, "start_ray", sleeper)
+    raylaunch.import_ray()  # imported before the clock starts
+    sim = simhosts.start(1, tmp_path / "r", say=print)
+    dummy = f"i38t{sim.run_id}a"  # not pds...: the counter counts what leaves through it
+    try:
+        (h,) = sim.hosts
+        assert _guard_routes() == "unreachable 198.18.0.0/15"
+        subprocess.run(["nft", "-f", "-"], input=NFT_COUNTER, text=True, check=True)
+        # The counter counts: a datagram through another interface (a veth pair of the root
+        # namespace: it goes nowhere).
+        subprocess.run(
+            ["ip", "link", "add", dummy, "type", "veth", "peer", "name", f"{dummy[:-1]}b"], check=True
+        )
+        subprocess.run(["ip", "addr", "add", "198.19.254.1/24", "dev", dummy], check=True)
+        for end in (dummy, f"{dummy[:-1]}b"):
+            subprocess.run(["ip", "link", "set", end, "up"], check=True)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.sendto(b"x", ("198.19.254.9", 9))
+        assert _leaked() == 1
+        subprocess.run(["ip", "link", "del", dummy], check=True)
+        reset = ["nft", "reset", "counter", "ip", NFT_TABLE, "leaked"]
+        subprocess.run(reset, check=True, capture_output=True)
+        # Through the bridge: checked and let through (nothing listens there: refused).
+        url = f"http://{h.address}:9/health"
+        with pytest.raises(HttpError, match="connection refused"):
+            http.request(url, timeout=2)
+        routeguard.check(sim.driver_address)
+
+        subprocess.run(["ip", "link", "del", sim.plan.bridge], check=True)
+        said = rf"the bridge {sim.plan.bridge} of simulated-hosts run {sim.run_id} is gone"
+        took = {}
+        for what, call in {
+            "request": lambda: http.request(url, timeout=30),
+            "probe of the head": simhosts._tcp_probe(sim.driver_address, 6379),
+            "driver's join": lambda: raylaunch.RayHosts(sim.ray_address),
+        }.items():
+            t0 = time.monotonic()
+            with pytest.raises(RouteError, match=said):
+                call()
+            took[what] = time.monotonic() - t0
+        code = f"from pd_sessions.runtime import http; http.request({url!r}, timeout=30)"
+        t0 = time.monotonic()
+        fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env())
+        took["a fresh process"] = time.monotonic() - t0
+        assert fresh.returncode != 0 and "RouteError" in fresh.stderr
+        assert f"bridge {sim.plan.bridge} of simulated-hosts run {sim.run_id} is gone" in fresh.stderr
+        print(f"refused in: {', '.join(f'{k} {v:.3f} s' for k, v in took.items())}")
+        assert max(took.values()) < 5.0, took
+        # Past the guard, by hand: the kernel refuses it too, and no packet goes anywhere.
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s, pytest.raises(OSError):
+            s.sendto(b"x", (h.address, 9))
+        assert _leaked() == 0
+    finally:
+        subprocess.run(["ip", "link", "del", dummy], capture_output=True, check=False)
+        subprocess.run(["nft", "delete", "table", "ip", NFT_TABLE], capture_output=True, check=False)
+        sim.close()
+    assert simhosts_leftovers(sim.run_id) == []
+    if not netns._rehearsal_addresses():  # no other run is up: the route went with this one
+        assert _guard_routes() == ""

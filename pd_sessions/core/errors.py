@@ -103,6 +103,18 @@ class HostSetupError(PdError):
     step, which namespace or link, and the kernel's answer."""
 
 
+class RouteError(PdError):
+    """A connection to a simulated host's address (198.18.0.0/15) was refused before it was made:
+    its route does not go through its run's bridge (the bridge is gone, or the run is). Names the
+    address, the bridge and the run (runtime/routeguard.py)."""
+
+    def __init__(self, address: str, message: str, *, bridge: str | None = None, run_id: str | None = None):
+        self.address = address
+        self.bridge = bridge
+        self.run_id = run_id
+        super().__init__(f"{address}: {message}")
+
+
 class CheckFailed(PdError):
     """A check ran and its verdict is 'fail'."""
 

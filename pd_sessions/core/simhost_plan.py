@@ -5,8 +5,10 @@ A simulated host is a network namespace on a bridge, with its own address, its o
 disjoint share of the machine's cores (and GPUs) and a real Ray node. The Ray head and the
 driver (the harness, the router) stay on the root side, on the bridge's address.
 
-Addresses: one /24 of 198.18.0.0/15 (RFC 2544's range for benchmarking, routed nowhere) per run,
-the first one no address of this machine is in already:
+Addresses: one /24 of 198.18.0.0/15 (RFC 2544's range for benchmarking, routed nowhere; while a
+run is up the root namespace makes it unreachable but for the bridges' own /24s, runtime/netns.py)
+per run, the first one no address of this machine is in already (:func:`subnet_of` tells an
+address's /24, :func:`bridge_name` its run's bridge):
 
 | what | address |
 | --- | --- |
@@ -201,6 +203,22 @@ def pick_subnet(used: Iterable[str]) -> ipaddress.IPv4Network:
     )
 
 
+def bridge_name(run_id: str) -> str:
+    """Run ``run_id``'s bridge (root side)."""
+    return f"{PREFIX}{run_id}br"
+
+
+def subnet_of(address: str) -> str | None:
+    """The run's /24 that ``address`` is in ("198.18.3.0/24"), None outside 198.18.0.0/15."""
+    try:
+        ip = ipaddress.IPv4Address(address)
+    except ValueError:
+        return None
+    if ip not in NETWORK:
+        return None
+    return str(ipaddress.IPv4Network(f"{ip}/{SUBNET_PREFIX}", strict=False))
+
+
 def ifnames(run_id: str, k: int) -> tuple[str, str]:
     """(name in the namespace, name of the peer on the bridge) of host ``k``."""
     inside, peer = f"{PREFIX}{run_id}n{k}", f"{PREFIX}{run_id}h{k}"
@@ -236,7 +254,7 @@ def plan_network(
                 labels={HOST_LABEL: name},
             )
         )
-    bridge = f"{PREFIX}{run_id}br"
+    bridge = bridge_name(run_id)
     assert len(bridge) <= IFNAMSIZ
     return NetPlan(
         run_id=run_id,

@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 
 from pd_sessions.core.errors import PdError, ReadinessTimeout, StopError
 from pd_sessions.core.plan import ClusterPlan, ProcessSpec
-from pd_sessions.runtime import gate, http, pairs, process
+from pd_sessions.runtime import gate, http, pairs, process, routeguard
 from pd_sessions.runtime.launcher import LOCAL, Launcher
 from pd_sessions.runtime.ports import PortAllocator
 from pd_sessions.runtime.process import Running
@@ -354,6 +354,8 @@ def _warm_pairs_and_router(
     ``pairs_warm`` and ``router_ready``."""
     plan = cluster.plan
     t1 = time.monotonic()
+    for s in plan.instances:  # the router connects to them: through their run's bridge, or not at all
+        routeguard.check(urlsplit(s.url).hostname)
     gate.open_gate(router)
     # Every instance is healthy: from here a P/D path that keeps failing ends the wait
     # within the budget, not at the overall deadline.

@@ -1,7 +1,9 @@
 """Minimal JSON-over-HTTP client for our own loopback servers (edge).
 
 Built on urllib with proxies disabled: traffic must go straight to the
-addresses in the plan, whatever http_proxy says.
+addresses in the plan, whatever http_proxy says. A request to a simulated host's address
+(198.18.0.0/15) is checked first to go through its run's bridge (runtime/routeguard.py):
+routeguard's RouteError, not HttpError, when it would not.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 # Re-exported: callers catch ``http.HttpError``; it lives with the rest of the family in errors.py.
 from pd_sessions.core.errors import HttpError as HttpError
+from pd_sessions.runtime import routeguard
 
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 _held: dict[tuple[str, int] | None, int] = {}  # address held (None: every one) -> how many hold it
@@ -61,6 +64,7 @@ def request(
 ) -> tuple[int, bytes]:
     if _is_held(url):
         raise HttpError(url, "not sent: the cluster is being torn down")
+    routeguard.check(urllib.parse.urlsplit(url).hostname)
     data = None if payload is None else json.dumps(payload).encode()
     req = urllib.request.Request(
         url,

@@ -16,16 +16,31 @@ Nothing here sends a packet: a bridge forwards nothing it receives to another in
 (``/proc/sys/net/ipv4/conf/<bridge>/forwarding`` = 0, whatever the machine's ``ip_forward``), so
 a namespace's default route ends at the bridge's address; :func:`forwards_out` checks that with a
 route lookup (no packet).
+
+Nor does the root side send one off the machine: while any run's bridge is up, the root namespace
+has an ``unreachable 198.18.0.0/15`` route (:func:`create_bridge` adds it before the first bridge,
+:func:`remove` of kind :data:`ROUTE` drops it once no rehearsal address is left on this machine;
+both under one machine-wide lock). Each bridge's own /24 is a longer prefix and still wins; an
+address whose bridge is gone then fails at once ("No route to host") instead of following the
+default route out of the machine (issue 38). The route is recorded like a link (the reaper, the
+state file), so a SIGKILLed run whose reaper died too leaves it only until the next run's sweep.
+:func:`route_get` is the lookup runtime/routeguard.py checks every rehearsal connection with.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import ipaddress
 import json
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from pd_sessions.core.errors import HostSetupError
+from pd_sessions.core.simhost_plan import NETWORK
 
 SYSFS_NET = Path("/sys/class/net")
 PROC_CONF = Path("/proc/sys/net/ipv4/conf")
@@ -42,8 +57,14 @@ RESOLV_CONF = (
     "nameserver 127.0.0.1\n"
     "options timeout:1 attempts:1\n"
 )
-# Kinds of what this module creates, as the reaper records them.
-LINK, NETNS = "link", "netns"
+# Kinds of what this module creates, as the reaper records them. ROUTE: the root namespace's
+# ``unreachable`` route for the whole rehearsal range (its name: "198.18.0.0/15"), shared by every
+# run on this machine.
+LINK, NETNS, ROUTE = "link", "netns", "route"
+GUARD_ROUTE = str(NETWORK)
+# Held while the guard route is added with a bridge, or dropped after the last one (machine-wide:
+# runs with different state folders share the route).
+GUARD_LOCK = Path("/run/pd-sessions/route.lock")
 
 
 def _ip(*args: str, step: str) -> str:
@@ -75,15 +96,52 @@ def netns_exists(name: str) -> bool:
     return (NETNS_DIR / name).exists()
 
 
+@contextlib.contextmanager
+def _guard_locked() -> Iterator[None]:
+    GUARD_LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with open(GUARD_LOCK, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def guard_route_exists() -> bool:
+    """Is the ``unreachable 198.18.0.0/15`` route in the root namespace?"""
+    routes = json.loads(_ip("-j", "route", "show", GUARD_ROUTE, step="listing the guard route") or "[]")
+    return any(r.get("type") == "unreachable" for r in routes)
+
+
+def _rehearsal_addresses() -> list[str]:
+    """This namespace's addresses in 198.18.0.0/15 (a live run's bridge holds one)."""
+    return [a for a in root_addresses() if ipaddress.ip_interface(a).ip in NETWORK]
+
+
+def release_guard_route() -> bool:
+    """Drop the guard route if no rehearsal address is left on this machine (the last run is
+    gone); True if it was dropped."""
+    with _guard_locked():
+        if _rehearsal_addresses() or not guard_route_exists():
+            return False
+        _ip("route", "del", "unreachable", GUARD_ROUTE, step="removing the guard route")
+        return True
+
+
 def create_bridge(name: str, address: str, prefixlen: int) -> None:
-    """A bridge ``name`` with ``address``/``prefixlen``, up, forwarding nothing elsewhere."""
+    """A bridge ``name`` with ``address``/``prefixlen``, up, forwarding nothing elsewhere; the
+    guard route (``unreachable 198.18.0.0/15``) added first if it is not there (the caller
+    records :data:`ROUTE` before, as it records the bridge)."""
     step = f"creating bridge {name} ({address}/{prefixlen})"
-    _ip("link", "add", name, "type", "bridge", step=step)
-    try:
-        (PROC_CONF / name / "forwarding").write_text("0\n")
-    except OSError as e:
-        raise HostSetupError(f"simulated hosts: {step}: turning its forwarding off: {e}") from e
-    _ip("addr", "add", f"{address}/{prefixlen}", "dev", name, step=step)
+    with _guard_locked():
+        if not guard_route_exists():
+            _ip("route", "add", "unreachable", GUARD_ROUTE, step=f"{step}: adding the guard route")
+        _ip("link", "add", name, "type", "bridge", step=step)
+        try:
+            (PROC_CONF / name / "forwarding").write_text("0\n")
+        except OSError as e:
+            raise HostSetupError(f"simulated hosts: {step}: turning its forwarding off: {e}") from e
+        _ip("addr", "add", f"{address}/{prefixlen}", "dev", name, step=step)
     _ip("link", "set", name, "up", step=step)
 
 
@@ -110,7 +168,13 @@ def add_host(
 def remove(kind: str, name: str) -> bool:
     """Remove one thing the simulated hosts created, by kind (:data:`LINK`: a veth's root end
     takes its pair with it; :data:`NETNS`: its interfaces go with the last process in it, its
-    /etc/netns folder with it); False if it was gone already."""
+    /etc/netns folder with it; :data:`ROUTE`: the shared guard route, dropped only once no run's
+    bridge is left, :func:`release_guard_route`); False if it was gone already (or, for the
+    route, is still held by another run)."""
+    if kind == ROUTE:
+        if name != GUARD_ROUTE:
+            raise ValueError(f"unknown route {name!r}")
+        return release_guard_route()
     if kind not in (LINK, NETNS):
         raise ValueError(f"unknown kind {kind!r}")
     if kind == NETNS:
@@ -130,7 +194,36 @@ def remove(kind: str, name: str) -> bool:
 
 
 def exists(kind: str, name: str) -> bool:
+    """Is it there? For :data:`ROUTE`: left over (there while no run's bridge holds it)."""
+    if kind == ROUTE:
+        return guard_route_exists() and not _rehearsal_addresses()
     return link_exists(name) if kind == LINK else netns_exists(name)
+
+
+def route_get(address: str) -> dict[str, Any] | None:
+    """The root namespace's (this namespace's) route to ``address`` (``ip -j route get``: its
+    ``type``, ``dev``...), None where there is none ("No route to host": the guard route). A
+    lookup, no packet."""
+    out = subprocess.run(["ip", "-j", "route", "get", address], capture_output=True, text=True, timeout=30)
+    if out.returncode != 0:
+        return None
+    routes = json.loads(out.stdout or "[]")
+    return routes[0] if routes else None
+
+
+def interface_with(address: str) -> str | None:
+    """The interface of this namespace that carries ``address``, or None."""
+    out = _ip("-j", "-4", "addr", "show", "to", f"{address}/32", step=f"finding {address}")
+    links = json.loads(out or "[]")
+    return str(links[0]["ifname"]) if links else None
+
+
+def ifindex(name: str) -> int | None:
+    """``name``'s interface index, None if there is no such interface (a cheap read of sysfs)."""
+    try:
+        return int((SYSFS_NET / name / "ifindex").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def counters(peer: str) -> tuple[int, int]:

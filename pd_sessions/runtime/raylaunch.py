@@ -54,7 +54,7 @@ from pd_sessions.core.inventory import Inventory
 from pd_sessions.core.plan import ClusterPlan, ProcessSpec
 from pd_sessions.core.plan.across_hosts import HostFacts, HostLayout
 from pd_sessions.runtime import machine as hostinfo
-from pd_sessions.runtime import parentwatch, process, tiny_model, wire_apply
+from pd_sessions.runtime import parentwatch, process, routeguard, tiny_model, wire_apply
 from pd_sessions.runtime.launcher import LOCAL
 from pd_sessions.runtime.ports import PortAllocator
 from pd_sessions.runtime.process import Leader, Running, StopReport
@@ -328,6 +328,7 @@ class RayHosts:
     def __init__(self, address: str, *, say: Callable[[str], None] | None = None):
         self.ray = import_ray()
         self.say = say or (lambda msg: log.info("%s", msg))
+        routeguard.check(address.rpartition(":")[0].strip("[]"))  # a rehearsal's bridge is there
         handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         t0 = time.monotonic()
         try:

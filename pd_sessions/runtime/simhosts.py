@@ -44,10 +44,17 @@ Teardown on every exit path
   when the harness dies (parent death) and takes its node's processes with it.
 - The reaper killed too: the next run's stale-run sweep. Each run writes
   ``/run/pd-sessions/simhosts/<run id>.json`` (what it made, its pid and its reaper's); a file
-  whose run and reaper are both gone is cleaned, and only what it lists is removed.
+  whose run and reaper are both gone is cleaned, and only what it lists is removed. "Gone" is
+  told by PID and start time in clock ticks (process.same_process), never by a wall-clock
+  create_time: psutil's moves by a whole second with the kernel's btime, and a live run was
+  once taken for a dead one and its network removed (issue 38).
 
 Nothing sends traffic off the machine: a namespace's packets end at the bridge's address
-(runtime/netns.py), and Ray's usage stats are off.
+(runtime/netns.py), the root namespace has ``unreachable 198.18.0.0/15`` while any run is up
+(recorded as the first resource, dropped with the last run), every connection from here to a
+rehearsal address is checked to go through its run's bridge (runtime/routeguard.py: the head's
+and the nodes' probes here, the driver's join, runtime/http.py's requests), and Ray's usage
+stats are off.
 """
 
 from __future__ import annotations
@@ -70,7 +77,7 @@ from typing import Any
 from pd_sessions.core import simhost_plan as core
 from pd_sessions.core.errors import HostSetupError, PdError, StopError
 from pd_sessions.core.simhost_plan import NetPlan, SimHost
-from pd_sessions.runtime import netns, process, readiness
+from pd_sessions.runtime import netns, process, readiness, routeguard
 from pd_sessions.runtime.ports import PortAllocator
 from pd_sessions.runtime.reaper import Reaper
 
@@ -205,7 +212,7 @@ def _remove_recorded(doc: dict[str, Any]) -> list[str]:
 def sweep_stale(state_dir: Path, say: Callable[[str], None]) -> list[str]:
     """Clean every run whose harness and reaper are both gone (a SIGKILLed run whose reaper
     died too, a machine that lost power mid-run is cleared by the reboot): only what its
-    state file lists. The run ids cleaned."""
+    state file lists; then the guard route if no run's bridge is left. The run ids cleaned."""
     cleaned = []
     for path, doc in _runs(state_dir):
         if _alive(doc.get("owner")) or _alive(doc.get("reaper")):
@@ -221,6 +228,11 @@ def sweep_stale(state_dir: Path, say: Callable[[str], None]) -> list[str]:
             continue
         path.unlink(missing_ok=True)
         cleaned.append(str(doc.get("run_id")))
+    try:  # a guard route no run holds (one whose state file was lost): gone too
+        if netns.release_guard_route():
+            say(f"simulated hosts: removed the route unreachable {netns.GUARD_ROUTE} no run held")
+    except PdError as e:
+        say(f"simulated hosts: could not remove the route unreachable {netns.GUARD_ROUTE}: {e}")
     return cleaned
 
 
@@ -302,6 +314,7 @@ class SimulatedHosts:
 
     def build_network(self) -> None:
         p = self.plan
+        self._record(netns.ROUTE, netns.GUARD_ROUTE)  # added with the first run's bridge
         self._record(netns.LINK, p.bridge)
         netns.create_bridge(p.bridge, p.bridge_address, p.prefixlen)
         for h in self.hosts:
@@ -409,6 +422,7 @@ class SimulatedHosts:
                 self._state.path.unlink(missing_ok=True)
                 self._reaper.removed(FILE, str(self._state.path))
             self._reaper.close(timeout=10)
+        routeguard.forget(self.plan.subnet, self.run_id)
         if failed:
             raise HostSetupError(
                 f"simulated hosts: run {self.run_id} left: {'; '.join(failed)} (state: {self._state.path})"
@@ -418,6 +432,7 @@ class SimulatedHosts:
 
 def _tcp_probe(host: str, port: int) -> readiness.Probe:
     def probe() -> str | None:
+        routeguard.check(host)  # a gone bridge fails the wait at once (RouteError)
         try:
             with socket.create_connection((host, port), timeout=1.0):
                 return None
@@ -441,6 +456,7 @@ class _Nodes:
         from ray._raylet import GcsClient
         from ray.core.generated.gcs_pb2 import GcsNodeInfo
 
+        routeguard.check(self.address.rpartition(":")[0])
         try:
             if self._client is None:
                 self._client = GcsClient(address=self.address)
@@ -507,6 +523,7 @@ def start(
             run_id = secrets.token_hex(core.RUN_ID_LEN // 2)
         used = netns.root_addresses() + [str(doc["subnet"]) for _, doc in _runs(states) if doc.get("subnet")]
         plan = core.plan_network(n, run_id, core.pick_subnet(used), cores, gpus)
+        routeguard.register(plan.subnet, run_id)
         state = _State(
             states / f"{run_id}.json",
             {
