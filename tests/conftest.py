@@ -455,7 +455,7 @@ def simulated_hosts_2(tmp_path_factory):
 # --- across hosts (issue 26): real vLLM on the simulated hosts, through --ray ----------------
 
 
-# The faults on the wire between the hosts (issue 29: checks/faults/wire_scenarios.py), run by the
+# The faults on the wire between the hosts (issue 29: checks/faults/wire_*.py), run by the
 # rehearsal runs on the same clusters after the default checks (tests/test_e2e_wire_faults.py).
 WIRE = ("--check", "wire")
 # wire_loss's rates per rehearsal run. Over Mooncake only 2 % in CI: at 20 % a KV pull sometimes

@@ -1,5 +1,5 @@
 """Faults on the wire between the prefill and decode hosts (issue 29): the rules and qdiscs
-(core/wire_rules.py), their counters' parsing, the scenarios' verdicts (checks/faults/wire_scenarios.py), the
+(core/wire_rules.py), their counters' parsing, the scenarios' verdicts (checks/faults/wire_*.py), the
 refusal on one host; and the rules applied for real in a network namespace (root and `nft`),
 where a KV port is cut and another port is not. The verdicts' can-fail cases: a fault that did
 not bite (its counters at zero) fails its scenario. The e2e runs: tests/test_e2e_wire_faults.py."""
@@ -16,7 +16,7 @@ import uuid
 import pytest
 from conftest import ROOT
 
-from pd_sessions.checks.faults import wire_scenarios as scenarios
+from pd_sessions.checks.faults import wire_cap, wire_common, wire_delay, wire_loss, wire_partition
 from pd_sessions.checks.faults.promise import CORRECT, FAILED_CLEARLY, HUNG, WRONG, Outcome, Recovery
 from pd_sessions.core import check_registry, selection, wire_rules
 from pd_sessions.core.errors import ConfigError
@@ -104,12 +104,12 @@ def test_the_counters_and_the_qdisc_statistics_are_read_from_the_tools_json():
 
 def test_loss_passes_when_every_rate_bit_and_the_promise_held_and_says_where_requests_slowed():
     runs = [
-        scenarios.RateRun(2, [out(s=0.2)] * 3, {"seen": 200, "dropped": 4}),
-        scenarios.RateRun(
+        wire_loss.RateRun(2, [out(s=0.2)] * 3, {"seen": 200, "dropped": 4}),
+        wire_loss.RateRun(
             20, [out(s=1.5), out(FAILED_CLEARLY, 1.0, 500), out(s=1.6)], {"seen": 60, "dropped": 12}
         ),
     ]
-    r = scenarios.evaluate_loss(runs, [out(s=0.15)] * 3, OK)
+    r = wire_loss.evaluate(runs, [out(s=0.15)] * 3, OK)
     assert r.verdict == PASS, r.message
     assert r.details["first_slow_rate"] == 20 and r.details["first_failing_rate"] == 20
     assert "requests slowed from 20 %, failed from 20 %" in r.message
@@ -118,10 +118,10 @@ def test_loss_passes_when_every_rate_bit_and_the_promise_held_and_says_where_req
 
 def test_loss_whose_rule_dropped_nothing_fails_the_fault_did_not_bite():
     runs = [
-        scenarios.RateRun(2, [out()] * 3, {"seen": 0, "dropped": 0}),
-        scenarios.RateRun(20, [out()] * 3, {"seen": 60, "dropped": 12}),
+        wire_loss.RateRun(2, [out()] * 3, {"seen": 0, "dropped": 0}),
+        wire_loss.RateRun(20, [out()] * 3, {"seen": 60, "dropped": 12}),
     ]
-    r = scenarios.evaluate_loss(runs, [out()] * 3, OK)
+    r = wire_loss.evaluate(runs, [out()] * 3, OK)
     assert r.verdict == FAIL
     assert (
         "2 %: the fault did not bite: the rule dropping 2 % dropped no KV packet (dropped 0, seen 0)"
@@ -131,13 +131,13 @@ def test_loss_whose_rule_dropped_nothing_fails_the_fault_did_not_bite():
 
 @pytest.mark.parametrize("kind", [WRONG, HUNG])
 def test_loss_with_a_wrong_or_hung_request_breaks_the_promise(kind):
-    runs = [scenarios.RateRun(20, [out(), out(kind, 31.0, None)], {"seen": 60, "dropped": 12})]
-    r = scenarios.evaluate_loss(runs, [out()], OK)
+    runs = [wire_loss.RateRun(20, [out(), out(kind, 31.0, None)], {"seen": 60, "dropped": 12})]
+    r = wire_loss.evaluate(runs, [out()], OK)
     assert r.verdict == FAIL and "20 %: 1 request(s) broke the promise" in r.message
 
 
 def test_partition_passes_naming_what_the_requests_got_and_the_time_to_serve_again():
-    r = scenarios.evaluate_partition(
+    r = wire_partition.evaluate(
         [out(s=3.5)] * 4,
         {"seen": 16, "dropped": 16},
         OK,
@@ -155,28 +155,28 @@ def test_partition_passes_naming_what_the_requests_got_and_the_time_to_serve_aga
 
 def test_a_partition_that_dropped_nothing_fails_and_so_does_an_unrecovered_cluster():
     kw = {"partition_s": 3.0, "answered_after_heal_s": [0.1], "recovered_after_heal_s": 0.9}
-    r = scenarios.evaluate_partition([out()] * 4, {"seen": 0, "dropped": 0}, OK, **kw)
+    r = wire_partition.evaluate([out()] * 4, {"seen": 0, "dropped": 0}, OK, **kw)
     assert r.verdict == FAIL and "the fault did not bite" in r.message
     sick = Recovery({"decode-0": "HTTP 503"}, {"decode-0": "1 requests still running"}, None, 30, 30)
-    r = scenarios.evaluate_partition([out()] * 4, {"seen": 9, "dropped": 9}, sick, **kw)
+    r = wire_partition.evaluate([out()] * 4, {"seen": 9, "dropped": 9}, sick, **kw)
     assert r.verdict == FAIL and "decode-0: /health HTTP 503" in r.message
 
 
 def test_cap_passes_only_when_tbf_counted_overlimits_or_drops_and_every_request_passed():
     stats = {"bytes": 837077, "packets": 591, "drops": 28, "overlimits": 521}
-    r = scenarios.evaluate_cap([out(s=2.3)] * 3, [out(s=0.1)] * 3, stats, OK, rate_kbit=4000)
+    r = wire_cap.evaluate([out(s=2.3)] * 3, [out(s=0.1)] * 3, stats, OK, rate_kbit=4000)
     assert r.verdict == PASS, r.message
     assert r.details["cap_time_s"] == round(837077 * 8 / 4_000_000, 3)
     assert "median 2.30 s against 0.10 s uncapped" in r.message
     for bad in (None, {**stats, "drops": 0, "overlimits": 0}):
-        r = scenarios.evaluate_cap([out()] * 3, [out()] * 3, bad, OK, rate_kbit=4000)
+        r = wire_cap.evaluate([out()] * 3, [out()] * 3, bad, OK, rate_kbit=4000)
         assert r.verdict == FAIL and "the fault did not bite: tbf at 4000 kbit/s" in r.message
-    r = scenarios.evaluate_cap([out(), out(FAILED_CLEARLY, 1, 500)], [out()], stats, OK, rate_kbit=4000)
+    r = wire_cap.evaluate([out(), out(FAILED_CLEARLY, 1, 500)], [out()], stats, OK, rate_kbit=4000)
     assert r.verdict == FAIL and "did not pass (a capped link must only slow them)" in r.message
 
 
 def test_delay_without_netem_is_recorded_as_not_run_never_silently():
-    r = scenarios.evaluate_delay(delay_ms=20, no_netem="Error: Specified qdisc kind is unknown.")
+    r = wire_delay.evaluate(delay_ms=20, no_netem="Error: Specified qdisc kind is unknown.")
     assert r.verdict == PASS
     assert r.message.startswith(
         "not run: no netem in this kernel (tc: Error: Specified qdisc kind is unknown.)"
@@ -185,7 +185,7 @@ def test_delay_without_netem_is_recorded_as_not_run_never_silently():
 
 
 def test_delay_where_netem_exists_must_bite_and_keep_every_request_correct():
-    ok = scenarios.evaluate_delay(
+    ok = wire_delay.evaluate(
         delay_ms=20,
         no_netem=None,
         outcomes=[out(s=0.3)],
@@ -194,16 +194,16 @@ def test_delay_where_netem_exists_must_bite_and_keep_every_request_correct():
         recovery=OK,
     )
     assert ok.verdict == PASS and ok.details["ran"] is True
-    idle = scenarios.evaluate_delay(
+    idle = wire_delay.evaluate(
         delay_ms=20, no_netem=None, outcomes=[out()], baseline=[out()], stats={"packets": 0}
     )
     assert idle.verdict == FAIL and "the fault did not bite: netem delaying 20 ms" in idle.message
 
 
 def test_slow_needs_both_the_factor_and_half_a_second():
-    assert not scenarios.slow([0.5, 0.5], 0.15)  # 3x, but +0.35 s: scheduling noise on the tiny model
-    assert scenarios.slow([0.9, 1.0, 1.1], 0.2)
-    assert not scenarios.slow([1.5], 1.0)  # +0.5 s, but 1.5x
+    assert not wire_common.slow([0.5, 0.5], 0.15)  # 3x, but +0.35 s: scheduling noise on the tiny model
+    assert wire_common.slow([0.9, 1.0, 1.1], 0.2)
+    assert not wire_common.slow([1.5], 1.0)  # +0.5 s, but 1.5x
 
 
 # ---------------------------------------------------------------- selection and the refusal

@@ -1,5 +1,6 @@
-"""Runs every selected check against a ready cluster, in the registry's order, from one table
-of gatherers (``GATHERERS``: check name -> its module's ``run(window, options)``).
+"""Runs every selected check against a ready cluster, in the registry's order, each through the
+gatherer its registration names (core/check_registry.py: ``gatherer=(module, function)``,
+resolved here into ``GATHERERS``: check name -> e.g. its module's ``run(window, options)``).
 
 The order matters; the check window (checks/window.py) carries what the first checks share:
 
@@ -30,23 +31,11 @@ dying process still reports the checks that finished.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
-from pd_sessions.checks import (
-    abort_frees_kv,
-    burst,
-    cache_paths,
-    kv_transfer,
-    parity,
-    perf,
-    preemption,
-    request_features,
-    smoke,
-    too_long,
-)
 from pd_sessions.checks import accuracy as acc
-from pd_sessions.checks.faults import corrupt, drop, peer_death, restart, stall_abort, wire_scenarios
 from pd_sessions.checks.instances import REQUEST_TIMEOUT_S
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core import check_registry as registry
@@ -55,30 +44,39 @@ from pd_sessions.runtime.cluster import Cluster
 
 Gatherer = Callable[[CheckWindow, Mapping[str, Any]], CheckResult]
 
-# Every registered check's gatherer (a test keeps these names equal to the registry's).
-GATHERERS: dict[str, Gatherer] = {
-    "smoke": smoke.run,
-    "parity": parity.run,
-    "kv_transfer": kv_transfer.run,
-    "request_features": request_features.run,
-    "cache_paths": cache_paths.run,
-    "too_long": too_long.run,
-    "burst": burst.run,
-    "abort_frees_kv": abort_frees_kv.run,
-    "accuracy": acc.run,
-    "preemption": preemption.run,
-    "perf": perf.run,
-    "fault_drop": drop.run,
-    "fault_zero": corrupt.run_zero,
-    "fault_swap": corrupt.run_swap,
-    "fault_stall_abort": stall_abort.run,
-    "fault_peer_death": peer_death.run,
-    "fault_restart": restart.run,
-    "wire_loss": wire_scenarios.run_loss,
-    "wire_partition": wire_scenarios.run_partition,
-    "wire_cap": wire_scenarios.run_cap,
-    "wire_delay": wire_scenarios.run_delay,
-}
+
+class UnknownGatherer(LookupError):
+    """A check's registration names a gatherer that is not there: a defect of the package (the
+    check could never run), raised when this module is imported."""
+
+
+def gatherer(info: registry.CheckInfo) -> Gatherer:
+    """The code of ``info``'s gatherer, resolved from its registration's (module, function) under
+    pd_sessions.checks. UnknownGatherer names the check, the module or function missing and the
+    fix; an ImportError inside a module that exists is its own and propagates unchanged."""
+    module, function = info.gatherer
+    target = f"{__package__}.{module}"
+    where = f"core/check_registry.py: {info.name}'s gatherer={info.gatherer!r}"
+    try:
+        code = importlib.import_module(target)
+    except ModuleNotFoundError as e:
+        if e.name is None or not (target == e.name or target.startswith(f"{e.name}.")):
+            raise
+        raise UnknownGatherer(
+            f"{where}: no module {target}; name a module under pd_sessions/checks/ (dotted, "
+            f"relative to pd_sessions.checks) and its run(window, options) function"
+        ) from e
+    found = getattr(code, function, None)
+    if not callable(found):
+        raise UnknownGatherer(
+            f"{where}: {target} has no function {function!r}; name one of its functions that takes "
+            f"(window, options) and returns a CheckResult"
+        )
+    return cast(Gatherer, found)
+
+
+# Every registered check's gatherer, in the registry's order, resolved once (at import).
+GATHERERS: dict[str, Gatherer] = {info.name: gatherer(info) for info in registry.CHECKS}
 
 # A check request that gets no answer this long is stuck (a KV pull that never completes):
 # the config fails then, naming what each instance holds, and the remaining checks do not wait.

@@ -1,6 +1,7 @@
-"""Every check, registered in one place: its name, whether sweeps run it by default and its
-options (with defaults). The code that runs each one is ``pd_sessions.checks`` (its gatherers
-are imported there as code, and a test keeps both lists equal).
+"""Every check, registered in one place: its name, its gatherer, whether sweeps run it by
+default and its options (with defaults). The gatherer is named here as data (its module under
+``pd_sessions.checks`` and its function: the core imports no check), and checks/runner.py
+resolves each name to its code, failing loudly on a name that does not resolve.
 
 Standard library only (the sweep loader, which the noxfile imports, validates names and
 options against this table).
@@ -23,6 +24,10 @@ from pd_sessions.core.errors import ConfigError, did_you_mean
 class CheckInfo:
     name: str
     summary: str  # one line for docs and --help
+    # The code that gathers it: (module under pd_sessions.checks, function), e.g.
+    # ("faults.corrupt", "run_zero"); the function takes (window, options) -> CheckResult.
+    # checks/runner.py resolves it (the core may not import the checks).
+    gatherer: tuple[str, str]
     default: bool = True  # run when a sweep does not list its checks
     options: Mapping[str, Any] = field(default_factory=dict)  # option -> default value
     # Platforms where ``default`` applies; elsewhere the check runs only when a sweep lists it.
@@ -39,40 +44,54 @@ class CheckInfo:
 
 # In running order.
 CHECKS: tuple[CheckInfo, ...] = (
-    CheckInfo("smoke", "a completion through the router returns the requested tokens"),
-    CheckInfo("parity", "greedy output through the router equals prefill-direct, token for token"),
+    CheckInfo(
+        "smoke",
+        "a completion through the router returns the requested tokens",
+        gatherer=("smoke", "run"),
+    ),
+    CheckInfo(
+        "parity",
+        "greedy output through the router equals prefill-direct, token for token",
+        gatherer=("parity", "run"),
+    ),
     CheckInfo(
         "kv_transfer",
         "decode instances received the router requests' prompt tokens by KV "
         "transfer; a request straight to decode-0 does not count",
+        gatherer=("kv_transfer", "run"),
     ),
     CheckInfo(
         "request_features",
         "the request paths users send (first-token finish, n=2, logprobs, streaming with usage, "
         "echo, seeds, chat, prompts at block boundaries with exact per-request KV accounting) "
         "through the router equal prefill-direct, or are refused with a clear 4xx",
+        gatherer=("request_features", "run"),
     ),
     CheckInfo(
         "cache_paths",
         "parity in the prefix-cache situations: a prompt shorter than a block, "
         "a full hit on the decode side, a partial hit",
+        gatherer=("cache_paths", "run"),
     ),
     CheckInfo(
         "too_long",
         "a prompt longer than the model length gets a 4xx through the router within "
         "a bounded time; afterwards every instance is healthy and a normal request succeeds",
+        gatherer=("too_long", "run"),
         options={"bound_s": 10.0},
     ),
     CheckInfo(
         "burst",
         "concurrent requests through the router all succeed, each equals prefill-direct "
         "token for token, and the KV proof counts every one",
+        gatherer=("burst", "run"),
         options={"requests": 32, "max_tokens": 8},
     ),
     CheckInfo(
         "abort_frees_kv",
         "streaming requests whose client disconnects after the first tokens "
         "leave no running request and no held KV blocks on any instance",
+        gatherer=("abort_frees_kv", "run"),
         # first_token_s: how long a stream may wait for its first token. On the 2-core CPU lane
         # NIXL decode hops can each wait out a prefill's 30 s KV lease, one after the other for
         # concurrent streams (docs/cpu-lane.md, "What the 30 s stalls are"): 4 x 30 s + margin.
@@ -82,12 +101,14 @@ CHECKS: tuple[CheckInfo, ...] = (
         "accuracy",
         "lm_eval through the router against a recorded baseline (CPU lane: "
         "per-sample identity with prefill-direct)",
+        gatherer=("accuracy", "run"),
     ),
     CheckInfo(
         "preemption",
         "a burst onto a decode whose KV cache holds fewer blocks than it needs: the decode "
         "preempts requests, every output still equals prefill-direct and the KV proof holds "
         "(the preemption sweep)",
+        gatherer=("preemption", "run"),
         default=False,
         options={"requests": 8, "max_tokens": 48},
     ),
@@ -96,6 +117,7 @@ CHECKS: tuple[CheckInfo, ...] = (
         "vLLM's own `vllm bench serve` through the router and against prefill-0 (colocated): "
         "TTFT, ITL, TPOT and throughput, where TTFT goes, KV bandwidth against the transport "
         "alone, and the perf baseline of this hardware",
+        gatherer=("perf", "run"),
         # input_len/output_len: tokens per request (random dataset); requests: per run;
         # concurrency: one run through the router and one against prefill-0 at each level.
         # The defaults keep it within 90 s on the 2-core CPU lane; GPU sweeps may ask for more.
@@ -110,6 +132,7 @@ CHECKS: tuple[CheckInfo, ...] = (
         "fault_drop",
         "KV loads reported failed: each request is still correct (recompute) or fails with a "
         "clear HTTP error, per kv_load_failure_policy; the cluster recovers",
+        gatherer=("faults.drop", "run"),
         default=False,
         options={"requests": 4},
         faults=True,
@@ -118,6 +141,7 @@ CHECKS: tuple[CheckInfo, ...] = (
         "fault_zero",
         "received KV blocks overwritten with zeros: the burst's comparison with prefill-direct "
         "must fail naming the requests; detection rate recorded; the cluster recovers",
+        gatherer=("faults.corrupt", "run_zero"),
         default=False,
         options={"requests": 32, "max_tokens": 8},
         faults=True,
@@ -126,6 +150,7 @@ CHECKS: tuple[CheckInfo, ...] = (
         "fault_swap",
         "received KV blocks overwritten with another request's: the burst's comparison must "
         "fail naming the requests; detection rate recorded; the cluster recovers",
+        gatherer=("faults.corrupt", "run_swap"),
         default=False,
         options={"requests": 32, "max_tokens": 8},
         faults=True,
@@ -134,6 +159,7 @@ CHECKS: tuple[CheckInfo, ...] = (
         "fault_stall_abort",
         "clients disconnect before the first token, while the prefill is stalled and while the "
         "decode waits for stalled KV: every block on both sides free within bound_s",
+        gatherer=("faults.stall_abort", "run"),
         default=False,
         options={"requests": 2, "stall_s": 8.0, "bound_s": 15.0},
         faults=True,
@@ -142,6 +168,7 @@ CHECKS: tuple[CheckInfo, ...] = (
         "fault_peer_death",
         "the prefill SIGKILLed while a decode waits for its stalled KV: the decode answers with "
         "an error or a correct recompute, stays healthy and frees its blocks",
+        gatherer=("faults.peer_death", "run"),
         default=False,
         options={"stall_s": 5.0, "bound_s": 60.0},
         faults=True,
@@ -151,11 +178,12 @@ CHECKS: tuple[CheckInfo, ...] = (
         "fault_restart",
         "the killed prefill started again with the same ports and role: time until P/D answers "
         "correctly again",
+        gatherer=("faults.restart", "run"),
         default=False,
         options={"deadline_s": 600.0, "bound_s": 120.0},
         faults=True,
     ),
-    # Faults on the wire between the prefill and decode hosts (pd_sessions/checks/faults/wire_scenarios.py):
+    # Faults on the wire between the prefill and decode hosts (pd_sessions/checks/faults/wire_*.py):
     # nftables rules on the KV ports, a tbf qdisc; each proves its fault bit from the kernel's
     # counters and holds the same promise. Only across hosts.
     CheckInfo(
@@ -163,6 +191,7 @@ CHECKS: tuple[CheckInfo, ...] = (
         "a share of the KV packets between the prefill and decode hosts dropped (each rate of "
         "`rates`, in %): every request correct or failed clearly; where requests start to slow "
         "or fail; the cluster recovers",
+        gatherer=("faults.wire_loss", "run"),
         default=False,
         options={"rates": (2, 20), "requests": 3, "bound_s": 60.0},
         hosts=True,
@@ -171,6 +200,7 @@ CHECKS: tuple[CheckInfo, ...] = (
         "wire_partition",
         "every KV packet between the prefill and decode hosts dropped for partition_s in the "
         "middle of a burst, then healed: what the requests got, the time to serve correctly again",
+        gatherer=("faults.wire_partition", "run"),
         default=False,
         options={"requests": 4, "partition_s": 3.0, "bound_s": 60.0},
         hosts=True,
@@ -179,6 +209,7 @@ CHECKS: tuple[CheckInfo, ...] = (
         "wire_cap",
         "the prefill host's interface capped (tbf, rate_kbit): a burst still passes, every "
         "request correct, slower by what the cap costs",
+        gatherer=("faults.wire_cap", "run"),
         default=False,
         options={"requests": 3, "rate_kbit": 4000, "bound_s": 60.0},
         hosts=True,
@@ -187,6 +218,7 @@ CHECKS: tuple[CheckInfo, ...] = (
         "wire_delay",
         "a delay (netem, delay_ms) on the prefill host's interface: every request correct; "
         "recorded as not run where the kernel has no netem",
+        gatherer=("faults.wire_delay", "run"),
         default=False,
         options={"requests": 3, "delay_ms": 20, "bound_s": 60.0},
         hosts=True,

@@ -1,6 +1,6 @@
 """Faults on the wire between the prefill and decode hosts (pure): the nftables ruleset, the tc
 argv, and the parsing of their counters. ``runtime/wire_apply.py`` runs them on a host (its agent, in
-its network namespace); ``checks/faults/wire_scenarios.py`` holds the scenarios.
+its network namespace); ``checks/faults/wire_*.py`` hold the scenarios.
 
 What the rules match: only the KV traffic between the two hosts. A packet is KV when it goes
 between the prefill host's address and the decode host's, to or from a port one of the two

@@ -42,7 +42,7 @@ SYSTEM_LIBS: Mapping[str, str] = {
 # canary's tests build real ELF files with a C compiler; the report page is checked in headless
 # Chromium, driven through Debian's chromedriver (the same build: no browser download); the
 # simulated hosts run each Ray node with `ip netns exec`; the wire faults between them
-# (checks/faults/wire_scenarios.py) drop KV packets with nftables and cap the link with tc.
+# (checks/faults/wire_*.py) drop KV packets with nftables and cap the link with tc.
 TEST_COMMANDS: Mapping[str, str] = {
     "gcc": "gcc",
     "chromium": "chromium",

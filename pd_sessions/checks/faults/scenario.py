@@ -151,7 +151,7 @@ class Scenario:
 
     def __init__(self, window: CheckWindow, name: str, *, injector: bool = True):
         """``injector``: the scenario switches the fault injector (NotWrapped at once on a cluster
-        without it); the wire faults (wire_scenarios.py) need none."""
+        without it); the wire faults (wire_*.py) need none."""
         self.window = window
         self.cluster = window.cluster
         self.plan: ClusterPlan = window.plan
