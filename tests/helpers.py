@@ -1,6 +1,6 @@
 """Helpers shared by several test modules (the fixtures, and the helpers of the real-vLLM runs,
 are in conftest.py): values the harness computes with, throwaway processes, runs on the fake
-stack (tests/fixtures/fake_stack: vLLM and the router replaced by a throwaway
+stack (pd_sessions/data/fake_stack: vLLM and the router replaced by a throwaway
 OpenAI-compatible server with a grandchild "engine core")."""
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ def process_on_port(port: int, *, by_argv: bool = False) -> psutil.Process | Non
 
 # --- runs on the fake stack ---------------------------------------------------------------------
 
-FAKE = FIXTURES / "fake_stack"
+FAKE = ROOT / "pd_sessions" / "data" / "fake_stack"  # shipped with the package (the packing bench)
 
 
 def fake_stack_env(**extra: str) -> dict[str, str]:

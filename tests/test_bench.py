@@ -1,6 +1,6 @@
 """The benchmark's own logic: arithmetic, summaries, files, the prober, the teardown
 measurement, the router bench and the cluster drivers. The cluster drivers run against
-the throwaway OpenAI-compatible stack (tests/fixtures/fake_stack): what is tested is
+the throwaway OpenAI-compatible stack (pd_sessions/data/fake_stack): what is tested is
 the plumbing and the bookkeeping, not any speed (speed is what `nox -s bench` reports).
 """
 

@@ -1,6 +1,6 @@
 """Fault matrix: each way a P/D run breaks is detected fast, reported clearly, and leaves
 nothing behind. These drive the real CLI; vLLM and the router are replaced by a throwaway
-OpenAI-compatible server (tests/fixtures/fake_stack) because what is under test is the
+OpenAI-compatible server (pd_sessions/data/fake_stack) because what is under test is the
 harness's own handling (the real-vLLM scenarios are in test_e2e_cpu_lane.py).
 
 Every test checks: exit status, the message (role, URL, cause, log tail), and that afterwards

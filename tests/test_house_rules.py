@@ -22,7 +22,9 @@ def _name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-MODULES = {_name(p): p for p in sorted(PKG.rglob("*.py"))}
+# pd_sessions/data/ is what the package ships as files, not its modules: the fake stack's scripts
+# (data/fake_stack/, run in processes of their own by the packing bench and the tests).
+MODULES = {_name(p): p for p in sorted(PKG.rglob("*.py")) if PKG / "data" not in p.parents}
 
 
 @cache

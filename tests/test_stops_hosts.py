@@ -7,7 +7,7 @@ Also here, on the same hosts: the launcher's own contract driven in-process (the
 group, the environment, the log streamed from a node that cannot see the results), and the
 pd_cluster fixture started with --pd-ray.
 
-The servers are the fake stack (tests/fixtures/fake_stack): what is under test is the harness's own
+The servers are the fake stack (pd_sessions/data/fake_stack): what is under test is the harness's own
 handling across hosts. The instances run on the Ray nodes with the node's environment, so the fake
 stack's path and behaviours reach them through the config's extra_env.
 """

@@ -1,5 +1,5 @@
 """--exec/--pytest, serve and the pd_cluster plugin: the pure parts, the CLI's refusals before
-launch, and the live behaviour against the throwaway fake stack (tests/fixtures/fake_stack: the
+launch, and the live behaviour against the throwaway fake stack (pd_sessions/data/fake_stack: the
 harness's own handling is under test; real vLLM runs are in test_e2e_user_commands.py)."""
 
 from __future__ import annotations

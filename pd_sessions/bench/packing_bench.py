@@ -1,12 +1,11 @@
 """The packing part: the GPU sweep's default configs on a fake 8-GPU host, side by side (the
 default) and one after another (--max-parallel 1), through pd_sessions' own sweep (run_sweep).
 
-vLLM and the router are the fake stack of the project's tests (tests/fixtures/fake_stack: a
-throwaway server with a grandchild "engine core"), each instance listening ``startup_s`` after its
-spawn (a model loading) and, on SIGTERM, stopping its engine core at once and exiting
-``exit_s`` later (vLLM's API server after its engine core). What is measured is the harness's
-packing and its overlapped teardown, not vLLM; a checkout is needed (the fake stack lives under
-tests/).
+vLLM and the router are the fake stack (pd_sessions/data/fake_stack, shipped with the package and
+shared with the project's tests: a throwaway server with a grandchild "engine core"), each instance
+listening ``startup_s`` after its spawn (a model loading) and, on SIGTERM, stopping its engine core
+at once and exiting ``exit_s`` later (vLLM's API server after its engine core). What is measured is
+the harness's packing and its overlapped teardown, not vLLM; an installed package is enough.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from pd_sessions.run.sweep_options import SweepOptions
 log = logging.getLogger(__name__)
 
 GPUS = tuple(str(i) for i in range(8))
-FAKE_STACK = Path(pd_sessions.__file__).resolve().parents[1] / "tests" / "fixtures" / "fake_stack"
+FAKE_STACK = Path(pd_sessions.__file__).resolve().parent / "data" / "fake_stack"
 RATIO_GOAL = 0.6
 SWEEP = connectors.DEFAULT.sweep  # the GPU sweep whose default configs are packed
 CHECKS = ("smoke",)
@@ -45,8 +44,11 @@ def _fake_stack(startup_s: float, exit_s: float) -> Iterator[None]:
     """The fake stack first on the children's PYTHONPATH (the cluster starts its processes with
     this process's environment), and its timings; the environment restored after."""
     if not (FAKE_STACK / "fake_server.py").exists():
-        raise BenchError(f"the packing part needs the fake stack of a checkout ({FAKE_STACK} is missing)")
-    root = str(FAKE_STACK.parents[2])
+        raise BenchError(
+            f"the packing part needs the fake stack shipped with pd_sessions ({FAKE_STACK} is missing): "
+            "reinstall the package (its package data includes data/fake_stack)"
+        )
+    root = str(FAKE_STACK.parents[2])  # where pd_sessions is imported from (the children import it)
     new = {
         "PYTHONPATH": os.pathsep.join([str(FAKE_STACK), root]),
         "FAKE_STARTUP_S": f"{startup_s:g}",
