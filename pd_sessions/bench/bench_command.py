@@ -119,61 +119,82 @@ def run(args: argparse.Namespace) -> int:
         failed = _measure(doc, args, parts, configs, inv, opts, logs)
         if "checks" in parts:
             failed |= _measure_checks(doc, args, parts, plat, inv, logs, skip, only)
-        if "startup" in parts:
-            posargs = ["--only", only[0] if only else "1x1", "--platform", plat, "--grace", f"{args.grace:g}"]
-            say(f"startup part: nox -s {args.startup_session} -- {' '.join(posargs)}, venv rebuilt vs reused")
-            doc["startup"] = startup.run(
-                logs / "startup",
-                session=args.startup_session,
-                posargs=posargs,
-                repeats=args.repeats,
-                progress=say,
-            )
-            failed |= any(not r["ok"] for r in doc["startup"]["runs"])
-        if "report" in parts:
-            source = args.report_from or (logs / "clusters" if (logs / "clusters").is_dir() else None)
-            if source is None:
-                raise BenchError(
-                    "the report part needs real results: give --report-from DIR (a results "
-                    "directory a sweep wrote), or run it with the clusters part"
-                )
-            doc["report_page"] = page.run(source, logs / "report", repeats=args.repeats, progress=say)
-        if "packing" in parts:
-            say(
-                f"packing part: the GPU sweep's defaults on a fake 8-GPU host, packed vs serial "
-                f"({args.repeats} x)"
-            )
-            doc["packing"] = packing_bench.run(
-                logs / "packing", repeats=args.repeats, progress=say, grace_s=args.grace
-            )
-            failed |= not doc["packing"]["ok"]
-        if "multihost" in parts:
-            doc["multihost"] = multihost.run(
-                logs / "multihost",
-                sweep=sweep.name,
-                config=configs[0].name if configs else "1x1",
-                platform=plat,
-                repeats=args.repeats,
-                progress=say,
-            )
-            failed |= any(not r["ok"] for r in doc["multihost"]["runs"])
+        failed |= _measure_more(doc, args, parts, plat, sweep.name, configs, logs, only)
     except BaseException as e:  # a cancel or an error: write what was measured, then go on out
         doc["interrupted"] = f"{type(e).__name__}: {e}"
         raise
     finally:
-        if doc.get("runs"):
-            doc["clusters"] = bench_results.summarize_clusters(doc["runs"])
-        if doc.get("runs") or doc.get("check_runs"):
-            doc["checks_cost"] = bench_results.summarize_checks(
-                doc.get("runs", []) + doc.get("check_runs", [])
-            )
-        doc["machine"]["load_after"] = _load()
-        doc["duration_s"] = round(time.monotonic() - t0, 1)
-        doc["goals"] = [g.to_dict() for g in bench_results.goals(doc)]
-        paths = bench_results.write(doc, out)
-        print("\n" + bench_results.markdown(doc), flush=True)
-        say("wrote " + ", ".join(str(p) for p in paths.values()))
+        _write(doc, out, t0)
     return 1 if failed else 0
+
+
+def _measure_more(
+    doc: dict[str, Any],
+    args: argparse.Namespace,
+    parts: list[str],
+    plat: str,
+    sweep: str,
+    configs: list[ClusterConfig],
+    logs: Path,
+    only: tuple[str, ...],
+) -> bool:
+    """The startup, report, packing and multihost parts (those of ``parts``), each into ``doc``;
+    whether one of them failed."""
+    failed = False
+    if "startup" in parts:
+        posargs = ["--only", only[0] if only else "1x1", "--platform", plat, "--grace", f"{args.grace:g}"]
+        say(f"startup part: nox -s {args.startup_session} -- {' '.join(posargs)}, venv rebuilt vs reused")
+        doc["startup"] = startup.run(
+            logs / "startup",
+            session=args.startup_session,
+            posargs=posargs,
+            repeats=args.repeats,
+            progress=say,
+        )
+        failed |= any(not r["ok"] for r in doc["startup"]["runs"])
+    if "report" in parts:
+        source = args.report_from or (logs / "clusters" if (logs / "clusters").is_dir() else None)
+        if source is None:
+            raise BenchError(
+                "the report part needs real results: give --report-from DIR (a results "
+                "directory a sweep wrote), or run it with the clusters part"
+            )
+        doc["report_page"] = page.run(source, logs / "report", repeats=args.repeats, progress=say)
+    if "packing" in parts:
+        say(
+            f"packing part: the GPU sweep's defaults on a fake 8-GPU host, packed vs serial "
+            f"({args.repeats} x)"
+        )
+        doc["packing"] = packing_bench.run(
+            logs / "packing", repeats=args.repeats, progress=say, grace_s=args.grace
+        )
+        failed |= not doc["packing"]["ok"]
+    if "multihost" in parts:
+        doc["multihost"] = multihost.run(
+            logs / "multihost",
+            sweep=sweep,
+            config=configs[0].name if configs else "1x1",
+            platform=plat,
+            repeats=args.repeats,
+            progress=say,
+        )
+        failed |= any(not r["ok"] for r in doc["multihost"]["runs"])
+    return failed
+
+
+def _write(doc: dict[str, Any], out: Path, t0: float) -> None:
+    """The summaries and goals added to ``doc``, written under ``out`` and printed (also when a
+    part was cut short: what was measured)."""
+    if doc.get("runs"):
+        doc["clusters"] = bench_results.summarize_clusters(doc["runs"])
+    if doc.get("runs") or doc.get("check_runs"):
+        doc["checks_cost"] = bench_results.summarize_checks(doc.get("runs", []) + doc.get("check_runs", []))
+    doc["machine"]["load_after"] = _load()
+    doc["duration_s"] = round(time.monotonic() - t0, 1)
+    doc["goals"] = [g.to_dict() for g in bench_results.goals(doc)]
+    paths = bench_results.write(doc, out)
+    print("\n" + bench_results.markdown(doc), flush=True)
+    say("wrote " + ", ".join(str(p) for p in paths.values()))
 
 
 def _measure(

@@ -40,6 +40,12 @@ MODEL = "fake"
 TARGETS = ("direct", "vllm-router", "python-proxy")
 
 
+def _backend_argv(python: str, host: str, port: int, role: str) -> list[str]:
+    """A fake vLLM instance of ``role`` (prefill or decode) on ``host:port``."""
+    argv = [python, "-m", "pd_sessions.bench.fake_backend", "--host", host, "--port", str(port)]
+    return [*argv, "--model", MODEL, "--role", role]
+
+
 def _start(python: str, log_dir: Path, host: str) -> tuple[dict[str, str], list[Target]]:
     """Start the four servers; the URL of each role, and a readiness target per server."""
     ports = PortAllocator(host)
@@ -52,38 +58,8 @@ def _start(python: str, log_dir: Path, host: str) -> tuple[dict[str, str], list[
     url = lambda p: f"http://{host}:{p}"
     urls = {"prefill": url(pp), "decode": url(dp), "vllm-router": url(rp), "python-proxy": url(yp)}
     specs = [
-        (
-            "prefill",
-            [
-                python,
-                "-m",
-                "pd_sessions.bench.fake_backend",
-                "--host",
-                host,
-                "--port",
-                str(pp),
-                "--model",
-                MODEL,
-                "--role",
-                "prefill",
-            ],
-        ),
-        (
-            "decode",
-            [
-                python,
-                "-m",
-                "pd_sessions.bench.fake_backend",
-                "--host",
-                host,
-                "--port",
-                str(dp),
-                "--model",
-                MODEL,
-                "--role",
-                "decode",
-            ],
-        ),
+        ("prefill", _backend_argv(python, host, pp, "prefill")),
+        ("decode", _backend_argv(python, host, dp, "decode")),
         (
             "vllm-router",
             router_argv(

@@ -106,16 +106,7 @@ def evaluate(
     """
     deltas = {name: after[name] - before[name] for name in before}
     total = sum(deltas.values(), Counts())
-    details: dict[str, Any] = {
-        "metric": f'{METRIC}{{source="{SOURCE}"}}',
-        "before": {n: c.as_dict() for n, c in before.items()},
-        "after": {n: c.as_dict() for n, c in after.items()},
-        "delta_by_decode": {n: c.as_dict() for n, c in deltas.items()},
-        "delta": total.external,
-        "by_source": total.as_dict(),
-        "router_requests": router_requests,
-        "router_prompt_tokens": router_prompt_tokens,
-    }
+    details = counter_details(before, after, deltas, router_requests, router_prompt_tokens)
     wrong = counters_verdict(
         total,
         deltas,
@@ -153,18 +144,47 @@ def evaluate(
         )
     msg += f"; {ev_details['summary']}"
     if control is not None:
-        name, c0, c1 = control
-        details["control"] = {"decode": name, "before": c0, "after": c1}
-        if c1 != c0:
-            return CheckResult(
-                "kv_transfer",
-                FAIL,
-                f"a request sent straight to {name} moved the external-KV counter by "
-                f"{c1 - c0:g}: the counter does not tell transfers apart",
-                details,
-            )
-        msg += f"; a direct request to {name} left it unchanged"
+        moved = control_verdict(control, details)
+        if moved:
+            return CheckResult("kv_transfer", FAIL, moved, details)
+        msg += f"; a direct request to {control[0]} left it unchanged"
     return CheckResult("kv_transfer", PASS, msg, details)
+
+
+def counter_details(
+    before: Mapping[str, Counts],
+    after: Mapping[str, Counts],
+    deltas: Mapping[str, Counts],
+    router_requests: int,
+    router_prompt_tokens: int,
+) -> dict[str, Any]:
+    """The details every verdict of :func:`evaluate` starts from: the counters per decode before,
+    after and their deltas, the total delta by source, and the router requests."""
+    total = sum(deltas.values(), Counts())
+    return {
+        "metric": f'{METRIC}{{source="{SOURCE}"}}',
+        "before": {n: c.as_dict() for n, c in before.items()},
+        "after": {n: c.as_dict() for n, c in after.items()},
+        "delta_by_decode": {n: c.as_dict() for n, c in deltas.items()},
+        "delta": total.external,
+        "by_source": total.as_dict(),
+        "router_requests": router_requests,
+        "router_prompt_tokens": router_prompt_tokens,
+    }
+
+
+def control_verdict(control: tuple[str, float, float], details: dict[str, Any]) -> str | None:
+    """None when the request sent straight to a decode (``control``: its name, the external-KV
+    counter before and after) left the counter still, else why that fails the check; the control
+    is recorded in ``details`` either way."""
+    name, c0, c1 = control
+    details["control"] = {"decode": name, "before": c0, "after": c1}
+    if c1 != c0:
+        return (
+            f"a request sent straight to {name} moved the external-KV counter by "
+            f"{c1 - c0:g}: the counter does not tell transfers apart"
+        )
+    return None
 
 
 def counters_verdict(

@@ -304,44 +304,13 @@ def evaluate_margin(
         return CheckResult("parity", FAIL, "no prompts were compared", details)
     failures, near, total, max_gap = [], 0, 0, 0.0
     for prompt, toks in rows:
-        beyond = [t for t in toks if t.gap > margin]
-        gaps = [max(t.gap, 0.0) for t in toks]
         near += sum(1 for t in toks if t.token != t.top_token and t.gap <= margin)
         total += len(toks)
-        max_gap = max([max_gap, *gaps])
-        details["prompts"].append(
-            {
-                "prompt": prompt[:60],
-                "tokens": len(toks),
-                "max_gap": max(gaps, default=None),
-                "not_top1": [
-                    {
-                        "position": t.position,
-                        "pd_token": t.token,
-                        "pd_text": t.text,
-                        "pd_logprob": t.logprob,
-                        "pd_rank": t.rank,
-                        "ref_token": t.top_token,
-                        "ref_text": t.top_text,
-                        "ref_logprob": t.top_logprob,
-                        "gap": t.gap,
-                    }
-                    for t in toks
-                    if t.token != t.top_token
-                ],
-                "same": not beyond and bool(toks),
-            }
-        )
-        if not toks:
-            failures.append(f"prompt {prompt[:40]!r}: the P/D completion had no tokens")
-        elif beyond:
-            t = beyond[0]
-            failures.append(
-                f"prompt {prompt[:40]!r} position {t.position}: P/D token {t.token} {t.text!r} "
-                f"(logprob {t.logprob:.4f}, rank {t.rank}) vs reference top-1 {t.top_token} "
-                f"{t.top_text!r} (logprob {t.top_logprob:.4f}): gap {t.gap:.4f} > margin {margin:g}"
-                + (f" (+{len(beyond) - 1} more beyond the margin)" if len(beyond) > 1 else "")
-            )
+        max_gap = max([max_gap, *(max(t.gap, 0.0) for t in toks)])
+        row, failure = margin_row(prompt, toks, margin)
+        details["prompts"].append(row)
+        if failure:
+            failures.append(failure)
     details.update(tokens=total, near_ties=near, max_gap=max_gap)
     if failures:
         return CheckResult(
@@ -359,6 +328,44 @@ def evaluate_margin(
         f"margin mode: {why})",
         details,
     )
+
+
+def margin_row(prompt: str, toks: Sequence[ForcedToken], margin: float) -> tuple[dict[str, Any], str | None]:
+    """One prompt in margin mode: its details (every token that is not the reference's top-1) and
+    why it fails (no P/D tokens, or the first token beyond ``margin``; None when it passes)."""
+    beyond = [t for t in toks if t.gap > margin]
+    row = {
+        "prompt": prompt[:60],
+        "tokens": len(toks),
+        "max_gap": max((max(t.gap, 0.0) for t in toks), default=None),
+        "not_top1": [
+            {
+                "position": t.position,
+                "pd_token": t.token,
+                "pd_text": t.text,
+                "pd_logprob": t.logprob,
+                "pd_rank": t.rank,
+                "ref_token": t.top_token,
+                "ref_text": t.top_text,
+                "ref_logprob": t.top_logprob,
+                "gap": t.gap,
+            }
+            for t in toks
+            if t.token != t.top_token
+        ],
+        "same": not beyond and bool(toks),
+    }
+    if not toks:
+        return row, f"prompt {prompt[:40]!r}: the P/D completion had no tokens"
+    if beyond:
+        t = beyond[0]
+        return row, (
+            f"prompt {prompt[:40]!r} position {t.position}: P/D token {t.token} {t.text!r} "
+            f"(logprob {t.logprob:.4f}, rank {t.rank}) vs reference top-1 {t.top_token} "
+            f"{t.top_text!r} (logprob {t.top_logprob:.4f}): gap {t.gap:.4f} > margin {margin:g}"
+            + (f" (+{len(beyond) - 1} more beyond the margin)" if len(beyond) > 1 else "")
+        )
+    return row, None
 
 
 # ---------------------------------------------------------------- shared by other checks

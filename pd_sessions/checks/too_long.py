@@ -77,50 +77,9 @@ def evaluate(
         "followup_error": followup,
     }
     what = f"a {prompt_tokens}-token prompt (max_model_len {max_model_len})"
-    if answer.status is None:
-        return CheckResult(
-            "too_long",
-            FAIL,
-            f"{what} through the router got no answer within "
-            f"{bound_s:g} s ({answer.body}): the P/D path hangs on a prompt the "
-            "prefill rejects",
-            details,
-        )
-    if answer.seconds > bound_s:
-        return CheckResult(
-            "too_long",
-            FAIL,
-            f"{what} got HTTP {answer.status} only after {answer.seconds:.1f} s (bound {bound_s:g} s)",
-            details,
-        )
-    if 200 <= answer.status < 300:
-        return CheckResult(
-            "too_long", FAIL, f"{what} was accepted (HTTP {answer.status}); expected a 4xx error", details
-        )
-    if not 400 <= answer.status < 500:
-        return CheckResult(
-            "too_long",
-            FAIL,
-            f"{what} got HTTP {answer.status}, expected a 4xx error: {answer.body[:200]}",
-            details,
-        )
-    sick = {n: h for n, h in health_after.items() if h != "ok"}
-    if sick:
-        return CheckResult(
-            "too_long",
-            FAIL,
-            f"{what} got HTTP {answer.status}, but afterwards "
-            + ", ".join(f"{n} /health: {h}" for n, h in sick.items()),
-            details,
-        )
-    if followup is not None:
-        return CheckResult(
-            "too_long",
-            FAIL,
-            f"{what} got HTTP {answer.status}, but a normal request "
-            f"through the router then failed: {followup}",
-            details,
-        )
+    problem = answer_problem(answer, what, bound_s) or aftermath_problem(answer, what, health_after, followup)
+    if problem:
+        return CheckResult("too_long", FAIL, problem, details)
     return CheckResult(
         "too_long",
         PASS,
@@ -129,6 +88,42 @@ def evaluate(
         "succeeded afterwards",
         details,
     )
+
+
+def answer_problem(answer: Answer, what: str, bound_s: float) -> str | None:
+    """Why the router's answer to ``what`` (the too-long prompt) fails the check: a hang, an
+    answer after ``bound_s``, an acceptance, an error that is not a 4xx; None for a 4xx in time."""
+    if answer.status is None:
+        return (
+            f"{what} through the router got no answer within "
+            f"{bound_s:g} s ({answer.body}): the P/D path hangs on a prompt the "
+            "prefill rejects"
+        )
+    if answer.seconds > bound_s:
+        return f"{what} got HTTP {answer.status} only after {answer.seconds:.1f} s (bound {bound_s:g} s)"
+    if 200 <= answer.status < 300:
+        return f"{what} was accepted (HTTP {answer.status}); expected a 4xx error"
+    if not 400 <= answer.status < 500:
+        return f"{what} got HTTP {answer.status}, expected a 4xx error: {answer.body[:200]}"
+    return None
+
+
+def aftermath_problem(
+    answer: Answer, what: str, health_after: Mapping[str, str], followup: str | None
+) -> str | None:
+    """Why the cluster after the 4xx fails the check: a process unhealthy (named), or the normal
+    request that followed failed (its error); None when all is well."""
+    sick = {n: h for n, h in health_after.items() if h != "ok"}
+    if sick:
+        return f"{what} got HTTP {answer.status}, but afterwards " + ", ".join(
+            f"{n} /health: {h}" for n, h in sick.items()
+        )
+    if followup is not None:
+        return (
+            f"{what} got HTTP {answer.status}, but a normal request "
+            f"through the router then failed: {followup}"
+        )
+    return None
 
 
 def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
