@@ -393,6 +393,10 @@ def make_cluster(fields: dict[str, Any], *, where: str) -> ClusterConfig:
         raise ConfigError(e.field, str(e).split(": ", 1)[1], source=where) from None
 
 
+# The top-level keys of a sweep file.
+SWEEP_KEYS = ["name", "description", "platforms", "defaults", "platform", "config", "checks", "check_options"]
+
+
 def load_sweep(path: Path) -> Sweep:
     """Load a sweep file; every error names the file and the field."""
     where = str(path)
@@ -405,18 +409,8 @@ def load_sweep(path: Path) -> Sweep:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError("toml", str(e), source=where) from None
     for key in data:
-        top = [
-            "name",
-            "description",
-            "platforms",
-            "defaults",
-            "platform",
-            "config",
-            "checks",
-            "check_options",
-        ]
-        if key not in top:
-            raise ConfigError(key, f"unknown top-level key{did_you_mean(key, top)}", source=where)
+        if key not in SWEEP_KEYS:
+            raise ConfigError(key, f"unknown top-level key{did_you_mean(key, SWEEP_KEYS)}", source=where)
     name = data.get("name")
     if not isinstance(name, str) or not name:
         got = "missing" if name is None else f"got {name!r}"
