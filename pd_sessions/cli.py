@@ -1,10 +1,11 @@
 """Command line: ``pd-sessions <command>`` (or ``python -m pd_sessions <command>``), the one way in.
 
 Commands: sweep, serve, tiny-model, inventory, bench, bench-report, wheelhouse, buildkite, report; this
-module parses them and maps what they end with to an exit status, and each one lives in its own
-module in :mod:`pd_sessions.commands`. The other ``python -m pd_sessions.X`` entries are process
-boundaries (envfacts, canary, the lifeline reaper, the bench's fake servers); each module's
-docstring says why. Only the entry points print (this module, the command modules,
+module parses them, calls the function that does each one's work (:data:`COMMANDS`: ``sweep`` and
+``serve`` are :mod:`pd_sessions.run.sweep` and :mod:`pd_sessions.run.serve`) and maps what they
+end with to an exit status. The other ``python -m pd_sessions.X`` entries are process boundaries
+(envfacts, canary, the lifeline reaper, the bench's fake servers); each module's docstring says
+why. Only the entry points print (this module, run/sweep.py and run/serve.py,
 pd_sessions.runtime.console, and the modules a command hands its command line to).
 
 Exit status: 0 all passed; 1 a config failed; 2 bad config or arguments
@@ -15,16 +16,18 @@ Exit status: 0 all passed; 1 a config failed; 2 bad config or arguments
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 # Only modules that import with the standard library alone at the top, so that `--help` (and each
 # subcommand's) works on a bare interpreter (tests/test_bare_imports.py); each command's module,
 # and what it needs, is imported only when that command runs (_command).
 from pd_sessions import __version__
 from pd_sessions.core.cliargs import SWEEP_HELP, add_common_options, add_sweep_options
-from pd_sessions.runtime.console import install_signal_handlers, run_command
+from pd_sessions.runtime.console import install_signal_handlers, run_command, say
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser(
         "bench-report", help="render bench results (table, goals, chart) again from results.json"
     )
-    r.add_argument("results_json", type=Path, metavar="RESULTS_JSON", help="e.g. bench/results.json")
+    r.add_argument("results_json", type=_results_json, metavar="RESULTS_JSON", help="e.g. bench/results.json")
     _passthrough(
         sub,
         "wheelhouse",
@@ -83,29 +86,68 @@ def _passthrough(sub: argparse._SubParsersAction[argparse.ArgumentParser], name:
     s.add_argument("rest", nargs=argparse.REMAINDER)
 
 
+def _results_json(text: str) -> Path:
+    """argparse type of bench-report's RESULTS_JSON: an existing file (exit 2 naming it, else)."""
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(
+            f"{path}: no such file; give the results.json a bench run wrote "
+            "(pd-sessions bench --out DIR writes DIR/results.json; default bench/results.json)"
+        )
+    return path
+
+
+def _printed(value: object) -> int:
+    print(value)
+    return 0
+
+
+def _each_printed(values: Iterable[object]) -> int:
+    for v in values:
+        print(v)
+    return 0
+
+
+def _said(value: object) -> int:
+    say(str(value))
+    return 0
+
+
+# What each subcommand calls: (module, the function that does the work, how the parsed command
+# line reaches it and what is printed of its answer). The module is imported only when its
+# command runs (_command), so that `--help` needs none of them.
+Call = Callable[[Callable[..., Any], argparse.Namespace], int]
+COMMANDS: dict[str, tuple[str, str, Call]] = {
+    "sweep": ("pd_sessions.run.sweep", "run", lambda fn, a: fn(a)),
+    "serve": ("pd_sessions.run.serve", "run", lambda fn, a: fn(a)),
+    "tiny-model": (
+        "pd_sessions.runtime.tiny_model",
+        "ensure",
+        lambda fn, a: _printed(fn(cache_dir=a.cache_dir)),
+    ),
+    "inventory": ("pd_sessions.runtime.machine", "inventory_json", lambda fn, a: _printed(fn())),
+    # passthroughs: they parse their own options
+    "bench": ("pd_sessions.bench.bench_command", "main", lambda fn, a: fn(a.rest)),
+    "wheelhouse": ("pd_sessions.env.wheelhouse", "main", lambda fn, a: fn(a.rest)),
+    "bench-report": (
+        "pd_sessions.bench.bench_results",
+        "rerender",
+        lambda fn, a: _each_printed(fn(a.results_json).values()),
+    ),
+    "buildkite": (
+        "pd_sessions.report.buildkite_pipelines",
+        "write",
+        lambda fn, a: _each_printed(f"wrote {rel}" for rel in fn()),
+    ),
+    "report": ("pd_sessions.report.html", "write", lambda fn, a: _said(f"wrote {fn(a.results_dir)}")),
+}
+
+
 def _command(name: str) -> Callable[[argparse.Namespace], int]:
-    """The subcommand's ``run``, its module imported only now: `--help` needs none of them."""
-    if name == "sweep":
-        from pd_sessions.commands.sweep import run
-    elif name == "serve":
-        from pd_sessions.commands.serve import run
-    elif name == "tiny-model":
-        from pd_sessions.commands.tiny_model import run
-    elif name == "inventory":
-        from pd_sessions.commands.inventory import run
-    elif name == "bench":
-        from pd_sessions.commands.bench import run
-    elif name == "bench-report":
-        from pd_sessions.commands.bench_report import run
-    elif name == "wheelhouse":
-        from pd_sessions.commands.wheelhouse import run
-    elif name == "buildkite":
-        from pd_sessions.commands.buildkite import run
-    elif name == "report":
-        from pd_sessions.commands.report import run
-    else:  # argparse lets only the names above through
-        raise ValueError(f"no module for the command {name!r}")
-    return run
+    """The subcommand, its module imported only now: `--help` needs none of them."""
+    module, function, call = COMMANDS[name]  # argparse lets only these names through
+    fn = getattr(importlib.import_module(module), function)
+    return lambda args: call(fn, args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,9 +15,11 @@ before it starts the next. When ``PD_SESSIONS_CLUSTER`` is set (the test runs un
 ``pd-sessions sweep --exec/--pytest``, or after sourcing ``serve``'s ``cluster.env``) and no
 parameter names a cluster, the fixture attaches to that cluster and starts nothing.
 
-A cluster it starts comes from ``serve.one_cluster`` (the sweep's planner, readiness and
-teardown): a server that dies fails the next test at setup, and is named (with its log tail)
-in the report of a test that failed meanwhile; SIGTERM to pytest tears it down like Ctrl-C.
+A cluster it starts comes from ``run.lifeline.start_config``, as the sweep's and serve's do (the
+sweep's planner, readiness and teardown, inside the lifeline): a server that dies fails the next
+test at setup, and is named (with its log tail) in the report of a test that failed meanwhile;
+SIGTERM to pytest tears it down like Ctrl-C, and so does the death of pytest's parent; pytest
+killed outright (SIGKILL) leaves nothing either: the reaper stops what it started.
 """
 
 from __future__ import annotations
@@ -217,7 +219,7 @@ def pd_cluster(
         return
     from pd_sessions.core.config import load, select
     from pd_sessions.core.preflight import preflight
-    from pd_sessions.run import serve
+    from pd_sessions.run.lifeline import start_config
     from pd_sessions.run.sweep_options import SweepOptions
     from pd_sessions.runtime import clusterenv, machine
 
@@ -243,7 +245,7 @@ def pd_cluster(
         with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
             reporter.write_line(f"[pd_cluster] {msg}")
 
-    with _sigterm_as_interrupt(), serve.one_cluster(entry.config, inv, opts, progress=say) as cluster:
+    with _sigterm_as_interrupt(), start_config(entry.config, inv, opts, progress=say) as cluster:
         plan = cluster.plan
         env = clusterenv.cluster_env(plan, clusterenv.write_cluster_file(plan, cluster.run_dir))
         pd = PdCluster(info=clusterenv.describe(plan, cluster.run_dir), env=env, cluster=cluster)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -219,3 +220,70 @@ def test_bench_report_renders_a_results_json_again(tmp_path):
 def test_bench_report_names_a_missing_file(tmp_path):
     r = cli("bench-report", str(tmp_path / "nope.json"))
     assert r.returncode == 2 and f"{tmp_path / 'nope.json'}: no such file" in r.stderr
+
+
+# ------------------------------------------------------------------ issue 39's four bad inputs
+
+
+def test_a_sweep_path_that_is_a_directory_is_refused_naming_the_fix(tmp_path):
+    (tmp_path / "mine.toml").write_text("")
+    for command in ("sweep", "serve"):
+        r = cli(command, str(tmp_path), "--dry-run", "--only", "1x1")
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert "Traceback" not in r.stderr and "IsADirectoryError" not in r.stderr, r.stderr
+        assert f"{tmp_path}: path: is a directory, not a sweep file (it holds mine.toml)" in r.stderr
+        assert "give a .toml file's path or a built-in sweep name" in r.stderr
+
+
+@pytest.mark.parametrize("command", ["sweep", "serve"])
+def test_one_simulated_host_is_refused(command):
+    """Prefill and decode would share the one host: nothing would cross a link."""
+    r = cli(command, "mooncake_sweep", "--only", "1x1", "--simulate-hosts", "1", "--dry-run")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "--simulate-hosts: got 1: prefill and decode would share that one host" in r.stderr
+    assert "give 2 or more" in r.stderr and "Traceback" not in r.stderr
+    r = cli(command, "mooncake_sweep", "--only", "1x1", "--simulate-hosts", "-2", "--dry-run")
+    assert r.returncode == 2 and "--simulate-hosts: got -2; give a number of hosts, 2 or more" in r.stderr
+
+
+@pytest.mark.parametrize("command", ["sweep", "serve"])
+def test_allow_loopback_advertise_on_one_host_is_refused(command):
+    r = cli(command, "mooncake_sweep", "--only", "1x1", "--allow-loopback-advertise", "--dry-run")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "--allow-loopback-advertise has no effect on one host" in r.stderr, r.stderr
+    assert "give it with --ray ADDRESS or --simulate-hosts N, or leave it out" in r.stderr
+
+
+# Runs the CLI in this interpreter, then says which of the modules that make simulated hosts
+# (runtime/simhosts.py: the namespaces, links and Ray nodes; Ray) were ever imported: a dry run
+# must import neither.
+MAKERS_IMPORTED = (
+    "import sys; from pd_sessions import cli; rc = cli.main(sys.argv[1:]); "
+    "made = sorted(m for m in sys.modules if m in ('pd_sessions.runtime.simhosts', 'ray')); "
+    "print('makers imported:', made); sys.exit(rc)"
+)
+
+
+@pytest.mark.parametrize("command", ["sweep", "serve"])
+def test_a_dry_run_of_simulated_hosts_makes_nothing_and_plans_their_stated_shape(command):
+    """No namespace, no link, no Ray node: the hosts' plan alone (core/simhost_plan.py) gives
+    the plan its hosts (host1 prefill, host2 decode, the router on the bridge's address)."""
+    netns_dir = "/run/netns"
+    before = sorted(os.listdir(netns_dir)) if os.path.isdir(netns_dir) else []
+    links_before = sorted(os.listdir("/sys/class/net"))
+    argv = [command, "mooncake_sweep", "--only", "1x1", "--platform", "cpu", "--simulate-hosts", "2"]
+    r = subprocess.run(
+        [sys.executable, "-c", MAKERS_IMPORTED, *argv, "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "makers imported: []" in r.stdout, r.stdout
+    assert "2 simulated hosts planned as stated, none made" in r.stdout
+    assert "prefill-0: http://198.18.0.1:" in r.stdout, r.stdout
+    assert "decode-0: http://198.18.0.2:" in r.stdout
+    assert " on host1 (" in r.stdout and " on host2 (" in r.stdout
+    assert (sorted(os.listdir(netns_dir)) if os.path.isdir(netns_dir) else []) == before
+    assert sorted(os.listdir("/sys/class/net")) == links_before

@@ -1,19 +1,22 @@
-"""The subcommands' modules (pd_sessions.commands): the dispatch, what sweep and serve share
-(launch), and the sweep's pure parts (lane, banner, metadata); nothing here starts a cluster."""
+"""The subcommands: the CLI's dispatch table, what sweep and serve share (run/launch.py), and the
+sweep's pure parts (lane, banner, metadata: run/sweep_banner.py, its options: run/sweep.py);
+nothing here starts a cluster."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 from pathlib import Path
 
 import pytest
 
 from pd_sessions import cli
-from pd_sessions.commands import launch
-from pd_sessions.commands import sweep as sweep_command
 from pd_sessions.core.errors import ConfigError
 from pd_sessions.core.inventory import Inventory
 from pd_sessions.core.selection import select_run
+from pd_sessions.run import launch, sweep_banner
+from pd_sessions.run import sweep as sweep_command
 from pd_sessions.run.user_commands import parse_exec
 from pd_sessions.runtime.cluster import DEFAULT_DEADLINE_S, DEFAULT_GRACE_S
 
@@ -26,7 +29,7 @@ def parse(*argv: str) -> argparse.Namespace:
     return cli._parser().parse_args(list(argv))
 
 
-def test_every_subcommand_has_its_module_with_a_run():
+def test_every_subcommand_names_a_function_that_exists():
     sub = next(a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction))
     assert sorted(sub.choices) == sorted(
         [
@@ -41,9 +44,19 @@ def test_every_subcommand_has_its_module_with_a_run():
             "report",
         ]
     )
-    for name in sub.choices:
-        run = cli._command(name)
-        assert run.__name__ == "run" and run.__module__ == f"pd_sessions.commands.{name.replace('-', '_')}"
+    assert sorted(cli.COMMANDS) == sorted(sub.choices)
+    for name, (module, function, _call) in cli.COMMANDS.items():
+        fn = getattr(importlib.import_module(module), function)
+        assert callable(fn) and fn.__module__.startswith("pd_sessions."), name
+        assert callable(cli._command(name))
+    assert cli.COMMANDS["sweep"][:2] == ("pd_sessions.run.sweep", "run")
+    assert cli.COMMANDS["serve"][:2] == ("pd_sessions.run.serve", "run")
+
+
+def test_the_inventory_command_prints_what_the_machine_module_detects(capsys):
+    assert cli._command("inventory")(parse("inventory")) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["cpus"] and doc["platform"] in ("cpu", "cuda") and "gpu_source" in doc
 
 
 @pytest.mark.parametrize(
@@ -60,7 +73,7 @@ def test_every_subcommand_has_its_module_with_a_run():
     ],
 )
 def test_the_lane_line(platform, requested, inv, line):
-    assert sweep_command.lane(platform, requested, inv).startswith(line)
+    assert sweep_banner.lane(platform, requested, inv).startswith(line)
 
 
 def test_the_banner_says_everything_in_order():
@@ -70,7 +83,7 @@ def test_the_banner_says_everything_in_order():
     )
     sel = select_run("mooncake_sweep", args, CPUS)
     commands = [parse_exec("true -x", 0)]
-    lines = sweep_command.banner(args, sel, ENV, ["smoke", "exec[0]"], commands, ["WARNING: w"])
+    lines = sweep_banner.banner(args, sel, ENV, ["smoke", "exec[0]"], commands, ["WARNING: w"])
     assert lines[0].startswith("mooncake_sweep: CPU LANE (forced by --platform cpu)")
     assert lines[1:4] == [
         "environment: Python 3.11.9 at /py",
@@ -98,7 +111,7 @@ def test_the_banner_says_everything_in_order():
 def test_the_banner_with_only_says_what_only_left_out():
     args = parse("sweep", "mooncake_sweep", "--platform", "cpu", "--only", "1x1,2x2")
     sel = select_run("mooncake_sweep", args, CPUS)
-    lines = sweep_command.banner(args, sel, ENV, ["smoke"], [], [])
+    lines = sweep_banner.banner(args, sel, ENV, ["smoke"], [], [])
     assert "configs: 1x1, 2x2" in lines
     assert "left out: 1x2 (1xP(TP1) + 1xD(TP2)): not named by --only" in lines
     assert not any("skipped" in line or "accuracy" in line or "remote code" in line for line in lines)
@@ -107,7 +120,7 @@ def test_the_banner_with_only_says_what_only_left_out():
 def test_the_metadata_recorded_in_the_summary():
     args = parse("sweep", "mooncake_sweep", "--platform", "cpu", "--skip-check", "accuracy", "--model", "m")
     sel = select_run("mooncake_sweep", args, CPUS)
-    meta = sweep_command.metadata(args, sel, ENV, ["smoke", "parity"])
+    meta = sweep_banner.metadata(args, sel, ENV, ["smoke", "parity"])
     assert meta["sweep"] == "mooncake_sweep" and meta["platform"] == "cpu" and meta["cpus"] == 4
     assert meta["checks"] == ["smoke", "parity"] and meta["hostname"]  # the page's columns and host
     assert (

@@ -139,7 +139,7 @@ def test_hybrid_mla_is_a_known_name_or_a_kimi_linear_style_config():
 def test_the_cli_refuses_before_launch_and_only_warns_on_a_dry_run(tmp_path):
     from types import SimpleNamespace
 
-    from pd_sessions.commands import launch
+    from pd_sessions.run import launch
 
     model = tmp_path / "kimi"
     model.mkdir()
@@ -186,7 +186,7 @@ def test_launch_reads_the_installed_vllms_factory(tmp_path):
     """The refusal before launch reads the factory of the vLLM envfacts found; a dry run warns."""
     from types import SimpleNamespace
 
-    from pd_sessions.commands import launch
+    from pd_sessions.run import launch
 
     vllm_dir = tmp_path / "vllm"
     (vllm_dir / launch.FACTORY).parent.mkdir(parents=True)
@@ -206,7 +206,7 @@ def test_the_vllm_here_registers_every_connector():
     import importlib.util
     import os
 
-    from pd_sessions.commands import launch
+    from pd_sessions.run import launch
 
     found = importlib.util.find_spec("vllm")
     if found is None or not found.submodule_search_locations:

@@ -231,6 +231,36 @@ def test_no_one_line_aliases():
     assert aliases == []
 
 
+# ------------------------------------------------------------------ unique module names
+
+
+def duplicate_basenames(paths: list[Path]) -> dict[str, list[str]]:
+    """File name -> the modules that share it (``__init__``/``__main__`` aside): two modules of
+    one name (three ``hosts.py`` once: this machine, the Ray hosts, the per-host plan) make a
+    reader, a traceback and a grep guess which one is meant."""
+    by_name: dict[str, list[str]] = {}
+    for path in paths:
+        if path.stem not in ("__init__", "__main__"):
+            by_name.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    return {name: sorted(where) for name, where in sorted(by_name.items()) if len(where) > 1}
+
+
+def test_every_module_basename_is_unique():
+    """Each module's name says what it does, once in the package (issue 39)."""
+    assert duplicate_basenames(list(MODULES.values())) == {}, "rename one of each"
+
+
+def test_the_basename_rule_finds_a_duplicate():
+    paths = [PKG / "runtime" / "hosts.py", PKG / "run" / "hosts.py", PKG / "run" / "__init__.py"]
+    paths += [PKG / "core" / "__init__.py", PKG / "cli.py"]
+    assert duplicate_basenames(paths) == {
+        "hosts.py": ["pd_sessions/run/hosts.py", "pd_sessions/runtime/hosts.py"]
+    }
+    assert duplicate_basenames([*MODULES.values(), PKG / "other" / "sweep.py"]) == {
+        "sweep.py": ["pd_sessions/other/sweep.py", "pd_sessions/run/sweep.py"]
+    }
+
+
 # ------------------------------------------------------------------ short functions
 
 MAX_FUNCTION_LINES = 100

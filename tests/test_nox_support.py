@@ -16,10 +16,10 @@ from packaging.requirements import Requirement
 
 from pd_sessions import cli
 from pd_sessions.bench.bench_args import bench_parser
-from pd_sessions.commands import launch
 from pd_sessions.core.errors import PlanError
 from pd_sessions.core.inventory import Inventory
 from pd_sessions.env import in_place, nox_support
+from pd_sessions.run import launch
 from pd_sessions.runtime import machine, parentwatch
 
 CPU_HOST = Inventory(gpus=(), cpus=(0, 1), gpu_source="test")

@@ -1,7 +1,7 @@
 """Every way of stopping a run, driven through nox itself: nox exits with the signal's status
 (128 + N) only once nothing is left and summary.json, summary.txt, junit.xml and report.html are written
 (SIGKILL to nox: it dies at once, and nothing outlives it by more than grace + 2 s); the same
-for the serve session.
+for the serve session, which runs inside the same lifeline (nox SIGKILLed, or serve itself).
 
 The project's own noxfile runs the sweep: its generic ``sweep`` session in installed-environment
 mode (``nox --no-venv -s sweep -- FILE.toml ... --no-install``: this interpreter as found, nothing
@@ -116,9 +116,7 @@ def test_the_serve_session_waits_for_the_teardown_then_exits_with_the_signal(tmp
     """``nox -s serve``: the harness ends a stop with 0 (serve's normal end); nox still exits
     128 + N, once the cluster it held up is gone."""
     run = NoxRun(tmp_path, session="serve", args=("--only", "1x1"))
-    run.wait_for("serving until Ctrl-C")
-    procs = session_family(psutil.Process(run.proc.pid))
-    assert len(procs) >= 6, procs  # nox, the harness, 2 servers + their engine cores, the router
+    _harness, procs = serving(run)
     os.killpg(run.proc.pid, sig)
     assert run.wait(GRACE + 15) == 128 + sig, run.text
     assert gone_when_nox_exits(run, procs) == [], run.text
@@ -126,6 +124,56 @@ def test_the_serve_session_waits_for_the_teardown_then_exits_with_the_signal(tmp
     assert f"stopped by {sig.name}: torn down, nothing left running" in run.text, run.text
     assert f"nox got {sig.name} (passed it on to pid" in run.text, run.text
     assert_nothing_left(run.results / "1x1")
+
+
+def serving(run: NoxRun) -> tuple[psutil.Process, list[psutil.Process]]:
+    """Once ``nox -s serve`` serves: its harness, and everything under nox: the harness, 2
+    servers + their engine cores, the router, and the lifeline's reaper (run/lifeline.py)."""
+    run.wait_for("serving until Ctrl-C")
+    nox = psutil.Process(run.proc.pid)
+    harness = next(c for c in nox.children() if "pd_sessions" in " ".join(c.cmdline()))
+    procs = session_family(nox)
+    reapers = [p for p in procs if "pd_sessions.runtime.reaper" in " ".join(p.cmdline())]
+    assert len(reapers) == 1 and reapers[0].ppid() == harness.pid, procs  # serve's own lifeline
+    assert len(procs) >= 7, procs
+    return harness, procs
+
+
+@pytest.mark.usefixtures("bystander")
+def test_sigkill_to_the_parent_of_serve_leaves_nothing(tmp_path):
+    """``nox -s serve`` with nox SIGKILLed once the cluster serves (a CI agent's kill, an OOM
+    kill): the parent watch gives the harness SIGTERM, and it tears the cluster down; every PID of
+    the run is gone within grace + 2 s. (Before serve had the lifeline, the harness and all four
+    servers were still up 30 s later.)"""
+    run = NoxRun(tmp_path, session="serve", args=("--only", "1x1"))
+    harness, procs = serving(run)
+    t0 = time.monotonic()
+    os.kill(run.proc.pid, signal.SIGKILL)
+    assert run.wait(10) == -signal.SIGKILL
+    took = run.all_gone_within(procs, t0, GRACE + 2)
+    run.reader.join(5)
+    assert "stopped by SIGTERM: the parent process (pid" in run.text, run.text
+    assert "torn down, nothing left running" in run.text, run.text
+    assert_nothing_left(run.results / "1x1")
+    assert not alive(harness)
+    print(f"serve, nox SIGKILLed: everything gone {took:.2f} s after")
+
+
+@pytest.mark.usefixtures("bystander")
+def test_sigkill_to_serve_itself_leaves_nothing(tmp_path):
+    """``pd-sessions serve`` itself SIGKILLed while it serves: it can do nothing, so its servers
+    hear it from the kernel (their parent-death signal) and from serve's reaper, which stops
+    whatever is left and verifies every PID gone; all gone within grace + 2 s."""
+    run = NoxRun(tmp_path, session="serve", args=("--only", "1x1"))
+    harness, procs = serving(run)
+    t0 = time.monotonic()
+    harness.kill()
+    took = run.all_gone_within([p for p in procs if p.pid != run.proc.pid], t0, GRACE + 2)
+    assert run.wait(GRACE + 15) != 0  # nox: its command was killed
+    reaper_log = (run.results / "reaper.log").read_text()
+    assert f"pd-sessions pid {harness.pid} is gone while" in reaper_log, reaper_log
+    assert_nothing_left(run.results / "1x1")
+    print(f"serve SIGKILLed: everything gone {took:.2f} s after")
 
 
 @pytest.mark.usefixtures("bystander")

@@ -45,11 +45,25 @@ def hosts_sweep(behaviour: str = "never_healthy", configs=("1x1", "1x1b")) -> st
 class HostsRun(NoxRun):
     """NoxRun of :func:`hosts_sweep` with ``--ray`` at the simulated hosts."""
 
-    def __init__(self, tmp_path, sim, *, behaviour="never_healthy", grace=GRACE, configs=("1x1", "1x1b")):
+    def __init__(
+        self,
+        tmp_path,
+        sim,
+        *,
+        behaviour="never_healthy",
+        grace=GRACE,
+        configs=("1x1", "1x1b"),
+        session="sweep",
+        args=(),
+    ):
         (tmp_path / "hosts.toml").write_text(hosts_sweep(behaviour, configs))
         self.sim = sim
         super().__init__(
-            tmp_path, sweep=str(tmp_path / "hosts.toml"), args=("--ray", sim.ray_address), grace=grace
+            tmp_path,
+            sweep=str(tmp_path / "hosts.toml"),
+            args=("--ray", sim.ray_address, *args),
+            grace=grace,
+            session=session,
         )
 
     def servers(self) -> list[psutil.Process]:
@@ -103,6 +117,25 @@ def test_each_way_of_stopping_across_hosts_leaves_nothing_on_any_host(tmp_path, 
     doc = run.summary()
     assert [c["outcome"] for c in doc["configs"]] == ["cancelled", "not run"], doc
     print(f"{how} across hosts: everything gone {took:.2f} s after the stop")
+
+
+def test_sigkill_to_the_parent_of_serve_across_hosts_leaves_nothing_on_any_host(tmp_path, simulated_hosts_2):
+    """``nox -s serve -- ... --ray`` with nox SIGKILLed once the cluster serves: serve's parent
+    watch gives it SIGTERM, and it tears down its instances on host1 and host2 and the router
+    here; every PID is gone within grace + 5 s."""
+    run = HostsRun(
+        tmp_path, simulated_hosts_2, behaviour="ok", configs=("1x1",), session="serve", args=("--only", "1x1")
+    )
+    servers = run.servers()
+    run.wait_for("serving until Ctrl-C", timeout=120)
+    local = run.local()
+    assert any("pd_sessions.runtime.reaper" in " ".join(p.cmdline()) for p in local), local  # the lifeline
+    t0 = time.monotonic()
+    os.kill(run.proc.pid, signal.SIGKILL)
+    took = run.all_gone_within(servers + local, t0, GRACE + 5)
+    run.reader.join(5)
+    assert "stopped by SIGTERM: the parent process (pid" in run.text, run.text
+    print(f"serve across hosts, nox SIGKILLed: everything gone {took:.2f} s after")
 
 
 def test_buildkite_cancel_across_hosts_is_done_well_inside_its_10s(tmp_path, simulated_hosts_2):

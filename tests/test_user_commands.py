@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import ROOT, USER, wait_until
-from helpers import FakePorts, FakeSweep, assert_nothing_left, fake_stack_env, fake_sweep_toml
+from helpers import FakePorts, FakeSweep, assert_nothing_left, fake_stack_env, fake_sweep_toml, gone
 
 from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.errors import UsageError
@@ -475,6 +475,41 @@ def test_sigterm_to_pytest_tears_the_fixture_cluster_down(tmp_path):
     out, _ = p.communicate(timeout=30)
     assert p.returncode == 2, out  # pytest's "interrupted"
     assert "stopped by SIGTERM" in out and "tearing down" in out
+    assert_nothing_left(tmp_path / "r" / "sweep" / "1x1")
+
+
+@LIVE
+def test_sigkill_to_the_pytest_that_owns_the_fixture_cluster_leaves_nothing(tmp_path):
+    """pytest killed outright while a test uses ``pd_cluster``: it can do nothing, so the cluster
+    hears it from the kernel (the servers' parent-death signal) and from the lifeline's reaper
+    (run/lifeline.py), which stops whatever is left and verifies it gone. Every PID of the
+    cluster, the reaper's too, is gone within the fixture's grace (10 s) and the wait after
+    SIGKILL."""
+    f = tmp_path / "slow.py"
+    f.write_text(SLOW)
+    p = subprocess.Popen(
+        _plugin_argv(tmp_path, f),
+        cwd=tmp_path,
+        env=_plugin_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_until((tmp_path / "started").exists, 60, "the test to start (the cluster up)", proc=p, tick=0.05)
+    family = psutil.Process(p.pid).children(recursive=True)
+    reapers = [c for c in family if "pd_sessions.runtime.reaper" in " ".join(c.cmdline())]
+    servers = [c for c in family if "vllm.entrypoints.openai.api_server" in " ".join(c.cmdline())]
+    assert len(reapers) == 1 and len(servers) == 2, family
+    assert len(family) >= 7, family  # 2 servers + their engine cores, the router (gate + core), the reaper
+    p.kill()
+    p.wait(10)
+    pids = [c.pid for c in family]
+    wait_until(
+        lambda: all(gone(pid) for pid in pids),
+        10 + 5 + 5,
+        lambda: f"every process of the fixture's cluster gone (left: {[x for x in pids if not gone(x)]})",
+    )
+    log = (tmp_path / "r" / "sweep" / "reaper.log").read_text()
+    assert f"pd-sessions pid {p.pid} is gone while" in log, log
     assert_nothing_left(tmp_path / "r" / "sweep" / "1x1")
 
 

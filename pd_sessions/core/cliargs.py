@@ -33,6 +33,22 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def host_count(text: str) -> int:
+    """argparse type for --simulate-hosts: 2 hosts or more (0, the default, is one real host)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r}; give a number of hosts, 2 or more") from None
+    if value == 1:
+        raise argparse.ArgumentTypeError(
+            "got 1: prefill and decode would share that one host, and nothing would cross a link; "
+            "give 2 or more (or leave --simulate-hosts out to run on this host)"
+        )
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"got {value}; give a number of hosts, 2 or more")
+    return value
+
+
 # --exec-timeout's default (pd_sessions.run.user_commands uses it too).
 EXEC_TIMEOUT_S = 3600.0
 
@@ -58,6 +74,15 @@ def add_common_options(s: argparse.ArgumentParser) -> None:
         help="also run configs that are opt-in on this platform (e.g. 2x2 on CPU)",
     )
     s.add_argument("--dry-run", action="store_true", help="print every plan; launch nothing")
+    add_run_options(s)
+    add_host_options(s)
+    add_override_options(s)
+    s.add_argument("-v", "--verbose", action="store_true")
+
+
+def add_run_options(s: argparse.ArgumentParser) -> None:
+    """How each config runs: where its results go, its deadlines and grace, what it may do, the
+    connectors' own options."""
     s.add_argument(
         "--results-dir",
         type=Path,
@@ -105,7 +130,10 @@ def add_common_options(s: argparse.ArgumentParser) -> None:
             default=os.environ.get(option.env) if option.env else None,
             help=option.help,
         )
-    add_host_options(s)
+
+
+def add_override_options(s: argparse.ArgumentParser) -> None:
+    """``--model``, ``--revision``, ``--set``, ``--extra-arg``: the config's fields, for this run."""
     o = s.add_argument_group("per-run overrides (recorded in plan.txt, result.json and the summary)")
     o.add_argument(
         "--model",
@@ -134,7 +162,6 @@ def add_common_options(s: argparse.ArgumentParser) -> None:
         help="one more argv element for every vLLM instance (repeatable; "
         "--extra-arg=--enforce-eager for values that start with '-')",
     )
-    s.add_argument("-v", "--verbose", action="store_true")
 
 
 def add_host_options(s: argparse.ArgumentParser) -> None:
@@ -151,7 +178,7 @@ def add_host_options(s: argparse.ArgumentParser) -> None:
     )
     h.add_argument(
         "--simulate-hosts",
-        type=int,
+        type=host_count,
         default=0,
         metavar="N",
         help="rehearse a multi-host run on this machine: N network namespaces on a bridge, each a "
@@ -170,6 +197,27 @@ def add_sweep_options(s: argparse.ArgumentParser) -> None:
     """Every option of ``pd-sessions sweep`` except the sweep itself: the common ones, the
     checks', and the user's own commands."""
     add_common_options(s)
+    add_check_options(s)
+    s.add_argument_group("packing").add_argument(
+        "--max-parallel",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run up to N configs at once, packed by GPUs (cores on the CPU lane) so that no two "
+        "share one (--dry-run shows the waves); default: as many as fit; 1: one after another",
+    )
+    add_user_command_options(s)
+    s.add_argument_group("results").add_argument(
+        "--upload-artifacts",
+        action="store_true",
+        help="as the sweep ends, upload the results directory (report.html, logs, JUnit) with "
+        "`buildkite-agent artifact upload` when it is on PATH: for Buildkite steps without "
+        "artifact_paths (vLLM's test_areas)",
+    )
+
+
+def add_check_options(s: argparse.ArgumentParser) -> None:
+    """Which checks run, and how accuracy is judged."""
     c = s.add_argument_group("checks")
     c.add_argument(
         "--accuracy",
@@ -209,14 +257,10 @@ def add_sweep_options(s: argparse.ArgumentParser) -> None:
         choices=list(check_registry.NAMES),
         help="do not run this check (printed in the banner, recorded in the results)",
     )
-    s.add_argument_group("packing").add_argument(
-        "--max-parallel",
-        type=int,
-        default=None,
-        metavar="N",
-        help="run up to N configs at once, packed by GPUs (cores on the CPU lane) so that no two "
-        "share one (--dry-run shows the waves); default: as many as fit; 1: one after another",
-    )
+
+
+def add_user_command_options(s: argparse.ArgumentParser) -> None:
+    """``--exec``, ``--pytest`` and their timeout: the user's own commands against each cluster."""
     u = s.add_argument_group("your own commands against each live cluster")
     u.add_argument(
         "--exec",
@@ -236,13 +280,6 @@ def add_sweep_options(s: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="shorthand for --exec 'python -m pytest PATH... --junitxml={junitxml}' with "
         "this environment's python (repeatable)",
-    )
-    s.add_argument_group("results").add_argument(
-        "--upload-artifacts",
-        action="store_true",
-        help="as the sweep ends, upload the results directory (report.html, logs, JUnit) with "
-        "`buildkite-agent artifact upload` when it is on PATH: for Buildkite steps without "
-        "artifact_paths (vLLM's test_areas)",
     )
     u.add_argument(
         "--exec-timeout",

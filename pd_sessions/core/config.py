@@ -228,6 +228,31 @@ def validate_cluster(c: ClusterConfig) -> None:
             f"decode DP/EP is only for mixture-of-experts models; {c.model!r} is not "
             "marked moe = true in the config",
         )
+    _check_engine_fields(c)
+    _check_ports_fields(c)
+    _check_int("shared_kv_cache_bytes", c.shared_kv_cache_bytes, 64 * 1024**2, 1024**4)
+    _check_choice("parity_mode", c.parity_mode, PARITY_MODES)
+    m = c.parity_margin
+    if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m <= 10.0:
+        raise ConfigError("parity_margin", f"got {m!r}; allowed: a number of nats from 0 to 10 (e.g. 1.0)")
+    if c.decode_weights_seed is not None:
+        _check_int("decode_weights_seed", c.decode_weights_seed, 0, 2**31 - 1)
+        if c.model not in TINY_MODELS:
+            raise ConfigError(
+                "decode_weights_seed",
+                f"only for the generated tiny models ({', '.join(TINY_MODELS)}), not {c.model!r}",
+            )
+    if c.kv_load_failure_policy is not None:
+        _check_choice("kv_load_failure_policy", c.kv_load_failure_policy, KV_LOAD_FAILURE_POLICIES)
+    if c.host != "127.0.0.1" and not c.host:
+        raise ConfigError("host", "must not be empty")
+    for name in ("prefill_hosts", "decode_hosts"):
+        _check_selectors(name, getattr(c, name))
+
+
+def _check_engine_fields(c: ClusterConfig) -> None:
+    """What vLLM is started with: the revision, memory, block size, length, dtype, extra
+    arguments and environment, the connector's own fields."""
     if c.revision is not None and (not isinstance(c.revision, str) or not c.revision.strip()):
         raise ConfigError("revision", f"got {c.revision!r}; allowed: a commit hash or tag")
     u = c.gpu_memory_utilization
@@ -256,6 +281,10 @@ def validate_cluster(c: ClusterConfig) -> None:
             _check_choice(option.field, value, option.choices)
         elif not isinstance(value, str):
             raise ConfigError(option.field, f"got {value!r}; allowed: a string")
+
+
+def _check_ports_fields(c: ClusterConfig) -> None:
+    """Explicit ports: in range, one per instance, none used twice."""
     if c.router_port is not None:
         _check_port("router_port", c.router_port)
     for name, ports, count in (
@@ -275,24 +304,6 @@ def validate_cluster(c: ClusterConfig) -> None:
     dupes = sorted({p for p in explicit if explicit.count(p) > 1})
     if dupes:
         raise ConfigError("ports", f"port(s) {dupes} used more than once; every port must be unique")
-    _check_int("shared_kv_cache_bytes", c.shared_kv_cache_bytes, 64 * 1024**2, 1024**4)
-    _check_choice("parity_mode", c.parity_mode, PARITY_MODES)
-    m = c.parity_margin
-    if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m <= 10.0:
-        raise ConfigError("parity_margin", f"got {m!r}; allowed: a number of nats from 0 to 10 (e.g. 1.0)")
-    if c.decode_weights_seed is not None:
-        _check_int("decode_weights_seed", c.decode_weights_seed, 0, 2**31 - 1)
-        if c.model not in TINY_MODELS:
-            raise ConfigError(
-                "decode_weights_seed",
-                f"only for the generated tiny models ({', '.join(TINY_MODELS)}), not {c.model!r}",
-            )
-    if c.kv_load_failure_policy is not None:
-        _check_choice("kv_load_failure_policy", c.kv_load_failure_policy, KV_LOAD_FAILURE_POLICIES)
-    if c.host != "127.0.0.1" and not c.host:
-        raise ConfigError("host", "must not be empty")
-    for name in ("prefill_hosts", "decode_hosts"):
-        _check_selectors(name, getattr(c, name))
 
 
 def _check_selectors(cfg_field: str, value: Any) -> None:
@@ -382,6 +393,10 @@ def make_cluster(fields: dict[str, Any], *, where: str) -> ClusterConfig:
         raise ConfigError(e.field, str(e).split(": ", 1)[1], source=where) from None
 
 
+# The top-level keys of a sweep file.
+SWEEP_KEYS = ["name", "description", "platforms", "defaults", "platform", "config", "checks", "check_options"]
+
+
 def load_sweep(path: Path) -> Sweep:
     """Load a sweep file; every error names the file and the field."""
     where = str(path)
@@ -389,21 +404,13 @@ def load_sweep(path: Path) -> Sweep:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError("path", "sweep file not found", source=where) from None
+    except IsADirectoryError:
+        raise ConfigError("path", _directory_given(path), source=where) from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError("toml", str(e), source=where) from None
     for key in data:
-        top = [
-            "name",
-            "description",
-            "platforms",
-            "defaults",
-            "platform",
-            "config",
-            "checks",
-            "check_options",
-        ]
-        if key not in top:
-            raise ConfigError(key, f"unknown top-level key{did_you_mean(key, top)}", source=where)
+        if key not in SWEEP_KEYS:
+            raise ConfigError(key, f"unknown top-level key{did_you_mean(key, SWEEP_KEYS)}", source=where)
     name = data.get("name")
     if not isinstance(name, str) or not name:
         got = "missing" if name is None else f"got {name!r}"
@@ -478,6 +485,13 @@ def load(name: str) -> Sweep:
     if name.endswith(".toml") or path.exists():
         return load_sweep(path)
     return builtin_sweep(name)
+
+
+def _directory_given(path: Path) -> str:
+    """What to say when the sweep file given is a directory: the .toml files in it, if any."""
+    tomls = sorted(p.name for p in path.glob("*.toml"))
+    inside = f" (it holds {', '.join(tomls[:5])}{', ...' if len(tomls) > 5 else ''})" if tomls else ""
+    return f"is a directory, not a sweep file{inside}; give a .toml file's path or a built-in sweep name"
 
 
 def builtin_sweep(name: str) -> Sweep:

@@ -1,45 +1,139 @@
-"""Run every selected config of a sweep: plan, start, check, tear down, record.
+"""``pd-sessions sweep``: run (or --dry-run) a sweep of P/D clusters, configs side by side where
+they fit (--max-parallel), else one after another; plan, start, check, tear down and record each.
 
-Every config runs even when an earlier one failed. Library code: it logs and
-reports progress through a callback; only the CLI prints.
+Every config runs even when an earlier one failed. Whatever happens (a stop included), what there
+is gets written: summary.json/.txt, junit.xml, report.html, the table on stdout. The run is inside
+the lifeline (run/lifeline.py), so nothing outlives it.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import logging
+import sys
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
+from typing import Any
 
+from pd_sessions.checks.accuracy import AccuracyOptions
 from pd_sessions.checks.runner import run_checks
 from pd_sessions.core.config import ClusterConfig
-from pd_sessions.core.errors import PdError
+from pd_sessions.core.errors import PdError, UsageError
 from pd_sessions.core.inventory import Inventory
-from pd_sessions.core.plan import ClusterPlan
 from pd_sessions.core.plan.packing import Packing, pack
-from pd_sessions.core.results import RUNNING, CheckResult, ConfigResult, ProcessRecord
-from pd_sessions.report import unfinished
-from pd_sessions.report.writers import write_config_result
-from pd_sessions.run import packed, user_commands
-from pd_sessions.run.ray_hosts import loopback_said, phase_one
-from pd_sessions.run.sweep_options import SweepOptions, make_plan
-from pd_sessions.runtime.cluster import Event, running_cluster
-from pd_sessions.runtime.launcher import LOCAL
-from pd_sessions.runtime.ports import PortAllocator
-from pd_sessions.runtime.raylaunch import RayHosts, RemotePorts
+from pd_sessions.core.results import RUNNING, CheckResult, ConfigResult
+from pd_sessions.core.selection import Selection
+from pd_sessions.env.envfacts import facts
+from pd_sessions.report import buildkite_annotation, unfinished
+from pd_sessions.report.html import PAGE
+from pd_sessions.report.writers import table, write_config_result
+from pd_sessions.run import launch, packed, user_commands
+from pd_sessions.run.dry_run import dry_run
+from pd_sessions.run.lifeline import lifeline, new_result, start_config
+from pd_sessions.run.ray_hosts import loopback_said
+from pd_sessions.run.sweep_banner import banner, metadata
+from pd_sessions.run.sweep_options import SweepOptions
+from pd_sessions.runtime.cluster import Cluster, Event
+from pd_sessions.runtime.console import say
 
 log = logging.getLogger(__name__)
 
 
-def new_result(config: ClusterConfig, opts: SweepOptions) -> ConfigResult:
-    return ConfigResult(
-        name=config.name,
-        shape=config.shape,
-        connector=config.connector,
-        platform=opts.platform,
-        overrides=list(opts.overrides),
+def run(args: argparse.Namespace) -> int:
+    """``pd-sessions sweep``: 0 when every config passed, 1 when one did not (2: refused)."""
+    commands = user_commands.from_cli(
+        args.user_commands,
+        python=sys.executable,
+        dry_run=args.dry_run,
+        have_pytest=importlib.util.find_spec("pytest") is not None,
     )
+    sel = launch.checked(args)
+    env = facts(import_torch=False, full=False)
+    warnings = launch.refuse_before_launch(sel, env, dry_run=args.dry_run)
+    checks = check_options(args, sel, commands)
+    opts = launch.run_options(args, sel, results_name=sel.sweep.name, **checks)
+    for line in banner(args, sel, env, opts.checks, commands, warnings):
+        say(line)
+    if not sel.configs:
+        raise UsageError("no config selected: nothing to run")
+    packing = sweep_packing(sel.configs, sel.inv, opts, across_hosts=False)  # refuses a bad --max-parallel
+    if args.dry_run:
+        return dry_run(sel, opts, packing, say)
+    unfinished.check_writable(opts.results_dir)  # exit 2 before anything starts
+    say(f"results and logs: {opts.results_dir}")
+    results = run_configs(sel, opts, metadata(args, sel, env, opts.checks), upload=args.upload_artifacts)
+    failed = [r.name for r in results if r.outcome != "passed"]
+    say(
+        f"{len(results) - len(failed)}/{len(results)} configs passed"
+        + (f"; failed: {', '.join(failed)}" if failed else "")
+    )
+    return 1 if failed else 0
+
+
+def check_options(
+    args: argparse.Namespace, sel: Selection, commands: Sequence[user_commands.UserCommand]
+) -> dict[str, Any]:
+    """SweepOptions' check fields, as the command line and the sweep's TOML set them."""
+    sweep = sel.sweep
+    return {
+        "accuracy": AccuracyOptions(
+            mode=args.accuracy,
+            rule=args.accuracy_rule,
+            limit=args.accuracy_limit,
+            allow_sample_mismatch=args.allow_sample_mismatch,
+            record_baseline=args.record_baseline,
+        ),
+        "skip_checks": tuple(args.skip_check),
+        "commands": tuple(commands),
+        "exec_timeout_s": args.exec_timeout,
+        "selected_checks": sel.checks or sweep.checks_on(sel.platform),
+        "check_options": sweep.check_options,
+    }
+
+
+def run_configs(
+    sel: Selection, opts: SweepOptions, meta: dict[str, Any], *, upload: bool = False
+) -> list[ConfigResult]:
+    """Run every selected config; whatever happens, write what there is."""
+    results: list[ConfigResult] = []
+    provisional = unfinished.Provisional(
+        sel.configs,
+        opts.results_dir,
+        suite=sel.sweep.name,
+        platform=sel.platform,
+        checks=opts.checks,
+        skipped=opts.skip_checks,
+        meta=meta,
+    )
+    try:  # run_sweep runs inside the lifeline (run/lifeline.py)
+        results = run_sweep(sel.configs, sel.inv, opts, say, results=results, on_change=provisional)
+    except BaseException as e:  # a stop: the cut-short config is cancelled, the rest not run
+        cause = unfinished.stop_cause(e)
+        results = unfinished.complete(sel.configs, results, platform=sel.platform, cause=cause)
+        raise
+    finally:
+        if results:
+            write_results(results, sel.sweep.name, opts, meta, upload=upload)
+    return results
+
+
+def write_results(
+    results: list[ConfigResult], suite: str, opts: SweepOptions, meta: dict[str, Any], *, upload: bool = False
+) -> None:
+    """summary.json/.txt, junit.xml, report.html, the table on stdout and, under Buildkite, an
+    annotation linking the page (and with ``upload``, the results directory uploaded)."""
+    page = unfinished.write_all(
+        results, opts.results_dir, meta, suite=suite, checks=opts.checks, skipped=opts.skip_checks
+    )
+    print("\n" + table(results), flush=True)
+    say(f"report: {page}" if page else f"report: {PAGE} could not be written (see the warning above)")
+    if buildkite_annotation.annotate(results, sweep=suite, page=page):
+        say("summary added as a Buildkite annotation")
+    if upload:
+        say(buildkite_annotation.upload(opts.results_dir))
 
 
 def run_config(
@@ -49,11 +143,10 @@ def run_config(
     progress: Callable[[str], None],
     on_event: Callable[[Event], None] | None = None,
     into: ConfigResult | None = None,
-    hosts: RayHosts | None = None,
     freed: Callable[[], None] | None = None,
 ) -> ConfigResult:
-    """Plan, start, check, tear down and record one config (``on_event``: see running_cluster;
-    ``hosts``: across Ray hosts, run/ray_hosts.py; ``freed``: its devices are free, cluster.teardown).
+    """Plan, start (run/lifeline.py's start_config), check, tear down and record one config
+    (``on_event``: see running_cluster; ``freed``: its devices are free, cluster.teardown).
 
     ``into``: the record to fill (else a new one). An unforeseen exception (not a PdError)
     errors this config, its traceback in ``error.log``; a stop (SIGINT, SIGTERM) marks it
@@ -61,67 +154,11 @@ def run_config(
     """
     res = into or new_result(config, opts)
     run_dir = opts.results_dir / config.name
-    res.run_dir = str(run_dir)
-    t = time.monotonic()
-    res.started_at = res.phase_starts["plan"] = time.time()
-    ports = PortAllocator(config.host)
-    remote: dict[str, RemotePorts] = {}
     try:
-        try:
-            layout = None
-            if hosts is not None:
-                layout, remote = phase_one(hosts, config, opts, create_model=True)
-            plan = make_plan(config, inv, ports, opts, create_model=True, layout=layout, host_ports=remote)
-        finally:
-            res.phases["plan"] = time.monotonic() - t
-        res.warnings = list(plan.warnings)
-        res.model = plan.model
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "plan.txt").write_text(plan.render() + "\n")
-        checks: list[CheckResult] = []
-        res.phase_starts["start"] = time.time()
-        try:
-            with running_cluster(
-                plan,
-                run_dir,
-                ports=ports,
-                deadline_s=opts.deadline_s,
-                pd_path_budget_s=opts.pd_path_budget_s,
-                grace_s=opts.grace_s,
-                progress=progress,
-                timings=res.timings,
-                on_event=_recorder(res, plan, on_event),
-                launcher=hosts.launcher(run_dir, remote) if hosts else LOCAL,
-                freed=freed,
-            ) as cluster:
-                t = time.monotonic()
-                res.phase_starts["checks"] = time.time()
-                try:
-                    cluster.guard(
-                        lambda: run_checks(
-                            cluster,
-                            checks,
-                            opts.accuracy,
-                            opts.skip_checks,
-                            selected=opts.selected_checks,
-                            options=opts.check_options,
-                        ),
-                        when="while checks ran",
-                    )
-                    if opts.commands:
-                        user_commands.run_commands(
-                            cluster,
-                            opts.commands,
-                            checks,
-                            progress=progress,
-                            timeout_s=opts.exec_timeout_s,
-                            grace_s=opts.grace_s,
-                        )
-                finally:
-                    res.phases["checks"] = time.monotonic() - t
-                    _record_checks(res, checks, run_dir, progress)
-        finally:
-            _fill_phases(res)
+        with start_config(
+            config, inv, opts, progress=progress, record=res, on_event=on_event, freed=freed
+        ) as cluster:
+            _check(cluster, res, opts, progress)
     except PdError as e:
         res.error = str(e) + loopback_said(res.warnings)
         progress(f"{config.name}: ERROR: {str(e).splitlines()[0]}{loopback_said(res.warnings)}")
@@ -133,15 +170,42 @@ def run_config(
         unfinished.cancel(res, unfinished.stop_cause(e))
         write_config_result(res, run_dir / "result.json")
         raise
-    finally:
-        ports.release()
-        for p in remote.values():
-            p.release()
     res.decide(opts.checks)
     if res.outcome != "passed" and loopback_said(res.warnings) not in (res.error or "-"):
         progress(f"{config.name}: {res.outcome}{loopback_said(res.warnings)}")
     write_config_result(res, run_dir / "result.json")
     return res
+
+
+def _check(cluster: Cluster, res: ConfigResult, opts: SweepOptions, progress: Callable[[str], None]) -> None:
+    """The checks, then the user's commands, against the live ``cluster``; into ``res``."""
+    t = time.monotonic()
+    res.phase_starts["checks"] = time.time()
+    checks: list[CheckResult] = []
+    try:
+        cluster.guard(
+            lambda: run_checks(
+                cluster,
+                checks,
+                opts.accuracy,
+                opts.skip_checks,
+                selected=opts.selected_checks,
+                options=opts.check_options,
+            ),
+            when="while checks ran",
+        )
+        if opts.commands:
+            user_commands.run_commands(
+                cluster,
+                opts.commands,
+                checks,
+                progress=progress,
+                timeout_s=opts.exec_timeout_s,
+                grace_s=opts.grace_s,
+            )
+    finally:
+        res.phases["checks"] = time.monotonic() - t
+        _record_checks(res, checks, cluster.run_dir, progress)
 
 
 def _record_checks(
@@ -156,43 +220,6 @@ def _record_checks(
                 f.write(f"--- {c.name} crashed ---\n{c.details['traceback']}")
 
 
-def _recorder(
-    res: ConfigResult, plan: ClusterPlan, on_event: Callable[[Event], None] | None
-) -> Callable[[Event], None]:
-    """Records in ``res.processes`` when each process of ``plan`` was spawned and how long it
-    took to be ready (the timeline's bars), then passes the event on to ``on_event``."""
-    res.processes = [ProcessRecord(s.name, s.role, s.host, s.log_name) for s in plan.processes]
-    by_name = {p.name: p for p in res.processes}
-    spawned: dict[str, float] = {}
-
-    def record(event: Event) -> None:
-        p = by_name.get(event.name)
-        if p is not None and event.kind == "spawned":
-            spawned[event.name] = event.at
-            p.started_at = time.time() - (time.monotonic() - event.at)  # event.at is monotonic
-        elif p is not None and event.kind == "ready" and event.name in spawned:
-            p.ready_s = event.at - spawned[event.name]
-        if on_event is not None:
-            on_event(event)
-
-    return record
-
-
-def _fill_phases(res: ConfigResult) -> None:
-    """The phases the cluster timed (called as its teardown ends), with their starts."""
-    timings = res.timings
-    start = res.phase_starts.get("start")
-    if "instances_ready" in timings:
-        res.phases["start"] = timings["instances_ready"]
-        if start is not None:  # the router phase begins once every instance is ready
-            res.phase_starts["router"] = start + timings["instances_ready"]
-    if "router_ready" in timings:
-        res.phases["router"] = timings["router_ready"]
-    if "teardown" in timings:
-        res.phases["teardown"] = timings["teardown"]
-        res.phase_starts["teardown"] = time.time() - timings["teardown"]  # it has just ended
-
-
 def run_sweep(
     configs: Sequence[ClusterConfig],
     inv: Inventory,
@@ -200,7 +227,6 @@ def run_sweep(
     progress: Callable[[str], None],
     results: list[ConfigResult] | None = None,
     on_change: Callable[[list[ConfigResult]], None] | None = None,
-    hosts: RayHosts | None = None,
 ) -> list[ConfigResult]:
     """Run every config; one record each, returned in the sweep's order (and put in ``results``
     if given).
@@ -209,10 +235,25 @@ def run_sweep(
     ``opts.max_parallel``); otherwise one after another, in this thread. Each record joins
     ``results`` as its config starts (outcome ``running``), so a caller that a stop interrupts
     still holds the finished ones and the cancelled ones. ``on_change`` is called as each config
-    starts and ends (to write a provisional summary).
+    starts and ends (to write a provisional summary). All of it inside the lifeline
+    (run/lifeline.py), across the run's hosts when it has some.
     """
     results = [] if results is None else results
-    packing = sweep_packing(configs, inv, opts, across_hosts=hosts is not None)
+    with lifeline(opts, progress) as hosts:
+        packing = sweep_packing(configs, inv, opts, across_hosts=hosts is not None)
+        return _run_each(configs, inv, opts, progress, results, on_change, packing)
+
+
+def _run_each(
+    configs: Sequence[ClusterConfig],
+    inv: Inventory,
+    opts: SweepOptions,
+    progress: Callable[[str], None],
+    results: list[ConfigResult],
+    on_change: Callable[[list[ConfigResult]], None] | None,
+    packing: Packing,
+) -> list[ConfigResult]:
+    """run_sweep's configs, in ``packing``'s waves side by side, else one after another."""
     if packing.parallel:
         for line in packing.render().splitlines():
             progress(line.strip())
@@ -230,7 +271,7 @@ def run_sweep(
         results.append(res)
         if on_change:
             on_change(results)
-        run_config(config, inv, opts, progress, into=res, hosts=hosts)
+        run_config(config, inv, opts, progress, into=res)
         progress(f"[{i}/{len(configs)}] {config.name}: {results[-1].outcome.upper()}")
         if on_change:
             on_change(results)

@@ -6,11 +6,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 
-from pd_sessions.core.inventory import Inventory, parse_visible_devices
+from pd_sessions.core.inventory import Inventory, parse_visible_devices, resolve_platform
 
 RDMA_SYSFS = "/sys/class/infiniband"
 
@@ -53,6 +54,14 @@ def detect(environ: dict[str, str] | None = None) -> Inventory:
     )
     cpus = tuple(sorted(os.sched_getaffinity(0)))
     return Inventory(gpus=gpus, cpus=cpus, gpu_source=source, rdma_devices=rdma_devices())
+
+
+def inventory_json() -> str:
+    """This host's inventory as ``pd-sessions inventory`` prints it: GPUs, cores, where the GPUs
+    were found, and the platform a run picks by default."""
+    inv = detect()
+    doc = {"gpus": list(inv.gpus), "cpus": list(inv.cpus), "gpu_source": inv.gpu_source}
+    return json.dumps({**doc, "platform": resolve_platform(None, inv)})
 
 
 def gpu_names(ids: list[str] | tuple[str, ...]) -> list[str]:

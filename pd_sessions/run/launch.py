@@ -91,6 +91,11 @@ def run_options(
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if args.ray and args.simulate_hosts:
         raise UsageError("--ray and --simulate-hosts: give one (--simulate-hosts starts its own Ray cluster)")
+    if args.allow_loopback_advertise and not (args.ray or args.simulate_hosts):
+        raise UsageError(
+            "--allow-loopback-advertise has no effect on one host (nothing is advertised to another "
+            "host): give it with --ray ADDRESS or --simulate-hosts N, or leave it out"
+        )
     opts = SweepOptions(
         platform=sel.platform,
         results_dir=(args.results_dir or Path("results") / f"{results_name}-{stamp}").resolve(),

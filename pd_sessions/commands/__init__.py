@@ -1,1 +1,0 @@
-"""One module per pd-sessions subcommand (the CLI parses and dispatches)."""
