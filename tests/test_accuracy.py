@@ -3,7 +3,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import FIXTURES
+from helpers import FIXTURES
 
 from pd_sessions.checks import accuracy as acc
 from pd_sessions.core.errors import ConfigError

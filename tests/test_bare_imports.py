@@ -27,7 +27,7 @@ from pathlib import Path
 
 import packaging
 import pytest
-from conftest import ROOT
+from helpers import ROOT
 from packaging.requirements import Requirement
 
 ALLOWED = {"packaging"}

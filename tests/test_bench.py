@@ -16,8 +16,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import psutil
 import pytest
-from conftest import ROOT, heavy, wait_until
-from helpers import bench_doc, fake_stack_env, fake_sweep_toml
+from helpers import ROOT
+from helpers.builders import bench_doc
+from helpers.fake_runs import fake_stack_env, fake_sweep_toml
+from helpers.needs import needs
+from helpers.waiting import wait_until
 
 from pd_sessions.bench import bench_results, teardown
 from pd_sessions.bench.clusters import UPSTREAM_PROXY_SLEEP_S, RunRecord
@@ -225,7 +228,7 @@ def test_bench_refuses_unknown_part(tmp_path):
 
 
 def test_router_bench_against_fake_backends(tmp_path):
-    heavy("vllm_router")
+    needs("vllm_router")
     from pd_sessions.bench import routers
 
     out = routers.run(tmp_path, requests=30, concurrent_requests=200, concurrency=20, rounds=1)

@@ -13,7 +13,7 @@ import textwrap
 import zipfile
 from pathlib import Path
 
-from conftest import heavy
+from helpers.needs import needs
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_STACK = ROOT / "pd_sessions" / "data" / "fake_stack"
@@ -81,7 +81,7 @@ def _wheel(tmp_path: Path) -> Path:
 
 
 def test_the_packing_bench_finds_its_fake_stack_in_a_wheel_without_tests(tmp_path):
-    heavy("setuptools")  # the wheel is built offline with this environment's setuptools
+    needs("setuptools")  # the wheel is built offline with this environment's setuptools
     wheel = _wheel(tmp_path)
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = {p.relative_to(ROOT).as_posix() for p in FAKE_STACK.rglob("*.py")}

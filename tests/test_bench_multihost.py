@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import psutil
-from conftest import wait_until
+from helpers.waiting import wait_until
 
 from pd_sessions.bench import multihost
 

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import wait_until
-from helpers import gone
+from helpers.procs import gone
+from helpers.waiting import wait_until
 
 from pd_sessions.bench import bench_results, startup
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import FIXTURES
-from helpers import comp
+from helpers import FIXTURES
+from helpers.builders import comp
 
 from pd_sessions.checks import evidence, instances, kv_transfer, smoke
 from pd_sessions.checks.completions import Completion

@@ -10,7 +10,7 @@ import sys
 import jsonschema
 import pytest
 import yaml
-from conftest import ROOT
+from helpers import ROOT
 
 from pd_sessions.report import buildkite_pipelines
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from helpers import ROOT
 
 from pd_sessions.runtime.machine import detect
 
@@ -207,7 +207,7 @@ def test_commands_with_their_own_parser_get_the_rest_of_the_line():
 
 
 def test_bench_report_renders_a_results_json_again(tmp_path):
-    from helpers import bench_doc
+    from helpers.builders import bench_doc
 
     doc = bench_doc([])
     (tmp_path / "results.json").write_text(json.dumps(doc))

@@ -8,19 +8,16 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 
 import pytest
-from helpers import fake_stack_env, gone
+from helpers.builders import live_plan
+from helpers.fake_runs import fake_stack_env
+from helpers.procs import gone
 
-from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.errors import ProcessExited, StopError
-from pd_sessions.core.inventory import Inventory
-from pd_sessions.core.plan import plan_cluster
 from pd_sessions.runtime import http, process
 from pd_sessions.runtime.cluster import running_cluster
-from pd_sessions.runtime.ports import PortAllocator
 
 
 class Told(process.Observer):
@@ -36,20 +33,8 @@ class Told(process.Observer):
         self.gone += [(r.name, r.pid) for r in rs]
 
 
-def _plan():
-    cfg = ClusterConfig(name="c", model="m", connector="mooncake")
-    with PortAllocator() as ports:
-        return plan_cluster(
-            cfg,
-            Inventory(gpus=(), cpus=(0, 1), gpu_source="test"),
-            ports,
-            platform="cpu",
-            python=sys.executable,
-        )
-
-
 def test_a_planned_kill_and_restart_in_place_are_no_failure_and_the_reaper_knows(tmp_path):
-    plan = _plan()
+    plan = live_plan(connector="mooncake")
     told = Told()
     with (
         process.observed(told),
@@ -78,7 +63,7 @@ def test_a_planned_kill_and_restart_in_place_are_no_failure_and_the_reaper_knows
 
 
 def test_a_restart_needs_an_instance_stopped_on_purpose(tmp_path):
-    plan = _plan()
+    plan = live_plan(connector="mooncake")
     with running_cluster(plan, tmp_path / "run", base_env=fake_stack_env(), grace_s=2) as cluster:
         with pytest.raises(KeyError, match="prefill-0 was not stopped on purpose"):
             cluster.restart_instance("prefill-0", deadline_s=5)
@@ -89,7 +74,7 @@ def test_a_restart_needs_an_instance_stopped_on_purpose(tmp_path):
 def test_no_restart_while_a_killed_process_is_still_alive(tmp_path, monkeypatch):
     """A SIGKILLed process that outlived kill_instance's wait (a NIXL worker did, for minutes)
     still holds the ports: restart_instance starts nothing and says so."""
-    plan = _plan()
+    plan = live_plan(connector="mooncake")
     with running_cluster(plan, tmp_path / "run", base_env=fake_stack_env(), grace_s=2) as cluster:
         cluster.kill_instance("prefill-0")
         monkeypatch.setattr(process, "still_running", lambda rs: [f"{rs[0].name} pid 4242"])

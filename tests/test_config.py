@@ -3,7 +3,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import cfg
+from helpers.builders import cfg
 
 from pd_sessions.core.config import (
     ClusterConfig,

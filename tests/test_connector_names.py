@@ -28,7 +28,7 @@ import ast
 import re
 from pathlib import Path
 
-from conftest import ROOT
+from helpers import ROOT
 
 from pd_sessions.core import connectors
 

@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
-import os
 import re
 import tomllib
-from pathlib import Path
 
 import pytest
-from conftest import heavy
-from helpers import cfg
+from helpers.builders import cfg
+from helpers.needs import needs, package_dir
 
 from pd_sessions.core import connectors
 from pd_sessions.core.config import CONFIG_DIR, ClusterConfig, load
@@ -31,17 +28,6 @@ from pd_sessions.core.errors import ConfigError
 from pd_sessions.core.inventory import Inventory
 
 SPECS = pytest.mark.parametrize("spec", connectors.ALL, ids=lambda s: s.name)
-
-
-def package_dir(name: str) -> Path:
-    """Where an installed package lives, found without importing it (a missing one: skipped,
-    or an error in the full environment)."""
-    found = importlib.util.find_spec(name)
-    if found is None or not found.submodule_search_locations:
-        if os.environ.get("PD_SESSIONS_FULL_ENV") == "1":
-            pytest.fail(f"{name} is not installed in the full environment")
-        pytest.skip(f"{name} not installed (run `nox -s tests`)")
-    return Path(next(iter(found.submodule_search_locations)))
 
 
 def vllm_source(*parts: str) -> str:
@@ -127,7 +113,7 @@ def test_the_vllm_class_is_registered_in_vllms_connector_factory(spec):
 
 @SPECS
 def test_the_router_flag_is_one_of_vllm_routers_choices(spec):
-    heavy("vllm_router")
+    needs("vllm_router")
     from vllm_router.router_args import RouterArgs
 
     parser = argparse.ArgumentParser()

@@ -12,16 +12,19 @@ import time
 
 import psutil
 import pytest
-from conftest import Cli, SweepRun, heavy, plan_ports, processes_using, wait_until
-from helpers import process_on_port
+from helpers.cli_runs import Cli, plan_ports
+from helpers.e2e_runs import SweepRun
+from helpers.needs import needs
+from helpers.procs import process_on_port, processes_using
+from helpers.waiting import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _full_env():
-    heavy("vllm")
-    heavy("mooncake.engine")
+    needs("vllm")
+    needs("mooncake.engine")
 
 
 # --- the two healthy sweeps (Mooncake, NIXL): one run each, shared by the tests below -----------

@@ -10,7 +10,10 @@ The verdicts' can-fail tests are tests/test_fault_scenarios.py.
 from __future__ import annotations
 
 import pytest
-from conftest import E2E_KILLS, SweepRun, heavy, plan_ports, processes_using
+from helpers.cli_runs import plan_ports
+from helpers.e2e_runs import E2E_KILLS, SweepRun
+from helpers.needs import needs
+from helpers.procs import processes_using
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
@@ -25,9 +28,9 @@ kills = pytest.mark.skipif(
 
 @pytest.fixture(scope="module", autouse=True)
 def _full_env():
-    heavy("vllm")
-    heavy("mooncake.engine")
-    heavy("nixl._api")
+    needs("vllm")
+    needs("mooncake.engine")
+    needs("nixl._api")
 
 
 @pytest.fixture(params=["mooncake_sweep", "nixl_sweep"])

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import LOOPBACK_CASES, REHEARSAL_PD_PATH_BUDGET_S, Cli
+from helpers.cli_runs import Cli
+from helpers.e2e_runs import LOOPBACK_CASES, REHEARSAL_PD_PATH_BUDGET_S
 
 from pd_sessions.core import check_registry
 

@@ -6,16 +6,19 @@ with trust_remote_code; the KV proof's success evidence comes from real NIXL met
 from __future__ import annotations
 
 import pytest
-from conftest import SweepRun, heavy, plan_ports, processes_using
+from helpers.cli_runs import plan_ports
+from helpers.e2e_runs import SweepRun
+from helpers.needs import needs
+from helpers.procs import processes_using
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _full_env():
-    heavy("vllm")
-    heavy("mooncake.engine")
-    heavy("nixl._api")
+    needs("vllm")
+    needs("mooncake.engine")
+    needs("nixl._api")
 
 
 def test_decode_with_other_weights_fails_margin_parity(faulty_sweep: SweepRun):

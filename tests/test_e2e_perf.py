@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import SweepRun
+from helpers.e2e_runs import SweepRun
 
 from pd_sessions.checks import perf_baselines
 

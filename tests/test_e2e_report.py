@@ -19,7 +19,7 @@ from urllib.parse import unquote, urlsplit
 
 import psutil
 import pytest
-from conftest import ROOT
+from helpers import ROOT
 
 pytestmark = pytest.mark.e2e
 

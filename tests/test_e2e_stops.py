@@ -23,8 +23,11 @@ import xml.etree.ElementTree as ET
 
 import psutil
 import pytest
-from conftest import heavy, plan_ports, processes_using, wait_until
-from helpers import NoxRun, process_on_port
+from helpers.cli_runs import plan_ports
+from helpers.fake_runs import NoxRun
+from helpers.needs import needs
+from helpers.procs import process_on_port, processes_using
+from helpers.waiting import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from pd_sessions.runtime.process import alive
@@ -51,8 +54,8 @@ def prompt_tokens(metrics_url: str) -> float:
 # In CI, test_stops.py's hup_group and serve tests cover it through nox on the fake stack.
 @pytest.mark.parametrize("sig", [signal.SIGTERM], ids=lambda s: s.name)
 def test_a_stop_while_checks_run_ends_nox_only_once_the_real_cluster_is_gone(tmp_path, sig):
-    heavy("vllm")
-    heavy("mooncake.engine")
+    needs("vllm")
+    needs("mooncake.engine")
     run = NoxRun(
         tmp_path, sweep="mooncake_sweep", args=("--only", "1x1"), grace=BUILDKITE_GRACE_S, fake=False
     )

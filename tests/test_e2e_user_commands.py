@@ -16,16 +16,21 @@ import xml.etree.ElementTree as ET
 
 import psutil
 import pytest
-from conftest import ROOT, USER, Cli, SweepRun, heavy, plan_ports, processes_using, wait_until
+from helpers import ROOT, USER
+from helpers.cli_runs import Cli, plan_ports
+from helpers.e2e_runs import SweepRun
+from helpers.needs import needs
+from helpers.procs import processes_using
+from helpers.waiting import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _full_env():
-    heavy("vllm")
-    heavy("mooncake.engine")
-    heavy("openai")
+    needs("vllm")
+    needs("mooncake.engine")
+    needs("openai")
 
 
 def _junit_cases(run: SweepRun, classname: str) -> tuple[dict, dict]:
@@ -87,7 +92,7 @@ def test_sweep_runs_a_failing_user_command(faulty_sweep: SweepRun):
 def test_pd_cluster_fixture_starts_checks_and_tears_down(tmp_path):
     """The fixture starts its own cluster (here NIXL), the file's tests pass against it, and
     nothing is left afterwards."""
-    heavy("nixl._api")
+    needs("nixl._api")
     env = {k: v for k, v in os.environ.items() if k != "PD_SESSIONS_CLUSTER"}
     r = subprocess.run(
         [

@@ -14,7 +14,7 @@ import subprocess
 import xml.etree.ElementTree as ET
 
 import pytest
-from conftest import WIRE_LOSS_RATES
+from helpers.e2e_runs import WIRE_LOSS_RATES
 
 from pd_sessions.checks.faults.promise import BROKEN, HUNG, WRONG
 from pd_sessions.core import check_registry, wire_rules

@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES
-from helpers import comp
+from helpers import FIXTURES
+from helpers.builders import comp
 
 from pd_sessions.checks import abort_frees_kv, burst, cache_paths, too_long
 from pd_sessions.checks.instances import KV_USAGE, RUNNING, gauges

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT
+from helpers import ROOT
 
 from pd_sessions.env.envfacts import describe_module, summary_lines
 

@@ -7,7 +7,7 @@ import builtins
 import socket
 
 import pytest
-from conftest import ROOT
+from helpers import ROOT
 
 from pd_sessions.core.errors import HttpError, PdError
 from pd_sessions.runtime import http

@@ -11,7 +11,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from conftest import heavy
+from helpers.needs import needs
 
 from pd_sessions.core import faults
 from pd_sessions.core.faults import Control
@@ -160,7 +160,7 @@ def _caches(torch, n_layers=2, num_blocks=10):
 
 
 def test_zero_overwrites_the_chosen_blocks_of_each_load_and_nothing_else(tmp_path, capsys):
-    torch = heavy("torch")
+    torch = needs("torch")
     conn, control = make(tmp_path)
     caches = _caches(torch)
     before = {k: v.clone() for k, v in caches.items()}
@@ -177,7 +177,7 @@ def test_zero_overwrites_the_chosen_blocks_of_each_load_and_nothing_else(tmp_pat
 
 
 def test_swap_gives_each_load_the_blocks_of_another_request(tmp_path, capsys):
-    torch = heavy("torch")
+    torch = needs("torch")
     conn, control = make(tmp_path)
     caches = _caches(torch)
     before = {k: v.clone() for k, v in caches.items()}
@@ -197,7 +197,7 @@ def test_swap_gives_each_load_the_blocks_of_another_request(tmp_path, capsys):
 
 
 def test_a_lone_first_swap_has_no_donor_and_is_said_skipped(tmp_path, capsys):
-    torch = heavy("torch")
+    torch = needs("torch")
     conn, control = make(tmp_path)
     conn.register_kv_caches(_caches(torch))
     switch(control, epoch="w", mode="swap")

@@ -6,7 +6,7 @@ These are the scenarios' can-fail tests; the e2e runs are in tests/test_e2e_faul
 from __future__ import annotations
 
 import pytest
-from helpers import cfg
+from helpers.builders import cfg
 
 from pd_sessions.checks.faults import corrupt, drop, peer_death, restart, stall_abort
 from pd_sessions.checks.faults.promise import (
@@ -345,23 +345,15 @@ def test_peer_death_needs_the_restart_after_it():
 
 
 def test_a_cluster_without_the_injector_is_said_not_guessed():
-    from helpers import FakePorts
+    from helpers.builders import plan
 
     from pd_sessions.core.inventory import Inventory
-    from pd_sessions.core.plan import plan_cluster
 
     inv = Inventory(gpus=(), cpus=(0, 1), gpu_source="test")
-    plain = plan_cluster(cfg(connector="nixl"), inv, FakePorts(), platform="cpu", python="/py")
+    plain = plan(cfg(connector="nixl"), inv, platform="cpu")
     with pytest.raises(NotWrapped, match="not wrapped by the fault injector"):
         control_file(plain)
-    wrapped = plan_cluster(
-        cfg(connector="nixl"),
-        inv,
-        FakePorts(),
-        platform="cpu",
-        python="/py",
-        faults_control="/r/c/faults.json",
-    )
+    wrapped = plan(cfg(connector="nixl"), inv, platform="cpu", faults_control="/r/c/faults.json")
     assert control_file(wrapped) == "/r/c/faults.json"
 
 
@@ -369,7 +361,7 @@ def test_a_cluster_without_the_injector_is_said_not_guessed():
 
 
 def test_blocks_in_use_are_counted_exactly_from_the_usage_and_the_cache_size():
-    from conftest import FIXTURES
+    from helpers import FIXTURES
 
     from pd_sessions.checks.faults.scenario import BLOCKS, holds, state
 
@@ -398,14 +390,13 @@ def test_blocks_in_use_are_counted_exactly_from_the_usage_and_the_cache_size():
 def test_a_scenario_on_a_cluster_without_the_injector_fails_saying_why():
     from types import SimpleNamespace
 
-    from helpers import FakePorts
+    from helpers.builders import plan
 
     from pd_sessions.core.inventory import Inventory
-    from pd_sessions.core.plan import plan_cluster
 
     inv = Inventory(gpus=(), cpus=(0, 1), gpu_source="test")
-    plan = plan_cluster(cfg(decode_kv_transfer=False), inv, FakePorts(), platform="cpu", python="/py")
-    window = SimpleNamespace(plan=plan, cluster=SimpleNamespace(plan=plan))
+    planned = plan(cfg(decode_kv_transfer=False), inv, platform="cpu")
+    window = SimpleNamespace(plan=planned, cluster=SimpleNamespace(plan=planned))
     r = drop.run(window, {"requests": 1})
     assert (
         r.verdict == FAIL

@@ -17,8 +17,8 @@ import socket
 
 import psutil
 import pytest
-from conftest import wait_until
-from helpers import FakeSweep, assert_nothing_left, every_plan_port
+from helpers.fake_runs import FakeSweep, assert_nothing_left, every_plan_port
+from helpers.waiting import wait_until
 
 
 def test_all_ok_passes(tmp_path, bystander):

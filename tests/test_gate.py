@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, wait_until
+from helpers import ROOT
+from helpers.waiting import wait_until
 
 from pd_sessions.core.errors import ReadinessTimeout
 from pd_sessions.runtime import process

@@ -1,13 +1,15 @@
-"""The shared test helpers (conftest.py, helpers.py) that decide whether a test passes: wait_until."""
+"""The shared test helpers (tests/helpers/) that decide whether a test passes: wait_until, needs."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
-from conftest import wait_until
+from helpers.waiting import wait_until
 
 
 def test_wait_until_returns_what_the_predicate_returned():
@@ -33,3 +35,35 @@ def test_wait_until_fails_at_once_when_the_awaited_process_exits():
     with pytest.raises(AssertionError, match=said):
         wait_until(lambda: False, 30, "its banner", proc=p)
     assert time.monotonic() - t0 < 1.0
+
+
+def test_needs_skips_here_and_fails_in_the_full_environment(monkeypatch):
+    """The one rule for a missing piece: a skip naming it and the fix, except where `nox -s tests`
+    built everything (FULL_ENV), where it is a failure."""
+    from helpers import needs as rule
+
+    assert rule.needs("json").__name__ == "json" and rule.needs() is None
+    monkeypatch.setattr(rule, "FULL_ENV", False)
+    with pytest.raises(
+        pytest.skip.Exception, match=r"no_such_module_pd not installed .*\(run `nox -s tests`\)"
+    ):
+        rule.needs("json", "no_such_module_pd")
+    with pytest.raises(pytest.skip.Exception, match=r"^root \(the fix\)$"):
+        rule.needs(unmet="root", fix="the fix")
+    monkeypatch.setattr(rule, "FULL_ENV", True)
+    with pytest.raises(pytest.fail.Exception, match="the full environment lacks no_such_module_pd"):
+        rule.needs("no_such_module_pd")
+    with pytest.raises(pytest.fail.Exception, match="the full environment lacks no_such_package_pd"):
+        rule.package_dir("no_such_package_pd")
+
+
+def test_tests_import_their_helpers_never_conftest():
+    """conftest.py holds fixtures and hooks, found by pytest; what tests import is in helpers/."""
+    here = Path(__file__).parent
+    offenders = [
+        f"{f.relative_to(here)}:{i}"
+        for f in sorted(here.rglob("*.py"))
+        for i, line in enumerate(f.read_text().splitlines(), 1)
+        if re.match(r"\s*(from conftest import|import conftest)\b", line)
+    ]
+    assert offenders == []

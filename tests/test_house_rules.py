@@ -12,7 +12,7 @@ import re
 from functools import cache
 from pathlib import Path
 
-from conftest import ROOT
+from helpers import ROOT
 
 PKG = ROOT / "pd_sessions"
 

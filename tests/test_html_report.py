@@ -220,7 +220,7 @@ def test_a_six_config_sweep_with_huge_logs_stays_under_2_mib(tmp_path: Path):
 
 
 def test_provisional_and_cancelled_pages_say_so(tmp_path: Path):
-    from helpers import cfg
+    from helpers.builders import cfg
 
     running = config("1x1", "running", run_dir=tmp_path / "1x1")
     write_provisional = unfinished.Provisional(

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, nox_no_venv
+from helpers import ROOT
+from helpers.cli_runs import nox_no_venv
 
 from pd_sessions.core.errors import UsageError
 from pd_sessions.env.in_place import (

@@ -7,7 +7,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from conftest import heavy
+from helpers.needs import needs
 
 from pd_sessions.core import connectors
 from pd_sessions.core import kv_identity as kvi
@@ -116,7 +116,7 @@ def test_the_cited_vllm_code_still_says_so(path, function, needles):
     it (read as text, without importing vLLM)."""
     spec = importlib.util.find_spec("vllm")  # located, not imported (an import takes seconds)
     if spec is None:
-        heavy("vllm")  # the full environment fails here, `nox -s unit` skips with the reason
+        needs("vllm")  # the full environment fails here, `nox -s unit` skips with the reason
     text = (Path(spec.origin).parent / path).read_text()
     start = text.index(function)
     nxt = text.find("\n    def ", start + 1)

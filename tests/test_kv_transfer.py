@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import FIXTURES
+from helpers import FIXTURES
 
 from pd_sessions.checks import evidence, instances
 from pd_sessions.checks import kv_transfer as kv

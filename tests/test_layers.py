@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from helpers import ROOT
 
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 

@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar
 
 import pytest
-from helpers import comp
+from helpers.builders import comp
 
 from pd_sessions.checks import burst, cache_paths, parity
 from pd_sessions.checks.completions import Completion

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import ROOT, wait_for_text, wait_until
-from helpers import FAMILY, IGNORES_TERM, wait_for_members, wait_gone
+from helpers import ROOT
+from helpers.procs import FAMILY, IGNORES_TERM, wait_for_members, wait_gone
+from helpers.waiting import wait_for_text, wait_until
 
 from pd_sessions.runtime import parentwatch, process
 from pd_sessions.runtime.cluster import teardown

@@ -7,7 +7,8 @@ import json
 import subprocess
 import sys
 
-from conftest import ROOT, heavy
+from helpers import ROOT
+from helpers.needs import needs
 
 
 def probe(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
@@ -23,7 +24,7 @@ def probe(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
 
 
 def test_mooncake_moves_the_bytes_between_two_processes_and_times_each_transfer(tmp_path):
-    heavy("mooncake.engine")
+    needs("mooncake.engine")
     p, doc = probe(
         tmp_path, "--transport", "mooncake", "--bytes", "1048576", "--descriptors", "4", "--repeats", "5"
     )

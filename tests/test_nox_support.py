@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import ROOT
+from helpers import ROOT
 from packaging.requirements import Requirement
 
 from pd_sessions import cli

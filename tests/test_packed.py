@@ -15,8 +15,9 @@ import time
 
 import psutil
 import pytest
-from conftest import Cli, wait_until
-from helpers import assert_nothing_left, fake_stack_env
+from helpers.cli_runs import Cli
+from helpers.fake_runs import assert_nothing_left, fake_stack_env
+from helpers.waiting import wait_until
 
 from pd_sessions.runtime import cancel
 from pd_sessions.runtime.process import alive, session_family

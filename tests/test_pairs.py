@@ -7,19 +7,15 @@ within the budget, with the answer and the decode's error lines."""
 from __future__ import annotations
 
 import re
-import sys
 import time
-from pathlib import Path
 
 import pytest
-from helpers import fake_stack_env
+from helpers.builders import live_plan
+from helpers.fake_runs import fake_stack_env
 
 from pd_sessions.core.config import ClusterConfig
-from pd_sessions.core.inventory import Inventory
-from pd_sessions.core.plan import plan_cluster
 from pd_sessions.runtime import http, pairs
 from pd_sessions.runtime.cluster import running_cluster
-from pd_sessions.runtime.ports import PortAllocator
 
 
 def test_error_lines_keep_the_last_matching_ones():
@@ -28,22 +24,8 @@ def test_error_lines_keep_the_last_matching_ones():
     assert pairs.error_lines("INFO all good\n") == []
 
 
-def _plan(tmp_path: Path, num_prefill=2, num_decode=2, connector="nixl"):
-    cfg = ClusterConfig(
-        name="c", model="m", connector=connector, num_prefill=num_prefill, num_decode=num_decode
-    )
-    with PortAllocator() as ports:
-        return plan_cluster(
-            cfg,
-            Inventory(gpus=(), cpus=(0, 1), gpu_source="test"),
-            ports,
-            platform="cpu",
-            python=sys.executable,
-        )
-
-
 def test_every_pair_is_warmed_with_its_own_request(tmp_path):
-    plan = _plan(tmp_path)
+    plan = live_plan(connector="nixl", num_prefill=2, num_decode=2)
     seen = []
     took = pairs.warm_pairs(
         plan, deadline=time.monotonic() + 5, logs={}, warm=lambda plan, pair, timeout: seen.append(pair.name)
@@ -58,7 +40,7 @@ def test_every_pair_is_warmed_with_its_own_request(tmp_path):
 
 
 def test_a_failing_pair_ends_the_wait_at_the_deadline_naming_pair_and_decode_errors(tmp_path):
-    plan = _plan(tmp_path)
+    plan = live_plan(connector="nixl", num_prefill=2, num_decode=2)
     log = tmp_path / "decode-0.log"
     log.write_text("INFO start\nERROR nixl handshake_setup_failed: Resource temporarily unavailable\n")
     calls = []
@@ -83,7 +65,7 @@ def test_fake_cluster_whose_pd_path_fails_ends_readiness_within_the_budget(tmp_p
     """Every instance healthy, every request with kv_transfer_params answered 500 by the decode:
     readiness ends after the P/D budget (not the 1200 s deadline), naming the pair, the answer
     and the decode's error lines; then everything is torn down."""
-    plan = _plan(tmp_path, num_prefill=1, num_decode=1, connector=connector)
+    plan = live_plan(connector=connector)
     msg = _readiness_failure(plan, tmp_path, FAKE_DECODE_BEHAVIOR="fail_kv")
     assert "pair prefill-0 -> decode-0" in msg and "HTTP 500" in msg and "kept failing for 3 s" in msg
     assert "ERROR fake decode: handshake_setup_failed" in msg
@@ -106,7 +88,7 @@ def _readiness_failure(plan, tmp_path, **behaviors) -> str:
 
 
 def test_a_stuck_kv_pull_at_readiness_names_the_decode_and_what_it_waits_for(tmp_path):
-    plan = _plan(tmp_path, num_prefill=1, num_decode=1, connector="mooncake")
+    plan = live_plan(connector="mooncake")
     msg = _readiness_failure(plan, tmp_path, FAKE_DECODE_BEHAVIOR="stuck_pull:0")
     boot = f"bootstrap http://127.0.0.1:{plan.prefill[0].bootstrap_port}"
     assert "pair prefill-0 -> decode-0" in msg and "no answer within" in msg
@@ -120,7 +102,7 @@ def test_a_stuck_kv_pull_during_checks_fails_fast_naming_the_instance(tmp_path, 
     from pd_sessions.checks import runner
 
     monkeypatch.setattr(runner, "CHECK_REQUEST_TIMEOUT_S", 2.0)
-    plan = _plan(tmp_path, num_prefill=1, num_decode=1, connector="mooncake")
+    plan = live_plan(connector="mooncake")
     results = []
     with running_cluster(
         plan, tmp_path / "run", base_env=fake_stack_env(FAKE_DECODE_BEHAVIOR="stuck_pull:2"), grace_s=2
@@ -139,7 +121,7 @@ def test_a_stuck_kv_pull_during_checks_fails_fast_naming_the_instance(tmp_path, 
 def test_a_router_whose_pd_hop_keeps_failing_ends_readiness_with_its_answer(tmp_path):
     """The pairs warm (direct hops work), but every completion through the router gets HTTP 500:
     readiness ends after the budget with the router's answer and the decode's error lines."""
-    plan = _plan(tmp_path, num_prefill=1, num_decode=1, connector="nixl")
+    plan = live_plan(connector="nixl")
     msg = _readiness_failure(plan, tmp_path, FAKE_ROUTER_BEHAVIOR="fail_pd")
     # the budget is shared with the pair warm-up before it: under load the router phase gets less
     head = rf"router \({re.escape(plan.router.url)}\): the P/D path kept failing for \d+ s"

@@ -6,8 +6,8 @@ import dataclasses
 import json
 
 import pytest
-from conftest import FIXTURES
-from helpers import cfg
+from helpers import FIXTURES
+from helpers.builders import cfg
 
 from pd_sessions.checks import parity
 from pd_sessions.checks.completions import Completion

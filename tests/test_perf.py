@@ -8,7 +8,7 @@ import json
 import threading
 
 import pytest
-from conftest import FIXTURES
+from helpers import FIXTURES
 
 from pd_sessions.checks import perf, perf_baselines
 from pd_sessions.checks import perf_figures as pf

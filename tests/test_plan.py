@@ -3,32 +3,18 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import FakePorts, cfg
+from helpers.builders import CPU2, GPUS4, FakePorts, arg, cfg, plan
 
 from pd_sessions.core.errors import PlanError
 from pd_sessions.core.inventory import Inventory
-from pd_sessions.core.plan import INTERNAL_PORT_BLOCK, plan_cluster
-
-GPUS4 = Inventory(gpus=("0", "1", "2", "3"), cpus=tuple(range(16)), gpu_source="nvidia-smi")
-
-
-def plan(c, inv=GPUS4, platform="cuda", ports=None, **kw):
-    return plan_cluster(c, inv, ports or FakePorts(), platform=platform, python="/py", **kw)
-
-
-def env(spec):
-    return dict(spec.env)
-
-
-def arg(spec, flag):
-    return spec.argv[spec.argv.index(flag) + 1]
+from pd_sessions.core.plan import INTERNAL_PORT_BLOCK
 
 
 def test_gpu_sets_are_disjoint_prefill_first():
     p = plan(cfg(prefill_tp=2, decode_tp=2))
     assert p.prefill[0].gpus == ("0", "1") and p.decode[0].gpus == ("2", "3")
-    assert env(p.prefill[0])["CUDA_VISIBLE_DEVICES"] == "0,1"
-    assert env(p.decode[0])["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert p.prefill[0].env_dict()["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert p.decode[0].env_dict()["CUDA_VISIBLE_DEVICES"] == "2,3"
     assert arg(p.prefill[0], "--tensor-parallel-size") == "2"
 
 
@@ -54,9 +40,9 @@ def test_every_port_unique_and_named():
     http = {s.port for s in p.processes}
     assert http <= set(ports) and len(http) == 5
     for s in p.instances:
-        base = int(env(s)["VLLM_PORT"])
+        base = int(s.env_dict()["VLLM_PORT"])
         assert s.internal_ports == (base, base + INTERNAL_PORT_BLOCK - 1)
-        assert int(env(s)["VLLM_MOONCAKE_BOOTSTRAP_PORT"]) in ports
+        assert int(s.env_dict()["VLLM_MOONCAKE_BOOTSTRAP_PORT"]) in ports
     router = p.router
     assert arg(router, "--prometheus-port") in {str(x) for x in ports}
 
@@ -88,7 +74,7 @@ def test_gpu_lane_flags():
     assert arg(s, "--gpu-memory-utilization") == "0.6"
     assert "--dtype" not in s.argv and "--block-size" not in s.argv
     assert s.argv[-1] == "--enforce-eager"
-    assert env(s)["X"] == "1" and env(s)["VLLM_HOST_IP"] == "127.0.0.1"
+    assert s.env_dict()["X"] == "1" and s.env_dict()["VLLM_HOST_IP"] == "127.0.0.1"
     assert arg(s, "--host") == "127.0.0.1"
     assert s.argv[:3] == ("/py", "-m", "vllm.entrypoints.openai.api_server")
 
@@ -104,34 +90,34 @@ def test_router_argv_pd_mode():
     assert arg(p.router, "--host") == "127.0.0.1" and arg(p.router, "--prometheus-host") == "127.0.0.1"
 
 
-CPU2 = Inventory(gpus=(), cpus=(0, 1))
-
-
 def test_cpu_lane_flags_1x1():
     p = plan(cfg(model="tiny-llama"), CPU2, platform="cpu", model="/cache/tiny")
     pre, dec = p.prefill[0], p.decode[0]
     for s in (pre, dec):
         assert arg(s, "--dtype") == "float32" and arg(s, "--block-size") == "128"
         assert "--gpu-memory-utilization" not in s.argv
-        assert env(s)["VLLM_CPU_KVCACHE_SPACE"] == "1" and env(s)["VLLM_HOST_IP"] == "127.0.0.1"
-        assert "CUDA_VISIBLE_DEVICES" not in env(s)
+        assert s.env_dict()["VLLM_CPU_KVCACHE_SPACE"] == "1" and s.env_dict()["VLLM_HOST_IP"] == "127.0.0.1"
+        assert "CUDA_VISIBLE_DEVICES" not in s.env_dict()
         assert arg(s, "--model") == "/cache/tiny" and arg(s, "--served-model-name") == "tiny-llama"
         kv = json.loads(arg(s, "--kv-transfer-config"))
         assert kv["kv_connector_extra_config"]["mooncake_protocol"] == "tcp"
-    assert (env(pre)["VLLM_CPU_OMP_THREADS_BIND"], env(dec)["VLLM_CPU_OMP_THREADS_BIND"]) == ("0", "1")
+    assert (pre.env_dict()["VLLM_CPU_OMP_THREADS_BIND"], dec.env_dict()["VLLM_CPU_OMP_THREADS_BIND"]) == (
+        "0",
+        "1",
+    )
 
 
 def test_cpu_lane_tp2_binds_one_core_list_per_rank():
     inv = Inventory(gpus=(), cpus=(0, 1, 2, 3, 4, 5, 6, 7))
     p = plan(cfg(model="m", prefill_tp=2, decode_tp=2), inv, platform="cpu")
-    assert env(p.prefill[0])["VLLM_CPU_OMP_THREADS_BIND"] == "0,1|2,3"
-    assert env(p.decode[0])["VLLM_CPU_OMP_THREADS_BIND"] == "4,5|6,7"
+    assert p.prefill[0].env_dict()["VLLM_CPU_OMP_THREADS_BIND"] == "0,1|2,3"
+    assert p.decode[0].env_dict()["VLLM_CPU_OMP_THREADS_BIND"] == "4,5|6,7"
     assert not [w for w in p.warnings if "share" in w]
 
 
 def test_cpu_lane_oversubscribed_warns():
     p = plan(cfg(model="m", prefill_tp=2, decode_tp=2), CPU2, platform="cpu")
-    assert env(p.prefill[0])["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    assert p.prefill[0].env_dict()["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
     assert any("4 TP ranks share 2 CPU cores" in w for w in p.warnings)
 
 
@@ -174,12 +160,12 @@ def test_nixl_side_channel_ports_one_per_dp_rank():
     p = plan(cfg(connector="nixl", prefill_tp=2, decode_dp=2, expert_parallel=True, moe=True))
     pre, dec = p.prefill[0], p.decode[0]
     ports = dict(p.ports)
-    assert int(env(pre)["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == ports["prefill-0.side_channel"]
-    base = int(env(dec)["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+    assert int(pre.env_dict()["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == ports["prefill-0.side_channel"]
+    base = int(dec.env_dict()["VLLM_NIXL_SIDE_CHANNEL_PORT"])
     # decode rank r listens on base + r: both are reserved in the plan
     assert ports["decode-0.side_channel"] == base and ports["decode-0.side_channel+1"] == base + 1
-    assert env(dec)["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
-    assert "VLLM_MOONCAKE_BOOTSTRAP_PORT" not in env(pre) and pre.bootstrap_port is None
+    assert dec.env_dict()["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+    assert "VLLM_MOONCAKE_BOOTSTRAP_PORT" not in pre.env_dict() and pre.bootstrap_port is None
     values = [v for _, v in p.ports]
     assert len(values) == len(set(values))
     kv = json.loads(arg(dec, "--kv-transfer-config"))
@@ -197,12 +183,12 @@ def test_nixl_cpu_buffer_on_cpu_lane():
 def test_nixl_progress_delay_on_the_cpu_lane_only_and_a_config_may_change_it():
     delay = "PD_SESSIONS_NIXL_PROGRESS_DELAY_US"
     p = plan(cfg(model="m", connector="nixl"), CPU2, platform="cpu")
-    assert [env(s)[delay] for s in (p.prefill[0], p.decode[0])] == ["1000", "1000"]
-    assert delay not in env(p.router)
-    assert delay not in env(plan(cfg(model="m"), CPU2, platform="cpu").prefill[0])  # mooncake
-    assert delay not in env(plan(cfg(connector="nixl")).decode[0])  # GPUs: NIXL's own setting
+    assert [s.env_dict()[delay] for s in (p.prefill[0], p.decode[0])] == ["1000", "1000"]
+    assert delay not in p.router.env_dict()
+    assert delay not in plan(cfg(model="m"), CPU2, platform="cpu").prefill[0].env_dict()  # mooncake
+    assert delay not in plan(cfg(connector="nixl")).decode[0].env_dict()  # GPUs: NIXL's own setting
     own = plan(cfg(model="m", connector="nixl", extra_env=((delay, "250"),)), CPU2, platform="cpu")
-    assert env(own.prefill[0])[delay] == "250"
+    assert own.prefill[0].env_dict()[delay] == "250"
 
 
 def test_decode_dp_ep_placement_and_args():

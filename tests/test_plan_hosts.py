@@ -4,13 +4,12 @@ each instance on its host with that host's address, ports and devices, the route
 from __future__ import annotations
 
 import pytest
-from helpers import FakePorts, cfg
+from helpers.builders import arg, cfg, plan
 
 from pd_sessions.core import connectors
 from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.errors import ConfigError, PlanError
 from pd_sessions.core.inventory import Inventory
-from pd_sessions.core.plan import plan_cluster
 from pd_sessions.core.plan.across_hosts import HostFacts, HostLayout, assign_hosts, is_loopback
 
 DRIVER = HostFacts("driver", "198.18.0.254", Inventory((), (0, 1)))
@@ -32,33 +31,19 @@ def layout(*hosts, allow=False):
     return HostLayout((DRIVER, *hosts), "driver", allow_loopback=allow)
 
 
-def plan(c, lay, platform="cpu", **kw):
-    ports = {h.name: FakePorts() for h in lay.hosts}
-    return plan_cluster(
-        c, Inventory((), (0, 1)), FakePorts(), platform=platform, python="/py", model="/m",
-        layout=lay, host_ports=ports, **kw,
-    )  # fmt: skip
-
-
-def env(spec):
-    return dict(spec.env)
-
-
-def arg(spec, flag):
-    return spec.argv[spec.argv.index(flag) + 1]
-
-
 def tiny(**kw) -> ClusterConfig:
     return cfg(model="tiny-llama", **kw)
 
 
 def test_1p1d_prefill_on_host1_decode_on_host2_each_binding_and_advertising_its_address():
-    p = plan(tiny(connector="nixl"), layout(host(2), host(1)))  # found in any order: sorted by address
+    p = plan(
+        tiny(connector="nixl"), layout=layout(host(2), host(1)), model="/m", platform="cpu"
+    )  # found in any order: sorted by address
     (pre,), (dec,) = p.prefill, p.decode
     assert (pre.node, pre.host, pre.bind) == ("host1", "198.18.0.1", "198.18.0.1")
     assert (dec.node, dec.host, arg(dec, "--host")) == ("host2", "198.18.0.2", "198.18.0.2")
     for spec, k in ((pre, 1), (dec, 2)):
-        e = env(spec)
+        e = spec.env_dict()
         assert e["VLLM_HOST_IP"] == e["VLLM_NIXL_SIDE_CHANNEL_HOST"] == f"198.18.0.{k}"
         assert e["GLOO_SOCKET_IFNAME"] == e["NCCL_SOCKET_IFNAME"] == e["UCX_NET_DEVICES"] == f"pdh{k}"
         assert e["UCX_TLS"] == "tcp"  # no shm or cma: namespaces share /dev/shm
@@ -71,7 +56,7 @@ def test_1p1d_prefill_on_host1_decode_on_host2_each_binding_and_advertising_its_
 
 
 def test_ports_are_unique_per_host_and_may_repeat_across_hosts():
-    p = plan(tiny(), layout(host(1), host(2)))
+    p = plan(tiny(), layout=layout(host(1), host(2)), model="/m", platform="cpu")
     by_host: dict[str, list[int]] = {}
     for label, port in p.ports:
         by_host.setdefault(label.split("/")[0], []).append(port)
@@ -81,16 +66,18 @@ def test_ports_are_unique_per_host_and_may_repeat_across_hosts():
 
 
 def test_mooncake_binds_its_tcp_transport_on_the_hosts_address_and_keeps_a_bootstrap_port_per_prefill():
-    p = plan(tiny(connector="mooncake", num_prefill=2), layout(host(1), host(2)))
+    p = plan(
+        tiny(connector="mooncake", num_prefill=2), layout=layout(host(1), host(2)), model="/m", platform="cpu"
+    )
     assert [s.node for s in p.prefill] == ["host1", "host1"]  # 2P1D on 2 hosts: both on host 1
-    assert [env(s)["MC_TCP_BIND_ADDRESS"] for s in p.instances] == ["198.18.0.1"] * 2 + ["198.18.0.2"]
+    assert [s.env_dict()["MC_TCP_BIND_ADDRESS"] for s in p.instances] == ["198.18.0.1"] * 2 + ["198.18.0.2"]
     assert len({s.bootstrap_port for s in p.prefill}) == 2
     kv = arg(p.prefill[0], "--kv-transfer-config")
     assert "bootstrap_server_address" not in kv  # vLLM would then not start the prefill's own server
 
 
 def test_dry_run_render_says_where_each_process_runs_and_the_ports_of_each_host():
-    text = plan(tiny(), layout(host(1), host(2))).render()
+    text = plan(tiny(), layout=layout(host(1), host(2)), model="/m", platform="cpu").render()
     assert "  prefill-0: http://198.18.0.1:" in text and " on host1 (cores 0," in text
     assert "  router: http://127.0.0.1:" in text and " on driver (no device)" in text
     assert "  ports on host1 (198.18.0.1): all " in text and "  ports on driver (198.18.0.254)" in text
@@ -155,18 +142,23 @@ def test_selectors_come_from_set_like_any_field():
 
 
 def test_each_host_places_its_own_cores_and_warns_by_name_when_ranks_share():
-    p = plan(tiny(num_prefill=2), layout(host(1, cpus=(4,)), host(2, cpus=(6, 7))))
+    p = plan(
+        tiny(num_prefill=2),
+        layout=layout(host(1, cpus=(4,)), host(2, cpus=(6, 7))),
+        model="/m",
+        platform="cpu",
+    )
     assert [s.cpu_bind for s in p.instances] == ["4", "4", "6,7"]
     assert any("2 TP ranks share 1 CPU cores on host1 (4)" in w for w in p.warnings)
 
 
 def test_each_host_places_its_own_gpus_and_a_host_with_too_few_is_named():
     lay = layout(host(1, gpus=("0", "1")), host(2, gpus=("0",)))
-    p = plan(cfg(prefill_tp=2), lay, platform="cuda")
-    assert env(p.prefill[0])["CUDA_VISIBLE_DEVICES"] == "0,1"
-    assert env(p.decode[0])["CUDA_VISIBLE_DEVICES"] == "0"
+    p = plan(cfg(prefill_tp=2), layout=lay, model="/m", platform="cuda")
+    assert p.prefill[0].env_dict()["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert p.decode[0].env_dict()["CUDA_VISIBLE_DEVICES"] == "0"
     with pytest.raises(PlanError) as e:
-        plan(cfg(decode_tp=2), lay, platform="cuda")
+        plan(cfg(decode_tp=2), layout=lay, model="/m", platform="cuda")
     assert e.value.field == "gpus" and "on host2 (198.18.0.2), which has 1: 0" in str(e.value)
 
 
@@ -182,10 +174,12 @@ def test_mooncake_rdma_devices_are_checked_against_each_host(rdma, name, field, 
     lay = layout(host(1, gpus=("0",), rdma=("mlx5_12",)), host(2, gpus=("0",), rdma=rdma))
     c = cfg(mooncake_protocol="rdma", mooncake_device_name=name)
     if field is None:
-        assert "MC_TCP_BIND_ADDRESS" not in env(plan(c, lay, platform="cuda").decode[0])  # rdma: not tcp
+        assert (
+            "MC_TCP_BIND_ADDRESS" not in plan(c, layout=lay, model="/m", platform="cuda").decode[0].env_dict()
+        )  # rdma: not tcp
         return
     with pytest.raises(PlanError) as e:
-        plan(c, lay, platform="cuda")
+        plan(c, layout=lay, model="/m", platform="cuda")
     assert e.value.field == field and needle in str(e.value)
     assert str(e.value).startswith(f"{field}: on host2 (198.18.0.2): "), e.value  # the host named
 
@@ -194,7 +188,7 @@ def test_ucx_net_devices_must_be_a_device_of_the_host():
     lay = layout(host(1, gpus=("0",), rdma=("mlx5_0",)), host(2, gpus=("0",), rdma=("mlx5_1",)))
     c = cfg(connector="nixl", extra_env=(("UCX_NET_DEVICES", "mlx5_0:1"),))
     with pytest.raises(PlanError) as e:
-        plan(c, lay, platform="cuda")
+        plan(c, layout=lay, model="/m", platform="cuda")
     assert e.value.field == "UCX_NET_DEVICES" and "on host2 (198.18.0.2) (RDMA: mlx5_1" in str(e.value)
 
 
@@ -210,19 +204,19 @@ def test_ucx_net_devices_must_be_a_device_of_the_host():
 def test_a_loopback_advertised_across_hosts_is_refused_naming_the_variable_and_host(var, value):
     c = tiny(connector="nixl", extra_env=((var, value),))
     with pytest.raises(PlanError) as e:
-        plan(c, layout(host(1), host(2)))
+        plan(c, layout=layout(host(1), host(2)), model="/m", platform="cpu")
     assert e.value.field == var
     assert f"prefill-0 on host1 (198.18.0.1) would advertise {var}={value}" in str(e.value)
     assert "--allow-loopback-advertise" in str(e.value)
     # allowed: planned, and each instance's warning names its host and the variable
-    p = plan(c, layout(host(1), host(2), allow=True))
-    assert env(p.prefill[0])[var] == value
+    p = plan(c, layout=layout(host(1), host(2), allow=True), model="/m", platform="cpu")
+    assert p.prefill[0].env_dict()[var] == value
     said = [w for w in p.warnings if var in w]
     assert len(said) == 2 and "decode-0 on host2 (198.18.0.2)" in said[1] and "must fail" in said[0]
 
 
 def test_a_config_host_on_loopback_is_fine_across_hosts_each_instance_takes_its_own():
-    p = plan(tiny(host="127.0.0.1"), layout(host(1), host(2)))
+    p = plan(tiny(host="127.0.0.1"), layout=layout(host(1), host(2)), model="/m", platform="cpu")
     assert p.prefill[0].host == "198.18.0.1" and p.router.host == "127.0.0.1"
 
 
@@ -237,19 +231,19 @@ def test_is_loopback(value, loop):
 
 def test_the_host_python_and_model_path_are_used_there():
     h = host(2, python="/node/py", models=(("/m", "/node/cache/m"),))
-    p = plan(tiny(), layout(host(1), h))
+    p = plan(tiny(), layout=layout(host(1), h), model="/m", platform="cpu")
     assert p.decode[0].argv[0] == "/node/py" and arg(p.decode[0], "--model") == "/node/cache/m"
     assert p.prefill[0].argv[0] == "/py" and arg(p.prefill[0], "--model") == "/m"
 
 
 def test_a_host_without_an_interface_sets_no_interface_names():
-    p = plan(tiny(connector="nixl"), layout(host(1, iface=None), host(2)))
-    assert not {"GLOO_SOCKET_IFNAME", "UCX_NET_DEVICES"} & set(env(p.prefill[0]))
-    assert env(p.prefill[0])["UCX_TLS"] == "tcp"
+    p = plan(tiny(connector="nixl"), layout=layout(host(1, iface=None), host(2)), model="/m", platform="cpu")
+    assert not {"GLOO_SOCKET_IFNAME", "UCX_NET_DEVICES"} & set(p.prefill[0].env_dict())
+    assert p.prefill[0].env_dict()["UCX_TLS"] == "tcp"
 
 
 def test_the_single_host_plan_has_no_host_fields():
-    p = plan_cluster(tiny(), Inventory((), (0, 1)), FakePorts(), platform="cpu", python="/py", model="/m")
+    p = plan(tiny(), Inventory((), (0, 1)), platform="cpu", model="/m")
     assert all(s.node is None and s.bind is None for s in p.processes) and p.hosts == ()
     assert "  ports: all " in p.render() and "  prefill-0: http://127.0.0.1:40001 (cores 0," in p.render()
 
@@ -263,13 +257,13 @@ def test_every_connectors_advertised_variables_carry_the_hosts_address_and_loopb
     c = tiny(connector=spec.name, mooncake_protocol="tcp")
     platform = "cuda" if spec.limits.refuse(c, "cpu") else "cpu"
     hosts = (host(1, gpus=("0",)), host(2, gpus=("0",)))
-    p = plan(c, layout(*hosts), platform=platform)
+    p = plan(c, layout=layout(*hosts), model="/m", platform=platform)
     for inst, h in ((p.prefill[0], "198.18.0.1"), (p.decode[0], "198.18.0.2")):
-        e = env(inst)
+        e = inst.env_dict()
         assert e["VLLM_HOST_IP"] == h
         assert {v: e.get(v) for v in spec.advertised_env()} == dict.fromkeys(spec.advertised_env(), h)
     for var in spec.advertised_env():
         with pytest.raises(PlanError) as err:
             bad = tiny(connector=spec.name, mooncake_protocol="tcp", extra_env=((var, "127.0.0.1"),))
-            plan(bad, layout(*hosts), platform=platform)
+            plan(bad, layout=layout(*hosts), model="/m", platform=platform)
         assert err.value.field == var and "prefill-0 on host1 (198.18.0.1)" in str(err.value)

@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import FakePorts
+from helpers.builders import FakePorts, arg, cfg
 
-from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.errors import PlanError
 from pd_sessions.core.plan.instance import (
     INTERNAL_PORT_BLOCK,
@@ -27,18 +26,10 @@ from pd_sessions.core.plan.settings import Lane, ModelSettings
 PORTS = InstancePorts(http=8000, internal=20000, bootstrap=None, side_channel=None, dp_rpc=None)
 
 
-def cfg(**kw):
-    return ClusterConfig(**{"name": "c", "model": "m", **kw})
-
-
 def launch(c=None, platform="cuda", *, shared=False, gpu_env=(), dtype=None, block=None, decode_model=None):
     c = c or cfg()
     models = ModelSettings("/m", decode_model, ("--trust-remote-code",), (), ())
     return Launch(c, platform, "/py", models, Lane(dtype, block, gpu_env, (), ()), shared)
-
-
-def arg(argv, flag):
-    return argv[argv.index(flag) + 1]
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ shared between configs, one at a time where they do not fit."""
 from __future__ import annotations
 
 import pytest
-from helpers import FakePorts
+from helpers.builders import CPU2, FakePorts, cfg
 
 from pd_sessions.core.config import ClusterConfig, load, select
 from pd_sessions.core.errors import UsageError
@@ -13,12 +13,7 @@ from pd_sessions.core.plan import plan_cluster
 from pd_sessions.core.plan.packing import pack
 
 GPUS8 = Inventory(gpus=tuple("01234567"), cpus=tuple(range(32)), gpu_source="nvidia-smi")
-CPU2 = Inventory(gpus=(), cpus=(0, 1))
 CPU8 = Inventory(gpus=(), cpus=tuple(range(8)))
-
-
-def cfg(name: str, **kw) -> ClusterConfig:
-    return ClusterConfig(**{"name": name, "model": "m", **kw})
 
 
 def gpu_defaults() -> list[ClusterConfig]:

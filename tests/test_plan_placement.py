@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from helpers.builders import CPU2, GPUS4, cfg
 
-from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.errors import PlanError
 from pd_sessions.core.inventory import Inventory
 from pd_sessions.core.plan.placement import Slot, place
-
-GPUS4 = Inventory(gpus=("0", "1", "2", "3"), cpus=tuple(range(16)), gpu_source="nvidia-smi")
-CPU2 = Inventory(gpus=(), cpus=(0, 1))
-
-
-def cfg(**kw):
-    return ClusterConfig(**{"name": "c", "model": "m", **kw})
 
 
 def test_slots_carry_role_index_ranks_and_explicit_ports():

@@ -4,14 +4,10 @@ returns its own warnings and notes."""
 from __future__ import annotations
 
 import pytest
+from helpers.builders import cfg
 
-from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.errors import PlanError
 from pd_sessions.core.plan.settings import lane_settings, model_settings
-
-
-def cfg(**kw):
-    return ClusterConfig(**{"name": "c", "model": "m", **kw})
 
 
 def test_model_settings_plain():

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import wait_for_text
-from helpers import FAMILY, IGNORES_TERM, move_btime, old_rule_same, session_members, wait_for_members
+from helpers.procs import FAMILY, IGNORES_TERM, move_btime, old_rule_same, session_members, wait_for_members
+from helpers.waiting import wait_for_text
 
 from pd_sessions.core.errors import StopError
 from pd_sessions.runtime import process

@@ -13,8 +13,10 @@ import shutil
 import sys
 
 import pytest
-from conftest import ROOT, simhosts_available, wait_until
-from helpers import FAKE, fake_sweep_toml
+from helpers import ROOT
+from helpers.fake_runs import FAKE, fake_sweep_toml
+from helpers.needs import simhosts_available
+from helpers.waiting import wait_until
 
 from pd_sessions.runtime import process
 from pd_sessions.runtime.ports import PortAllocator
@@ -77,7 +79,7 @@ def own_ray_cluster(tmp_path):
 
 
 def test_ray_address_against_nodes_the_test_started_itself(tmp_path, own_ray_cluster):
-    from conftest import Cli
+    from helpers.cli_runs import Cli
 
     address, hosts = own_ray_cluster
     extra = f'extra_env = {{PYTHONPATH = "{FAKE}{os.pathsep}{ROOT}"}}'

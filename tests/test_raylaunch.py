@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from helpers import ROOT
 
 from pd_sessions.checks import kv_link
 from pd_sessions.core import connectors

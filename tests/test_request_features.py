@@ -9,7 +9,7 @@ import time
 from dataclasses import replace
 
 import pytest
-from conftest import FIXTURES
+from helpers import FIXTURES
 
 from pd_sessions.checks import parity
 from pd_sessions.checks import request_features as rf

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import comp
+from helpers.builders import comp
 
 from pd_sessions.checks import (
     abort_frees_kv,

@@ -14,8 +14,12 @@ import sys
 import textwrap
 
 import pytest
-from conftest import ROOT, Cli, simhosts_available, wait_for_text, wait_until
-from helpers import move_btime, old_rule_same, simhosts_leftovers
+from helpers import ROOT
+from helpers.cli_runs import Cli
+from helpers.e2e_runs import simhosts_leftovers
+from helpers.needs import simhosts_available
+from helpers.procs import move_btime, old_rule_same
+from helpers.waiting import wait_for_text, wait_until
 
 from pd_sessions.core import simhost_plan as core
 from pd_sessions.core.errors import ConfigError, HttpError, ProcessExited, RouteError

@@ -29,8 +29,8 @@ import xml.etree.ElementTree as ET
 
 import psutil
 import pytest
-from conftest import ROOT
-from helpers import GRACE, TWO_CONFIGS, NoxRun, assert_nothing_left, fake_stack_env
+from helpers import ROOT
+from helpers.fake_runs import GRACE, TWO_CONFIGS, NoxRun, assert_nothing_left, fake_stack_env
 
 from pd_sessions.runtime.process import alive, session_family
 

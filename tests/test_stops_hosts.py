@@ -27,8 +27,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import ROOT
-from helpers import FAKE, GRACE, NoxRun, fake_stack_env, fake_sweep_toml, gone, wait_until
+from helpers import ROOT
+from helpers.fake_runs import FAKE, GRACE, NoxRun, fake_stack_env, fake_sweep_toml
+from helpers.procs import gone
+from helpers.waiting import wait_until
 
 from pd_sessions.runtime.process import alive
 

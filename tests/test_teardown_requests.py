@@ -18,7 +18,7 @@ import time
 
 import psutil
 import pytest
-from conftest import free_port, wait_for_text, wait_until
+from helpers.waiting import free_port, wait_for_text, wait_until
 
 from pd_sessions.core.errors import HttpError
 from pd_sessions.runtime import http

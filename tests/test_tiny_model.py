@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import free_port, heavy
+from helpers.needs import needs
+from helpers.waiting import free_port
 
 from pd_sessions.core.config import TINY_MODELS
 from pd_sessions.runtime import tiny_model as tm
@@ -52,7 +53,7 @@ def test_kimi_linear_config_is_the_one_that_served():
 
 @pytest.fixture(scope="module")
 def kimi_dir(tmp_path_factory):
-    heavy("torch")
+    needs("torch")
     return tm.ensure(tm.SPECS["tiny-kimi-linear"], tmp_path_factory.mktemp("cache"))
 
 
@@ -79,7 +80,7 @@ def test_kimi_linear_checkpoint_carries_the_real_names_and_a_few_mib(kimi_dir):
 
 def test_vllm_loads_every_parameter_of_the_tiny_kimi_linear_and_nothing_else(kimi_dir):
     """vLLM's own KimiLinearForCausalLM, built on CPU, loads exactly its parameters from our file."""
-    heavy("vllm")
+    needs("vllm")
     out = subprocess.run(
         [sys.executable, str(HERE / "vllm_kimi_load_check.py"), str(kimi_dir), str(free_port())],
         capture_output=True,
@@ -94,7 +95,7 @@ def test_vllm_loads_every_parameter_of_the_tiny_kimi_linear_and_nothing_else(kim
 
 
 def test_remote_code_model_needs_trust_remote_code(tmp_path):
-    heavy("torch")
+    needs("torch")
     d = tm.ensure(tm.SPECS["tiny-llama-remote"], tmp_path)
     code = (
         "import sys; from transformers import AutoTokenizer as A; "
@@ -117,7 +118,7 @@ def test_remote_code_model_needs_trust_remote_code(tmp_path):
 
 
 def test_other_weights_seed_keeps_the_tokenizer(tmp_path):
-    heavy("torch")
+    needs("torch")
     a = tm.ensure(tm.TinySpec(), tmp_path)
     b = tm.ensure(tm.spec_for("tiny-llama", weights_seed=1), tmp_path)
     assert (a / "tokenizer.json").read_text() == (b / "tokenizer.json").read_text()
@@ -126,7 +127,7 @@ def test_other_weights_seed_keeps_the_tokenizer(tmp_path):
 
 def test_the_generated_tokenizer_renders_chat(tmp_path):
     """/v1/chat/completions needs a chat template (vLLM answers 400 without one)."""
-    heavy("torch")
+    needs("torch")
     from transformers import AutoTokenizer
 
     d = tm.ensure(tm.SPECS["tiny-llama"], tmp_path)

@@ -7,7 +7,7 @@ import json
 import xml.etree.ElementTree as ET
 
 import pytest
-from helpers import cfg
+from helpers.builders import cfg
 
 from pd_sessions.core import cliargs
 from pd_sessions.core.errors import UsageError

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import ROOT, USER, wait_until
-from helpers import FakePorts, FakeSweep, assert_nothing_left, fake_stack_env, fake_sweep_toml, gone
+from helpers import ROOT, USER
+from helpers.builders import CPU2, GPUS4, cfg, plan
+from helpers.fake_runs import FakeSweep, assert_nothing_left, fake_stack_env, fake_sweep_toml
+from helpers.procs import gone
+from helpers.waiting import wait_until
 
-from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.errors import UsageError
 from pd_sessions.core.inventory import Inventory
-from pd_sessions.core.plan import plan_cluster
 from pd_sessions.core.results import FAIL, PASS, ConfigResult
 from pd_sessions.pytest_plugin import parse_spec
 from pd_sessions.report.writers import write_junit
@@ -30,8 +31,6 @@ from pd_sessions.run import user_commands as uc
 from pd_sessions.runtime import clusterenv
 
 LIVE = pytest.mark.usefixtures("bystander")
-CPU2 = Inventory(gpus=(), cpus=(0, 1))
-GPUS4 = Inventory(gpus=("0", "1", "2", "3"), cpus=tuple(range(8)), gpu_source="nvidia-smi")
 
 
 def found(name):
@@ -109,19 +108,19 @@ def test_nothing_given_is_no_command():
 
 
 def test_env_and_description_of_a_2p2d_cpu_plan():
-    cfg = ClusterConfig(name="2p2d", model="m", connector="nixl", num_prefill=2, num_decode=2)
-    plan = plan_cluster(cfg, Inventory(gpus=(), cpus=(0, 1, 2, 3)), FakePorts(), platform="cpu", python="/py")
-    env = clusterenv.cluster_env(plan, Path("/r/cluster.json"))
-    p, d = plan.prefill, plan.decode
+    c = cfg("2p2d", connector="nixl", num_prefill=2, num_decode=2)
+    cluster = plan(c, Inventory(gpus=(), cpus=(0, 1, 2, 3)), platform="cpu")
+    env = clusterenv.cluster_env(cluster, Path("/r/cluster.json"))
+    p, d = cluster.prefill, cluster.decode
     assert env["PREFILL_PORT"] == str(p[0].port) and env["DECODE_PORT"] == str(d[0].port)
     assert env["PREFILL_PORTS"] == f"{p[0].port},{p[1].port}"
     assert env["DECODE_PORTS"] == f"{d[0].port},{d[1].port}"
-    assert env["PROXY_HOST"] == "127.0.0.1" and env["PROXY_PORT"] == str(plan.router.port)
+    assert env["PROXY_HOST"] == "127.0.0.1" and env["PROXY_PORT"] == str(cluster.router.port)
     assert env["TEST_MODEL"] == "m" and env["BLOCK_SIZE"] == "128"
     assert env["PD_SESSIONS_CLUSTER"] == "/r/cluster.json" and set(env) <= set(clusterenv.ENV_NAMES)
-    info = clusterenv.describe(plan)
+    info = clusterenv.describe(cluster)
     json.dumps(info)  # serialisable as is
-    assert info["connector"] == "nixl" and info["router"]["url"] == plan.router.url
+    assert info["connector"] == "nixl" and info["router"]["url"] == cluster.router.url
     assert [x["kv_transfer_config"]["kv_role"] for x in info["prefill"] + info["decode"]] == [
         "kv_producer"
     ] * 2 + ["kv_consumer"] * 2
@@ -130,15 +129,13 @@ def test_env_and_description_of_a_2p2d_cpu_plan():
 
 
 def test_block_size_is_only_set_when_the_plan_sets_it():
-    plan = plan_cluster(ClusterConfig(name="c", model="m"), GPUS4, FakePorts(), platform="cuda", python="/py")
+    cluster = plan(cfg(), GPUS4, platform="cuda")
     assert "BLOCK_SIZE" not in clusterenv.cluster_env(
-        plan
-    ) and "PD_SESSIONS_CLUSTER" not in clusterenv.cluster_env(plan)
-    assert clusterenv.describe(plan)["prefill"][0]["gpus"] == ["0"]
-    plan = plan_cluster(
-        ClusterConfig(name="c", model="m", block_size=64), GPUS4, FakePorts(), platform="cuda", python="/py"
-    )
-    assert clusterenv.cluster_env(plan)["BLOCK_SIZE"] == "64"
+        cluster
+    ) and "PD_SESSIONS_CLUSTER" not in clusterenv.cluster_env(cluster)
+    assert clusterenv.describe(cluster)["prefill"][0]["gpus"] == ["0"]
+    cluster = plan(cfg(block_size=64), GPUS4, platform="cuda")
+    assert clusterenv.cluster_env(cluster)["BLOCK_SIZE"] == "64"
 
 
 def test_export_lines_quote_for_a_shell():
@@ -146,12 +143,12 @@ def test_export_lines_quote_for_a_shell():
 
 
 def test_serve_banner_has_urls_exports_and_a_request(tmp_path):
-    plan = plan_cluster(ClusterConfig(name="c", model="m"), CPU2, FakePorts(), platform="cpu", python="/py")
-    lines = serve.banner(plan, clusterenv.cluster_env(plan), tmp_path)
+    cluster = plan(cfg(), CPU2, platform="cpu")
+    lines = serve.banner(cluster, clusterenv.cluster_env(cluster), tmp_path)
     text = "\n".join(lines)
-    assert plan.router.url in text and plan.prefill[0].url in text and plan.decode[0].url in text
-    assert f"export PROXY_PORT={plan.router.port}" in lines
-    assert f"curl -s {plan.router.url}/v1/completions" in text and '"model": "m"' in text
+    assert cluster.router.url in text and cluster.prefill[0].url in text and cluster.decode[0].url in text
+    assert f"export PROXY_PORT={cluster.router.port}" in lines
+    assert f"curl -s {cluster.router.url}/v1/completions" in text and '"model": "m"' in text
 
 
 # --- verdicts and JUnit (pure) -------------------------------------------------------------

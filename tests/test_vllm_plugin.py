@@ -16,7 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import heavy
+from helpers.needs import needs
 
 from pd_sessions.core.connectors.nixl import KEEP_CORES
 from pd_sessions.vllm_side.vllm_plugin import (
@@ -98,7 +98,7 @@ def _idle_agent_cpu(env_delay: str | None) -> dict:
 
 
 def test_an_idle_nixl_agent_spins_a_core_unless_the_delay_is_set():
-    heavy("nixl._api")
+    needs("nixl._api")
     spinning = _idle_agent_cpu(None)
     calm = _idle_agent_cpu("1000")
     assert not spinning["wrapped"] and calm["wrapped"] and not calm["again"], (spinning, calm)
@@ -114,7 +114,7 @@ def test_an_idle_nixl_agent_spins_a_core_unless_the_delay_is_set():
 
 def test_a_nixl_without_the_binding_we_wrap_is_said_not_silently_skipped(monkeypatch, capsys):
     """A NIXL whose Python API changed shape: the delay cannot be applied, and the log says so."""
-    heavy("nixl._api")
+    needs("nixl._api")
     import nixl._api
 
     module = sys.modules[nixl._api.nixl_agent.__module__]
@@ -167,8 +167,8 @@ def test_the_nixl_worker_leaves_its_thread_on_its_cores(capsys):
 def test_the_plugin_wraps_vllms_nixl_worker_only_when_asked():
     """In a fresh interpreter: with the variable, vLLM's own NIXL worker class is wrapped (once);
     without it, left alone."""
-    heavy("vllm")
-    heavy("nixl._api")
+    needs("vllm")
+    needs("nixl._api")
     code = textwrap.dedent(f"""
         import importlib, json, os
         from pd_sessions.vllm_side import vllm_plugin

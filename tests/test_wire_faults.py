@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import uuid
 
 import pytest
-from conftest import ROOT
+from helpers import ROOT
+from helpers.needs import netns_ready
 
 from pd_sessions.checks.faults import wire_cap, wire_common, wire_delay, wire_loss, wire_partition
 from pd_sessions.checks.faults.promise import CORRECT, FAILED_CLEARLY, HUNG, WRONG, Outcome, Recovery
@@ -238,13 +238,6 @@ def test_the_cli_refuses_a_wire_check_on_one_host_with_exit_2_before_launch():
 
 
 # ---------------------------------------------------------------- the rules, for real
-
-
-def netns_ready() -> None:
-    if os.geteuid() != 0 or not shutil.which("nft") or not shutil.which("ip"):
-        if os.environ.get("PD_SESSIONS_FULL_ENV") == "1":
-            pytest.fail("the full environment must have root, nft (nftables) and ip (iproute2)")
-        pytest.skip("needs root, nft (apt-get install nftables) and ip")
 
 
 def test_the_rules_cut_the_kv_ports_between_the_two_addresses_and_nothing_else_counting_the_drops():
