@@ -5,8 +5,8 @@
     nox -s mooncake_imports / nixl_imports [-- --dry-run]   # install + import canary only
     nox -s serve -- mooncake_sweep --only 1x1   # hold one cluster up (URLs, env, curl) until Ctrl-C
     nox -s faults       # injected faults over both connectors (drop, stall, zero, swap, peer death, restart)
-    nox -s tests        # unit + end-to-end (real vLLM on the CPU lane)
-    nox -s unit         # unit tests only (no vLLM install)
+    nox -s tests        # everything: unit, procs (processes, fake servers, Ray...) and end-to-end (real vLLM)
+    nox -s unit         # the pure tier: no vLLM, no process spawned, no skip (under a minute on 2 cores)
     nox -s bench        # measures (not a test): overhead, readiness, teardown, router, each check's cost,
                         # nox's second-run start-up; writes bench/
 
@@ -125,9 +125,8 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, reuse_venv=True, tags=["cpu"])
 def unit(session: nox.Session) -> None:
-    """Unit tests only: no vLLM, seconds. [-- pytest arguments]"""
-    session.install("-e", str(ROOT), *nox_support.requirements(*nox_support.TEST_REQUIREMENTS))
-    session.run("pytest", "-m", "not e2e", *session.posargs)
+    """The pure tier: no vLLM, no process spawned, no skip, under a minute. [-- pytest arguments]"""
+    nox_support.unit(session)
 
 
 @nox.session(python=PYTHON, reuse_venv=True, tags=["cpu", "gpu"])

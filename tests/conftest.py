@@ -23,7 +23,14 @@ from helpers.e2e_runs import (
     start_rehearsal,
     sweep_once,
 )
-from helpers.needs import needs, simhosts_available
+from helpers.needs import needs, no_skip_in_unit_tier, simhosts_available
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """`nox -s unit` (PD_SESSIONS_UNIT_TIER=1): a skip fails (helpers.needs.no_skip_in_unit_tier)."""
+    outcome = yield
+    no_skip_in_unit_tier(outcome.get_result())
 
 
 @pytest.fixture

@@ -92,6 +92,7 @@ def test_the_noxfile_imports_what_this_test_expects():
     assert imported("def f():\n    from pd_sessions.env import envfacts\n") == {"pd_sessions.env.envfacts"}
 
 
+@pytest.mark.procs
 def test_noxfile_modules_import_without_the_project_dependencies(tmp_path):
     modules = [*noxfile_modules(), "pd_sessions.core.check_registry"]  # the last through config
     probe = bare_python(tmp_path, "import psutil")
@@ -122,6 +123,7 @@ def test_packaging_is_allowed_because_nox_depends_on_it():
 HELP = ["sweep", "serve", "tiny-model", "inventory", "bench-report", "buildkite", "report"]
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("args", [["--help"], *([c, "--help"] for c in HELP)], ids=" ".join)
 def test_cli_help_runs_on_a_bare_interpreter(args):
     """`python -m pd_sessions [COMMAND] --help` needs nothing but the standard library (not even
@@ -138,6 +140,7 @@ def test_cli_help_runs_on_a_bare_interpreter(args):
     assert r.stdout.startswith(f"usage: pd-sessions {args[0] if len(args) > 1 else ''}".rstrip())
 
 
+@pytest.mark.procs
 def test_wheelhouse_runs_where_nox_runs_it(tmp_path):
     """nox -s wheelhouse runs `python -m pd_sessions wheelhouse` in a venv holding only pip, uv
     and packaging, with this checkout on PYTHONPATH."""

@@ -156,6 +156,7 @@ def _health_server(turn_at: float) -> ThreadingHTTPServer:
     return srv
 
 
+@pytest.mark.procs
 def test_prober_records_when_health_turned_200():
     turn_at = time.monotonic() + 0.5
     srv = _health_server(turn_at)
@@ -170,6 +171,7 @@ def test_prober_records_when_health_turned_200():
         srv.shutdown()
 
 
+@pytest.mark.procs
 def test_a_driver_that_saw_ready_first_waits_for_the_prober_before_stopping():
     """The single driver stops its server right after its own probe saw it ready; a prober
     between two probes (1 s apart here) has not seen the 200 yet, and must before the stop."""
@@ -199,6 +201,7 @@ def test_a_driver_that_saw_ready_first_waits_for_the_prober_before_stopping():
         srv.shutdown()
 
 
+@pytest.mark.procs
 def test_teardown_measure_waits_out_the_grace_only_for_a_stubborn_child(tmp_path):
     stubborn = teardown.measure("ignores_sigterm", tmp_path / "a", grace_s=0.5)
     healthy = teardown.measure("healthy", tmp_path / "b", grace_s=0.5)
@@ -206,6 +209,7 @@ def test_teardown_measure_waits_out_the_grace_only_for_a_stubborn_child(tmp_path
     assert healthy < 0.5  # nobody waited for a grace that was not needed
 
 
+@pytest.mark.procs
 def test_bench_refuses_unknown_part(tmp_path):
     p = subprocess.run(
         [sys.executable, "-m", "pd_sessions", "bench", "--parts", "clusters,speed", "--out", str(tmp_path)],
@@ -227,6 +231,7 @@ def test_bench_refuses_unknown_part(tmp_path):
     assert p.returncode == 2 and "--repeats must be at least 1 (got 0)" in p.stderr
 
 
+@pytest.mark.procs
 def test_router_bench_against_fake_backends(tmp_path):
     needs("vllm_router")
     from pd_sessions.bench import routers
@@ -264,6 +269,7 @@ def _bench_on_fake_stack(tmp_path, *args: str) -> tuple[dict, str]:
     return json.loads((out / "results.json").read_text()), p.stdout
 
 
+@pytest.mark.procs
 def test_cluster_drivers_on_the_fake_stack(tmp_path):
     sweep = str(tmp_path / "sweep.toml")
     # the check sweep is measured by the clusters part: not run again
@@ -402,6 +408,7 @@ def test_rerender_recomputes_checks_cost(tmp_path):
     }
 
 
+@pytest.mark.procs
 def test_checks_part_runs_each_check_sweep(tmp_path):
     doc, stdout = _bench_on_fake_stack(
         tmp_path, "--parts", "checks", "--check-sweeps", str(tmp_path / "sweep.toml")

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import psutil
+import pytest
 from helpers.waiting import wait_until
 
 from pd_sessions.bench import multihost
@@ -35,6 +36,7 @@ def test_the_summary_is_the_added_median_wall_and_the_peak_ray_memory():
     assert "| (peak summed RSS: shared pages once per process) | 0 | 1.9 GiB (1.8-2.0) | | |" in table
 
 
+@pytest.mark.procs
 def test_the_sampler_counts_shared_pages_once_pss_below_the_summed_rss():
     """Real processes: a parent and two Python children taken for Ray's (the marker in their
     argv); the same interpreter's pages are shared, so their summed PSS is below their summed RSS.

@@ -25,6 +25,7 @@ def results_dir(tmp_path: Path) -> Path:
     return out
 
 
+@pytest.mark.procs
 def test_the_report_part_measures_a_six_config_page(tmp_path: Path):
     doc = page.run(results_dir(tmp_path), tmp_path / "work", repeats=1, progress=lambda m: None)
     assert doc["configs"] == 6 and doc["cold_s"]["n"] == 1 and doc["warm_s"]["n"] == 3

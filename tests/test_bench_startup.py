@@ -113,6 +113,7 @@ def test_startup_markdown():
     assert bench_results.startup_markdown(None) == []
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("kind", ["healthy", "stubborn"])
 def test_measure_once_stops_at_the_spawn_and_verifies_everything_gone(tmp_path, kind):
     script = tmp_path / "fake_nox.py"

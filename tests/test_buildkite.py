@@ -50,6 +50,7 @@ def result(name: str, outcome: str) -> ConfigResult:
     return r
 
 
+@pytest.mark.procs
 def test_annotation_keeps_the_table_and_links_the_page_as_an_artifact(agent, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     page = tmp_path / "results" / "cpu-lane" / "report.html"
@@ -66,6 +67,7 @@ def test_annotation_keeps_the_table_and_links_the_page_as_an_artifact(agent, tmp
     assert "1x1" in body and "PASSED" in body and "2x2" in body and "smoke:fail" in body  # the table
 
 
+@pytest.mark.procs
 def test_a_passing_sweep_is_annotated_success_and_without_a_page_there_is_no_link(agent):
     assert buildkite_annotation.annotate([result("1x1", "passed")], sweep="s", page=None)
     (call,) = calls(agent)
@@ -80,6 +82,7 @@ def test_a_page_path_with_quotes_cannot_break_out_of_the_link():
     assert 'href="artifact://r/&quot;x&lt;y&gt;&quot;/report.html"' in body and "<b>" not in body
 
 
+@pytest.mark.procs
 def test_upload_sends_the_results_directory_relative_to_the_job(agent, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     results = tmp_path / "results" / "nixl"

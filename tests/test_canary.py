@@ -92,12 +92,14 @@ def verdicts(path: Path, torch_cuda):
     return import_canary.check_needed(path.name, needed, torch_cuda, res)
 
 
+@pytest.mark.procs
 def test_read_elf_sees_needed_and_origin(elfs):
     needed, rpaths = import_canary.read_elf(elfs["cu13"])
     assert "libcudart.so.13" in needed
     assert rpaths == [str(elfs["cu13"].parent / "cuda13")]
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize(
     "lib,torch_cuda,ok,needle",
     [
@@ -116,6 +118,7 @@ def test_elf_verdicts(elfs, lib, torch_cuda, ok, needle):
     assert f.ok is ok and needle in f.message
 
 
+@pytest.mark.procs
 def test_ld_library_path_resolves(elfs, monkeypatch):
     monkeypatch.setenv("LD_LIBRARY_PATH", str(elfs["cu13"].parent / "cuda13"))
     (f,) = verdicts(elfs["cu13_norpath"], 13)
@@ -162,6 +165,7 @@ def test_nixl_backend_must_match_torch():
     assert f.ok
 
 
+@pytest.mark.procs
 def test_canary_cli_json_line_and_status():
     """The real canary on this environment's Mooncake (CPU lane: non-cuda wheel must pass)."""
     r = subprocess.run(

@@ -67,6 +67,7 @@ def _nox_lists(session: str) -> bool:
     return r.returncode == 0 and session in {s["session"] for s in json.loads(r.stdout or "[]")}
 
 
+@pytest.mark.procs
 def test_every_command_is_one_nox_session_call_that_exists():
     names = set()
     for cmd in _commands():

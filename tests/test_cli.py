@@ -12,6 +12,8 @@ from helpers import ROOT
 
 from pd_sessions.runtime.machine import detect
 
+pytestmark = pytest.mark.procs
+
 
 def cli(*args, timeout=60):
     return subprocess.run(

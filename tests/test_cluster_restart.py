@@ -19,6 +19,8 @@ from pd_sessions.core.errors import ProcessExited, StopError
 from pd_sessions.runtime import http, process
 from pd_sessions.runtime.cluster import running_cluster
 
+pytestmark = pytest.mark.procs
+
 
 class Told(process.Observer):
     """What the reaper is told (its observer interface), recorded."""

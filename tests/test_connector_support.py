@@ -202,6 +202,7 @@ def test_launch_reads_the_installed_vllms_factory(tmp_path):
     assert launch.refuse_before_launch(sel, env, dry_run=False) == []  # type: ignore[arg-type]
 
 
+@pytest.mark.procs
 def test_the_vllm_here_registers_every_connector():
     """The CPU lane's vLLM (its installed factory, as launch reads it) has every registered one."""
     from pd_sessions.run import launch

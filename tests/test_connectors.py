@@ -105,12 +105,14 @@ def test_each_connectors_own_keys():
         assert faulty["kv_connector_extra_config"] == {"enforce_handshake_compat": False}
 
 
+@pytest.mark.procs
 @SPECS
 def test_the_vllm_class_is_registered_in_vllms_connector_factory(spec):
     factory = vllm_source("distributed", "kv_transfer", "kv_connector", "factory.py")
     assert re.search(rf'register_connector\(\s*"{spec.vllm_class}"', factory), spec.vllm_class
 
 
+@pytest.mark.procs
 @SPECS
 def test_the_router_flag_is_one_of_vllm_routers_choices(spec):
     needs("vllm_router")
@@ -122,6 +124,7 @@ def test_the_router_flag_is_one_of_vllm_routers_choices(spec):
     assert spec.router_flag in action.choices
 
 
+@pytest.mark.procs
 @SPECS
 def test_port_variables_are_vllms(spec):
     envs = vllm_source("envs.py")
@@ -178,6 +181,7 @@ def test_nixl_decode_hops_carry_what_the_prefill_answered(spec):
         spec.hops.decode_params("t", {}, None, None)
 
 
+@pytest.mark.procs
 @SPECS
 def test_evidence_and_failure_lines(spec):
     for pattern in spec.failure_lines:
@@ -220,6 +224,7 @@ def test_push_is_refused_on_the_cpu_lane_before_anything_is_planned():
     assert NIXL.limits.refuse(push, "cpu") is None
 
 
+@pytest.mark.procs
 def test_the_refusals_reason_is_vllms_fixed_handshake_timeout():
     """What the refusal cites: the handshake to a peer's side channel waits 5 s for the answer
     (a fixed ZMQ receive timeout), and push mode makes the prefill handshake with the decode."""
@@ -228,6 +233,7 @@ def test_the_refusals_reason_is_vllms_fixed_handshake_timeout():
     assert 'failure_type="push_handshake_failed"' in vllm_source(*nixl_dir, "push_worker.py")
 
 
+@pytest.mark.procs
 def test_push_mode_is_what_vllm_calls_push():
     """vLLM 0.32's push scheduler answers the prefill hop with transfer_mode "push", and matches
     the decode's registration to the prefill's finished blocks by the request id both hops share

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import ROOT
 
 from pd_sessions.env.envfacts import describe_module, summary_lines
@@ -25,6 +26,7 @@ def _fake_dist(site: Path, module: str, dist: str, version: str, editable_src: P
         )
 
 
+@pytest.mark.procs
 def test_an_editable_vllm_is_named_with_its_checkout(tmp_path):
     site = tmp_path / "site"
     _fake_dist(site, "vllm", "vllm", "0.99.0.dev1", editable_src=tmp_path / "src" / "vllm")

@@ -159,6 +159,7 @@ def _caches(torch, n_layers=2, num_blocks=10):
     }
 
 
+@pytest.mark.procs
 def test_zero_overwrites_the_chosen_blocks_of_each_load_and_nothing_else(tmp_path, capsys):
     torch = needs("torch")
     conn, control = make(tmp_path)
@@ -176,6 +177,7 @@ def test_zero_overwrites_the_chosen_blocks_of_each_load_and_nothing_else(tmp_pat
     assert [(e["mode"], e["req"], e["blocks"]) for e in events(capsys)] == [("zero", "r1", 2)]
 
 
+@pytest.mark.procs
 def test_swap_gives_each_load_the_blocks_of_another_request(tmp_path, capsys):
     torch = needs("torch")
     conn, control = make(tmp_path)
@@ -196,6 +198,7 @@ def test_swap_gives_each_load_the_blocks_of_another_request(tmp_path, capsys):
     assert [(e["req"], e["donor"]) for e in events(capsys)] == [("a", "b"), ("b", "a"), ("c", "b")]
 
 
+@pytest.mark.procs
 def test_a_lone_first_swap_has_no_donor_and_is_said_skipped(tmp_path, capsys):
     torch = needs("torch")
     conn, control = make(tmp_path)

@@ -20,6 +20,8 @@ import pytest
 from helpers.fake_runs import FakeSweep, assert_nothing_left, every_plan_port
 from helpers.waiting import wait_until
 
+pytestmark = pytest.mark.procs
+
 
 def test_all_ok_passes(tmp_path, bystander):
     r = FakeSweep(tmp_path)

@@ -41,6 +41,7 @@ def _start(tmp_path: Path, *, slow_import_s: float = 0.0) -> tuple[process.Runni
     return process.spawn("gated", argv, env=env, log_path=tmp_path / "gated.log"), out
 
 
+@pytest.mark.procs
 def test_the_module_is_imported_at_once_and_runs_with_its_arguments_only_once_the_gate_opens(tmp_path):
     r, out = _start(tmp_path)
     try:
@@ -56,6 +57,7 @@ def test_the_module_is_imported_at_once_and_runs_with_its_arguments_only_once_th
         process.stop([r], grace_s=2)
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("slow_import_s", [0.0, 1.0])
 def test_a_gate_opened_at_once_or_while_the_module_imports_runs_it_and_never_ends_it(tmp_path, slow_import_s):
     """The race CI found: opened right after the spawn, before the interpreter had blocked SIGUSR1,
@@ -69,6 +71,7 @@ def test_a_gate_opened_at_once_or_while_the_module_imports_runs_it_and_never_end
         process.stop([r], grace_s=2)
 
 
+@pytest.mark.procs
 def test_sigterm_ends_a_process_held_at_the_gate(tmp_path):
     r, out = _start(tmp_path)
     wait_until(lambda: out.exists(), 30, "the import")
@@ -78,6 +81,7 @@ def test_sigterm_ends_a_process_held_at_the_gate(tmp_path):
     process.stop([r], grace_s=2)
 
 
+@pytest.mark.procs
 def test_a_process_that_never_holds_is_named_and_one_that_exits_is_left_to_the_caller(tmp_path):
     quiet = process.spawn(
         "router",

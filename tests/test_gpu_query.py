@@ -30,6 +30,7 @@ def fake_smi(tmp_path, monkeypatch):
     return smi
 
 
+@pytest.mark.procs
 def test_detect_and_names_read_one_query(fake_smi, monkeypatch):
     assert machine.query_gpus("index") == ["0", "1"]
     inv = machine.detect({})
@@ -38,6 +39,7 @@ def test_detect_and_names_read_one_query(fake_smi, monkeypatch):
     assert machine.gpu_names(["1", "GPU-aaa", "7"]) == ["NVIDIA H100", "NVIDIA H200", "GPU 7"]
 
 
+@pytest.mark.procs
 def test_a_failing_nvidia_smi_is_no_gpu_and_generic_names(fake_smi, monkeypatch):
     monkeypatch.setenv("FAKE_SMI_RC", "9")
     assert machine.query_gpus("index") == []

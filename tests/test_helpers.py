@@ -27,6 +27,7 @@ def test_wait_until_fails_at_the_timeout_naming_what_it_awaited():
         wait_until(lambda: None, 0.05, lambda: "a log line: computed at the failure")
 
 
+@pytest.mark.procs
 def test_wait_until_fails_at_once_when_the_awaited_process_exits():
     p = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     p.wait(10)
@@ -67,3 +68,23 @@ def test_tests_import_their_helpers_never_conftest():
         if re.match(r"\s*(from conftest import|import conftest)\b", line)
     ]
     assert offenders == []
+
+
+def test_a_skip_fails_in_the_unit_tier_and_stays_a_skip_elsewhere():
+    from helpers.needs import no_skip_in_unit_tier
+
+    def report(**extra):
+        r = pytest.TestReport(
+            "t.py::t", ("t.py", 1, "t"), {}, "skipped", ("t.py", 1, "Skipped: no vllm"), "call"
+        )
+        r.__dict__.update(extra)
+        return r
+
+    r = report()
+    no_skip_in_unit_tier(r, unit_tier=False)
+    assert r.skipped
+    no_skip_in_unit_tier(r, unit_tier=True)
+    assert r.failed and "skipped in the unit tier (Skipped: no vllm)" in r.longrepr and "procs" in r.longrepr
+    expected = report(wasxfail="known")
+    no_skip_in_unit_tier(expected, unit_tier=True)
+    assert expected.skipped

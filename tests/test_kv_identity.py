@@ -86,6 +86,7 @@ def test_the_description_names_the_cited_code():
     assert "local_compute = 0 per request" in kvi.describe("nixl", ssm=False)
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize(
     "path,function,needles",
     [

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from helpers import ROOT
 
+pytestmark = pytest.mark.procs
+
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
 

@@ -31,6 +31,7 @@ def _family(r: process.Running, tmp_path, marker: str, n: int) -> list[int]:
     return wait_for_members(r.pid, n)
 
 
+@pytest.mark.procs
 def test_the_reaper_stops_what_a_dead_harness_left(tmp_path):
     """The pipe ending (the harness gone, however it went) is the reaper's only trigger: it
     stops every recorded process with its session (a double-forked orphan included), SIGKILLs
@@ -57,6 +58,7 @@ def test_the_reaper_stops_what_a_dead_harness_left(tmp_path):
     stubborn.popen.wait(1)
 
 
+@pytest.mark.procs
 def test_the_reaper_removes_the_private_tmp_of_what_it_stopped_and_not_of_what_was_stopped(tmp_path):
     """A process with a private TMPDIR (process.spawn's private_tmp, as every cluster process
     has): when the harness dies the reaper stops it, then removes its folder with what it left
@@ -81,6 +83,7 @@ def test_the_reaper_removes_the_private_tmp_of_what_it_stopped_and_not_of_what_w
     left.popen.wait(1)
 
 
+@pytest.mark.procs
 def test_the_reaper_keeps_to_the_grace_the_harness_began(tmp_path):
     """Harness killed mid-teardown: the SIGKILL comes when the harness's grace ends, not a
     whole grace later."""
@@ -99,6 +102,7 @@ def test_the_reaper_keeps_to_the_grace_the_harness_began(tmp_path):
     stubborn.popen.wait(1)
 
 
+@pytest.mark.procs
 def test_after_a_clean_teardown_the_reaper_has_nothing_to_do(tmp_path):
     reaper = Reaper(tmp_path / "reaper.log", grace_s=5.0, warn=pytest.fail)
     with process.observed(reaper):
@@ -127,6 +131,7 @@ MIDDLE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.procs
 def test_a_child_hears_its_harness_die(tmp_path):
     """A server spawned by a harness that is then SIGKILLed (before it could tell anyone)
     gets SIGTERM from the kernel."""
@@ -161,6 +166,7 @@ WATCHED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("no_prctl", [False, True], ids=["prctl", "getppid-watchdog"])
 def test_the_harness_hears_its_parent_die(tmp_path, no_prctl):
     out = tmp_path / "out.txt"
@@ -187,6 +193,7 @@ def test_the_harness_hears_its_parent_die(tmp_path, no_prctl):
     watched.wait(5)
 
 
+@pytest.mark.procs
 def test_a_signal_while_spawning_is_acted_on_once_the_process_is_recorded(tmp_path):
     """The cluster spawns and records under signals_deferred: a cancel in between (here sent
     by an observer the moment the process exists) cannot leave the process unrecorded."""
@@ -219,6 +226,7 @@ def test_a_signal_while_spawning_is_acted_on_once_the_process_is_recorded(tmp_pa
     process.stop(recorded, grace_s=2)
 
 
+@pytest.mark.procs
 def test_teardown_shares_one_grace_between_router_and_instances(tmp_path):
     """Three processes that all ignore SIGTERM: one grace for all, not one per group."""
     rs = [
@@ -249,6 +257,7 @@ def test_nox_waits_for_the_teardown_budget(posargs, grace):
     assert parentwatch.nox_run_options(posargs) == {"interrupt_timeout": grace + 5.0 + 5.0}
 
 
+@pytest.mark.procs
 def test_the_noxfile_import_is_standard_library_only():
     code = (
         "import sys; import pd_sessions.runtime.parentwatch; "
@@ -311,6 +320,7 @@ def _harness_pid(log) -> int:
     return int(re.search(r"passed it on to pid (\d+)\)", log.read_text()).group(1))
 
 
+@pytest.mark.procs
 def test_sigterm_to_nox_alone_is_passed_on_and_nox_exits_143_after_the_harness(tmp_path):
     """SIGTERM to nox alone (e.g. ``timeout``) reaches the harness through nox; a second one
     does not cut nox's wait short; nox exits 143 only once the harness has ended."""
@@ -334,6 +344,7 @@ def test_sigterm_to_nox_alone_is_passed_on_and_nox_exits_143_after_the_harness(t
             os.killpg(nox.pid, signal.SIGKILL)
 
 
+@pytest.mark.procs
 def test_a_harness_that_outlasts_the_budget_is_killed_and_nox_still_exits_with_the_signal(tmp_path):
     """nox waits the budget (interrupt_timeout), as on Ctrl-C, then SIGTERM and SIGKILL 0.2 s
     later (the reaper's case): it never waits longer than that, and exits 129 for SIGHUP."""
@@ -352,6 +363,7 @@ def test_a_harness_that_outlasts_the_budget_is_killed_and_nox_still_exits_with_t
             os.killpg(nox.pid, signal.SIGKILL)
 
 
+@pytest.mark.procs
 def test_child_pids_are_the_live_children_only(tmp_path):
     parent = subprocess.Popen(
         [sys.executable, "-c", FAMILY], stdout=subprocess.DEVNULL, start_new_session=True

@@ -7,8 +7,11 @@ import json
 import subprocess
 import sys
 
+import pytest
 from helpers import ROOT
 from helpers.needs import needs
+
+pytestmark = pytest.mark.procs
 
 
 def probe(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:

@@ -334,6 +334,16 @@ def test_the_imports_sessions_dry_run_installs_nothing_and_runs_no_canary():
 # ------------------------------------------------------------------ tests and bench
 
 
+def test_the_unit_session_runs_the_pure_tier_where_a_skip_fails():
+    session = FakeSession(["-x", "tests/test_cli.py"], name="unit")
+    nox_support.unit(session)
+    ((args, _),) = session.of("install")
+    assert args[:2] == ("-e", str(ROOT)) and "test.txt" in args[3] and "ray.txt" not in str(args)
+    ((argv, kw),) = session.of("run")
+    assert argv == ("pytest", "-m", "not e2e and not multihost and not procs", "-x", "tests/test_cli.py")
+    assert kw["env"] == {"PD_SESSIONS_UNIT_TIER": "1"}
+
+
 def test_the_tests_session_runs_pytest_in_the_full_environment(monkeypatch):
     seen = []
     monkeypatch.setattr(nox_support, "connectors", lambda s, t, p, names, **kw: seen.append((p, names)))

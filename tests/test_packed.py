@@ -72,6 +72,7 @@ name = "c"
 """
 
 
+@pytest.mark.procs
 @pytest.mark.usefixtures("bystander")
 def test_waves_run_at_once_the_next_starts_during_the_teardown_one_summary_in_order(tmp_path):
     run = packed_sweep(tmp_path, FOUR, env={"FAKE_STARTUP_S": "0.5", "FAKE_EXIT_S": "1.5"})
@@ -108,6 +109,7 @@ decode_tp = 4
 """
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize(
     "sig,status,cause",
     [(signal.SIGTERM, 143, "stopped by SIGTERM"), (signal.SIGINT, 130, "stopped by SIGINT")],
@@ -140,6 +142,7 @@ def test_a_stop_cancels_every_running_config_marks_the_rest_not_run_and_leaves_n
         assert_nothing_left(run.results / name)
 
 
+@pytest.mark.procs
 def test_dry_run_shows_the_waves_and_max_parallel_across_hosts_is_refused_before_anything_starts(tmp_path):
     run = packed_sweep(tmp_path, FOUR, "--max-parallel", "3", "--dry-run")
     assert run.wait(30) == 0, run.text

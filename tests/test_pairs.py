@@ -39,6 +39,7 @@ def test_every_pair_is_warmed_with_its_own_request(tmp_path):
     assert list(took) == seen
 
 
+@pytest.mark.procs
 def test_a_failing_pair_ends_the_wait_at_the_deadline_naming_pair_and_decode_errors(tmp_path):
     plan = live_plan(connector="nixl", num_prefill=2, num_decode=2)
     log = tmp_path / "decode-0.log"
@@ -60,6 +61,7 @@ def test_a_failing_pair_ends_the_wait_at_the_deadline_naming_pair_and_decode_err
     assert calls.count("prefill-1 -> decode-0") > 2 and "prefill-1 -> decode-1" not in calls
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("connector", ["mooncake", "nixl"])
 def test_fake_cluster_whose_pd_path_fails_ends_readiness_within_the_budget(tmp_path, connector):
     """Every instance healthy, every request with kv_transfer_params answered 500 by the decode:
@@ -87,6 +89,7 @@ def _readiness_failure(plan, tmp_path, **behaviors) -> str:
     return str(e.value)
 
 
+@pytest.mark.procs
 def test_a_stuck_kv_pull_at_readiness_names_the_decode_and_what_it_waits_for(tmp_path):
     plan = live_plan(connector="mooncake")
     msg = _readiness_failure(plan, tmp_path, FAKE_DECODE_BEHAVIOR="stuck_pull:0")
@@ -96,6 +99,7 @@ def test_a_stuck_kv_pull_at_readiness_names_the_decode_and_what_it_waits_for(tmp
     assert "no prefill is computing: the KV pull is stuck" in msg
 
 
+@pytest.mark.procs
 def test_a_stuck_kv_pull_during_checks_fails_fast_naming_the_instance(tmp_path, monkeypatch):
     """Readiness passes (two pulls: the pair warm-up and the router probe), then every pull
     hangs: the first check fails after the request bound with what is stuck, the rest at once."""
@@ -118,6 +122,7 @@ def test_a_stuck_kv_pull_during_checks_fails_fast_naming_the_instance(tmp_path, 
     assert by["parity"].message.startswith("not run: the P/D path is stuck (smoke got no answer within 2 s")
 
 
+@pytest.mark.procs
 def test_a_router_whose_pd_hop_keeps_failing_ends_readiness_with_its_answer(tmp_path):
     """The pairs warm (direct hops work), but every completion through the router gets HTTP 500:
     readiness ends after the budget with the router's answer and the decode's error lines."""
@@ -130,6 +135,7 @@ def test_a_router_whose_pd_hop_keeps_failing_ends_readiness_with_its_answer(tmp_
     assert "decode hop failed: KV transfer error" in msg and "--- decode-0's error lines" in msg
 
 
+@pytest.mark.procs
 def test_both_hops_carry_one_request_id_and_the_specs_params():
     """A real HTTP server stands in for both instances: the prefill hop asks for a remote decode,
     the decode hop carries what the prefill answered, and both carry the same X-Request-Id (push

@@ -36,6 +36,7 @@ def test_ports_are_held_until_release():
         s.close()
 
 
+@pytest.mark.procs
 def test_claim_of_taken_port_names_owner():
     srv = subprocess.Popen(
         [

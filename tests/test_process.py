@@ -23,6 +23,7 @@ from pd_sessions.runtime.logtail import log_tail
 from pd_sessions.runtime.process import kernel_state, spawn, stop
 
 
+@pytest.mark.procs
 def test_stop_kills_whole_family_and_spares_bystander(tmp_path, bystander):
     r = spawn("family", [sys.executable, "-c", FAMILY], env=os.environ, log_path=tmp_path / "f.log")
     wait_for_text(tmp_path / "f.log", "family up")
@@ -37,6 +38,7 @@ def test_stop_kills_whole_family_and_spares_bystander(tmp_path, bystander):
     assert bystander.poll() is None, "the bystander must survive"
 
 
+@pytest.mark.procs
 def test_child_ignoring_sigterm_is_killed_after_grace(tmp_path, bystander):
     r = spawn("stubborn", [sys.executable, "-c", IGNORES_TERM], env=os.environ, log_path=tmp_path / "s.log")
     wait_for_text(tmp_path / "s.log", "ignoring SIGTERM")
@@ -48,6 +50,7 @@ def test_child_ignoring_sigterm_is_killed_after_grace(tmp_path, bystander):
     assert bystander.poll() is None
 
 
+@pytest.mark.procs
 def test_stop_after_exit_is_clean(tmp_path):
     r = spawn("quick", [sys.executable, "-c", "print('bye')"], env=os.environ, log_path=tmp_path / "q.log")
     r.popen.wait(10)
@@ -56,6 +59,7 @@ def test_stop_after_exit_is_clean(tmp_path):
     assert "bye" in log_tail(tmp_path / "q.log")
 
 
+@pytest.mark.procs
 def test_spawn_logs_argv_and_output(tmp_path):
     r = spawn(
         "echo",
@@ -76,6 +80,7 @@ def test_log_tail_limits_lines(tmp_path):
     assert tail.splitlines() == [f"line {i}" for i in range(95, 100)]
 
 
+@pytest.mark.procs
 def test_sigterm_during_teardown_is_deferred_until_it_ends(tmp_path):
     """A cancel that lands mid-teardown is acted on after the children are gone."""
     got = []
@@ -126,6 +131,7 @@ def test_kernel_state_sums_up_where_each_thread_is(tmp_path):
     assert kernel_state(71, proc=tmp_path).line == "gone"
 
 
+@pytest.mark.procs
 def test_kernel_state_of_a_live_process_names_where_it_sleeps():
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
@@ -139,6 +145,7 @@ def test_kernel_state_of_a_live_process_names_where_it_sleeps():
     assert kernel_state(p.pid).line == "gone"
 
 
+@pytest.mark.procs
 def test_a_sigkill_survivor_is_named_with_its_kernel_state(tmp_path, monkeypatch):
     """process.kill: a process that outlives its SIGKILL (a NIXL worker did, for minutes) is
     named with where its threads are, so the failure carries its own evidence."""
@@ -197,6 +204,7 @@ def _api_server(tmp_path, logs: bool):
     return r, members, {"decode-0": ShutdownLogged(log)}
 
 
+@pytest.mark.procs
 def test_freed_comes_once_the_engine_core_is_gone_and_a_server_that_logged_its_shutdown_is_killed_then(
     tmp_path,
 ):
@@ -217,6 +225,7 @@ def test_freed_comes_once_the_engine_core_is_gone_and_a_server_that_logged_its_s
     assert "Application shutdown complete." in (tmp_path / "decode-0.log").read_text()
 
 
+@pytest.mark.procs
 def test_a_server_that_never_logged_its_shutdown_is_left_to_exit_by_itself(tmp_path):
     r, _, ended = _api_server(tmp_path, logs=False)
     freed: list[float] = []
@@ -241,6 +250,7 @@ def _tmp_of(log) -> str:
     return next(line.split(" ", 1)[1] for line in log.read_text().splitlines() if line.startswith("tmp "))
 
 
+@pytest.mark.procs
 def test_a_private_tmp_is_the_childs_tmpdir_and_goes_once_it_is_verified_gone(tmp_path):
     """spawn(private_tmp=True): the child's TMPDIR is a folder of its own (pds-tmp-<name>-...,
     in the system's); what the child left there (a socket, a file) goes with it at stop(), and
@@ -262,6 +272,7 @@ def test_a_private_tmp_is_the_childs_tmpdir_and_goes_once_it_is_verified_gone(tm
     stop([r], grace_s=2)
 
 
+@pytest.mark.procs
 def test_a_spawn_that_fails_leaves_no_private_tmp(tmp_path):
     before = set(glob.glob(os.path.join(tempfile.gettempdir(), f"{process.TMP_PREFIX}nope-*")))
     with pytest.raises(FileNotFoundError):
@@ -272,6 +283,7 @@ def test_a_spawn_that_fails_leaves_no_private_tmp(tmp_path):
         process.remove_tmp_dir(tmp_path)
 
 
+@pytest.mark.procs
 def test_a_later_run_removes_the_private_tmp_of_a_dead_owner_and_nothing_else(tmp_path, monkeypatch):
     """What a run whose stop was cut short leaves (its driver SIGKILLed across hosts: the nodes'
     Ray jobs end the processes, no one removes their folders) goes at the next run's start on

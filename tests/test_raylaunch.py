@@ -27,6 +27,7 @@ def no_ray(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.procs
 def test_a_single_host_dry_run_needs_no_ray():
     p = no_ray("sweep", "mooncake_sweep", "--only", "1x1", "--platform", "cpu", "--dry-run")
     assert p.returncode == 0, p.stdout + p.stderr
@@ -34,6 +35,7 @@ def test_a_single_host_dry_run_needs_no_ray():
     assert "dry run: 1 plans, nothing was launched" in p.stdout + p.stderr
 
 
+@pytest.mark.procs
 def test_ray_without_the_extra_is_a_usage_error_naming_the_install():
     p = no_ray("sweep", "mooncake_sweep", "--only", "1x1", "--platform", "cpu", "--dry-run", "--ray", "auto")
     assert p.returncode == 2, p.stdout + p.stderr
@@ -125,6 +127,7 @@ def test_mooncake_bytes_add_each_lines_transfers_times_their_average_never_over(
     assert exact - 3 * 0.0005 * 2**20 - 1 <= got < exact
 
 
+@pytest.mark.procs
 def test_ray_and_simulate_hosts_together_is_a_usage_error():
     p = no_ray("sweep", "mooncake_sweep", "--dry-run", "--ray", "auto", "--simulate-hosts", "2")
     assert p.returncode == 2, p.stdout + p.stderr

@@ -56,6 +56,7 @@ def sleeper(tmp_path):
     stop(procs, grace_s=2)
 
 
+@pytest.mark.procs
 def test_ready_after_health_then_models(server, sleeper):
     r = sleeper()
     threading.Timer(0.3, _Handler.healthy.set).start()
@@ -69,6 +70,7 @@ def test_models_probe_requires_the_model(server):
     assert "not 'other'" in models_probe(server, "other")()
 
 
+@pytest.mark.procs
 def test_dead_process_fails_fast_with_log_tail(server, sleeper):
     r = sleeper(
         "decode-0", "import sys, time; print('boom: bad flag', flush=True); time.sleep(0.5); sys.exit(3)"
@@ -82,6 +84,7 @@ def test_dead_process_fails_fast_with_log_tail(server, sleeper):
     assert "decode-0" in msg and "status 3" in msg and "boom: bad flag" in msg
 
 
+@pytest.mark.procs
 def test_deadline_is_honoured(server, sleeper):
     r = sleeper()
     t = Target(r, [health_probe(f"{server}/health")])
@@ -93,6 +96,7 @@ def test_deadline_is_honoured(server, sleeper):
     assert "HTTP 503" in str(e.value) and "sleeper" in str(e.value)
 
 
+@pytest.mark.procs
 def test_progress_lines(server, sleeper):
     r = sleeper()
     lines = []
@@ -107,6 +111,7 @@ def test_progress_lines(server, sleeper):
     assert lines and "sleeper (HTTP 503" in lines[0]
 
 
+@pytest.mark.procs
 def test_guarded_fails_when_watched_process_dies(sleeper):
     victim = sleeper("router", "import time; time.sleep(0.3)")
     t0 = time.monotonic()
@@ -115,6 +120,7 @@ def test_guarded_fails_when_watched_process_dies(sleeper):
     assert time.monotonic() - t0 < 2.0
 
 
+@pytest.mark.procs
 def test_guarded_returns_and_reraises(sleeper):
     r = sleeper()
     assert guarded(lambda: 42, watch=[r], when="x") == 42
@@ -122,6 +128,7 @@ def test_guarded_returns_and_reraises(sleeper):
         guarded(lambda: 1 / 0, watch=[r], when="x")
 
 
+@pytest.mark.procs
 def test_guarded_timeout_is_a_pd_error_naming_the_wait(sleeper):
     r = sleeper()
     t0 = time.monotonic()
@@ -132,6 +139,7 @@ def test_guarded_timeout_is_a_pd_error_naming_the_wait(sleeper):
     assert time.monotonic() - t0 < 2.0
 
 
+@pytest.mark.procs
 def test_guarded_reports_a_death_even_when_the_call_returns_first(sleeper):
     victim = sleeper("decode-0", "import sys; sys.exit(5)")
     victim.popen.wait(10)

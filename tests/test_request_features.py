@@ -465,6 +465,7 @@ def test_the_warm_up_is_recorded_and_named_never_judged():
     assert {x.name: x.value for x in r.figures}["warm_up"] == 3.5
 
 
+@pytest.mark.procs
 def test_a_stuck_path_drops_the_requests_not_yet_started():
     class Stuck(FakeAsker):
         def ask(self, url, f):

@@ -34,6 +34,8 @@ from helpers.fake_runs import GRACE, TWO_CONFIGS, NoxRun, assert_nothing_left, f
 
 from pd_sessions.runtime.process import alive, session_family
 
+pytestmark = pytest.mark.procs
+
 
 def assert_cancel_recorded(run: NoxRun, cause: str) -> None:
     """The interrupted config is cancelled (by ``cause``), the other not run; all three files."""

@@ -106,6 +106,7 @@ def _request_in_flight(url: str) -> tuple[threading.Thread, list[BaseException]]
     return th, errors
 
 
+@pytest.mark.procs
 def test_a_proxy_still_forwarding_is_cut_early_so_the_server_behind_it_can_end(tmp_path):
     server, port = _server(tmp_path)
     proxy = _proxy(tmp_path, port)
@@ -117,6 +118,7 @@ def test_a_proxy_still_forwarding_is_cut_early_so_the_server_behind_it_can_end(t
     assert "EVERY CONNECTION CLOSED" in (tmp_path / "decode-0.log").read_text()
 
 
+@pytest.mark.procs
 def test_without_the_cut_both_wait_for_each_other_until_sigkill(tmp_path):
     """The deadlock itself: what the cut is for."""
     server, port = _server(tmp_path)
@@ -129,6 +131,7 @@ def test_without_the_cut_both_wait_for_each_other_until_sigkill(tmp_path):
     assert time.monotonic() - t0 >= 1.5
 
 
+@pytest.mark.procs
 def test_early_after_the_grace_is_the_grace(tmp_path):
     server, port = _server(tmp_path)
     proxy = _proxy(tmp_path, port)
@@ -136,6 +139,7 @@ def test_early_after_the_grace_is_the_grace(tmp_path):
     assert rep.seconds < 5.0 and rep.killed == ["decode-0", "router"] and rep.cut == [], rep
 
 
+@pytest.mark.procs
 def test_cut_connections_ends_our_own_request_and_spares_other_connections(tmp_path):
     server, port = _server(tmp_path)
     other, other_port = _server(tmp_path, "bystander")
@@ -154,6 +158,7 @@ def test_cut_connections_ends_our_own_request_and_spares_other_connections(tmp_p
         stop([server, other], grace_s=2.0)
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("with_router", [False, True])
 def test_teardown_with_requests_in_flight_is_done_in_seconds(tmp_path, with_router):
     """Our request to an instance (a cancelled check), and with the router also forwarding
@@ -179,6 +184,7 @@ def _established(port: int) -> bool:
     )
 
 
+@pytest.mark.procs
 def test_no_request_of_ours_leaves_while_held(tmp_path):
     """A check's thread still running while the cluster is torn down opens no new request."""
     server, port = _server(tmp_path)

@@ -57,6 +57,7 @@ def kimi_dir(tmp_path_factory):
     return tm.ensure(tm.SPECS["tiny-kimi-linear"], tmp_path_factory.mktemp("cache"))
 
 
+@pytest.mark.procs
 def test_kimi_linear_checkpoint_carries_the_real_names_and_a_few_mib(kimi_dir):
     from safetensors import safe_open
 
@@ -78,6 +79,7 @@ def test_kimi_linear_checkpoint_carries_the_real_names_and_a_few_mib(kimi_dir):
     assert (kimi_dir / "pd_tiny_remote.py").exists()
 
 
+@pytest.mark.procs
 def test_vllm_loads_every_parameter_of_the_tiny_kimi_linear_and_nothing_else(kimi_dir):
     """vLLM's own KimiLinearForCausalLM, built on CPU, loads exactly its parameters from our file."""
     needs("vllm")
@@ -94,6 +96,7 @@ def test_vllm_loads_every_parameter_of_the_tiny_kimi_linear_and_nothing_else(kim
     assert got["params"] and got["loaded"] == got["params"]
 
 
+@pytest.mark.procs
 def test_remote_code_model_needs_trust_remote_code(tmp_path):
     needs("torch")
     d = tm.ensure(tm.SPECS["tiny-llama-remote"], tmp_path)
@@ -117,6 +120,7 @@ def test_remote_code_model_needs_trust_remote_code(tmp_path):
     assert no.returncode != 0 and "trust_remote_code" in no.stderr
 
 
+@pytest.mark.procs
 def test_other_weights_seed_keeps_the_tokenizer(tmp_path):
     needs("torch")
     a = tm.ensure(tm.TinySpec(), tmp_path)
@@ -125,6 +129,7 @@ def test_other_weights_seed_keeps_the_tokenizer(tmp_path):
     assert (a / "model.safetensors").read_bytes() != (b / "model.safetensors").read_bytes()
 
 
+@pytest.mark.procs
 def test_the_generated_tokenizer_renders_chat(tmp_path):
     """/v1/chat/completions needs a chat template (vLLM answers 400 without one)."""
     needs("torch")

@@ -236,6 +236,7 @@ def cli(*args):
     )
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize(
     "args,needle",
     [
@@ -261,6 +262,7 @@ def test_bad_input_exits_2_before_launch(args, needle):
 # --- live, against the fake stack ------------------------------------------------------------
 
 
+@pytest.mark.procs
 @LIVE
 def test_hanging_command_is_stopped_at_the_timeout_with_its_children(tmp_path):
     hang = (
@@ -294,6 +296,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.procs
 @LIVE
 def test_a_server_dying_while_a_command_runs_fails_it_at_once_naming_the_server(tmp_path):
     script = tmp_path / "kill_decode.py"
@@ -339,6 +342,7 @@ def _serve(tmp_path, env=None):
     )
 
 
+@pytest.mark.procs
 @LIVE
 def test_serve_prints_env_answers_and_stops_cleanly_on_sigterm(tmp_path):
     p = _serve(tmp_path)
@@ -364,6 +368,7 @@ def test_serve_prints_env_answers_and_stops_cleanly_on_sigterm(tmp_path):
     assert_nothing_left(tmp_path / "r" / "1x1")
 
 
+@pytest.mark.procs
 @LIVE
 def test_serve_exits_non_zero_naming_a_server_that_dies(tmp_path):
     p = _serve(tmp_path, env={"FAKE_DECODE_BEHAVIOR": "die_after_ready:1"})
@@ -422,6 +427,7 @@ def _plugin_pytest(tmp_path, *files):
     )
 
 
+@pytest.mark.procs
 @LIVE
 def test_plugin_fixture_starts_a_cluster_for_the_tests_and_tears_it_down(tmp_path):
     r = _plugin_pytest(tmp_path, USER / "pd_parity_fixture.py")
@@ -430,6 +436,7 @@ def test_plugin_fixture_starts_a_cluster_for_the_tests_and_tears_it_down(tmp_pat
     assert_nothing_left(tmp_path / "r" / "sweep" / "1x1")
 
 
+@pytest.mark.procs
 @LIVE
 def test_plugin_fails_the_next_test_fast_when_a_server_died(tmp_path):
     f = tmp_path / "kills_decode.py"
@@ -454,6 +461,7 @@ def test_waits(pd_cluster):
 """
 
 
+@pytest.mark.procs
 @LIVE
 def test_sigterm_to_pytest_tears_the_fixture_cluster_down(tmp_path):
     f = tmp_path / "slow.py"

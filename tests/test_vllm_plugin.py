@@ -97,6 +97,7 @@ def _idle_agent_cpu(env_delay: str | None) -> dict:
     return {**json.loads(out.stdout.strip().splitlines()[-1]), "stderr": out.stderr}
 
 
+@pytest.mark.procs
 def test_an_idle_nixl_agent_spins_a_core_unless_the_delay_is_set():
     needs("nixl._api")
     spinning = _idle_agent_cpu(None)
@@ -112,6 +113,7 @@ def test_an_idle_nixl_agent_spins_a_core_unless_the_delay_is_set():
     )
 
 
+@pytest.mark.procs
 def test_a_nixl_without_the_binding_we_wrap_is_said_not_silently_skipped(monkeypatch, capsys):
     """A NIXL whose Python API changed shape: the delay cannot be applied, and the log says so."""
     needs("nixl._api")
@@ -164,6 +166,7 @@ def test_the_nixl_worker_leaves_its_thread_on_its_cores(capsys):
     assert f"stays on cores {sorted(before)} (the worker moved it to [{last}]; {KEEP_CORES.env})" in err
 
 
+@pytest.mark.procs
 def test_the_plugin_wraps_vllms_nixl_worker_only_when_asked():
     """In a fresh interpreter: with the variable, vLLM's own NIXL worker class is wrapped (once);
     without it, left alone."""

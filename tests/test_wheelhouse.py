@@ -407,6 +407,7 @@ def test_cli_bad_cuda_exits_2(capsys, tmp_path):
 # ------------------------------------------------------------------ real: PyPI
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_real_download_of_pyelftools_for_cp312_manylinux(tmp_path):
     """uv resolves and pip downloads from PyPI for a target that is not this interpreter."""

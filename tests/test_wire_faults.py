@@ -226,6 +226,7 @@ def test_a_wire_check_on_one_host_is_refused_naming_the_fix():
     check_registry.across_hosts_only(["smoke", "fault_drop"], across_hosts=False)
 
 
+@pytest.mark.procs
 def test_the_cli_refuses_a_wire_check_on_one_host_with_exit_2_before_launch():
     r = subprocess.run(
         [sys.executable, "-m", "pd_sessions", "sweep", "nixl_sweep", "--only", "1x1", "--platform", "cpu",
@@ -240,6 +241,7 @@ def test_the_cli_refuses_a_wire_check_on_one_host_with_exit_2_before_launch():
 # ---------------------------------------------------------------- the rules, for real
 
 
+@pytest.mark.procs
 def test_the_rules_cut_the_kv_ports_between_the_two_addresses_and_nothing_else_counting_the_drops():
     """In a throwaway namespace with both hosts' addresses on its loopback: a partition's rules
     (core.wire_rules.ruleset(..., 100), applied by runtime/wire_apply.py) stop a connection to the prefill's
@@ -283,6 +285,7 @@ print(wire_apply.rules_present(), reach(kv))
     assert not os.path.exists(f"/run/netns/{ns}")
 
 
+@pytest.mark.procs
 def test_kv_ports_are_the_listening_ports_of_the_process_tree_less_the_http_port():
     """runtime.wire_apply.kv_ports on a real process tree: a child listening on two ports, one of them
     excluded as the HTTP port; a port on another address is not the KV path's."""

@@ -343,6 +343,20 @@ def imports(session: Session, names: Sequence[str]) -> None:
     connectors(session, target, platform, names, accuracy=False)
 
 
+# The unit session's tier: what runs in a venv of the package and TEST_REQUIREMENTS alone, in seconds,
+# with no skip (PD_SESSIONS_UNIT_TIER=1: tests/conftest.py fails a skipped test). What needs more
+# (vLLM, Ray, torch, a connector, root) or spawns processes, fake servers, namespaces, or waits out
+# deadlines is marked procs (pyproject.toml), multihost or e2e, and runs in `nox -s tests`.
+UNIT_TIER = "not e2e and not multihost and not procs"
+
+
+def unit(session: Session) -> None:
+    """The unit session: the package and the test requirements in its own venv, then pytest on
+    the pure tier (UNIT_TIER); posargs go to pytest."""
+    session.install("-e", str(ROOT), *requirements(*TEST_REQUIREMENTS))
+    session.run("pytest", "-m", UNIT_TIER, *session.posargs, env={"PD_SESSIONS_UNIT_TIER": "1"})
+
+
 def tests(session: Session) -> None:
     """The tests session: the CPU lane with every connector, the test requirements, then pytest
     in the full environment (PD_SESSIONS_FULL_ENV=1: a missing heavy module fails, never skips)."""

@@ -14,6 +14,8 @@ import pytest
 
 # `nox -s tests` sets it: the full environment, where everything a test needs is installed.
 FULL_ENV = os.environ.get("PD_SESSIONS_FULL_ENV") == "1"
+# `nox -s unit` sets it: the pure tier, where no test may skip (tests/conftest.py's report hook).
+UNIT_TIER = os.environ.get("PD_SESSIONS_UNIT_TIER") == "1"
 
 
 def needs(*modules: str, unmet: str | None = None, fix: str = "run `nox -s tests`") -> ModuleType | None:
@@ -58,3 +60,15 @@ def netns_ready() -> None:
     lacking = [what for what, ok in (("root", os.geteuid() == 0), ("nft", shutil.which("nft")),
                ("ip", shutil.which("ip"))) if not ok]  # fmt: skip
     needs(unmet=", ".join(lacking) or None, fix="run as root with `apt-get install nftables iproute2`")
+
+
+def no_skip_in_unit_tier(report: pytest.TestReport, unit_tier: bool = UNIT_TIER) -> None:
+    """In the unit tier a skipped test (not an expected failure) is reported failed, saying why:
+    what needs more than the unit venv, or spawns processes, is marked procs and left out."""
+    if unit_tier and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = (
+            f"skipped in the unit tier ({reason}): `nox -s unit` has no skip; mark the test procs "
+            "(pyproject.toml), and `nox -s tests` runs it"
+        )
