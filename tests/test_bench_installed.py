@@ -13,6 +13,7 @@ import textwrap
 import zipfile
 from pathlib import Path
 
+import pytest
 from helpers.needs import needs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,6 +81,7 @@ def _wheel(tmp_path: Path) -> Path:
     return wheel
 
 
+@pytest.mark.procs
 def test_the_packing_bench_finds_its_fake_stack_in_a_wheel_without_tests(tmp_path):
     needs("setuptools")  # the wheel is built offline with this environment's setuptools
     wheel = _wheel(tmp_path)

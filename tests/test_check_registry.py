@@ -74,6 +74,7 @@ def test_an_import_error_inside_an_existing_gatherer_module_is_its_own(monkeypat
     assert e.type is ModuleNotFoundError and e.value.name == "lm_eval"
 
 
+@pytest.mark.procs
 def test_a_bad_registration_fails_the_runners_import():
     """Loudly and early: before any cluster starts, importing the runner raises, naming it."""
     code = (

@@ -330,6 +330,7 @@ def test_start_ticks_is_field_22_of_stat_read_after_the_last_parenthesis(tmp_pat
     assert abs(mine / os.sysconf("SC_CLK_TCK") - since_boot) < 0.02
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("by", [1.0, -1.0])
 def test_a_live_owner_keeps_its_private_tmp_when_btime_moves_and_a_dead_ones_still_goes(
     tmp_path, monkeypatch, by
@@ -356,6 +357,7 @@ def test_a_live_owner_keeps_its_private_tmp_when_btime_moves_and_a_dead_ones_sti
         stop([live, dead], grace_s=2)
 
 
+@pytest.mark.procs
 def test_an_owner_record_of_an_older_pd_sessions_is_kept(tmp_path, monkeypatch):
     """A ``.pd-sessions-owner`` with a wall-clock create_time (written before issue 38): an
     unknown owner, its folder is left."""

@@ -483,6 +483,7 @@ def test_sigterm_to_pytest_tears_the_fixture_cluster_down(tmp_path):
     assert_nothing_left(tmp_path / "r" / "sweep" / "1x1")
 
 
+@pytest.mark.procs
 @LIVE
 def test_sigkill_to_the_pytest_that_owns_the_fixture_cluster_leaves_nothing(tmp_path):
     """pytest killed outright while a test uses ``pd_cluster``: it can do nothing, so the cluster
@@ -518,6 +519,7 @@ def test_sigkill_to_the_pytest_that_owns_the_fixture_cluster_leaves_nothing(tmp_
     assert_nothing_left(tmp_path / "r" / "sweep" / "1x1")
 
 
+@pytest.mark.procs
 def test_plugin_without_the_fixture_starts_nothing(tmp_path):
     f = tmp_path / "test_plain.py"
     f.write_text("def test_plain():\n    pass\n")
