@@ -16,6 +16,7 @@ import pytest
 
 from pd_sessions.checks import runner
 from pd_sessions.core import check_registry as registry
+from pd_sessions.core.errors import UnknownGatherer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,20 +43,20 @@ def _bad(gatherer: tuple[str, str]) -> registry.CheckInfo:
 
 
 def test_a_registration_naming_a_missing_module_fails_naming_the_check_and_the_fix():
-    with pytest.raises(runner.UnknownGatherer) as e:
+    with pytest.raises(UnknownGatherer) as e:
         runner.gatherer(_bad(("faults.nope", "run")))
     msg = str(e.value)
     assert "ghost's gatherer=('faults.nope', 'run')" in msg
     assert "no module pd_sessions.checks.faults.nope" in msg
     assert "name a module under pd_sessions/checks/" in msg
-    with pytest.raises(runner.UnknownGatherer) as e:
+    with pytest.raises(UnknownGatherer) as e:
         runner.gatherer(_bad(("nope.deeper", "run")))
     assert "no module pd_sessions.checks.nope.deeper" in str(e.value)
 
 
 @pytest.mark.parametrize("function", ["nope", "CHECK_REQUEST_TIMEOUT_S"])
 def test_a_registration_naming_a_missing_or_not_callable_function_fails(function):
-    with pytest.raises(runner.UnknownGatherer) as e:
+    with pytest.raises(UnknownGatherer) as e:
         runner.gatherer(_bad(("runner", function)))
     assert f"pd_sessions.checks.runner has no function {function!r}" in str(e.value)
     assert "ghost's gatherer" in str(e.value)

@@ -45,6 +45,10 @@ ALLOWED = {
     # Mooncake's transfer engine) driven outside vLLM, one pair of functions per transport, keyed
     # by the package's name (the check passes spec.package.name); its errors name the library.
     PKG / "vllm_side" / "link_probe.py": "each connector package's transport library, driven outside vLLM",
+    # The fake vLLM and router (the bench's and the tests' fake stack, package data since the bench
+    # runs from an installed package): it answers as vLLM's connectors and vllm-router do, under
+    # their names (the router's --kv-connector choices, the connectors' metric and log lines).
+    PKG / "data" / "fake_stack" / "fake_server.py": "the fake vLLM and router speak as the real ones",
 }
 
 WORD = re.compile(r"[A-Za-z0-9]+")

@@ -39,15 +39,11 @@ from pd_sessions.checks import accuracy as acc
 from pd_sessions.checks.instances import REQUEST_TIMEOUT_S
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core import check_registry as registry
+from pd_sessions.core.errors import UnknownGatherer
 from pd_sessions.core.results import CheckResult
 from pd_sessions.runtime.cluster import Cluster
 
 Gatherer = Callable[[CheckWindow, Mapping[str, Any]], CheckResult]
-
-
-class UnknownGatherer(LookupError):
-    """A check's registration names a gatherer that is not there: a defect of the package (the
-    check could never run), raised when this module is imported."""
 
 
 def gatherer(info: registry.CheckInfo) -> Gatherer:

@@ -115,6 +115,11 @@ class RouteError(PdError):
         super().__init__(f"{address}: {message}")
 
 
+class UnknownGatherer(PdError):
+    """A check's registration names a gatherer that is not there: a defect of the package (the
+    check could never run), raised when checks/runner.py is imported."""
+
+
 class CheckFailed(PdError):
     """A check ran and its verdict is 'fail'."""
 
