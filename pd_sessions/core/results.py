@@ -16,10 +16,18 @@ from dataclasses import dataclass, field
 from typing import Any, ParamSpec
 
 PASS, FAIL = "pass", "fail"
+# A check that could not look (netem absent from the kernel, no perf baseline for this lane, fewer
+# GPUs than it needs): its message is the reason. Never a pass: a config with one reads "passed, N
+# not run", a sweep may require the check (then its config fails), and --strict fails every one.
+# The same word is a config's outcome when it never started (below).
+NOT_RUN = "not run"
+VERDICTS = (PASS, FAIL, NOT_RUN)
 
 # The version of result.json and summary.json ("schema"): 1 (no key) had no figures, tables,
-# start times or processes; 2 added them.
-SCHEMA_VERSION = 2
+# start times or processes; 2 added them; 3 added the check verdict "not run", a config's
+# "not_run" (its checks that could not run) and "unmet" (why a passing-looking config failed: a
+# required check that did not run, or any under --strict), and the summary's "not_run" count.
+SCHEMA_VERSION = 3
 
 Value = float | int | str | bool | None
 P = ParamSpec("P")
@@ -61,17 +69,29 @@ class Table:
 @dataclass
 class CheckResult:
     name: str  # "smoke", "parity", "kv_transfer", ...
-    verdict: str  # "pass" | "fail"
-    message: str  # one line a person reads first
+    verdict: str  # "pass" | "fail" | "not run" (VERDICTS)
+    message: str  # one line a person reads first; for "not run", the reason
     details: dict[str, Any] = field(default_factory=dict)  # the check's own raw record
     seconds: float = 0.0
     figures: list[Figure] = field(default_factory=list)  # what it measured, for any reader
     tables: list[Table] = field(default_factory=list)
     started_at: float | None = None  # time.time() when it started
 
+    def __post_init__(self) -> None:
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"check {self.name!r}: verdict {self.verdict!r} is not one of {VERDICTS}")
+
     @property
     def passed(self) -> bool:
         return self.verdict == PASS
+
+    @property
+    def failed(self) -> bool:
+        return self.verdict == FAIL
+
+    @property
+    def not_run(self) -> bool:
+        return self.verdict == NOT_RUN
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -133,12 +153,17 @@ def crashed(name: str, exc: BaseException) -> CheckResult:
     )
 
 
+def unrun(name: str, reason: str, details: dict[str, Any] | None = None) -> CheckResult:
+    """A check that could not look: NOT RUN, ``reason`` saying why (and what would let it run)."""
+    return CheckResult(name, NOT_RUN, reason, dict(details or {}))
+
+
 PASSED, FAILED, ERROR = "passed", "failed", "error"
 
 
-# A config a stop cut short; one never started; one under way (only ever seen in a provisional
-# summary, written as each config starts: see unfinished.py).
-CANCELLED, NOT_RUN, RUNNING = "cancelled", "not run", "running"
+# A config a stop cut short; one never started (NOT_RUN, above); one under way (only ever seen in
+# a provisional summary, written as each config starts: see unfinished.py).
+CANCELLED, RUNNING = "cancelled", "running"
 
 
 PHASES = ("plan", "start", "router", "checks", "teardown")
@@ -185,19 +210,51 @@ class ConfigResult:
     started_at: float | None = None  # time.time() when the config started (its plan phase)
     phase_starts: dict[str, float] = field(default_factory=dict)  # PHASES -> time.time() at its start
     processes: list[ProcessRecord] = field(default_factory=list)
+    # why a config whose checks all passed or could not run still failed (decide())
+    unmet: list[str] = field(default_factory=list)
 
-    def decide(self, expected_checks: Sequence[str]) -> None:
-        """passed only if no error and every expected check ran and passed."""
+    def decide(
+        self, expected_checks: Sequence[str], *, required: Sequence[str] = (), strict: bool = False
+    ) -> None:
+        """The config's outcome from its error and its checks' verdicts:
+
+        =====================================================  ========
+        what was seen                                          outcome
+        =====================================================  ========
+        an error, or an expected check that returned nothing   error
+        a check failed                                         failed
+        a check NOT RUN that is ``required`` (or any, strict)  failed (``unmet`` says which, why)
+        every check passed or NOT RUN                          passed (``not_run`` lists those)
+        =====================================================  ========
+        """
         ran = {c.name for c in self.checks}
         missing = [n for n in expected_checks if n not in ran]
         if self.error is None and missing:
             self.error = f"checks did not run: {', '.join(missing)}"
+        self.unmet = [
+            f"{c.name} is {'required by the sweep' if c.name in required else 'NOT RUN under --strict'} "
+            f"and did not run: {c.message}"
+            for c in self.checks
+            if c.not_run and (strict or c.name in required)
+        ]
         if self.error is not None:
             self.outcome = ERROR
-        elif all(c.passed for c in self.checks):
-            self.outcome = PASSED
-        else:
+        elif any(not (c.passed or c.not_run) for c in self.checks) or self.unmet:
             self.outcome = FAILED
+        else:
+            self.outcome = PASSED
+
+    @property
+    def not_run(self) -> list[str]:
+        """The checks that could not run (their messages say why)."""
+        return [c.name for c in self.checks if c.not_run]
+
+    @property
+    def label(self) -> str:
+        """The outcome as a person reads it: "passed, 2 not run" when checks could not run (a
+        config is never plain green then), else the outcome."""
+        n = len(self.not_run)
+        return f"{self.outcome}, {n} not run" if self.outcome == PASSED and n else self.outcome
 
     @property
     def total_seconds(self) -> float:
@@ -220,6 +277,8 @@ class ConfigResult:
             "total_seconds": round(self.total_seconds, 3),
             "timings": {k: round(v, 3) for k, v in self.timings.items()},
             "checks": [c.to_dict() for c in self.checks],
+            "not_run": self.not_run,
+            "unmet": self.unmet,
             "warnings": self.warnings,
             "overrides": self.overrides,
             "run_dir": self.run_dir,

@@ -43,13 +43,15 @@ def annotation(results: Sequence[ConfigResult], *, sweep: str, page: str | None)
     """The annotation's Markdown: the verdict, the link to the page (``page``: its artifact
     path) and the summary table."""
     ok = all(r.outcome == PASSED for r in results) and bool(results)
+    not_run = sum(len(r.not_run) for r in results)
+    verdict = ("passed" + (f", {not_run} not run" if not_run else "")) if ok else "FAILED"
     link = (
         f' &middot; <a href="artifact://{html.escape(page, quote=True)}">report.html</a> '
         "(timeline, figures, log tails)"
         if page
         else ""
     )
-    return f"**{html.escape(sweep)}**: {'passed' if ok else 'FAILED'}{link}\n\n```\n{table(results)}\n```\n"
+    return f"**{html.escape(sweep)}**: {verdict}{link}\n\n```\n{table(results)}\n```\n"
 
 
 def annotate(results: Sequence[ConfigResult], *, sweep: str, page: Path | None) -> bool:
@@ -60,9 +62,10 @@ def annotate(results: Sequence[ConfigResult], *, sweep: str, page: Path | None) 
     if agent is None:
         return False
     ok = all(r.outcome == PASSED for r in results) and bool(results)
+    style = ("warning" if any(r.not_run for r in results) else "success") if ok else "error"
     body = annotation(results, sweep=sweep, page=artifact_path(page) if page else None)
     subprocess.run(
-        [agent, "annotate", "--style", "success" if ok else "error", "--context", f"pd-sessions-{sweep}"],
+        [agent, "annotate", "--style", style, "--context", f"pd-sessions-{sweep}"],
         input=body,
         text=True,
         check=False,

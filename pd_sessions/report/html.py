@@ -113,6 +113,7 @@ class Config:
     timeline: Timeline | None
     placement: list[tuple[str, list[str]]]  # host -> processes, when there were several hosts
     error: str = ""  # what stopped it, capped
+    badge: tuple[str, str] = ("?", "")  # outcome_label(): its text and class
     phases: list[tuple[str, float]] = field(default_factory=list)  # in PHASES' order
     logs: list[LogFile] = field(default_factory=list)
 
@@ -124,9 +125,14 @@ def page_model(doc: Mapping[str, Any], results_dir: Path) -> dict[str, Any]:
     configs = [config_model(i, c, columns, results_dir) for i, c in enumerate(configs_doc)]
     starts = [c["started_at"] for c in configs_doc if c.get("started_at")]
     passed = sum(1 for c in configs_doc if c.get("outcome") == PASSED)
+    not_run = sum(len(c.get("not_run") or []) for c in configs_doc)
+    ok = bool(doc.get("passed"))
     return {
         "sweep": str(doc.get("sweep") or results_dir.name),
-        "passed": bool(doc.get("passed")),
+        "passed": ok,
+        # never plain green while a check could not run
+        "verdict": ("PASSED" + (f", {not_run} not run" if not_run else "")) if ok else "FAILED",
+        "verdict_class": ("partial" if not_run else "passed") if ok else "failed",
         "n_passed": passed,
         "n": len(configs_doc),
         "provisional": doc.get("provisional"),
@@ -170,6 +176,7 @@ def config_model(i: int, c: Mapping[str, Any], columns: Sequence[str], results_d
         timeline=timeline(c),
         placement=sorted(hosts.items()) if len(hosts) > 1 else [],
         error=cap(str(c.get("error") or ""), MESSAGE_CHARS),
+        badge=outcome_label(c),
         phases=[
             (p, float(s)) for p in PHASES if isinstance(s := (c.get("phases") or {}).get(p), (int, float))
         ],
@@ -180,6 +187,16 @@ def config_model(i: int, c: Mapping[str, Any], columns: Sequence[str], results_d
 def cell_model(k: Mapping[str, Any]) -> dict[str, str]:
     """A matrix cell: the verdict, the message as its tooltip."""
     return {"verdict": str(k.get("verdict", "?")), "message": cap(str(k.get("message", "")), TITLE_CHARS)}
+
+
+def outcome_label(c: Mapping[str, Any]) -> tuple[str, str]:
+    """A config's badge: its text ("PASSED, 2 NOT RUN" when checks could not run: never plain
+    green then) and its CSS class."""
+    outcome = str(c.get("outcome", "?"))
+    n = len(c.get("not_run") or [])
+    if outcome == PASSED and n:
+        return f"PASSED, {n} NOT RUN", "partial"
+    return outcome.upper(), outcome.replace(" ", "-")
 
 
 def check_model(k: Mapping[str, Any]) -> dict[str, Any]:

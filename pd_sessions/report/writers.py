@@ -27,11 +27,11 @@ def table(results: Sequence[ConfigResult]) -> str:
     head = ["config", "outcome", "checks", *PHASES, "total"]
     rows = [head]
     for r in results:
-        checks = " ".join(f"{c.name}:{c.verdict}" for c in r.checks) or "-"
+        checks = " ".join(f"{c.name}:{c.verdict.replace(' ', '-')}" for c in r.checks) or "-"
         rows.append(
             [
                 r.name,
-                r.outcome.upper(),
+                r.label.upper(),
                 checks,
                 *(f"{r.phases[p]:.1f}" if p in r.phases else "-" for p in PHASES),
                 f"{r.total_seconds:.1f}",
@@ -55,6 +55,7 @@ def write_summary(results: Sequence[ConfigResult], results_dir: Path, meta: dict
         "schema": SCHEMA_VERSION,
         **meta,
         "passed": all(r.outcome == PASSED for r in results) and bool(results),
+        "not_run": sum(len(r.not_run) for r in results),
         "configs": [r.to_dict() for r in results],
     }
     path.write_text(json.dumps(doc, indent=2) + "\n")
@@ -78,8 +79,10 @@ def write_junit(
     skipped_checks: Sequence[str] = (),
 ) -> Path:
     """One test case per config and check; a failing check is a <failure> with its message
-    and the logs' tails; a check that never ran because the config errored or was cancelled is
-    an <error> (type ConfigError / Cancelled); a config never started is <skipped> ("not run")."""
+    and the logs' tails; a check that could not run (NOT RUN) is <skipped> with its reason, or a
+    <failure> (type RequiredNotRun) when the sweep required it or --strict was given; a check that
+    never ran because the config errored or was cancelled is an <error> (type ConfigError /
+    Cancelled); a config never started is <skipped> ("not run")."""
     cases = []
     for r in results:
         by_name = {c.name: c for c in r.checks}
@@ -88,7 +91,13 @@ def write_junit(
             c = by_name.get(name)
             if c is not None:
                 case.set("time", f"{c.seconds:.3f}")
-                if not c.passed:
+                unmet = [u for u in r.unmet if u.startswith(f"{c.name} ")]
+                if c.not_run and unmet:
+                    f = ET.SubElement(case, "failure", message=unmet[0][:500], type="RequiredNotRun")
+                    f.text = unmet[0]
+                elif c.not_run:
+                    ET.SubElement(case, "skipped", message=f"not run: {c.message}"[:500])
+                elif not c.passed:
                     f = ET.SubElement(case, "failure", message=c.message[:500], type="CheckFailed")
                     trace = c.details.get("traceback") if isinstance(c.details, dict) else None
                     f.text = f"{c.message}\n\n" + (f"{trace}\n" if trace else "") + _logs_tail(r.run_dir)

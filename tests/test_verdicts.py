@@ -1,0 +1,126 @@
+"""Three verdicts (issue 40): PASS, FAIL and NOT RUN. A check that could not look is never a pass:
+its config reads "passed, N not run" everywhere it is shown (the summary table, summary.json,
+JUnit, the page, the Buildkite annotation), a sweep may require it (then its config fails), and
+--strict fails every NOT RUN. Each case feeds the bad verdict and expects the config or the
+reader to say so."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from pd_sessions.core.results import (
+    FAIL,
+    FAILED,
+    NOT_RUN,
+    PASS,
+    PASSED,
+    SCHEMA_VERSION,
+    CheckResult,
+    ConfigResult,
+    unrun,
+)
+from pd_sessions.report import buildkite_annotation, html, writers
+
+NETEM = "netem is absent from this kernel (tc: 'Specified qdisc kind is unknown')"
+EXPECTED = ("smoke", "wire_delay")
+
+
+def config(*checks: CheckResult, required=(), strict=False) -> ConfigResult:
+    r = ConfigResult("1x1", "1xP(TP1) + 1xD(TP1)", "mooncake", "cpu")
+    r.checks = list(checks)
+    r.decide([c.name for c in checks], required=required, strict=strict)
+    return r
+
+
+def ok(name: str = "smoke") -> CheckResult:
+    return CheckResult(name, PASS, "fine")
+
+
+def test_a_check_that_could_not_run_is_not_run_never_pass():
+    r = config(ok(), unrun("wire_delay", NETEM))
+    assert r.outcome == PASSED and r.not_run == ["wire_delay"] and r.unmet == []
+    assert r.label == "passed, 1 not run"
+    assert r.to_dict()["not_run"] == ["wire_delay"] and r.to_dict()["schema"] == SCHEMA_VERSION == 3
+
+
+def test_a_required_check_that_did_not_run_fails_the_config():
+    r = config(ok(), unrun("wire_delay", NETEM), required=["wire_delay"])
+    assert r.outcome == FAILED and r.label == FAILED
+    assert r.unmet == [f"wire_delay is required by the sweep and did not run: {NETEM}"]
+
+
+def test_strict_fails_every_not_run():
+    r = config(ok(), unrun("wire_delay", NETEM), strict=True)
+    assert r.outcome == FAILED and "NOT RUN under --strict" in r.unmet[0]
+
+
+def test_a_failing_check_fails_whatever_else_did_not_run():
+    assert config(CheckResult("smoke", FAIL, "wrong"), unrun("wire_delay", NETEM)).outcome == FAILED
+
+
+def test_every_check_passing_is_plain_passed():
+    r = config(ok(), ok("wire_delay"))
+    assert r.outcome == PASSED and r.label == PASSED and r.not_run == []
+
+
+@pytest.mark.parametrize("verdict", ["skip", "xpass?", "", "PASS"])
+def test_a_verdict_outside_the_three_is_refused(verdict):
+    with pytest.raises(ValueError, match="is not one of"):
+        CheckResult("smoke", verdict, "?")
+
+
+def test_the_summary_table_and_json_say_not_run(tmp_path: Path):
+    results = [config(ok(), unrun("wire_delay", NETEM))]
+    text = writers.table(results)
+    assert "PASSED, 1 NOT RUN" in text and "wire_delay:not-run" in text
+    writers.write_summary(results, tmp_path, {"sweep": "s"})
+    doc = json.loads((tmp_path / "summary.json").read_text())
+    assert doc["passed"] is True and doc["not_run"] == 1 and doc["configs"][0]["not_run"] == ["wire_delay"]
+    assert "PASSED, 1 NOT RUN" in (tmp_path / "summary.txt").read_text()
+
+
+def _junit(tmp_path: Path, results: list[ConfigResult]) -> dict[str, ET.Element]:
+    path = writers.write_junit(results, tmp_path / "junit.xml", suite="s", expected_checks=EXPECTED)
+    return {c.get("name") or "": c for c in ET.parse(path).getroot().iter("testcase")}
+
+
+def test_junit_shows_a_not_run_check_as_skipped_with_its_reason(tmp_path: Path):
+    cases = _junit(tmp_path, [config(ok(), unrun("wire_delay", NETEM))])
+    skipped = cases["wire_delay"].find("skipped")
+    assert skipped is not None and skipped.get("message") == f"not run: {NETEM}"
+    assert cases["wire_delay"].find("failure") is None and list(cases["smoke"]) == []
+
+
+def test_junit_fails_a_required_check_that_did_not_run(tmp_path: Path):
+    cases = _junit(tmp_path, [config(ok(), unrun("wire_delay", NETEM), required=["wire_delay"])])
+    failure = cases["wire_delay"].find("failure")
+    assert failure is not None and failure.get("type") == "RequiredNotRun"
+    assert "required by the sweep" in (failure.get("message") or "")
+
+
+def test_the_page_is_never_plain_green_with_a_not_run_check(tmp_path: Path):
+    results = [config(ok(), unrun("wire_delay", NETEM))]
+    writers.write_summary(results, tmp_path, {"sweep": "s", "checks": list(EXPECTED)})
+    page = html.render(html.load(tmp_path), tmp_path)
+    assert '<span class="badge partial" id="verdict">PASSED, 1 not run</span>' in page
+    assert '<span class="badge partial">PASSED, 1 NOT RUN</span>' in page
+    assert f'class="cell not-run" title="not run: {NETEM}' in page.replace("&#39;", "'")
+    assert '<span class="badge not-run">NOT RUN</span>' in page
+
+
+def test_the_page_names_why_a_config_failed_without_a_failing_check(tmp_path: Path):
+    results = [config(ok(), unrun("wire_delay", NETEM), required=["wire_delay"])]
+    writers.write_summary(results, tmp_path, {"sweep": "s", "checks": list(EXPECTED)})
+    page = html.render(html.load(tmp_path), tmp_path)
+    assert 'id="verdict">FAILED<' in page and "Failed although no check failed: wire_delay is required" in page
+
+
+def test_the_buildkite_annotation_says_not_run():
+    text = buildkite_annotation.annotation([config(ok(), unrun("wire_delay", NETEM))], sweep="s", page=None)
+    assert text.startswith("**s**: passed, 1 not run")
+    assert buildkite_annotation.annotation([config(ok())], sweep="s", page=None).startswith("**s**: passed\n")
+    assert NOT_RUN == "not run"
