@@ -116,7 +116,8 @@ def test_the_page_names_why_a_config_failed_without_a_failing_check(tmp_path: Pa
     results = [config(ok(), unrun("wire_delay", NETEM), required=["wire_delay"])]
     writers.write_summary(results, tmp_path, {"sweep": "s", "checks": list(EXPECTED)})
     page = html.render(html.load(tmp_path), tmp_path)
-    assert 'id="verdict">FAILED<' in page and "Failed although no check failed: wire_delay is required" in page
+    assert 'id="verdict">FAILED<' in page
+    assert "Failed although no check failed: wire_delay is required" in page
 
 
 def test_the_buildkite_annotation_says_not_run():

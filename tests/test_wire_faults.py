@@ -20,7 +20,7 @@ from pd_sessions.checks.faults import wire_cap, wire_common, wire_delay, wire_lo
 from pd_sessions.checks.faults.promise import CORRECT, FAILED_CLEARLY, HUNG, WRONG, Outcome, Recovery
 from pd_sessions.core import check_registry, selection, wire_rules
 from pd_sessions.core.errors import ConfigError
-from pd_sessions.core.results import FAIL, PASS
+from pd_sessions.core.results import FAIL, NOT_RUN, PASS
 
 PATH = wire_rules.KvPath("198.18.0.1", "198.18.0.2", (5600, 40001), (41002,))
 OK = Recovery({"prefill-0": "ok", "decode-0": "ok", "router": "ok"}, {"prefill-0": None, "decode-0": None},
@@ -175,12 +175,12 @@ def test_cap_passes_only_when_tbf_counted_overlimits_or_drops_and_every_request_
     assert r.verdict == FAIL and "did not pass (a capped link must only slow them)" in r.message
 
 
-def test_delay_without_netem_is_recorded_as_not_run_never_silently():
+def test_delay_without_netem_is_not_run_never_pass():
+    """It could not look: NOT RUN with the reason (issue 40: it used to say PASS, "not run" in the
+    message only, and JUnit counted it a passing case)."""
     r = wire_delay.evaluate(delay_ms=20, no_netem="Error: Specified qdisc kind is unknown.")
-    assert r.verdict == PASS
-    assert r.message.startswith(
-        "not run: no netem in this kernel (tc: Error: Specified qdisc kind is unknown.)"
-    )
+    assert r.verdict == NOT_RUN and not r.passed
+    assert r.message.startswith("no netem in this kernel (tc: Error: Specified qdisc kind is unknown.)")
     assert r.details == {"ran": False, "delay_ms": 20, "tc": "Error: Specified qdisc kind is unknown."}
 
 

@@ -1,6 +1,7 @@
-"""wire_delay: netem ``delay_ms`` on the prefill host's interface; "not run: no netem in this
-kernel" where tc says so. What the wire scenarios share (across hosts only, the fault removed
-whatever ends it, proved from the kernel's counters, the promise): wire_common.py.
+"""wire_delay: netem ``delay_ms`` on the prefill host's interface; NOT RUN where tc says the
+kernel has no netem (the reason in its message, JUnit's <skipped>, the page: never a pass).
+What the wire scenarios share (across hosts only, the fault removed whatever ends it, proved from
+the kernel's counters, the promise): wire_common.py.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pd_sessions.checks.faults.promise import (
     verdict,
 )
 from pd_sessions.checks.faults.wire_common import Wire, across_hosts, ended, median, not_bitten, prompts
-from pd_sessions.core.results import PASS, CheckResult, Figure, Table, pick, reporting
+from pd_sessions.core.results import CheckResult, Figure, Table, pick, reporting, unrun
 
 
 def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
@@ -47,19 +48,17 @@ def evaluate(
 ) -> CheckResult:
     """The verdict of wire_delay.
 
-    the kernel has no netem (``no_netem``: tc's message) -> pass, said "not run: no netem in
-                                                            this kernel" (recorded, never silent)
+    the kernel has no netem (``no_netem``: tc's message) -> NOT RUN: "no netem in this kernel"
+                                                            (it could not look: never a pass)
     netem passed no packet                               -> fail (the delay did not bite)
     a request not correct                                -> fail, naming it
     the cluster not whole again                          -> fail
     otherwise                                            -> pass with both medians
     """
     if no_netem is not None:
-        return CheckResult(
+        return unrun(
             "wire_delay",
-            PASS,
-            f"not run: no netem in this kernel (tc: {no_netem}); the {delay_ms} ms delay needs "
-            "the sch_netem module",
+            f"no netem in this kernel (tc: {no_netem}); the {delay_ms} ms delay needs the sch_netem module",
             {"ran": False, "delay_ms": delay_ms, "tc": no_netem},
         )
     c = counts(outcomes)
