@@ -55,7 +55,11 @@ def test_1p1d_across_two_hosts_passes_every_default_check_and_the_kv_crossed_the
     assert r.rc == 0, r.text
     checks = r.checks
     assert tuple(checks) == (*check_registry.DEFAULTS, *check_registry.WIRE)  # WIRE: test_e2e_wire_faults
-    assert all(c["verdict"] == "pass" for c in checks.values()), {n: c["message"] for n, c in checks.items()}
+    # every check passed; wire_delay alone may be NOT RUN (no netem here: test_e2e_wire_faults)
+    verdicts = {n: c["verdict"] for n, c in checks.items()}
+    assert all(v == "pass" or (n, v) == ("wire_delay", "not run") for n, v in verdicts.items()), {
+        n: c["message"] for n, c in checks.items()
+    }
     host1, host2 = simulated_hosts_2.hosts
     plan = (r.run_dir / "plan.txt").read_text()
     assert re.search(rf"^  prefill-0: http://{host1.address}:\d+ on host1 \(", plan, re.M), plan
