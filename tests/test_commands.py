@@ -99,6 +99,7 @@ def test_the_banner_says_everything_in_order():
         "run UNPINNED (recorded in the results)",
         "configs: 1x1",
         "checks: smoke, exec[0]",
+        "NOT RUN fails: smoke (the sweep's required checks)",
         "after the checks, each config runs exec[0]: true -x (timeout 3600 s)",
         *(
             f"left out: {e.config.name} ({e.config.shape}): {e.opt_in_reason}; run it with --include-opt-in"

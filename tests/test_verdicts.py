@@ -125,3 +125,46 @@ def test_the_buildkite_annotation_says_not_run():
     assert text.startswith("**s**: passed, 1 not run")
     assert buildkite_annotation.annotation([config(ok())], sweep="s", page=None).startswith("**s**: passed\n")
     assert NOT_RUN == "not run"
+
+
+# ------------------------------------------------------------------ the sweep's declaration
+
+
+def _sweep(tmp_path: Path, extra: str = ""):
+    from pd_sessions.core.config import load_sweep
+
+    p = tmp_path / "s.toml"
+    p.write_text(f'name = "s"\n{extra}\n[defaults]\nmodel = "tiny-llama"\n[[config]]\nname = "1x1"\n')
+    return load_sweep(p)
+
+
+def test_a_sweep_requires_its_own_checks_unless_it_declares_others(tmp_path: Path):
+    from pd_sessions.core import check_registry
+
+    assert _sweep(tmp_path).required_on("cpu") == check_registry.defaults("cpu")
+    listed = _sweep(tmp_path, 'checks = ["smoke", "parity"]')
+    assert listed.required_on("cpu") == ("smoke", "parity")
+    declared = _sweep(tmp_path, 'checks = ["smoke", "parity"]\nrequired_checks = ["smoke"]')
+    assert declared.required_on("cpu") == ("smoke",)
+    assert _sweep(tmp_path, "required_checks = []").required_on("cpu") == ()
+
+
+def test_an_unknown_required_check_is_refused_naming_the_field(tmp_path: Path):
+    from pd_sessions.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="required_checks") as e:
+        _sweep(tmp_path, 'required_checks = ["smok"]')
+    assert "did you mean" in str(e.value)
+
+
+def test_the_banner_says_which_not_run_fails(tmp_path: Path):
+    from types import SimpleNamespace
+
+    from pd_sessions.run.sweep_banner import required_line
+
+    sel = SimpleNamespace(sweep=_sweep(tmp_path, 'checks = ["smoke"]'), platform="cpu")
+    checks = ("smoke", "wire_delay")  # wire_delay added by --check: reported, not failed
+    line = required_line(sel, SimpleNamespace(strict=False), checks)  # type: ignore[arg-type]
+    assert line == "NOT RUN fails: smoke (the sweep's required checks); reported, not failed: wire_delay"
+    strict = required_line(sel, SimpleNamespace(strict=True), checks)  # type: ignore[arg-type]
+    assert strict == "NOT RUN fails: every check (--strict)"

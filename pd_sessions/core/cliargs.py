@@ -251,6 +251,13 @@ def add_check_options(s: argparse.ArgumentParser) -> None:
         + ", across hosts only); names are checked like the TOML's",
     )
     c.add_argument(
+        "--strict",
+        action="store_true",
+        help="every check that could not run (NOT RUN: e.g. no netem in the kernel, no perf "
+        "baseline) fails its config; without it only the sweep's required ones do (TOML "
+        "required_checks; default: every check the sweep itself runs)",
+    )
+    c.add_argument(
         "--skip-check",
         action="append",
         default=[],

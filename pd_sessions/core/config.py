@@ -166,11 +166,20 @@ class Sweep:
     check_options: dict[str, dict[str, Any]] = field(default_factory=dict, hash=False)
     # Whether the TOML listed its checks; if not, each platform runs its own defaults.
     checks_listed: bool = False
+    # The checks that must run (TOML `required_checks = [...]`): one of them NOT RUN (it could not
+    # look: no netem, no perf baseline) fails its config. None (the key left out): every check the
+    # sweep itself runs on the platform (checks_on); checks added with --check are not required
+    # unless named here. --strict makes every NOT RUN fail.
+    required: tuple[str, ...] | None = None
 
     def checks_on(self, platform: str) -> tuple[str, ...]:
         """The checks this sweep runs on ``platform``: its own list, else the platform's defaults
         (perf is a default on cuda only: see check_registry)."""
         return self.checks if self.checks_listed else registry.defaults(platform)
+
+    def required_on(self, platform: str) -> tuple[str, ...]:
+        """The checks that must run on ``platform``: the declared ones, else the sweep's own."""
+        return self.required if self.required is not None else self.checks_on(platform)
 
     def entries(self, platform: str) -> tuple[SweepEntry, ...]:
         if platform not in self.entries_by_platform:
@@ -394,7 +403,10 @@ def make_cluster(fields: dict[str, Any], *, where: str) -> ClusterConfig:
 
 
 # The top-level keys of a sweep file.
-SWEEP_KEYS = ["name", "description", "platforms", "defaults", "platform", "config", "checks", "check_options"]
+SWEEP_KEYS = [
+    "name", "description", "platforms", "defaults", "platform", "config", "checks", "required_checks",
+    "check_options",
+]  # fmt: skip
 
 
 def load_sweep(path: Path) -> Sweep:
@@ -456,6 +468,7 @@ def load_sweep(path: Path) -> Sweep:
             entries.append(SweepEntry(cfg, default_on, reason))
         by_platform[plat] = tuple(entries)
     checks = registry.resolve(data.get("checks"), source=where)
+    required = _required_checks(data, where)
     check_options = registry.resolve_options(data.get("check_options"), source=where)
     return Sweep(
         name=name,
@@ -466,7 +479,19 @@ def load_sweep(path: Path) -> Sweep:
         checks=checks,
         check_options=check_options,
         checks_listed="checks" in data,
+        required=required,
     )
+
+
+def _required_checks(data: dict[str, Any], where: str) -> tuple[str, ...] | None:
+    """``required_checks``: None when the key is left out; [] (nothing required) or check names,
+    validated like ``checks`` (an unknown name is a ConfigError naming it)."""
+    if "required_checks" not in data:
+        return None
+    value = data["required_checks"]
+    if value == []:
+        return ()
+    return registry.resolve(value, field_name="required_checks", source=where)
 
 
 def _check_choice_src(cfg_field: str, value: Any, choices: tuple[str, ...], where: str) -> None:

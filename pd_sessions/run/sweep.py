@@ -90,6 +90,8 @@ def check_options(
         "commands": tuple(commands),
         "exec_timeout_s": args.exec_timeout,
         "selected_checks": sel.checks or sweep.checks_on(sel.platform),
+        "required_checks": sweep.required_on(sel.platform),
+        "strict": args.strict,
         "check_options": sweep.check_options,
     }
 
@@ -170,7 +172,7 @@ def run_config(
         unfinished.cancel(res, unfinished.stop_cause(e))
         write_config_result(res, run_dir / "result.json")
         raise
-    res.decide(opts.checks)
+    res.decide(opts.checks, required=opts.required_checks, strict=opts.strict)
     if res.outcome != "passed" and loopback_said(res.warnings) not in (res.error or "-"):
         progress(f"{config.name}: {res.outcome}{loopback_said(res.warnings)}")
     write_config_result(res, run_dir / "result.json")

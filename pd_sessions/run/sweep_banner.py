@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pd_sessions import __version__
+from pd_sessions.core import check_registry
 from pd_sessions.core.inventory import Inventory
 from pd_sessions.core.selection import Selection
 from pd_sessions.run import launch, user_commands
@@ -55,6 +56,7 @@ def banner(
         )
     lines.append(f"configs: {', '.join(c.name for c in sel.configs) or 'none'}")
     lines.append(f"checks: {', '.join(checks)}")
+    lines.append(required_line(sel, args, checks))
     lines += [
         f"after the checks, each config runs {c.name}: {c.given} (timeout {args.exec_timeout:g} s)"
         for c in commands
@@ -66,6 +68,18 @@ def banner(
             + ("; run it with --include-opt-in" if not sel.only else "")
         )
     return lines
+
+
+def required_line(sel: Selection, args: argparse.Namespace, checks: Sequence[str]) -> str:
+    """Which checks fail their config when they could not run (NOT RUN)."""
+    if args.strict:
+        return "NOT RUN fails: every check (--strict)"
+    required = [c for c in sel.sweep.required_on(sel.platform) if c in checks]
+    # the user's own commands (exec[N]) pass or fail: they are never NOT RUN
+    optional = [c for c in checks if c not in required and c in check_registry.NAMES]
+    return f"NOT RUN fails: {', '.join(required) or 'no check'} (the sweep's required checks)" + (
+        f"; reported, not failed: {', '.join(optional)}" if optional else ""
+    )
 
 
 def metadata(
@@ -81,6 +95,8 @@ def metadata(
         "allow_unpinned_remote_code": args.allow_unpinned_remote_code,
         "accuracy_mode": args.accuracy,
         "skipped_checks": list(args.skip_check),
+        "required_checks": [c for c in sel.sweep.required_on(sel.platform) if c in checks],
+        "strict": args.strict,
         "gpus": list(sel.inv.gpus),
         "cpus": len(sel.inv.cpus),
         "overrides": sel.over.describe(),

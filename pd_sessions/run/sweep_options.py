@@ -48,6 +48,9 @@ class SweepOptions:
     exec_timeout_s: float = user_commands.DEFAULT_TIMEOUT_S
     # The sweep's selection (TOML `checks`) and options (TOML `[check_options.X]`).
     selected_checks: tuple[str, ...] = CHECKS
+    # The checks whose NOT RUN fails the config (the sweep's declaration), and --strict (every one).
+    required_checks: tuple[str, ...] = ()
+    strict: bool = False
     check_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Across hosts: the Ray cluster to run on (an address, or "auto"); None: this host only.
     ray: str | None = None
