@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from helpers.procs import gone
-from helpers.waiting import wait_until
+from helpers.waiting import wait_until, within
 
 from pd_sessions.bench import bench_results, startup
 
@@ -125,7 +125,7 @@ def test_measure_once_stops_at_the_spawn_and_verifies_everything_gone(tmp_path, 
         env=os.environ,
         log=tmp_path / "run.log",
         timeout_s=30,
-        stop_slack_s=2.0,
+        stop_slack_s=10.0 if kind == "healthy" else 2.0,
     )
     server = int(pidfile.read_text())
     ms = rec["milestones_s"]
@@ -135,9 +135,9 @@ def test_measure_once_stops_at_the_spawn_and_verifies_everything_gone(tmp_path, 
     assert "1x1: started 2 instances" in (tmp_path / "run.log").read_text()
     if kind == "healthy":
         assert rec["ok"] and rec["error"] is None and rec["left"] == []
-        assert rec["stopped_in_s"] < 2.0
+        within(rec["stopped_in_s"], 5.0, "the stop of a healthy run (it may take 10 s)")
     else:  # the server ignored SIGTERM: reported, then killed (it is ours)
         assert not rec["ok"] and "outlived the stop" in rec["error"]
         assert any(line.startswith(f"{server} ") for line in rec["left"])
     wait_until(lambda: gone(server), 5, f"the server (pid {server}) to be gone", tick=0.05)
-    assert time.monotonic() - t0 < 20
+    within(time.monotonic() - t0, 25.0, "the measurement (its timeout: 30 s)")

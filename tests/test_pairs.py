@@ -12,6 +12,7 @@ import time
 import pytest
 from helpers.builders import live_plan
 from helpers.fake_runs import fake_stack_env
+from helpers.waiting import within
 
 from pd_sessions.core.config import ClusterConfig
 from pd_sessions.runtime import http, pairs
@@ -54,7 +55,9 @@ def test_a_failing_pair_ends_the_wait_at_the_deadline_naming_pair_and_decode_err
     t0 = time.monotonic()
     with pytest.raises(pairs.PdPathFailed) as e:
         pairs.warm_pairs(plan, deadline=t0 + 1.0, logs={"decode-0": log}, warm=warm, tick=0.1)
-    assert 1.0 <= time.monotonic() - t0 < 2.0
+    took = time.monotonic() - t0
+    assert took >= 1.0
+    within(took - 1.0, 5.0, "the wait past the 1 s deadline (the pair fails for ever)")
     msg = str(e.value)
     assert "pair prefill-1 -> decode-0" in msg and "HTTP 500: KV transfer failed" in msg
     assert "decode-0's error lines (1)" in msg and "handshake_setup_failed" in msg
@@ -84,8 +87,7 @@ def _readiness_failure(plan, tmp_path, **behaviors) -> str:
         ),
     ):
         pytest.fail("the cluster must not become ready")
-    took = time.monotonic() - t0
-    assert took < 15, took
+    within(time.monotonic() - t0, 60.0, "a failing readiness with a 3 s P/D budget (deadline: 1200 s)")
     return str(e.value)
 
 
@@ -114,7 +116,7 @@ def test_a_stuck_kv_pull_during_checks_fails_fast_naming_the_instance(tmp_path, 
         t0 = time.monotonic()
         runner.run_checks(cluster, results, skip=("accuracy",))
         took = time.monotonic() - t0
-    assert took < 10, took
+    within(took, 12.0, "8 checks, the first stuck for its 2 s bound (each stuck: 16 s)")
     by = {r.name: r for r in results}
     assert [r.verdict for r in results] == ["fail"] * len(results) and len(results) == 8
     assert "no answer within 2 s" in by["smoke"].message

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 from helpers.procs import FAMILY, IGNORES_TERM, move_btime, old_rule_same, session_members, wait_for_members
-from helpers.waiting import wait_for_text
+from helpers.waiting import wait_for_text, within
 
 from pd_sessions.core.errors import StopError
 from pd_sessions.runtime import process
@@ -46,7 +46,8 @@ def test_child_ignoring_sigterm_is_killed_after_grace(tmp_path, bystander):
     rep = stop([r], grace_s=1.0)
     took = time.monotonic() - t0
     assert rep.killed == ["stubborn"]
-    assert 1.0 <= took < 4.0
+    assert took >= 1.0
+    within(took - 1.0, 3.0, "the stop past its 1 s grace")
     assert bystander.poll() is None
 
 
@@ -171,7 +172,7 @@ def test_a_sigkill_survivor_is_named_with_its_kernel_state(tmp_path, monkeypatch
 # the engine core is stopped at once; the server logs uvicorn's last line (or not) and lingers.
 API_SERVER = r"""
 import signal, subprocess, sys, time
-say_done = sys.argv[1] == "logs"
+say_done, lingers = sys.argv[1] == "logs", float(sys.argv[2])
 engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 tracker = subprocess.Popen([sys.executable, "-c",
     "import os, time\nparent = os.getppid()\nwhile os.getppid() == parent: time.sleep(0.01)",
@@ -181,21 +182,21 @@ def stop(signum, frame):
     engine.terminate(); engine.wait()
     if say_done:
         print("INFO:     Application shutdown " + "complete.", flush=True)  # not in the log's argv line
-    time.sleep(1.5)
+    time.sleep(lingers)
     sys.exit(0)
 signal.signal(signal.SIGTERM, stop)
-print("server up", flush=True)
+print("server " + "up", flush=True)  # not in the log's argv line: up means its handler is set
 time.sleep(60)
 """
 
 
-def _api_server(tmp_path, logs: bool):
+def _api_server(tmp_path, logs: bool, lingers: float):
     from pd_sessions.runtime.cluster import ShutdownLogged
 
     log = tmp_path / "decode-0.log"
     r = spawn(
         "decode-0",
-        [sys.executable, "-c", API_SERVER, "logs" if logs else "quiet"],
+        [sys.executable, "-c", API_SERVER, "logs" if logs else "quiet", str(lingers)],
         env=os.environ,
         log_path=log,
     )
@@ -208,7 +209,7 @@ def _api_server(tmp_path, logs: bool):
 def test_freed_comes_once_the_engine_core_is_gone_and_a_server_that_logged_its_shutdown_is_killed_then(
     tmp_path,
 ):
-    r, members, ended = _api_server(tmp_path, logs=True)
+    r, members, ended = _api_server(tmp_path, logs=True, lingers=30.0)
     freed: list[tuple[float, list[int]]] = []
     t0 = time.monotonic()
     rep = stop(
@@ -218,22 +219,24 @@ def test_freed_comes_once_the_engine_core_is_gone_and_a_server_that_logged_its_s
         after_children=ended,
     )
     took = time.monotonic() - t0
-    assert len(freed) == 1 and freed[0][0] < 1.0, freed
-    assert r.pid in freed[0][1]  # the server itself was still there: freed came first
-    assert rep.ended == ["decode-0"] and rep.killed == [] and took < 1.2, (rep, took)  # not its 1.5 s
+    assert len(freed) == 1 and r.pid in freed[0][1], freed  # the server was still there: freed came first
+    within(freed[0][0], 5.0, "freed, the engine core gone at the SIGTERM")
+    assert rep.ended == ["decode-0"] and rep.killed == [], rep
+    within(took, 5.0, "the stop of a server that logged its shutdown (it would linger 30 s)")
     assert session_members(r.pid) == [] and set(members) <= set(rep.pids)
     assert "Application shutdown complete." in (tmp_path / "decode-0.log").read_text()
 
 
 @pytest.mark.procs
 def test_a_server_that_never_logged_its_shutdown_is_left_to_exit_by_itself(tmp_path):
-    r, _, ended = _api_server(tmp_path, logs=False)
+    r, _, ended = _api_server(tmp_path, logs=False, lingers=1.5)
     freed: list[float] = []
     t0 = time.monotonic()
     rep = stop([r], grace_s=10, freed=lambda: freed.append(time.monotonic() - t0), after_children=ended)
     took = time.monotonic() - t0
-    assert rep.ended == [] and 1.5 <= took < 3.5, (rep, took)
-    assert len(freed) == 1 and freed[0] < 1.0  # its devices were free long before
+    assert rep.ended == [] and took >= 1.5, (rep, took)
+    within(took - 1.5, 2.0, "the stop past the server's own 1.5 s exit")
+    assert len(freed) == 1 and freed[0] < took - 1.0, (freed, took)  # its devices were free long before
     assert session_members(r.pid) == []
 
 

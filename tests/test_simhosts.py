@@ -19,7 +19,7 @@ from helpers.cli_runs import Cli
 from helpers.e2e_runs import simhosts_leftovers
 from helpers.needs import simhosts_available
 from helpers.procs import move_btime, old_rule_same
-from helpers.waiting import wait_for_text, wait_until
+from helpers.waiting import wait_for_text, wait_until, within
 
 from pd_sessions.core import simhost_plan as core
 from pd_sessions.core.errors import ConfigError, HttpError, ProcessExited, RouteError
@@ -169,7 +169,8 @@ def test_a_host_has_no_name_server_so_a_lookup_ends_at_once(simulated_hosts_2):
         _in(h1.netns, sys.executable, "-c", LOOKUP, h1.address), capture_output=True, text=True, timeout=60
     )
     name, took = out.stdout.split()
-    assert name == h1.address and float(took) < 2, out
+    assert name == h1.address, out
+    within(float(took), 4.0, "a lookup on a host (the resolver's timeout: 5 s)")
     assert "nameserver 127.0.0.1" in (netns.ETC_NETNS / h1.netns / "resolv.conf").read_text()
 
 

@@ -31,6 +31,7 @@ import psutil
 import pytest
 from helpers import ROOT
 from helpers.fake_runs import GRACE, TWO_CONFIGS, NoxRun, assert_nothing_left, fake_stack_env
+from helpers.waiting import within
 
 from pd_sessions.runtime.process import alive, session_family
 
@@ -188,7 +189,7 @@ def test_buildkite_cancel_healthy_teardown_fits_well_inside_its_10s_grace(tmp_pa
     took = run.all_gone_within(procs, t0, 10.0)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(run.proc.pid, signal.SIGKILL)  # the agent's SIGKILL: nothing alive is left for it
-    assert took < 5.0, f"teardown took {took:.2f} s of Buildkite's 10 s grace"
+    within(took, 5.0, "the teardown, of Buildkite's 10 s grace")
     assert run.wait(10) == 143
     run.reader.join(5)
     assert_cancel_recorded(run, "stopped by SIGTERM")

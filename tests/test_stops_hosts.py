@@ -30,7 +30,7 @@ import pytest
 from helpers import ROOT
 from helpers.fake_runs import FAKE, GRACE, NoxRun, fake_stack_env, fake_sweep_toml
 from helpers.procs import gone
-from helpers.waiting import wait_until
+from helpers.waiting import wait_until, within
 
 from pd_sessions.runtime.process import alive
 
@@ -148,7 +148,7 @@ def test_buildkite_cancel_across_hosts_is_done_well_inside_its_10s(tmp_path, sim
     took = run.all_gone_within(servers + run.local(), t0, 10.0)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(run.proc.pid, signal.SIGKILL)
-    assert took < 5.0, f"teardown took {took:.2f} s of Buildkite's 10 s"
+    within(took, 5.0, "the teardown across hosts, of Buildkite's 10 s grace")
     assert run.wait(10) != 0
     print(f"buildkite cancel across hosts: everything gone {took:.2f} s after SIGTERM")
 

@@ -18,7 +18,7 @@ import time
 
 import psutil
 import pytest
-from helpers.waiting import free_port, wait_for_text, wait_until
+from helpers.waiting import free_port, wait_for_text, wait_until, within
 
 from pd_sessions.core.errors import HttpError
 from pd_sessions.runtime import http
@@ -114,7 +114,8 @@ def test_a_proxy_still_forwarding_is_cut_early_so_the_server_behind_it_can_end(t
     rep = stop([proxy, server], grace_s=8.0, early={"router": 0.5})
     took = time.monotonic() - t0
     assert rep.cut == ["router"] and rep.killed == [], rep
-    assert 0.5 <= took < 3.0, took
+    assert took >= 0.5, took
+    within(took - 0.5, 3.0, "the stop past the router's cut at 0.5 s (its grace: 8 s)")
     assert "EVERY CONNECTION CLOSED" in (tmp_path / "decode-0.log").read_text()
 
 
@@ -136,7 +137,8 @@ def test_early_after_the_grace_is_the_grace(tmp_path):
     server, port = _server(tmp_path)
     proxy = _proxy(tmp_path, port)
     rep = stop([proxy, server], grace_s=1.0, early={"router": 30.0})
-    assert rep.seconds < 5.0 and rep.killed == ["decode-0", "router"] and rep.cut == [], rep
+    assert rep.killed == ["decode-0", "router"] and rep.cut == [], rep
+    within(rep.seconds, 10.0, "the stop with its 1 s grace (the cut: at 30 s)")
 
 
 @pytest.mark.procs
@@ -171,7 +173,9 @@ def test_teardown_with_requests_in_flight_is_done_in_seconds(tmp_path, with_rout
     t0 = time.monotonic()
     teardown(router, [server], grace_s=10.0)
     took = time.monotonic() - t0
-    assert took < (ROUTER_CUT_S + 2.0 if with_router else 2.0), took
+    cut = ROUTER_CUT_S if with_router else 0.0  # the router still forwards: SIGKILLed then
+    assert took >= cut, took
+    within(took - cut, 5.0, "the teardown past the router's cut (its grace: 10 s)")
     assert "EVERY CONNECTION CLOSED" in (tmp_path / "decode-0.log").read_text()
     th.join(5)
     assert errors and isinstance(errors[0], HttpError), errors

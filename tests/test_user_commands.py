@@ -19,7 +19,7 @@ from helpers import ROOT, USER
 from helpers.builders import CPU2, GPUS4, cfg, plan
 from helpers.fake_runs import FakeSweep, assert_nothing_left, fake_stack_env, fake_sweep_toml
 from helpers.procs import gone
-from helpers.waiting import wait_until
+from helpers.waiting import wait_until, within
 
 from pd_sessions.core.errors import UsageError
 from pd_sessions.core.inventory import Inventory
@@ -276,7 +276,8 @@ def test_hanging_command_is_stopped_at_the_timeout_with_its_children(tmp_path):
     checks = json.loads((r.run_dir / "result.json").read_text())["checks"]
     check = next(c for c in checks if c["name"] == "exec[0]")
     assert check["verdict"] == "fail" and "did not finish within 2 s (--exec-timeout)" in check["message"]
-    assert 2 <= check["seconds"] < 2 + 2 + 3  # timeout + grace + slack
+    assert check["seconds"] >= 2
+    within(check["seconds"] - 2, 20.0, "the stop past the 2 s --exec-timeout (the command: 600 s)")
     assert "hanging" in r.text  # its log was tailed
     assert (
         not psutil.pid_exists(int((tmp_path / "child").read_text()))
@@ -305,7 +306,7 @@ def test_a_server_dying_while_a_command_runs_fails_it_at_once_naming_the_server(
     assert r.wait(60) == 1, r.text
     log = (r.run_dir / "exec-0.log").read_text()
     killed = float(re.search(r"killing decode pid \d+ at ([0-9.]+)", log)[1])
-    assert r.first("FAILED: decode-0") - killed < 2.0
+    within(r.first("FAILED: decode-0") - killed, 10.0, "the failure after the kill (the command: 120 s)")
     result = json.loads((r.run_dir / "result.json").read_text())
     check = next(c for c in result["checks"] if c["name"] == "exec[0]")
     assert check["verdict"] == "fail" and check["message"].startswith("decode-0 (http://127.0.0.1:")

@@ -79,37 +79,49 @@ _IDLE_AGENT = textwrap.dedent("""
     time.sleep(0.5)  # let the backend settle
     t0, c0 = time.monotonic(), time.process_time()
     time.sleep(2.0)
+    t1, c1 = time.monotonic(), time.process_time()
     print(json.dumps({"wrapped": wrapped, "again": wrapped_again,
-                      "cpu_share": (time.process_time() - c0) / (time.monotonic() - t0)}), flush=True)
+                      "cpu_share": (c1 - c0) / (t1 - t0)}), flush=True)
     os._exit(0)  # the agent's threads: no orderly shutdown needed for a measurement
 """)
 
 
-def _idle_agent_cpu(env_delay: str | None) -> dict:
+def _idle_agent(env_delay: str | None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != NIXL_DELAY_ENV}
     env["PYTHONPATH"] = str(ROOT)
     if env_delay is not None:
         env[NIXL_DELAY_ENV] = env_delay
-    out = subprocess.run(
-        [sys.executable, "-c", _IDLE_AGENT], env=env, capture_output=True, text=True, timeout=120
+    return subprocess.Popen(
+        [sys.executable, "-c", _IDLE_AGENT],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return {**json.loads(out.stdout.strip().splitlines()[-1]), "stderr": out.stderr}
+
+
+def _measured(agent: subprocess.Popen) -> dict:
+    out, err = agent.communicate(timeout=120)
+    assert agent.returncode == 0, err[-3000:]
+    return {**json.loads(out.strip().splitlines()[-1]), "stderr": err}
 
 
 @pytest.mark.procs
 def test_an_idle_nixl_agent_spins_a_core_unless_the_delay_is_set():
+    """Both agents run side by side, so they share whatever load the machine has, and each is the
+    other's baseline: a bound on the spinning agent's own share failed on 2 busy cores (0.49, and
+    0.14 beside two busy loops, where an idle machine gives 1.0: its progress thread polls with
+    syscalls and gets less than a plain busy loop). A sleeping thread's share is not raised by load."""
     needs("nixl._api")
-    spinning = _idle_agent_cpu(None)
-    calm = _idle_agent_cpu("1000")
+    spinning, calm = (_measured(a) for a in (_idle_agent(None), _idle_agent("1000")))
     assert not spinning["wrapped"] and calm["wrapped"] and not calm["again"], (spinning, calm)
     assert "progress thread polls every 1000 us" in calm["stderr"]
-    # NIXL's own setting: its progress thread alone keeps (most of) a core busy
-    assert spinning["cpu_share"] > 0.5, spinning
+    # NIXL's own setting: its progress thread alone keeps a core busy; with the delay it sleeps
+    assert spinning["cpu_share"] > 5 * calm["cpu_share"], (spinning, calm)
     assert calm["cpu_share"] < 0.2, calm
     print(
         f"\nidle NIXL agent, CPU share: {spinning['cpu_share']:.2f} as NIXL sets it, "
-        f"{calm['cpu_share']:.2f} with {NIXL_DELAY_ENV}=1000"
+        f"{calm['cpu_share']:.3f} with {NIXL_DELAY_ENV}=1000 (the two side by side)"
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import subprocess
 import time
@@ -48,3 +50,21 @@ def wait_until(
 def wait_for_text(path: Path, text: str, timeout: float = 15.0) -> None:
     """Until ``text`` appears in the file at ``path`` (a process's log); fails at ``timeout``."""
     wait_until(lambda: path.exists() and text in path.read_text(), timeout, f"{text!r} to appear in {path}")
+
+
+TIMINGS_ENV = "PD_SESSIONS_TIMINGS"
+
+
+def within(took: float, bound_s: float, what: str) -> float:
+    """Assert that ``what`` took less than ``bound_s`` seconds, and return ``took``. A test keeps
+    such a bound only at least 5 times what the step takes (its median, measured) and far below
+    what the failure it guards against takes, so that 2 busy cores cannot fail it: the table
+    "Timed bounds kept in tests" in docs/cpu-lane.md. With PD_SESSIONS_TIMINGS=FILE each
+    measurement is appended to FILE as a JSON line (how that table is measured again)."""
+    if out := os.environ.get(TIMINGS_ENV):
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+        row = {"test": test, "what": what, "took_s": round(took, 3), "bound_s": bound_s}
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    assert took < bound_s, f"{what} took {took:.2f} s (bound {bound_s} s)"
+    return took
