@@ -212,19 +212,19 @@ KV_BAD = CheckResult(
 
 def test_burst_passes():
     pairs = [(f"p{i}", comp((i, 1)), comp((i, 1))) for i in range(4)]
-    r = burst.evaluate(pairs, [], KV_OK, requests=4, seconds=1.0)
+    r = burst.evaluate(pairs, [], KV_OK, requests=4, seconds=1.0, max_tokens=2)
     assert r.passed and "4/4 concurrent requests succeeded" in r.message
 
 
 def test_burst_one_wrong_under_concurrency_fails():
     pairs = [(f"p{i}", comp((i, 1)), comp((i, 1 if i else 2))) for i in range(4)]
-    r = burst.evaluate(pairs, [], KV_OK, requests=4, seconds=1.0)
+    r = burst.evaluate(pairs, [], KV_OK, requests=4, seconds=1.0, max_tokens=2)
     assert not r.passed and "1/4 prompts differ" in r.message
 
 
 def test_burst_failed_request_and_recompute_both_reported():
     pairs = [(f"p{i}", comp(), comp()) for i in range(3)]
-    r = burst.evaluate(pairs, ["'p3': HTTP 500"], KV_BAD, requests=4, seconds=1.0)
+    r = burst.evaluate(pairs, ["'p3': HTTP 500"], KV_BAD, requests=4, seconds=1.0, max_tokens=2)
     assert (
         not r.passed
         and "1/4 requests failed" in r.message

@@ -51,7 +51,7 @@ def test_judge_follows_the_config_like_parity():
 
 
 def test_cache_paths_margin_mode_passes_near_ties_and_says_so():
-    r = cache_paths.evaluate(situations(forced(0, 0.4), forced(0.9, 0)), judge=MARGIN)
+    r = cache_paths.evaluate(situations(forced(0, 0.4), forced(0.9, 0)), judge=MARGIN, max_tokens=2)
     assert r.passed, r.message
     assert "within 1 nats" in r.message and "margin mode" in r.message
     assert r.details["mode"] == "margin" and r.details["situations"][2]["comparison"][
@@ -60,7 +60,7 @@ def test_cache_paths_margin_mode_passes_near_ties_and_says_so():
 
 
 def test_cache_paths_margin_mode_fails_beyond_the_margin_naming_situation_and_position():
-    r = cache_paths.evaluate(situations(forced(0, 0), forced(0, 2.5)), judge=MARGIN)
+    r = cache_paths.evaluate(situations(forced(0, 0), forced(0, 2.5)), judge=MARGIN, max_tokens=2)
     assert not r.passed
     assert "1/3 situations differ: partial (512 tokens, block 128)" in r.message
     assert "position 1: P/D token 6" in r.message and "gap 2.5000 > margin 1" in r.message
@@ -94,15 +94,15 @@ def test_a_reference_of_the_wrong_kind_is_a_programming_error():
     with pytest.raises(TypeError, match="margin mode needs forced scores"):
         cache_paths.evaluate(situations(PD, forced(0, 0)), judge=MARGIN)
     with pytest.raises(TypeError, match="exact mode needs"):
-        parity.judge(EXACT, [("p", PD, forced(0, 0))], baseline="ref")
+        parity.judge(EXACT, [("p", PD, forced(0, 0))], baseline="ref", max_tokens=2)
 
 
 def test_burst_margin_mode():
     good = [(f"p{i}", PD, forced(0, 0.3)) for i in range(4)]
-    r = burst.evaluate(good, [], KV_OK, requests=4, seconds=1.0, judge=MARGIN)
+    r = burst.evaluate(good, [], KV_OK, requests=4, seconds=1.0, max_tokens=2, judge=MARGIN)
     assert r.passed and "each within 1 nats of prefill-direct's top-1" in r.message
     bad = [*good[:3], ("p3", PD, forced(3.0, 0))]
-    r = burst.evaluate(bad, [], KV_OK, requests=4, seconds=1.0, judge=MARGIN)
+    r = burst.evaluate(bad, [], KV_OK, requests=4, seconds=1.0, max_tokens=2, judge=MARGIN)
     assert not r.passed and "1/4 prompts diverge" in r.message and "'p3' position 0" in r.message
 
 
@@ -153,13 +153,13 @@ def test_reference_requests_by_mode(scorer):
     assert _Scorer.seen[-1]["prompt"] == [1, 2, 3, 5, 6] and _Scorer.seen[-1]["max_tokens"] == 1
     assert isinstance(ref, tuple) and [t.gap for t in ref] == [0.0, 2.0]
     assert parity.prompt_tokens_sent(pd, ref) == 5
-    r = parity.judge(MARGIN, [("prompt", pd, ref)], baseline="prefill-0 direct")
+    r = parity.judge(MARGIN, [("prompt", pd, ref)], baseline="prefill-0 direct", max_tokens=2)
     assert not r.passed and "position 1: P/D token 6" in r.message
 
     own = parity.reference(EXACT, scorer, "m", "prompt", pd, max_tokens=2, timeout=5)
     assert _Scorer.seen[-1]["prompt"] == "prompt" and isinstance(own, Completion)
     assert own.token_ids == (5, 6) and parity.prompt_tokens_sent(pd, own) == 3
-    assert parity.judge(EXACT, [("prompt", pd, own)], baseline="prefill-0 direct").passed
+    assert parity.judge(EXACT, [("prompt", pd, own)], baseline="prefill-0 direct", max_tokens=2).passed
 
 
 def test_margin_reference_without_token_ids_says_why(scorer):
@@ -167,3 +167,30 @@ def test_margin_reference_without_token_ids_says_why(scorer):
         parity.reference(
             MARGIN, scorer, "m", "p", Completion("x", None, 3, 2, "length"), max_tokens=2, timeout=5
         )
+
+
+# ------------------------------------------------------------------ issue 40, hole 2c
+
+
+def test_margin_mode_fails_a_truncated_answer_whose_tokens_are_top1():
+    """A 200 with 1 token where 8 were asked with ignore_eos: every token it has is the
+    reference's top-1, yet exact mode would have compared 8 tokens ending in 'length'. Before
+    issue 40 this passed (margin mode looked at the tokens only)."""
+    short = comp((5,), "x", prompt_ids=(1, 2, 3))
+    r = parity.judge(MARGIN, [("p", short, forced(0))], baseline="prefill-0 direct", max_tokens=8)
+    assert not r.passed
+    assert "the P/D answer has 1 of the 8 tokens asked with ignore_eos" in r.message, r.message
+    assert parity.judge(MARGIN, [("p", PD, forced(0, 0))], baseline="ref", max_tokens=2).passed
+
+
+def test_margin_mode_fails_an_answer_that_stopped_for_another_reason():
+    stopped = Completion("x", (5, 6), 3, 2, "stop", (1, 2, 3))  # as long as asked, but it stopped
+    r = parity.judge(MARGIN, [("p", stopped, forced(0, 0))], baseline="ref", max_tokens=2)
+    assert not r.passed and "finish_reason 'stop', not 'length'" in r.message, r.message
+
+
+def test_a_truncated_burst_answer_fails_in_margin_mode():
+    short = comp((5,), "x", prompt_ids=(1, 2, 3))
+    pairs = [*((f"p{i}", PD, forced(0, 0)) for i in range(3)), ("p3", short, forced(0))]
+    r = burst.evaluate(pairs, [], KV_OK, requests=4, seconds=1.0, max_tokens=2, judge=MARGIN)
+    assert not r.passed and "'p3': the P/D answer has 1 of the 2 tokens" in r.message, r.message

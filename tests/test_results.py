@@ -189,7 +189,7 @@ def test_edge_checks_report_their_numbers():
     )
     assert "status" not in figures(r) and figures(r)["seconds"] == (10.0, "s")  # no status: left out
     kv = CheckResult("kv_transfer", PASS, "ok", {"delta": 1})
-    b = burst.evaluate([("p", comp(), comp())], ["HTTP 500"], kv, requests=2, seconds=1.5)
+    b = burst.evaluate([("p", comp(), comp())], ["HTTP 500"], kv, requests=2, seconds=1.5, max_tokens=2)
     assert figures(b) == {"requests": (2, ""), "failed": (1, ""), "burst_seconds": (1.5, "s")}
     a = abort_frees_kv.evaluate(
         4, 4, [], {"prefill-0": None, "decode-0": "KV 0.1"}, bound_s=15, waited_s=15, last={}

@@ -51,6 +51,7 @@ def evaluate(
     *,
     requests: int,
     seconds: float,
+    max_tokens: int,
     judge: parity.Judge | None = None,
 ) -> CheckResult:
     """Verdict: no request failed, every pair matches (``judge``'s mode; exact by default), and
@@ -61,7 +62,11 @@ def evaluate(
     """
     j = judge or parity.Judge("exact", "same numeric layout", parity.DEFAULT_MARGIN)
     ok_pairs = [(p, pd, base) for p, pd, base in pairs if pd is not None]
-    verdict = parity.judge(j, ok_pairs, baseline="prefill-direct, alone") if ok_pairs else None
+    verdict = (
+        parity.judge(j, ok_pairs, baseline="prefill-direct, alone", max_tokens=max_tokens)
+        if ok_pairs
+        else None
+    )
     details: dict[str, Any] = {
         "requests": requests,
         "failed": list(errors),
@@ -185,4 +190,6 @@ def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
     fired = fire(window, prompts(n), max_tokens)
     j = parity.Judge.for_config(window.plan.config)
     pairs = references(window, fired, max_tokens, j)
-    return evaluate(pairs, fired.errors, fired.kv, requests=n, seconds=fired.seconds, judge=j)
+    return evaluate(
+        pairs, fired.errors, fired.kv, requests=n, seconds=fired.seconds, max_tokens=max_tokens, judge=j
+    )

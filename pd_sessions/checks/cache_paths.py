@@ -114,12 +114,19 @@ def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
 
 @reporting(numbers)
 def evaluate(
-    situations: Sequence[Situation], build_errors: Sequence[str] = (), *, judge: parity.Judge | None = None
+    situations: Sequence[Situation],
+    build_errors: Sequence[str] = (),
+    *,
+    judge: parity.Judge | None = None,
+    max_tokens: int = MAX_TOKENS,
 ) -> CheckResult:
     """Every situation arose and its P/D output matches its direct baseline: token for token
     (exact mode, the default) or within the margin of its forced scores (margin mode)."""
     j = judge or parity.Judge("exact", "same numeric layout", parity.DEFAULT_MARGIN)
-    verdicts = [parity.judge(j, [(s.name, s.pd, s.base)], baseline=s.baseline) for s in situations]
+    verdicts = [
+        parity.judge(j, [(s.name, s.pd, s.base)], baseline=s.baseline, max_tokens=max_tokens)
+        for s in situations
+    ]
     details: dict[str, Any] = {
         "mode": j.mode,
         "mode_reason": j.why,

@@ -284,10 +284,17 @@ def evaluate_margin(
     baseline: str,
     why: str = "",
     margin_evidence: str = "",
+    want_tokens: int | None = None,
+    finish_reasons: Sequence[str | None] = (),
 ) -> CheckResult:
-    """Every P/D token must be the reference's top-1 or within ``margin`` nats of it.
+    """Every P/D token must be the reference's top-1 or within ``margin`` nats of it, and each
+    answer as long as exact mode's reference would be: every request here asks ``want_tokens``
+    with ``ignore_eos``, so that reference has ``want_tokens`` tokens and finish_reason "length"
+    (a truncated answer whose few tokens are top-1 is not the same answer).
 
     no prompts, or a prompt with no P/D tokens  -> fail
+    a prompt with another token count than ``want_tokens``, or (``finish_reasons`` given) another
+    finish_reason than "length"                 -> fail, naming both
     any token with gap > margin                 -> fail, naming prompt, position, both
                                                    tokens and their logprobs (first per prompt)
     otherwise                                   -> pass; near-ties (0 < gap <= margin) counted
@@ -303,12 +310,19 @@ def evaluate_margin(
     if not rows:
         return CheckResult("parity", FAIL, "no prompts were compared", details)
     failures, near, total, max_gap = [], 0, 0, 0.0
-    for prompt, toks in rows:
+    for i, (prompt, toks) in enumerate(rows):
         near += sum(1 for t in toks if t.token != t.top_token and t.gap <= margin)
         total += len(toks)
         max_gap = max([max_gap, *(max(t.gap, 0.0) for t in toks)])
         row, failure = margin_row(prompt, toks, margin)
-        details["prompts"].append(row)
+        finish = finish_reasons[i] if i < len(finish_reasons) else None
+        short = length_problem(len(toks), finish, want_tokens, checked_finish=i < len(finish_reasons))
+        if short and toks:
+            row["same"], failure = (
+                False,
+                f"prompt {prompt[:40]!r}: {short}" + (f"; {failure}" if failure else ""),
+            )
+        details["prompts"].append({**row, "finish_reason": finish})
         if failure:
             failures.append(failure)
     details.update(tokens=total, near_ties=near, max_gap=max_gap)
@@ -328,6 +342,19 @@ def evaluate_margin(
         f"margin mode: {why})",
         details,
     )
+
+
+def length_problem(got: int, finish: str | None, want: int | None, *, checked_finish: bool) -> str | None:
+    """Why a margin-mode answer is not as long as exact mode's reference would be (None: it is):
+    ``want`` tokens (None: not checked) and, when ``checked_finish``, finish_reason "length"."""
+    if want is not None and got != want:
+        return (
+            f"the P/D answer has {got} of the {want} tokens asked with ignore_eos (finish_reason "
+            f"{finish!r}); exact mode's reference would have {want}, finish 'length'"
+        )
+    if checked_finish and finish != "length":
+        return f"the P/D answer ended with finish_reason {finish!r}, not 'length' as the reference would"
+    return None
 
 
 def margin_row(prompt: str, toks: Sequence[ForcedToken], margin: float) -> tuple[dict[str, Any], str | None]:
@@ -423,11 +450,16 @@ def prompt_tokens_sent(pd: Completion, ref: Reference) -> int:
     return len(pd.prompt_token_ids or ()) + len(pd.token_ids or ())
 
 
-def judge(j: Judge, rows: Sequence[tuple[str, Completion, Reference]], *, baseline: str) -> CheckResult:
-    """evaluate_exact or evaluate_margin of (label, P/D completion, reference) rows, by ``j.mode``.
+def judge(
+    j: Judge, rows: Sequence[tuple[str, Completion, Reference]], *, baseline: str, max_tokens: int
+) -> CheckResult:
+    """evaluate_exact or evaluate_margin of (label, P/D completion, reference) rows, by ``j.mode``;
+    each request asked ``max_tokens`` with ignore_eos (runtime/http.completion).
 
     exact  : every reference must be a Completion (the direct instance's own greedy output)
-    margin : every reference must be the P/D tokens' forced scores (from :func:`reference`)
+    margin : every reference must be the P/D tokens' forced scores (from :func:`reference`); each
+             P/D answer must also have ``max_tokens`` tokens and finish_reason "length", as the
+             reference exact mode would compare with does
     A reference of the other kind is a programming error (TypeError), not a verdict.
     """
     if j.mode == "margin":
@@ -437,7 +469,13 @@ def judge(j: Judge, rows: Sequence[tuple[str, Completion, Reference]], *, baseli
                 raise TypeError(f"{label}: margin mode needs forced scores, got a Completion")
             scored.append((label, ref))
         return evaluate_margin(
-            scored, margin=j.margin, baseline=baseline, why=j.why, margin_evidence=DEFAULT_MARGIN_EVIDENCE
+            scored,
+            margin=j.margin,
+            baseline=baseline,
+            why=j.why,
+            margin_evidence=DEFAULT_MARGIN_EVIDENCE,
+            want_tokens=max_tokens,
+            finish_reasons=[pd.finish_reason for _label, pd, _ref in rows],
         )
     pairs = []
     for label, pd, ref in rows:
@@ -469,7 +507,7 @@ def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
             return CheckResult("parity", FAIL, f"could not run: {e}")
         sent += prompt_tokens_sent(pd, ref)
         rows.append((p, pd, ref))
-    r = judge(j, rows, baseline=f"{baseline.name} direct (no disaggregation)")
+    r = judge(j, rows, baseline=f"{baseline.name} direct (no disaggregation)", max_tokens=MAX_TOKENS)
     window.sent_direct(baseline.name, sent)
     return window.count_served(
         r, before, instances.scrape_served(plan), requests=len(PARITY_PROMPTS), direct={baseline.name: sent}

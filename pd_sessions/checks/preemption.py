@@ -79,6 +79,8 @@ def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
     after = preemptions(window.plan)
     j = parity.Judge.for_config(window.plan.config)
     pairs = burst.references(window, fired, max_tokens, j)
-    verdict = burst.evaluate(pairs, fired.errors, fired.kv, requests=n, seconds=fired.seconds, judge=j)
+    verdict = burst.evaluate(
+        pairs, fired.errors, fired.kv, requests=n, seconds=fired.seconds, max_tokens=max_tokens, judge=j
+    )
     delta = None if before is None or after is None else after - before
     return evaluate(verdict, delta, requests=n)

@@ -220,7 +220,10 @@ class Scenario:
                     timeout=60.0,
                 )
                 same = parity.judge(
-                    self.judge, [(a.prompt, a.completion, ref)], baseline=reference.name
+                    self.judge,
+                    [(a.prompt, a.completion, ref)],
+                    baseline=reference.name,
+                    max_tokens=max_tokens,
                 ).passed
             except (ValueError, http.HttpError) as e:
                 text = f"{text!r} (not compared: {e})"
