@@ -329,6 +329,42 @@ def test_restart_passes_with_its_times_and_fails_naming_why():
     assert "last: failed clearly after 0.1 s (HTTP 503)" in r.message
 
 
+@pytest.mark.parametrize("bad", [WRONG, BROKEN, HUNG])
+def test_restart_fails_on_a_bad_answer_before_the_right_one(bad):
+    """Issue 40, hole 2a: [WRONG 200, CORRECT] used to pass (the loop retried until one answer
+    was correct and the e2e looked at the last); every attempt is judged now, and listed."""
+    attempts = [
+        Outcome("a", bad, 0.2, 200 if bad == WRONG else None, "other text"),
+        Outcome("b", CORRECT, 0.3),
+    ]
+    r = restart.evaluate(
+        "prefill-0",
+        ready_s=40.0,
+        start_error=None,
+        attempts=attempts,
+        correct_s=41.0,
+        recovery=recovered(),
+        killed_here=False,
+        bound_s=120,
+    )
+    assert r.verdict == FAIL, r.message
+    assert f"request 1 through the router was {bad}" in r.message
+    assert f"a wrong answer before a right one is a failure, not a retry; attempts: 1: {bad}" in r.message
+    assert "2: correct" in r.message
+
+
+@pytest.mark.parametrize("bad", [WRONG, BROKEN, HUNG])
+def test_recovery_fails_on_a_bad_probe_before_the_right_one(bad):
+    """Issue 40, hole 2b: the recovery probe after a scenario was retried silently and a wrong one
+    dropped; every probe is kept and judged now. A clear error while it recovers keeps the promise."""
+    probe = Outcome("probe", CORRECT, 0.2, 200, "x")
+    earlier = (Outcome("probe 1", FAILED_CLEARLY, 0.1, 503), Outcome("probe 2", bad, 0.2, None, "zz"))
+    r = Recovery(OK.health, OK.held, probe, 0.6, 30, earlier=earlier)
+    assert not r.ok and r.problems() == [f"probe 2 through the router was {bad}: 'zz' before the last one"]
+    assert r.to_dict()["earlier_probes"][1]["kind"] == bad
+    assert Recovery(OK.health, OK.held, probe, 0.6, 30, earlier=earlier[:1]).ok
+
+
 # ---------------------------------------------------------------- selection, the plan
 
 

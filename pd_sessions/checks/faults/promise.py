@@ -116,11 +116,24 @@ class Recovery:
     seconds: float  # from the fault's end until whole again (or until the bound)
     bound_s: float
     down: Sequence[str] = field(default_factory=tuple)  # instances stopped on purpose
+    # the probes sent before ``probe`` while the cluster came back, every one kept and judged: a
+    # clear error is the promise kept while it recovers; a wrong, hung or broken one fails (a
+    # wrong answer before a right one is a failure, not a retry)
+    earlier: Sequence[Outcome] = field(default_factory=tuple)
 
     def problems(self) -> list[str]:
-        """What is not whole again, each naming the instance and the value."""
+        """What is not whole again, each naming the instance and the value; and every probe that
+        broke the promise on the way."""
         out = [f"{n}: /health {h}" for n, h in self.health.items() if h != "ok"]
         out += [f"{n}: {h}" for n, h in self.held.items() if h is not None]
+        out += [
+            f"probe {i + 1} through the router was {o.kind}"
+            + (f" (HTTP {o.status})" if o.status else "")
+            + (f": {o.detail[:120]!r}" if o.detail else "")
+            + " before the last one"
+            for i, o in enumerate(self.earlier)
+            if o.kind not in KEPT
+        ]
         if self.probe is not None and self.probe.kind != CORRECT:
             out.append(
                 f"a normal request through the router: {self.probe.kind}"
@@ -150,6 +163,7 @@ class Recovery:
             "health": dict(self.health),
             "held": dict(self.held),
             "probe": self.probe.to_dict() if self.probe else None,
+            "earlier_probes": [o.to_dict() for o in self.earlier],
             "down": list(self.down),
         }
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pd_sessions.checks.faults.promise import CORRECT, REQUEST_BOUND_S, Outcome, Recovery
+from pd_sessions.checks.faults.promise import CORRECT, KEPT, REQUEST_BOUND_S, Outcome, Recovery
 from pd_sessions.checks.faults.scenario import Scenario, gatherer
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core.errors import ProcessExited, ReadinessTimeout
@@ -55,6 +55,10 @@ def evaluate(
     """The verdict.
 
     the instance did not start again (died, or not ready)   -> fail, naming it and why
+    a request wrong, hung or broken (before any correct one: the loop stops there)
+                                                            -> fail, listing every attempt (a
+                                                               wrong answer before a right one is
+                                                               a failure, not a retry)
     no request through the router was correct within bound  -> fail, with the last answer
     the cluster not whole afterwards                        -> fail, naming what
     otherwise                                               -> pass: seconds until ready and
@@ -70,6 +74,21 @@ def evaluate(
     }
     if start_error is not None:
         return CheckResult(NAME, FAIL, f"{name} did not start again in place: {start_error}", details)
+    broke = [(i, a) for i, a in enumerate(attempts) if a.kind not in KEPT]
+    if broke:
+        listed = ", ".join(
+            f"{i + 1}: {a.kind}" + (f" (HTTP {a.status})" if a.status else "") for i, a in enumerate(attempts)
+        )
+        i, first = broke[0]
+        return CheckResult(
+            NAME,
+            FAIL,
+            f"{name} ready again after {ready_s or 0:.1f} s, but request {i + 1} through the router was "
+            f"{first.kind}"
+            + (f": {first.detail[:120]!r}" if first.detail else "")
+            + f" (a wrong answer before a right one is a failure, not a retry; attempts: {listed})",
+            details,
+        )
     if correct_s is None:
         last = attempts[-1] if attempts else None
         said = (
@@ -133,6 +152,8 @@ def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
         )
         if attempts[-1].kind == CORRECT:
             correct_s = time.monotonic() - t0
+            break
+        if attempts[-1].kind not in KEPT:  # a wrong, hung or broken answer: no retry undoes it
             break
         time.sleep(0.5)
     recovery = s.recover(idle) if correct_s is not None else None

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pd_sessions.checks import instances, parity
 from pd_sessions.checks.abort_frees_kv import settled
 from pd_sessions.checks.completions import Completion
-from pd_sessions.checks.faults.promise import CORRECT, REQUEST_BOUND_S, Outcome, Recovery, classify
+from pd_sessions.checks.faults.promise import CORRECT, KEPT, REQUEST_BOUND_S, Outcome, Recovery, classify
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core import faults
 from pd_sessions.core.errors import PdError, StopError
@@ -258,6 +258,7 @@ class Scenario:
         request through the router equals prefill-0 direct; or until ``bound_s``."""
         t0 = time.monotonic()
         n = 0
+        probes: list[Outcome] = []  # every probe is kept and judged (Recovery.earlier)
         while True:
             specs = self.live()
             health = instances.health([*specs, self.plan.router])
@@ -274,10 +275,16 @@ class Scenario:
                     self.plan.router.url, f"Recovered after {self.name} ({n}): the kettle", max_tokens=8
                 )
                 got = self.judged(a, reference=self.plan.prefill[0], max_tokens=8, bound_s=REQUEST_BOUND_S)
+                probes.append(got)
             waited = time.monotonic() - t0
             whole = all(h == "ok" for h in health.values()) and all(h is None for h in held.values())
-            if (whole and (not probe or (got is not None and got.kind == CORRECT))) or waited >= bound_s:
-                return Recovery(health, held, got, waited, bound_s, tuple(self.cluster.down))
+            done = whole and (not probe or (got is not None and got.kind == CORRECT))
+            # a probe that broke the promise (wrong, hung, broken) ends it: no retry undoes it
+            broke = got is not None and got.kind not in KEPT
+            if done or broke or waited >= bound_s:
+                last = probes[-1] if probes else None
+                earlier = tuple(probes[:-1])
+                return Recovery(health, held, last, waited, bound_s, tuple(self.cluster.down), earlier)
             time.sleep(POLL_S)
 
 
