@@ -93,6 +93,10 @@ def test_corrupted_kv_is_caught_by_the_burst_naming_the_requests(run: SweepRun, 
     assert "prompts differ" in d["check"]["message"] or "prompts diverge" in d["check"]["message"]
     assert d["detected"] == len(d["differing_prompts"]) > 0
     assert d["detection_rate"] == round(d["detected"] / 32, 4)
+    # the rate the connector's spec writes for this parity mode (issue 40: 1/32 used to pass)
+    need = d["required"]
+    assert need is not None and d["detected"] * need["of"] >= need["needed"] * 32, (d["detected"], need)
+    assert d["counts"]["broken"] == d["counts"]["hung"] == 0
     assert (
         d["differing_prompts"][0] in d["check"]["message"] or d["differing_prompts"][0][:30] in c["message"]
     )

@@ -23,6 +23,7 @@ from pd_sessions.checks.faults.promise import (
 )
 from pd_sessions.checks.faults.scenario import NotWrapped, control_file
 from pd_sessions.core import check_registry
+from pd_sessions.core.connectors.base import DetectionRate
 from pd_sessions.core.errors import ConfigError
 from pd_sessions.core.results import FAIL, PASS, CheckResult
 
@@ -140,7 +141,8 @@ def test_corruption_passes_when_the_burst_check_fails_naming_the_requests():
         r.details["detection_rate"] == 0.6667
         and {f.name: f.value for f in r.figures}["detection_rate"] == 0.6667
     )
-    assert r.details["counts"] == {CORRECT: 1, FAILED_CLEARLY: 0, WRONG: 2, HUNG: 0}
+    assert r.details["counts"] == {CORRECT: 1, FAILED_CLEARLY: 0, WRONG: 2, HUNG: 0, BROKEN: 0}
+    assert "no rate written for this connector in this parity mode: at least one detection" in r.message
 
 
 def test_a_corruption_the_checks_are_told_to_ignore_fails_the_scenario():
@@ -168,6 +170,44 @@ def test_corruption_fails_naming_what_broke(injected, failed, rec, says):
     check = burst_result([("0 otters", False), ("1 herons", True)], failed=failed)
     r = corrupt.evaluate("zero", check, injected, rec, requests=2)
     assert r.verdict == FAIL and says in r.message, r.message
+
+
+def test_a_reset_under_corruption_is_broken_not_a_clear_failure():
+    """Issue 40, hole 2d: every error that was not a timeout counted as "failed clearly", a
+    connection reset included; the one classifier calls it broken, which breaks the promise."""
+    reset = "'1 herons': http://x: connection reset by peer"
+    check = burst_result(
+        [("0 otters", False), ("2 lynxs", False)], failed=(reset, "'3 owls': HTTP 500: boom")
+    )
+    r = corrupt.evaluate("zero", check, {"zero": 2}, recovered(), requests=4)
+    assert r.verdict == FAIL and "1 request(s) got no HTTP answer (broken): '1 herons'" in r.message
+    assert r.details["counts"][BROKEN] == 1 and r.details["counts"][FAILED_CLEARLY] == 1
+
+
+def test_a_detection_rate_below_the_connectors_fails():
+    """Issue 40, hole 2d: 1 of 32 corruptions detected used to pass (at least one); the rate
+    written for the connector and parity mode is required now."""
+    rows = [(f"{i} otters", i != 0) for i in range(32)]  # only the first differs: 1/32
+    need = DetectionRate("swap", "exact", 32, 32, "32/32 in each of 4 CI runs")
+    r = corrupt.evaluate(
+        "swap", burst_result(rows), {"swap": 32}, recovered(), requests=32, required=need, where="X"
+    )
+    assert r.verdict == FAIL and "detected 1/32, below the 32/32 written for X in exact mode" in r.message
+    all_rows = [(f"{i} otters", False) for i in range(32)]
+    ok = corrupt.evaluate(
+        "swap", burst_result(all_rows), {"swap": 32}, recovered(), requests=32, required=need
+    )
+    assert ok.verdict == PASS and "(required: 32/32, measured 32/32 in each of 4 CI runs)" in ok.message
+
+
+def test_every_connector_writes_the_rates_its_ci_run_measures():
+    """The CPU lane's CI runs Mooncake in exact mode and NIXL in margin mode (tests/test_e2e_faults.py)."""
+    from pd_sessions.core.connectors import ALL
+
+    by = {s.name: s for s in ALL}
+    for fault in ("zero", "swap"):
+        assert by["mooncake"].detection_rate(fault, "exact") is not None
+        assert by["nixl"].detection_rate(fault, "margin") is not None
 
 
 # ---------------------------------------------------------------- stall, then abort

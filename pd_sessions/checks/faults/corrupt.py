@@ -15,22 +15,28 @@ reads them) would catch those too; :func:`evaluate` says how many passed and why
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pd_sessions.checks import burst
+from pd_sessions.checks import burst, parity
 from pd_sessions.checks.faults.promise import (
+    BROKEN,
     CORRECT,
     FAILED_CLEARLY,
     HUNG,
     WRONG,
     Recovery,
+    classify,
     counts_table,
     injected_problem,
     said,
 )
 from pd_sessions.checks.faults.scenario import Scenario, gatherer
 from pd_sessions.checks.window import CheckWindow
+from pd_sessions.core import connectors
+from pd_sessions.core.connectors.base import DetectionRate
 from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, pick, reporting
 
 UNDETECTED_WHY = (
@@ -45,6 +51,43 @@ def detection(check: CheckResult) -> tuple[int, int, list[str]]:
     rows = ((check.details.get("parity") or {}).get("prompts")) or []
     differ = [str(r.get("prompt", "")) for r in rows if not r.get("same")]
     return len(rows), len(differ), differ
+
+
+def sort_failed(failed: Sequence[str]) -> dict[str, list[str]]:
+    """The failed requests by kind (:func:`kinds`), every kind present."""
+    out: dict[str, list[str]] = {k: [] for k in (FAILED_CLEARLY, HUNG, BROKEN)}
+    for f, k in zip(failed, kinds(failed), strict=True):
+        out.setdefault(k, []).append(f)
+    return out
+
+
+def kinds(failed: Sequence[str]) -> list[str]:
+    """The burst's failed requests ("'prompt': HTTP 500 ...", "'prompt': no answer within ...",
+    a reset) sorted by the one classifier (promise.classify): an HTTP status is failed clearly,
+    no answer within the bound is hung, anything else (a reset, a closed connection) broken."""
+    out = []
+    for f in failed:
+        m = re.search(r"\bHTTP (\d{3})\b", f)
+        out.append(classify(f[:60], seconds=0.0, status=int(m.group(1)) if m else None, error=f).kind)
+    return out
+
+
+def required_said(required: DetectionRate | None, where: str) -> str:
+    """The rate a passing scenario met, as its message says it."""
+    if required is None:
+        return f" (no rate written for {where} in this parity mode: at least one detection required)"
+    return f" (required: {required.needed}/{required.of}, measured {required.measured})"
+
+
+def rate_problem(differ: int, corrupted: int, required: DetectionRate | None, where: str) -> str | None:
+    """Why the detection rate is not the one written for this connector and parity mode (None:
+    it is); without one written, at least one detection is required (the caller's rule)."""
+    if required is None or not corrupted or differ * required.of >= required.needed * corrupted:
+        return None
+    return (
+        f"detected {differ}/{corrupted}, below the {required.needed}/{required.of} written for "
+        f"{where} in {required.parity_mode} mode (measured {required.measured})"
+    )
 
 
 def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
@@ -74,13 +117,16 @@ def evaluate(
     recovery: Recovery,
     *,
     requests: int,
+    required: DetectionRate | None = None,
+    where: str = "this connector",
 ) -> CheckResult:
     """The verdict of fault_<mode> from the burst check that ran under it.
 
     the injector applied no <mode>                         -> fail (the fault did not happen)
     the burst check passed (or compared nothing)           -> fail: the checks missed every
                                                               corrupted request
-    a request hung or got no HTTP answer                   -> fail, naming it
+    a request hung or got no HTTP answer (a reset: broken) -> fail, naming it
+    fewer detected than the rate ``required`` (the connector's, for this parity mode) -> fail
     the cluster not whole again                            -> fail, naming what
     otherwise                                              -> pass, with the detection rate
                                                               (differing / corrupted) and why
@@ -89,15 +135,17 @@ def evaluate(
     name = f"fault_{mode}"
     compared, differ, prompts = detection(check)
     failed_requests = list(check.details.get("failed") or [])
-    hung = [f for f in failed_requests if "no answer within" in f]
+    by_kind = sort_failed(failed_requests)
+    hung, broken = by_kind[HUNG], by_kind[BROKEN]
     applied = injected.get(mode, 0)
     corrupted = min(applied, compared) if applied else 0
     rate = differ / corrupted if corrupted else None
     c = {
         CORRECT: compared - differ,
-        FAILED_CLEARLY: len(failed_requests) - len(hung),
+        FAILED_CLEARLY: len(by_kind[FAILED_CLEARLY]),
         WRONG: differ,
         HUNG: len(hung),
+        BROKEN: len(broken),
     }
     details: dict[str, Any] = {
         "requests": requests,
@@ -107,6 +155,7 @@ def evaluate(
         "detected": differ,
         "corrupted": corrupted,
         "detection_rate": None if rate is None else round(rate, 4),
+        "required": None if required is None else dataclasses.asdict(required),
         "differing_prompts": prompts,
         "check": check.to_dict(),
         "recovery": recovery.to_dict(),
@@ -117,14 +166,19 @@ def evaluate(
             f"the checks missed every corrupted request: burst {check.verdict.upper()} with "
             f"{differ} of {compared} compared requests differing ({check.message[:200]})"
         )
-    if hung:
-        problems.append(f"{len(hung)} request(s) hung: {hung[0][:160]}")
+    problems += [
+        f"{len(fs)} request(s) {said_as}: {fs[0][:160]}"
+        for fs, said_as in ((hung, "hung"), (broken, "got no HTTP answer (broken)"))
+        if fs
+    ]
+    problems += [p for p in (rate_problem(differ, corrupted, required, where),) if p]
     if not recovery.ok:
         problems.append(recovery.line())
     if problems:
         return CheckResult(name, FAIL, f"{mode} ({said(c)}): " + "; ".join(problems), details)
     passed_unnoticed = corrupted - differ
     why = f"; {passed_unnoticed} passed unnoticed: {UNDETECTED_WHY}" if passed_unnoticed > 0 else ""
+    why += required_said(required, where)
     details["undetected_why"] = UNDETECTED_WHY if passed_unnoticed > 0 else None
     return CheckResult(
         name,
@@ -148,7 +202,10 @@ def scenario(mode: str, window: CheckWindow, options: Mapping[str, Any]) -> Chec
     finally:
         s.off()
     injected = s.injected()
-    return evaluate(mode, check, injected, s.recover(idle), requests=n)
+    config = window.plan.config
+    spec = connectors.get(config.connector)
+    required = spec.detection_rate(mode, parity.Judge.for_config(config).mode)
+    return evaluate(mode, check, injected, s.recover(idle), requests=n, required=required, where=spec.title)
 
 
 @gatherer("fault_zero")

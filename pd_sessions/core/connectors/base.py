@@ -299,6 +299,19 @@ class KvAccounting:
 
 
 @dataclass(frozen=True)
+class DetectionRate:
+    """How many of the loads the fault injector corrupts (``fault_zero``, ``fault_swap``) the
+    harness's checks must catch over this connector in one parity mode: at least ``needed`` of
+    ``of``; ``measured`` says what was seen (the figure the requirement stands on)."""
+
+    fault: str  # "zero" | "swap"
+    parity_mode: str  # "exact" | "margin" (checks/parity.py choose_mode)
+    needed: int
+    of: int
+    measured: str
+
+
+@dataclass(frozen=True)
 class ConnectorSpec:
     """One KV connector: see the module docstring for who reads what."""
 
@@ -329,6 +342,13 @@ class ConnectorSpec:
     # "by_engine" {remote engine: {req: meta}}; None (unknown): the injector's zero, swap and
     # decode stall are logged as skipped
     recv_layout: str | None = None
+    # the corruption detection rates the fault scenarios require, per fault and parity mode
+    # (checks/faults/corrupt.py); a pair not listed requires at least one detection, and says so
+    detection: tuple[DetectionRate, ...] = ()
+
+    def detection_rate(self, fault: str, parity_mode: str) -> DetectionRate | None:
+        """The rate written for ``fault`` in ``parity_mode``, or None."""
+        return next((d for d in self.detection if (d.fault, d.parity_mode) == (fault, parity_mode)), None)
 
     def kv_transfer_config(self, config: ConfigView, role: str, platform: str) -> dict[str, object]:
         """The ``--kv-transfer-config`` value for an instance of ``role`` on ``platform``."""

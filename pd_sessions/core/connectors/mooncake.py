@@ -27,6 +27,7 @@ from pd_sessions.core.connectors.base import (
     ConfigView,
     ConnectorSpec,
     CpuLane,
+    DetectionRate,
     Hops,
     KvAccounting,
     Limits,
@@ -210,4 +211,10 @@ SPEC = ConnectorSpec(
     ),
     sweep="mooncake_sweep",
     recv_layout="by_engine",  # vLLM 0.32's mooncake_connector.py: reqs_to_recv
+    # the CPU lane's CI runs in exact mode, 2026-12-05 (vLLM 0.32.0, the tiny Llama): zero and swap
+    # 32/32 in each of 4 runs (tests/test_e2e_faults.py); failure-modes rows 31-32
+    detection=(
+        DetectionRate("zero", "exact", 32, 32, "32/32 in each of 4 CI runs, CPU lane"),
+        DetectionRate("swap", "exact", 32, 32, "32/32 in each of 4 CI runs, CPU lane"),
+    ),
 )
