@@ -462,21 +462,19 @@ def test_waits(pd_cluster):
 """
 
 
+def _slow_pytest(tmp_path, **streams) -> subprocess.Popen:
+    """pytest running SLOW (a test that holds a ``pd_cluster`` for 120 s), once its cluster is up."""
+    f = tmp_path / "slow.py"
+    f.write_text(SLOW)
+    p = subprocess.Popen(_plugin_argv(tmp_path, f), cwd=tmp_path, env=_plugin_env(), **streams)
+    wait_until((tmp_path / "started").exists, 60, "the test to start (the cluster up)", proc=p, tick=0.05)
+    return p
+
+
 @pytest.mark.procs
 @LIVE
 def test_sigterm_to_pytest_tears_the_fixture_cluster_down(tmp_path):
-    f = tmp_path / "slow.py"
-    f.write_text(SLOW)
-    p = subprocess.Popen(
-        _plugin_argv(tmp_path, f),
-        cwd=tmp_path,
-        env=_plugin_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    # the test runs: the cluster is up
-    wait_until((tmp_path / "started").exists, 60, "the test to start (the cluster up)", proc=p, tick=0.05)
+    p = _slow_pytest(tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     p.send_signal(signal.SIGTERM)
     out, _ = p.communicate(timeout=30)
     assert p.returncode == 2, out  # pytest's "interrupted"
@@ -492,16 +490,7 @@ def test_sigkill_to_the_pytest_that_owns_the_fixture_cluster_leaves_nothing(tmp_
     (run/lifeline.py), which stops whatever is left and verifies it gone. Every PID of the
     cluster, the reaper's too, is gone within the fixture's grace (10 s) and the wait after
     SIGKILL."""
-    f = tmp_path / "slow.py"
-    f.write_text(SLOW)
-    p = subprocess.Popen(
-        _plugin_argv(tmp_path, f),
-        cwd=tmp_path,
-        env=_plugin_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    wait_until((tmp_path / "started").exists, 60, "the test to start (the cluster up)", proc=p, tick=0.05)
+    p = _slow_pytest(tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     family = psutil.Process(p.pid).children(recursive=True)
     reapers = [c for c in family if "pd_sessions.runtime.reaper" in " ".join(c.cmdline())]
     servers = [c for c in family if "vllm.entrypoints.openai.api_server" in " ".join(c.cmdline())]
