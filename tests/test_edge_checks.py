@@ -224,7 +224,8 @@ def test_burst_one_wrong_under_concurrency_fails():
 
 def test_burst_failed_request_and_recompute_both_reported():
     pairs = [(f"p{i}", comp(), comp()) for i in range(3)]
-    r = burst.evaluate(pairs, ["'p3': HTTP 500"], KV_BAD, requests=4, seconds=1.0, max_tokens=2)
+    failed = [burst.Failure("p3", "http://x: HTTP 500", 500, 0.1, 60.0)]
+    r = burst.evaluate(pairs, failed, KV_BAD, requests=4, seconds=1.0, max_tokens=2)
     assert (
         not r.passed
         and "1/4 requests failed" in r.message

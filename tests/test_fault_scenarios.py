@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 from helpers.builders import cfg
 
+from pd_sessions.checks import burst
 from pd_sessions.checks.faults import corrupt, drop, peer_death, restart, stall_abort
 from pd_sessions.checks.faults.promise import (
     BROKEN,
@@ -25,7 +26,7 @@ from pd_sessions.checks.faults.scenario import NotWrapped, control_file
 from pd_sessions.core import check_registry
 from pd_sessions.core.connectors.base import DetectionRate
 from pd_sessions.core.errors import ConfigError
-from pd_sessions.core.results import FAIL, PASS, CheckResult
+from pd_sessions.core.results import FAIL, NOT_RUN, PASS, CheckResult
 
 OK = Recovery(
     {"prefill-0": "ok", "decode-0": "ok", "router": "ok"},
@@ -88,12 +89,6 @@ def test_drop_passes_when_every_request_is_recomputed_or_fails_clearly():
     ("outs", "injected", "rec", "says"),
     [
         (
-            [Outcome("a", CORRECT, 0.3)],
-            {},
-            recovered(),
-            "the fault did not happen: the injector applied drop 0",
-        ),
-        (
             [Outcome("a", WRONG, 0.3, 200, "garbage")],
             {"drop": 1},
             recovered(),
@@ -119,15 +114,42 @@ def test_drop_fails_naming_what_broke(outs, injected, rec, says):
     assert r.verdict == FAIL and says in r.message, r.message
 
 
+def test_a_drop_that_did_not_fire_is_not_run_invalid_never_pass():
+    """Issue 40, part 5: the injector's drop count is the proof; 0 is NOT RUN (invalid), never
+    PASS, however right the requests were; what the scenario saw without its fault is kept."""
+    r = drop.evaluate([Outcome("a", CORRECT, 0.3)], {}, recovered(), policy="fail")
+    assert (
+        r.verdict == NOT_RUN
+        and r.message == "invalid: the fault did not fire (the injector's drop count read 0)"
+    )
+    assert r.details["proof"] == [{"what": "the injector's drop count", "value": 0, "fired": False}]
+    assert r.details["without_fault"]["verdict"] == PASS and r.figures  # still reported
+    bad = drop.evaluate(
+        [Outcome("a", WRONG, 0.3, 200, "zz")], {"drop_skipped": 1}, recovered(), policy="fail"
+    )
+    assert (
+        bad.verdict == NOT_RUN and "without its fault the scenario saw: FAIL: drop (1 request" in bad.message
+    )
+    fired = drop.evaluate([Outcome("a", CORRECT, 0.3)], {"drop": 1}, recovered(), policy="recompute")
+    assert fired.verdict == PASS and fired.details["proof"][0]["fired"] is True
+
+
 # ---------------------------------------------------------------- zero / swap
 
 
 def burst_result(rows, verdict=FAIL, failed=()):
+    """A burst's result; ``failed``: (prompt, error, HTTP status or None, seconds) each, recorded
+    as burst.fire records them (burst.Failure)."""
+    failures = [burst.Failure(p, e, status, s, 60.0) for p, e, status, s in failed]
     return CheckResult(
         "burst",
         verdict,
         "32 concurrent requests: 2/3 prompts differ: prompt '0 otters'...",
-        {"parity": {"prompts": [{"prompt": p, "same": s} for p, s in rows]}, "failed": list(failed)},
+        {
+            "parity": {"prompts": [{"prompt": p, "same": s} for p, s in rows]},
+            "failed": [f.line() for f in failures],
+            "failures": [f.to_dict() for f in failures],
+        },
     )
 
 
@@ -156,8 +178,14 @@ def test_a_corruption_the_checks_are_told_to_ignore_fails_the_scenario():
 @pytest.mark.parametrize(
     ("injected", "failed", "rec", "says"),
     [
-        ({}, (), recovered(), "the fault did not happen: the injector applied zero 0"),
-        ({"zero": 2}, ("'0 otters': http://x: no answer within 60 s",), recovered(), "1 request(s) hung"),
+        (
+            {"zero": 2},
+            [("3 owls", "http://x: no answer within 60 s", None, 60.0)],
+            recovered(),
+            "1 request(s) hung",
+        ),
+        # hung by its seconds alone, whatever the text says
+        ({"zero": 2}, [("3 owls", "http://x: HTTP 504: late", 504, 61.0)], recovered(), "1 request(s) hung"),
         (
             {"zero": 2},
             (),
@@ -172,16 +200,26 @@ def test_corruption_fails_naming_what_broke(injected, failed, rec, says):
     assert r.verdict == FAIL and says in r.message, r.message
 
 
+def test_a_corruption_that_did_not_fire_is_not_run_invalid():
+    check = burst_result([("0 otters", True), ("1 herons", True)], verdict=PASS)
+    r = corrupt.evaluate("zero", check, {"swap": 3}, recovered(), requests=2)
+    assert r.verdict == NOT_RUN
+    assert r.message.startswith("invalid: the fault did not fire (the injector's zero count read 0)")
+
+
 def test_a_reset_under_corruption_is_broken_not_a_clear_failure():
     """Issue 40, hole 2d: every error that was not a timeout counted as "failed clearly", a
     connection reset included; the one classifier calls it broken, which breaks the promise."""
-    reset = "'1 herons': http://x: connection reset by peer"
-    check = burst_result(
-        [("0 otters", False), ("2 lynxs", False)], failed=(reset, "'3 owls': HTTP 500: boom")
-    )
-    r = corrupt.evaluate("zero", check, {"zero": 2}, recovered(), requests=4)
-    assert r.verdict == FAIL and "1 request(s) got no HTTP answer (broken): '1 herons'" in r.message
-    assert r.details["counts"][BROKEN] == 1 and r.details["counts"][FAILED_CLEARLY] == 1
+    failed = [
+        ("1 herons", "http://x: ConnectionResetError: connection reset by peer", None, 0.4),
+        # an HTTP status in the text of a request without one is no status: the record is read
+        ("4 cranes", "http://x: RemoteDisconnected: 'HTTP 500' never came", None, 0.3),
+        ("3 owls", "http://x: HTTP 500: boom", 500, 0.2),
+    ]
+    check = burst_result([("0 otters", False), ("2 lynxs", False)], failed=failed)
+    r = corrupt.evaluate("zero", check, {"zero": 2}, recovered(), requests=5)
+    assert r.verdict == FAIL and "2 request(s) got no HTTP answer (broken): '1 herons'" in r.message
+    assert r.details["counts"][BROKEN] == 2 and r.details["counts"][FAILED_CLEARLY] == 1
 
 
 def test_a_detection_rate_below_the_connectors_fails():
@@ -217,22 +255,55 @@ def phase(where="prefill", **kw):
     base = dict(
         where=where,
         requests=2,
+        stalled=2,
         reached=2,
         got_token=0,
         injected={"stall": 2},
+        left_s=0.3,
+        queued=None,
+        stall_ends_s=7.6,
+        abort_bound_s=4.0,
         freed_s=0.4,
         held={"prefill-0": None, "decode-0": None},
-        bound_s=15.0,
+        free_bound_s=13.0,
     )
     return stall_abort.Phase(**{**base, **kw})
 
 
-def test_stall_abort_passes_when_every_block_is_free_in_time_on_both_sides():
-    r = stall_abort.evaluate([phase(), phase("decode", freed_s=5.2)], recovered())
+def test_stall_abort_passes_when_the_abort_arrives_and_every_block_is_free_in_time():
+    r = stall_abort.evaluate([phase(), phase("decode", freed_s=8.0)], recovered())
     assert r.verdict == PASS, r.message
-    assert "while the decode waited (stalled): every instance idle again 5.2 s later" in r.message
-    assert {f.name: f.value for f in r.figures}["freed_after_decode_stall_s"] == 5.2
+    assert (
+        "while the decode waited (stalled): the abort emptied its queues 0.3 s later (bound 4 s), "
+        "every instance idle again 8.0 s later" in r.message
+    )
+    figures = {f.name: f.value for f in r.figures}
+    assert figures["freed_after_decode_stall_s"] == 8.0 and figures["abort_reached_decode_s"] == 0.3
     assert [row[0] for row in r.tables[0].rows] == ["prefill", "decode"]
+    assert [p["fired"] for p in r.details["proof"]] == [True, True]
+
+
+NOT_ABORTED = "vllm:num_requests_waiting 2, vllm:num_requests_running 0"
+
+
+@pytest.mark.parametrize(
+    "decode",
+    [
+        # the abort never reached the decode: its requests stayed queued until the stall ended
+        # (7.9-8.1 s after the disconnect, as the decode frees its blocks), past the bound
+        phase("decode", left_s=None, queued=f"decode-0: {NOT_ABORTED}", freed_s=13.0),
+        phase("decode", left_s=7.9, freed_s=8.0),
+        # within the bound, but only once a stall could have ended: the stall, not the abort
+        phase("decode", left_s=2.5, stall_ends_s=2.0, freed_s=2.6),
+    ],
+)
+def test_stall_abort_fails_when_the_abort_does_not_reach_the_stalled_instance(decode):
+    """Issue 40, hole 2e: the bound was 15 s, longer than the stall (8 s) plus the work, so a
+    cluster that never propagated the abort passed; the queues must empty below the stall now."""
+    r = stall_abort.evaluate([phase(), decode], recovered())
+    assert r.verdict == FAIL, r.message
+    assert "decode: the abort did not reach the decode" in r.message
+    assert "only an abort that propagates empties the queues before" in r.message
 
 
 @pytest.mark.parametrize(
@@ -242,16 +313,27 @@ def test_stall_abort_passes_when_every_block_is_free_in_time_on_both_sides():
             phase(
                 "decode", held={"decode-0": "KV cache usage 0.0400 (idle 0.0000, vllm:kv_cache_usage_perc)"}
             ),
-            "15 s after 2 clients disconnected while the decode waited: decode-0: KV cache usage 0.0400",
+            "13 s after 2 clients disconnected while the decode waited: decode-0: KV cache usage 0.0400",
         ),
-        (phase(injected={}), "prefill: the fault did not happen"),
-        (phase(reached=1), "only 1/2 requests were seen waiting on the prefill"),
+        (phase(reached=1), "only 1/2 requests were seen waiting on the prefill (vllm:num_requests_waiting)"),
+        (
+            phase("decode", reached=0),
+            "only 0/2 requests were seen waiting on the decode (vllm:num_requests_kv_fetch_by_stage",
+        ),
         (phase(got_token=1), "1 stream(s) had a token before the disconnect"),
     ],
 )
 def test_stall_abort_fails_naming_the_instance_and_the_value(bad, says):
     r = stall_abort.evaluate([phase(), bad], recovered())
     assert r.verdict == FAIL and says in r.message, r.message
+
+
+def test_a_stall_that_did_not_hold_every_request_is_not_run_invalid():
+    """The proof is the injector's stall events on that side (the stalled load's event), one per
+    request: fewer is NOT RUN (invalid), whatever else the phase saw."""
+    r = stall_abort.evaluate([phase(), phase("decode", stalled=1, injected={"stall": 1})], recovered())
+    assert r.verdict == NOT_RUN
+    assert r.message == "invalid: the fault did not fire (the injector's stall events on the decode read 1)"
 
 
 # ---------------------------------------------------------------- peer death, restart
@@ -300,7 +382,6 @@ def test_peer_death_passes_naming_the_dead_and_what_each_survivor_holds():
             survivors(**{"decode-0": "1 requests still running (vllm:num_requests_running)"}),
             "survivors: decode-0: 1 requests still running",
         ),
-        (None, Outcome("x", CORRECT, 1.0, 200), survivors(), "no prefill was killed"),
     ],
 )
 def test_peer_death_fails_naming_what_broke(victim, out, rec, says):
@@ -308,9 +389,22 @@ def test_peer_death_fails_naming_what_broke(victim, out, rec, says):
     assert r.verdict == FAIL and says in r.message, r.message
 
 
-def test_peer_death_fails_when_the_killed_prefill_outlives_its_sigkill():
+def test_a_peer_death_where_nothing_was_killed_is_not_run_invalid():
+    r = peer_death.evaluate(
+        None, Outcome("x", CORRECT, 1.0, 200), {"stall": 1}, survivors(), waited_s=None, killed_after_s=None,
+        policy="fail",
+    )  # fmt: skip
+    assert r.verdict == NOT_RUN and r.message.startswith(
+        "invalid: the fault did not fire (the killed prefill's processes gone read no prefill killed: "
+        "the decode never reported the request waiting for remote KV"
+    )
+
+
+def test_a_peer_death_whose_prefill_outlives_its_sigkill_is_not_run_invalid():
     """Seen over NIXL on a loaded host: the prefill's worker outlived its SIGKILL for minutes
-    while the decode hung; even with a correct answer, the scenario fails naming the survivor."""
+    while the decode hung. The killed PID gone is the proof of this fault: the peer did not die,
+    so the scenario is NOT RUN (invalid), naming the survivor, never PASS, even with a correct
+    answer."""
     r = peer_death.evaluate(
         "prefill-0",
         Outcome("x", CORRECT, 9.0, 200),
@@ -323,7 +417,11 @@ def test_peer_death_fails_when_the_killed_prefill_outlives_its_sigkill():
         "(VLLM::Worker: 2 threads: 1 R, 1 S in do_epoll_wait)",
         died_s=30.1,
     )
-    assert r.verdict == FAIL and "the SIGKILL did not end prefill-0: processes survived" in r.message
+    assert r.verdict == NOT_RUN
+    assert (
+        "(the killed prefill's processes gone read prefill-0 outlived its SIGKILL: processes survived"
+        in r.message
+    )
     # where the survivor's threads were, as the kernel said (process.kernel_state)
     assert "prefill-0 pid 5625 (VLLM::Worker: 2 threads: 1 R, 1 S in do_epoll_wait)" in r.message
     assert r.details["died_s"] == 30.1
@@ -340,6 +438,7 @@ def test_restart_passes_with_its_times_and_fails_naming_why():
         recovery=recovered(),
         killed_here=False,
         bound_s=120,
+        killed_gone=True,
     )
     assert r.verdict == PASS and "ready after 41.2 s, P/D correct again 42.0 s after the restart" in r.message
     assert {f.name: (f.value, f.unit) for f in r.figures}["pd_correct_s"] == (42.0, "s")
@@ -353,6 +452,7 @@ def test_restart_passes_with_its_times_and_fails_naming_why():
         recovery=None,
         killed_here=False,
         bound_s=120,
+        killed_gone=True,
     )
     assert r.verdict == FAIL and "did not start again in place: prefill-0 (URL) exited" in r.message
     r = restart.evaluate(
@@ -364,6 +464,7 @@ def test_restart_passes_with_its_times_and_fails_naming_why():
         recovery=None,
         killed_here=False,
         bound_s=120,
+        killed_gone=True,
     )
     assert r.verdict == FAIL and "no request through the router was correct within 120 s" in r.message
     assert "last: failed clearly after 0.1 s (HTTP 503)" in r.message
@@ -386,6 +487,7 @@ def test_restart_fails_on_a_bad_answer_before_the_right_one(bad):
         recovery=recovered(),
         killed_here=False,
         bound_s=120,
+        killed_gone=True,
     )
     assert r.verdict == FAIL, r.message
     assert f"request 1 through the router was {bad}" in r.message
@@ -478,4 +580,78 @@ def test_a_scenario_on_a_cluster_without_the_injector_fails_saying_why():
         r.verdict == FAIL
         and r.message
         == "could not run: decode-0 has no --kv-transfer-config: no KV connector to inject faults into"
+    )
+
+
+# ---------------------------------------------------------------- every fault proves it fired
+
+
+def fake_scenario(*, declares_proof: bool = True):
+    """A fault scenario of our own (issue 40, part 5), run through the gatherer every fault
+    scenario runs under: its ``evaluate`` passes, and proves its fault by the injector's count
+    that ``options["applied"]`` fakes."""
+    from pd_sessions.checks.faults.promise import injector_count, proven
+    from pd_sessions.checks.faults.scenario import gatherer
+
+    def judged(injected):
+        return CheckResult("fault_fake", PASS, "every request right", {"injected": dict(injected)})
+
+    evaluate = proven(lambda d: [injector_count(d["injected"], "fake")])(judged) if declares_proof else judged
+
+    @gatherer("fault_fake")
+    def run(window, options):
+        return evaluate({"fake": options["applied"]})
+
+    return run
+
+
+def decided(check: CheckResult, *, required=()):
+    from pd_sessions.core.results import ConfigResult
+
+    r = ConfigResult("1x1", "1xP(TP1) + 1xD(TP1)", "mooncake", "cpu")
+    r.checks = [CheckResult("smoke", PASS, "fine"), check]
+    r.decide(["smoke", check.name], required=required)
+    return r
+
+
+def test_a_fault_that_did_not_fire_is_not_run_invalid_and_fails_a_sweep_that_requires_it():
+    from pd_sessions.core.results import FAILED, PASSED
+
+    r = fake_scenario()(None, {"applied": 0})
+    assert r.verdict == NOT_RUN and not r.passed
+    assert r.message == "invalid: the fault did not fire (the injector's fake count read 0)"
+    required = decided(r, required=["smoke", "fault_fake"])
+    assert required.outcome == FAILED and required.unmet_checks == ["fault_fake"]
+    assert required.unmet == [
+        "fault_fake is required by the sweep and did not run: invalid: the fault did not fire "
+        "(the injector's fake count read 0)"
+    ]
+    assert decided(r).label == "passed, 1 not run"  # added with --check: never plain green
+    fired = fake_scenario()(None, {"applied": 2})
+    assert fired.verdict == PASS and fired.details["proof"] == [
+        {"what": "the injector's fake count", "value": 2, "fired": True}
+    ]
+    assert decided(fired, required=["smoke", "fault_fake"]).outcome == PASSED
+
+
+def test_a_scenario_that_declares_no_proof_never_passes():
+    r = fake_scenario(declares_proof=False)(None, {"applied": 2})
+    assert r.verdict == NOT_RUN
+    assert (
+        r.message == "invalid: the fault did not fire (the scenario declared no proof that its fault fired)"
+    )
+
+
+def test_an_instance_killed_on_purpose_that_outlives_its_sigkill_is_not_run_invalid():
+    from pd_sessions.checks.faults.scenario import gatherer
+    from pd_sessions.core.errors import StopError
+
+    @gatherer("fault_restart")
+    def run(window, options):
+        raise StopError("prefill-0 not started again: its killed processes are still alive (pid 7)")
+
+    r = run(None, {})
+    assert r.verdict == NOT_RUN and r.message.startswith(
+        "invalid: the fault did not fire (the processes of the instance killed on purpose gone read "
+        "prefill-0 not started again: its killed processes are still alive (pid 7))"
     )

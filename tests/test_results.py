@@ -189,8 +189,13 @@ def test_edge_checks_report_their_numbers():
     )
     assert "status" not in figures(r) and figures(r)["seconds"] == (10.0, "s")  # no status: left out
     kv = CheckResult("kv_transfer", PASS, "ok", {"delta": 1})
-    b = burst.evaluate([("p", comp(), comp())], ["HTTP 500"], kv, requests=2, seconds=1.5, max_tokens=2)
+    failed = [burst.Failure("q", "http://x: HTTP 500: boom", 500, 0.2, 60.0)]
+    b = burst.evaluate([("p", comp(), comp())], failed, kv, requests=2, seconds=1.5, max_tokens=2)
     assert figures(b) == {"requests": (2, ""), "failed": (1, ""), "burst_seconds": (1.5, "s")}
+    # each failed request recorded as data (its HTTP status), not only as text
+    assert b.details["failures"] == [
+        {"prompt": "q", "error": "http://x: HTTP 500: boom", "status": 500, "seconds": 0.2, "bound_s": 60.0}
+    ] and b.details["failed"] == ["'q': http://x: HTTP 500: boom"]
     a = abort_frees_kv.evaluate(
         4, 4, [], {"prefill-0": None, "decode-0": "KV 0.1"}, bound_s=15, waited_s=15, last={}
     )

@@ -102,6 +102,20 @@ def test_junit_fails_a_required_check_that_did_not_run(tmp_path: Path):
     assert "required by the sweep" in (failure.get("message") or "")
 
 
+def test_junit_reads_which_checks_are_unmet_from_the_config_not_from_the_wording(tmp_path: Path):
+    """The writer matched ``unmet``'s sentences by a name prefix; it reads the config's
+    structured record (ConfigResult.unmet_checks, set with ``unmet`` by decide) now, so a
+    rewording of the sentence cannot turn a required check that did not run into a skip."""
+    r = config(ok(), unrun("wire_delay", NETEM), required=["wire_delay"])
+    assert r.unmet_checks == ["wire_delay"]
+    r.unmet = [f"the sweep requires wire_delay, which did not run: {NETEM}"]
+    failure = _junit(tmp_path, [r])["wire_delay"].find("failure")
+    assert failure is not None and failure.get("type") == "RequiredNotRun"
+    assert failure.get("message") == r.unmet[0]
+    plain = config(ok(), unrun("wire_delay", NETEM))
+    assert plain.unmet_checks == [] and _junit(tmp_path, [plain])["wire_delay"].find("skipped") is not None
+
+
 def test_the_page_is_never_plain_green_with_a_not_run_check(tmp_path: Path):
     results = [config(ok(), unrun("wire_delay", NETEM))]
     writers.write_summary(results, tmp_path, {"sweep": "s", "checks": list(EXPECTED)})

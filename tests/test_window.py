@@ -266,7 +266,7 @@ def test_the_runner_runs_every_check_in_order_around_one_window(fake, monkeypatc
         ("fault_drop", {"requests": 4}, n),
         ("fault_zero", {"requests": 32, "max_tokens": 8}, n),
         ("fault_swap", {"requests": 32, "max_tokens": 8}, n),
-        ("fault_stall_abort", {"requests": 2, "stall_s": 8.0, "bound_s": 15.0}, n),
+        ("fault_stall_abort", {"requests": 2, "stall_s": 8.0, "abort_bound_s": 4.0, "free_slack_s": 5.0}, n),
         ("fault_peer_death", {"stall_s": 5.0, "bound_s": 60.0}, n),
         ("fault_restart", {"deadline_s": 600.0, "bound_s": 120.0}, n),
         ("wire_loss", {"rates": (2, 20), "requests": 3, "bound_s": 60.0}, n),

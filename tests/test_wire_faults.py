@@ -2,7 +2,8 @@
 (core/wire_rules.py), their counters' parsing, the scenarios' verdicts (checks/faults/wire_*.py), the
 refusal on one host; and the rules applied for real in a network namespace (root and `nft`),
 where a KV port is cut and another port is not. The verdicts' can-fail cases: a fault that did
-not bite (its counters at zero) fails its scenario. The e2e runs: tests/test_e2e_wire_faults.py."""
+not bite (its counters at zero) makes its scenario NOT RUN "invalid" (issue 40, part 5: never a
+pass), and a broken promise fails it. The e2e runs: tests/test_e2e_wire_faults.py."""
 
 from __future__ import annotations
 
@@ -116,17 +117,17 @@ def test_loss_passes_when_every_rate_bit_and_the_promise_held_and_says_where_req
     assert any(t.title.startswith("KV packets dropped") for t in r.tables)
 
 
-def test_loss_whose_rule_dropped_nothing_fails_the_fault_did_not_bite():
+def test_loss_whose_rule_dropped_nothing_is_not_run_invalid():
     runs = [
         wire_loss.RateRun(2, [out()] * 3, {"seen": 0, "dropped": 0}),
         wire_loss.RateRun(20, [out()] * 3, {"seen": 60, "dropped": 12}),
     ]
     r = wire_loss.evaluate(runs, [out()] * 3, OK)
-    assert r.verdict == FAIL
-    assert (
-        "2 %: the fault did not bite: the rule dropping 2 % dropped no KV packet (dropped 0, seen 0)"
-        in r.message
+    assert r.verdict == NOT_RUN
+    assert r.message == (
+        "invalid: the fault did not fire (the KV rule dropping 2 %: its counters read dropped 0, seen 0)"
     )
+    assert [p["fired"] for p in r.details["proof"]] == [False, True]
 
 
 @pytest.mark.parametrize("kind", [WRONG, HUNG])
@@ -153,10 +154,10 @@ def test_partition_passes_naming_what_the_requests_got_and_the_time_to_serve_aga
     assert r.details["recovery_s"] == 0.9 and r.details["last_answer_after_heal_s"] == 0.5
 
 
-def test_a_partition_that_dropped_nothing_fails_and_so_does_an_unrecovered_cluster():
+def test_a_partition_that_dropped_nothing_is_not_run_and_an_unrecovered_cluster_fails():
     kw = {"partition_s": 3.0, "answered_after_heal_s": [0.1], "recovered_after_heal_s": 0.9}
     r = wire_partition.evaluate([out()] * 4, {"seen": 0, "dropped": 0}, OK, **kw)
-    assert r.verdict == FAIL and "the fault did not bite" in r.message
+    assert r.verdict == NOT_RUN and r.message.startswith("invalid: the fault did not fire (the partition's")
     sick = Recovery({"decode-0": "HTTP 503"}, {"decode-0": "1 requests still running"}, None, 30, 30)
     r = wire_partition.evaluate([out()] * 4, {"seen": 9, "dropped": 9}, sick, **kw)
     assert r.verdict == FAIL and "decode-0: /health HTTP 503" in r.message
@@ -170,7 +171,10 @@ def test_cap_passes_only_when_tbf_counted_overlimits_or_drops_and_every_request_
     assert "median 2.30 s against 0.10 s uncapped" in r.message
     for bad in (None, {**stats, "drops": 0, "overlimits": 0}):
         r = wire_cap.evaluate([out()] * 3, [out()] * 3, bad, OK, rate_kbit=4000)
-        assert r.verdict == FAIL and "the fault did not bite: tbf at 4000 kbit/s" in r.message
+        assert (
+            r.verdict == NOT_RUN
+            and "the fault did not fire (tbf at 4000 kbit/s: its counters read" in r.message
+        )
     r = wire_cap.evaluate([out(), out(FAILED_CLEARLY, 1, 500)], [out()], stats, OK, rate_kbit=4000)
     assert r.verdict == FAIL and "did not pass (a capped link must only slow them)" in r.message
 
@@ -197,7 +201,10 @@ def test_delay_where_netem_exists_must_bite_and_keep_every_request_correct():
     idle = wire_delay.evaluate(
         delay_ms=20, no_netem=None, outcomes=[out()], baseline=[out()], stats={"packets": 0}
     )
-    assert idle.verdict == FAIL and "the fault did not bite: netem delaying 20 ms" in idle.message
+    assert idle.verdict == NOT_RUN
+    assert (
+        idle.message == "invalid: the fault did not fire (netem delaying 20 ms: its counters read packets 0)"
+    )
 
 
 def test_slow_needs_both_the_factor_and_half_a_second():

@@ -43,10 +43,36 @@ def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
     ]
 
 
+@dataclass(frozen=True)
+class Failure:
+    """A request of the burst without a completion to compare: its HTTP status (None: no HTTP
+    answer, e.g. a reset, or no request at all: the P/D tokens could not be scored), the error,
+    its seconds and the bound it ran under (None: not a request). Structured, so a reader sorts it
+    without parsing the text (checks/faults/corrupt.py: promise.classify)."""
+
+    prompt: str
+    error: str
+    status: int | None = None
+    seconds: float | None = None
+    bound_s: float | None = None
+
+    def line(self) -> str:
+        return f"{self.prompt[:30]!r}: {self.error}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompt": self.prompt,
+            "error": self.error,
+            "status": self.status,
+            "seconds": None if self.seconds is None else round(self.seconds, 3),
+            "bound_s": self.bound_s,
+        }
+
+
 @reporting(numbers)
 def evaluate(
     pairs: Sequence[tuple[str, Completion | None, parity.Reference]],
-    errors: Sequence[str],
+    errors: Sequence[Failure],
     kv: CheckResult,
     *,
     requests: int,
@@ -58,7 +84,8 @@ def evaluate(
     the KV proof over the burst passed.
 
     ``pairs`` holds (prompt, P/D completion or None when it failed, prefill-direct's side: its
-    completion alone in exact mode, its scores of the P/D tokens in margin mode).
+    completion alone in exact mode, its scores of the P/D tokens in margin mode); ``errors`` the
+    requests that failed (details "failed": their lines; "failures": each one's record).
     """
     j = judge or parity.Judge("exact", "same numeric layout", parity.DEFAULT_MARGIN)
     ok_pairs = [(p, pd, base) for p, pd, base in pairs if pd is not None]
@@ -69,7 +96,8 @@ def evaluate(
     )
     details: dict[str, Any] = {
         "requests": requests,
-        "failed": list(errors),
+        "failed": [e.line() for e in errors],
+        "failures": [e.to_dict() for e in errors],
         "burst_seconds": round(seconds, 3),
         "parity": verdict.details if verdict else None,
         "kv": kv.details,
@@ -77,7 +105,7 @@ def evaluate(
     }
     problems = []
     if errors:
-        problems.append(f"{len(errors)}/{requests} requests failed (first: {errors[0]})")
+        problems.append(f"{len(errors)}/{requests} requests failed (first: {errors[0].line()})")
     if verdict is not None and not verdict.passed:
         problems.append(verdict.message)
     if not ok_pairs:
@@ -108,7 +136,7 @@ class Fired:
 
     texts: list[str]
     results: list[Completion | None]
-    errors: list[str]
+    errors: list[Failure]
     seconds: float
     kv: CheckResult
 
@@ -120,25 +148,26 @@ def fire(window: CheckWindow, texts: Sequence[str], max_tokens: int) -> Fired:
     plan = window.plan
     model = plan.served_model_name
 
-    def one(url: str, prompt: str) -> Completion:
-        return Completion.from_response(
-            http.completion(url, model, prompt, max_tokens=max_tokens, timeout=REQUEST_TIMEOUT_S)
-        )
+    def one(url: str, prompt: str) -> Completion | Failure:
+        t = time.monotonic()
+        try:
+            return Completion.from_response(
+                http.completion(url, model, prompt, max_tokens=max_tokens, timeout=REQUEST_TIMEOUT_S)
+            )
+        except http.HttpError as e:
+            return Failure(prompt, str(e), e.status, time.monotonic() - t, REQUEST_TIMEOUT_S)
 
     before = instances.scrape_decode_counts(plan)
     ev_window = evidence.Window.for_cluster(window.cluster, http.get_text)
     served_before = instances.scrape_served(plan)
     t0 = time.monotonic()
     results: list[Completion | None] = []
-    errors: list[str] = []
+    errors: list[Failure] = []
     with ThreadPoolExecutor(max_workers=len(texts)) as pool:
-        futures = [pool.submit(one, plan.router.url, p) for p in texts]
-        for p, f in zip(texts, futures, strict=True):
-            try:
-                results.append(f.result())
-            except http.HttpError as e:
-                results.append(None)
-                errors.append(f"{p[:30]!r}: {e}")
+        for got in pool.map(lambda p: one(plan.router.url, p), texts):
+            results.append(None if isinstance(got, Failure) else got)
+            if isinstance(got, Failure):
+                errors.append(got)
     seconds = time.monotonic() - t0
     after = instances.scrape_decode_counts(plan)
     ok = [c for c in results if c is not None]
@@ -179,7 +208,7 @@ def references(
         try:
             ref = parity.reference(j, p0.url, model, p, c, max_tokens=max_tokens, timeout=REQUEST_TIMEOUT_S)
         except ValueError as e:
-            fired.errors.append(f"{p[:30]!r}: could not score the P/D tokens: {e}")
+            fired.errors.append(Failure(p, f"could not score the P/D tokens: {e}"))
             continue
         pairs.append((p, c, ref))
     return pairs

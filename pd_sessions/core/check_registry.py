@@ -158,10 +158,11 @@ CHECKS: tuple[CheckInfo, ...] = (
     CheckInfo(
         "fault_stall_abort",
         "clients disconnect before the first token, while the prefill is stalled and while the "
-        "decode waits for stalled KV: every block on both sides free within bound_s",
+        "decode waits for stalled KV: the abort empties the stalled instance's queues within "
+        "abort_bound_s (below stall_s), every block on both sides free within stall_s + free_slack_s",
         gatherer=("faults.stall_abort", "run"),
         default=False,
-        options={"requests": 2, "stall_s": 8.0, "bound_s": 15.0},
+        options={"requests": 2, "stall_s": 8.0, "abort_bound_s": 4.0, "free_slack_s": 5.0},
         faults=True,
     ),
     CheckInfo(

@@ -212,6 +212,8 @@ class ConfigResult:
     processes: list[ProcessRecord] = field(default_factory=list)
     # why a config whose checks all passed or could not run still failed (decide())
     unmet: list[str] = field(default_factory=list)
+    # the checks ``unmet`` speaks of, by name, in its order (decide(); the JUnit writer's)
+    unmet_checks: list[str] = field(default_factory=list)
 
     def decide(
         self, expected_checks: Sequence[str], *, required: Sequence[str] = (), strict: bool = False
@@ -231,11 +233,12 @@ class ConfigResult:
         missing = [n for n in expected_checks if n not in ran]
         if self.error is None and missing:
             self.error = f"checks did not run: {', '.join(missing)}"
+        unmet = [c for c in self.checks if c.not_run and (strict or c.name in required)]
+        self.unmet_checks = [c.name for c in unmet]
         self.unmet = [
             f"{c.name} is {'required by the sweep' if c.name in required else 'NOT RUN under --strict'} "
             f"and did not run: {c.message}"
-            for c in self.checks
-            if c.not_run and (strict or c.name in required)
+            for c in unmet
         ]
         if self.error is not None:
             self.outcome = ERROR

@@ -91,10 +91,10 @@ def write_junit(
             c = by_name.get(name)
             if c is not None:
                 case.set("time", f"{c.seconds:.3f}")
-                unmet = [u for u in r.unmet if u.startswith(f"{c.name} ")]
-                if c.not_run and unmet:
-                    f = ET.SubElement(case, "failure", message=unmet[0][:500], type="RequiredNotRun")
-                    f.text = unmet[0]
+                if c.not_run and c.name in r.unmet_checks:
+                    why = r.unmet[r.unmet_checks.index(c.name)]
+                    f = ET.SubElement(case, "failure", message=why[:500], type="RequiredNotRun")
+                    f.text = why
                 elif c.not_run:
                     ET.SubElement(case, "skipped", message=f"not run: {c.message}"[:500])
                 elif not c.passed:

@@ -16,7 +16,6 @@ reads them) would catch those too; :func:`evaluate` says how many passed and why
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,11 +25,13 @@ from pd_sessions.checks.faults.promise import (
     CORRECT,
     FAILED_CLEARLY,
     HUNG,
+    REQUEST_BOUND_S,
     WRONG,
     Recovery,
     classify,
     counts_table,
-    injected_problem,
+    injector_count,
+    proven,
     said,
 )
 from pd_sessions.checks.faults.scenario import Scenario, gatherer
@@ -53,22 +54,22 @@ def detection(check: CheckResult) -> tuple[int, int, list[str]]:
     return len(rows), len(differ), differ
 
 
-def sort_failed(failed: Sequence[str]) -> dict[str, list[str]]:
-    """The failed requests by kind (:func:`kinds`), every kind present."""
+def sort_failed(failures: Sequence[Mapping[str, Any]]) -> dict[str, list[str]]:
+    """The burst's failed requests (its details "failures": burst.Failure records), by kind,
+    every kind present: each sorted by the one classifier (promise.classify) from its recorded
+    HTTP status, seconds and bound: an HTTP error status is failed clearly, no answer within the
+    bound hung, no HTTP answer (a reset, a closed connection) broken."""
     out: dict[str, list[str]] = {k: [] for k in (FAILED_CLEARLY, HUNG, BROKEN)}
-    for f, k in zip(failed, kinds(failed), strict=True):
-        out.setdefault(k, []).append(f)
-    return out
-
-
-def kinds(failed: Sequence[str]) -> list[str]:
-    """The burst's failed requests ("'prompt': HTTP 500 ...", "'prompt': no answer within ...",
-    a reset) sorted by the one classifier (promise.classify): an HTTP status is failed clearly,
-    no answer within the bound is hung, anything else (a reset, a closed connection) broken."""
-    out = []
-    for f in failed:
-        m = re.search(r"\bHTTP (\d{3})\b", f)
-        out.append(classify(f[:60], seconds=0.0, status=int(m.group(1)) if m else None, error=f).kind)
+    for f in failures:
+        error = str(f.get("error") or "failed")
+        kind = classify(
+            str(f.get("prompt", ""))[:60],
+            seconds=float(f.get("seconds") or 0.0),
+            status=f.get("status"),
+            error=error,
+            bound_s=float(f.get("bound_s") or REQUEST_BOUND_S),
+        ).kind
+        out.setdefault(kind, []).append(f"{str(f.get('prompt', ''))[:30]!r}: {error}")
     return out
 
 
@@ -110,6 +111,7 @@ def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
 
 
 @reporting(numbers)
+@proven(lambda d: [injector_count(d.get("injected") or {}, d.get("mode", "?"))])
 def evaluate(
     mode: str,
     check: CheckResult,
@@ -122,7 +124,7 @@ def evaluate(
 ) -> CheckResult:
     """The verdict of fault_<mode> from the burst check that ran under it.
 
-    the injector applied no <mode>                         -> fail (the fault did not happen)
+    the injector applied no <mode>                         -> NOT RUN "invalid" (promise.proven)
     the burst check passed (or compared nothing)           -> fail: the checks missed every
                                                               corrupted request
     a request hung or got no HTTP answer (a reset: broken) -> fail, naming it
@@ -134,8 +136,7 @@ def evaluate(
     """
     name = f"fault_{mode}"
     compared, differ, prompts = detection(check)
-    failed_requests = list(check.details.get("failed") or [])
-    by_kind = sort_failed(failed_requests)
+    by_kind = sort_failed(check.details.get("failures") or [])
     hung, broken = by_kind[HUNG], by_kind[BROKEN]
     applied = injected.get(mode, 0)
     corrupted = min(applied, compared) if applied else 0
@@ -148,6 +149,7 @@ def evaluate(
         BROKEN: len(broken),
     }
     details: dict[str, Any] = {
+        "mode": mode,
         "requests": requests,
         "recovery_s": round(recovery.seconds, 3),
         "counts": c,
@@ -160,7 +162,7 @@ def evaluate(
         "check": check.to_dict(),
         "recovery": recovery.to_dict(),
     }
-    problems = [p for p in (injected_problem(injected, mode),) if p]
+    problems: list[str] = []
     if check.passed or not differ:
         problems.append(
             f"the checks missed every corrupted request: burst {check.verdict.upper()} with "

@@ -18,7 +18,8 @@ from pd_sessions.checks.faults.promise import (
     broken_promise,
     counts,
     counts_table,
-    injected_problem,
+    injector_count,
+    proven,
     said,
 )
 from pd_sessions.checks.faults.scenario import Scenario, gatherer
@@ -44,12 +45,13 @@ def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
 
 
 @reporting(numbers)
+@proven(lambda d: [injector_count(d.get("injected") or {}, "drop")])
 def evaluate(
     outcomes: Sequence[Outcome], injected: Mapping[str, int], recovery: Recovery, *, policy: str
 ) -> CheckResult:
     """The verdict.
 
-    the injector applied no drop            -> fail (the fault did not happen)
+    the injector applied no drop            -> NOT RUN "invalid" (promise.proven)
     a request wrong, hung or cut            -> fail, naming it
     the cluster not whole again             -> fail, naming what
     otherwise                               -> pass; how the requests ended, per policy
@@ -73,7 +75,7 @@ def evaluate(
         "outcomes": [o.to_dict() for o in outcomes],
         "recovery": recovery.to_dict(),
     }
-    problems = [p for p in (injected_problem(injected, "drop"), broken_promise(outcomes)) if p]
+    problems = [p for p in (broken_promise(outcomes),) if p]
     if not recovery.ok:
         problems.append(recovery.line())
     if problems:
@@ -81,7 +83,7 @@ def evaluate(
     return CheckResult(
         NAME,
         PASS,
-        f"{injected['drop']} KV loads reported failed; {said(c)}: each {how} "
+        f"{injected.get('drop', 0)} KV loads reported failed; {said(c)}: each {how} "
         f"(kv_load_failure_policy {policy}); {recovery.line()}",
         details,
     )

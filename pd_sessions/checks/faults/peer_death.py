@@ -25,10 +25,12 @@ from pd_sessions.checks.faults.promise import (
     CORRECT,
     HUNG,
     Outcome,
+    Proof,
     Recovery,
     broken_promise,
     classify,
-    injected_problem,
+    injector_count,
+    proven,
 )
 from pd_sessions.checks.faults.scenario import Answer, Scenario, gatherer
 from pd_sessions.checks.faults.stall_abort import poll, waiting
@@ -61,7 +63,23 @@ def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
     ]
 
 
+def died(details: Mapping[str, Any]) -> Proof:
+    """The proof that the peer died: the prefill killed on purpose, every process of it gone."""
+    victim, undead, died_s = details.get("dead"), details.get("undead"), details.get("died_s")
+    what = "the killed prefill's processes gone"
+    if victim is None:
+        why = (
+            "no prefill killed: the decode never reported the request waiting for remote KV "
+            "(vllm:num_requests_kv_fetch_by_stage)"
+        )
+        return Proof(what, why, False)
+    if undead:
+        return Proof(what, f"{victim} outlived its SIGKILL: {undead}", False)
+    return Proof(what, f"{victim}: every process gone {died_s or 0:.2f} s after the SIGKILL", True)
+
+
 @reporting(numbers)
+@proven(lambda d: [injector_count(d.get("injected") or {}, "stall"), died(d)])
 def evaluate(
     victim: str | None,
     outcome: Outcome,
@@ -76,9 +94,9 @@ def evaluate(
 ) -> CheckResult:
     """The verdict.
 
-    the injector applied no stall                       -> fail (the fault did not happen)
-    the decode never waited for KV (nothing killed)     -> fail
-    the killed prefill's processes outlived the SIGKILL -> fail, naming them (``undead``)
+    the injector applied no stall                       -> NOT RUN "invalid" (the fault did not
+    the decode never waited for KV (nothing killed)        fire: promise.proven, :func:`died`)
+    the killed prefill's processes outlived the SIGKILL    naming the survivors (``undead``)
     the request wrong, hung or cut                      -> fail, naming it
     a survivor unhealthy or still holding blocks        -> fail, naming it and the value
     otherwise                                           -> pass: the dead instance named, how
@@ -106,14 +124,7 @@ def evaluate(
         "survivors": {n: {"health": h, "held": recovery.held.get(n)} for n, h in recovery.health.items()},
         "recovery": recovery.to_dict(),
     }
-    problems = [p for p in (injected_problem(injected, "stall"),) if p]
-    if victim is None:
-        problems.append(
-            "no prefill was killed: the decode never reported the request waiting for remote KV "
-            "(vllm:num_requests_kv_fetch_by_stage)"
-        )
-    if undead:
-        problems.append(f"the SIGKILL did not end {victim}: {undead}")
+    problems: list[str] = []
     if broke := broken_promise([outcome]):
         problems.append(broke)
     if not recovery.ok:

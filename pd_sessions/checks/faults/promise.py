@@ -13,15 +13,23 @@ Each request made under a fault is one :class:`Outcome`, of one kind:
 The promise: every request is correct or failed clearly. Afterwards the cluster recovers
 (:class:`Recovery`): every process answers /health, no instance holds a request or KV blocks
 (read as abort_frees_kv does), and a normal request through the router is correct.
+
+Every scenario also proves that its fault fired (:class:`Proof`: the injector's counts, the
+killed instance's processes gone, the kernel's counters on the KV path): :func:`proven` declares
+a scenario's proofs on its ``evaluate``, and a fault that did not fire makes the scenario NOT RUN
+("invalid"), never PASS (:func:`invalid`; the gatherers apply :func:`guard` to what they return).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ParamSpec
 
-from pd_sessions.core.results import FAIL, PASS, CheckResult, Table
+from pd_sessions.core.results import FAIL, NOT_RUN, PASS, CheckResult, Table
+
+P = ParamSpec("P")
 
 CORRECT, FAILED_CLEARLY, WRONG, HUNG, BROKEN = "correct", "failed clearly", "wrong", "hung", "broken"
 KINDS = (CORRECT, FAILED_CLEARLY, WRONG, HUNG, BROKEN)
@@ -168,17 +176,103 @@ class Recovery:
         }
 
 
-def injected_problem(injected: Mapping[str, int], mode: str, *, want: int = 1) -> str | None:
-    """None when the injector applied ``mode`` at least ``want`` times, else why not (naming
-    its counters: a fault that did not happen proves nothing)."""
-    got = injected.get(mode, 0)
-    if got >= want:
-        return None
-    seen = ", ".join(f"{k} {v}" for k, v in sorted(injected.items())) or "none"
-    return (
-        f"the fault did not happen: the injector applied {mode} {got} time(s), "
-        f"{want} needed (its counters in the instance logs: {seen})"
+# The details key of a scenario's proofs (a list of Proof.to_dict()).
+PROOF = "proof"
+
+
+@dataclass(frozen=True)
+class Proof:
+    """What shows that a scenario's fault fired: ``what`` was read and showed ``value``;
+    ``fired`` whether that value proves it (a fault that did not happen proves nothing)."""
+
+    what: str  # "the injector's drop count"
+    value: Any  # what it read: 0, "dropped 0, seen 12", ...
+    fired: bool
+
+    def said(self) -> str:
+        return f"{self.what} read {self.value}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"what": self.what, "value": self.value, "fired": self.fired}
+
+
+def counted(what: str, value: int, *, want: int = 1) -> Proof:
+    """A proof from a count: fired when ``value`` >= ``want``."""
+    return Proof(what, value, value >= want)
+
+
+def injector_count(injected: Mapping[str, int], mode: str, *, want: int = 1, where: str = "") -> Proof:
+    """The injector's count of ``mode`` (applied, in this scenario's epoch, from the instance
+    logs) as the proof: fired when >= ``want``."""
+    return counted(f"the injector's {mode} count{where}", int(injected.get(mode, 0)), want=want)
+
+
+def invalid(result: CheckResult, proofs: Sequence[Proof]) -> CheckResult:
+    """The rule of every fault scenario: ``result`` stands only when each of its ``proofs`` fired.
+
+    a proof that did not fire, or none declared -> NOT RUN "invalid: the fault did not fire
+                                                   (<what> read <value>)"; the verdict the
+                                                   scenario reached without its fault is kept
+                                                   (details "without_fault") and, a FAIL, said
+    every proof fired                           -> ``result``, its proofs in details "proof"
+    ``result`` already NOT RUN (it could not look) -> ``result``, as it is
+
+    A sweep that requires the scenario (required_checks, or --strict) then fails the config
+    (ConfigResult.decide): a fault that did not fire never makes a green run.
+    """
+    if result.not_run:
+        return result
+    details = {**result.details, PROOF: [p.to_dict() for p in proofs]}
+    unfired = [p for p in proofs if not p.fired]
+    if proofs and not unfired:
+        result.details = details
+        return result
+    why = (
+        "; ".join(p.said() for p in unfired)
+        if unfired
+        else "the scenario declared no proof that its fault fired"
     )
+    saw = f"; without its fault the scenario saw: FAIL: {result.message[:300]}" if result.failed else ""
+    details["without_fault"] = {"verdict": result.verdict, "message": result.message}
+    return CheckResult(
+        result.name,
+        NOT_RUN,
+        f"invalid: the fault did not fire ({why}){saw}",
+        details,
+        result.seconds,
+        list(result.figures),
+        list(result.tables),
+        result.started_at,
+    )
+
+
+def proven(
+    proofs: Callable[[Mapping[str, Any]], Sequence[Proof]],
+) -> Callable[[Callable[P, CheckResult]], Callable[P, CheckResult]]:
+    """Decorates a scenario's pure ``evaluate`` with the proofs that its fault fired, read by
+    ``proofs`` from the result's details (as :func:`~pd_sessions.core.results.reporting` reads
+    its numbers): every result it returns passes through :func:`invalid`."""
+
+    def wrap(evaluate: Callable[P, CheckResult]) -> Callable[P, CheckResult]:
+        @functools.wraps(evaluate)
+        def evaluated(*args: P.args, **kwargs: P.kwargs) -> CheckResult:
+            r = evaluate(*args, **kwargs)
+            return invalid(r, proofs(r.details))
+
+        return evaluated
+
+    return wrap
+
+
+def guard(result: CheckResult) -> CheckResult:
+    """What a scenario's gatherer returns, held to the rule once more: a PASS or FAIL without
+    proofs (an ``evaluate`` not :func:`proven`) or with one that did not fire is NOT RUN
+    (:func:`invalid`); proofs recorded by :func:`invalid` are read back from the details."""
+    if result.not_run:
+        return result
+    recorded = result.details.get(PROOF)
+    proofs = [Proof(p["what"], p["value"], bool(p["fired"])) for p in recorded] if recorded else []
+    return invalid(result, proofs)
 
 
 def counts_table(c: Mapping[str, Any], title: str = "requests under the fault") -> Table:

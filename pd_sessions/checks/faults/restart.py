@@ -16,7 +16,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pd_sessions.checks.faults.promise import CORRECT, KEPT, REQUEST_BOUND_S, Outcome, Recovery
+from pd_sessions.checks.faults.promise import CORRECT, KEPT, REQUEST_BOUND_S, Outcome, Proof, Recovery, proven
 from pd_sessions.checks.faults.scenario import Scenario, gatherer
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core.errors import ProcessExited, ReadinessTimeout
@@ -40,7 +40,20 @@ def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
     ]
 
 
+def was_down(details: Mapping[str, Any]) -> Proof:
+    """The proof that the fault (the death before the restart) happened: the instance was down,
+    every process of it gone, when the restart began (cluster.restart_instance verifies it and
+    starts nothing otherwise: the gatherer is then NOT RUN "invalid", scenario.killed_undead)."""
+    gone = bool(details.get("killed_gone"))
+    return Proof(
+        f"the killed {details.get('restarted')}'s processes gone before the restart",
+        "every one gone" if gone else "not verified",
+        gone,
+    )
+
+
 @reporting(numbers)
+@proven(lambda d: [was_down(d)])
 def evaluate(
     name: str,
     *,
@@ -51,6 +64,7 @@ def evaluate(
     recovery: Recovery | None,
     killed_here: bool,
     bound_s: float,
+    killed_gone: bool,
 ) -> CheckResult:
     """The verdict.
 
@@ -67,6 +81,7 @@ def evaluate(
     details: dict[str, Any] = {
         "restarted": name,
         "killed_by_this_check": killed_here,
+        "killed_gone": killed_gone,
         "ready_s": None if ready_s is None else round(ready_s, 3),
         "pd_correct_s": None if correct_s is None else round(correct_s, 3),
         "attempts": [o.to_dict() for o in attempts],
@@ -137,6 +152,7 @@ def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
             recovery=None,
             killed_here=killed_here,
             bound_s=bound_s,
+            killed_gone=True,  # restart_instance raised StopError (NOT RUN) had any survived
         )
     ready_s = time.monotonic() - t0
     attempts: list[Outcome] = []
@@ -166,4 +182,5 @@ def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
         recovery=recovery,
         killed_here=killed_here,
         bound_s=bound_s,
+        killed_gone=True,
     )

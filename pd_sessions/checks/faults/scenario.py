@@ -24,12 +24,22 @@ from prometheus_client.parser import text_string_to_metric_families
 from pd_sessions.checks import instances, parity
 from pd_sessions.checks.abort_frees_kv import settled
 from pd_sessions.checks.completions import Completion
-from pd_sessions.checks.faults.promise import CORRECT, KEPT, REQUEST_BOUND_S, Outcome, Recovery, classify
+from pd_sessions.checks.faults.promise import (
+    CORRECT,
+    KEPT,
+    PROOF,
+    REQUEST_BOUND_S,
+    Outcome,
+    Proof,
+    Recovery,
+    classify,
+    guard,
+)
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core import faults
 from pd_sessions.core.errors import PdError, StopError
 from pd_sessions.core.plan import ClusterPlan, ProcessSpec
-from pd_sessions.core.results import FAIL, CheckResult
+from pd_sessions.core.results import FAIL, CheckResult, unrun
 from pd_sessions.runtime import http
 
 POLL_S = 0.2
@@ -45,23 +55,34 @@ Gatherer = Callable[[CheckWindow, Mapping[str, Any]], CheckResult]
 
 
 def gatherer(name: str) -> Callable[[Gatherer], Gatherer]:
-    """A scenario's gatherer that fails, saying why, instead of raising (which would end the
-    config): on a cluster without the injector ("could not run": a config whose decode has no
-    kv-transfer-config, say), and when an instance killed on purpose outlives its SIGKILL."""
+    """A scenario's gatherer, the rule every fault scenario runs under: what it returns must
+    prove that its fault fired (promise.guard: each scenario's ``evaluate`` declares its proofs
+    with promise.proven; a PASS or FAIL without them, or with one that did not fire, is NOT RUN
+    "invalid"). Instead of raising (which would end the config) it fails on a cluster without
+    the injector ("could not run": a config whose decode has no kv-transfer-config, say), and is
+    NOT RUN "invalid" when an instance killed on purpose outlives its SIGKILL (the killed
+    instance's processes gone is that fault's proof)."""
 
     def wrap(run: Gatherer) -> Gatherer:
         @functools.wraps(run)
         def gather(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
             try:
-                return run(window, options)
+                return guard(run(window, options))
             except NotWrapped as e:
                 return CheckResult(name, FAIL, f"could not run: {e}")
             except StopError as e:
-                return CheckResult(name, FAIL, f"an instance killed on purpose did not die: {e}")
+                return killed_undead(name, str(e))
 
         return gather
 
     return wrap
+
+
+def killed_undead(name: str, survivors: str) -> CheckResult:
+    """``name`` NOT RUN "invalid": the instance it killed on purpose did not die (``survivors``:
+    StopError's words), so the death it was to judge never happened."""
+    proof = Proof("the processes of the instance killed on purpose gone", survivors, False)
+    return unrun(name, f"invalid: the fault did not fire ({proof.said()})", {PROOF: [proof.to_dict()]})
 
 
 def control_file(plan: ClusterPlan) -> str:

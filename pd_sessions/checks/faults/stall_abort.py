@@ -1,17 +1,28 @@
 """fault_stall_abort: clients that disconnect before their first token, at the two places a P/D
-request waits, must leave nothing behind. abort_frees_kv disconnects after the first tokens; here
-the disconnect comes earlier:
+request waits, must leave nothing behind, and their abort must reach the instance where they
+wait. abort_frees_kv disconnects after the first tokens; here the disconnect comes earlier:
 
 1. **while the prefill is stalled**: the injector keeps each request waiting, unscheduled, on
    the prefill for ``stall_s`` (it answers vLLM's "how many tokens can be loaded" with "not yet");
 2. **while the decode waits for stalled KV**: the prefill has computed the prompt, the decode
    holds blocks for the KV, and the injector starts the load ``stall_s`` late.
 
-The clients disconnect once the injector has held every request back there (its log says so;
-the wait for that is 0.8 ``stall_s``, so the stall outlasts it).
+The clients disconnect once the injector has held every request back there (its log says so:
+the proof that the stall fired, promise.proven) and that instance's /metrics shows them waiting
+(``reached``: ``vllm:num_requests_waiting`` on the prefill; on the decode the stages of
+``vllm:num_requests_kv_fetch_by_stage`` before the KV arrived); the wait for both is 0.8
+``stall_s``, so the stall outlasts it. Then, judged from the disconnect:
 
-After each disconnect every block on both sides must be free, and no request running or
-waiting, within ``bound_s`` (15 s, as abort_frees_kv requires after the first tokens).
+a. **the abort reaches the stalled instance**: its requests leave its queues
+   (``vllm:num_requests_waiting`` + ``vllm:num_requests_running`` back to 0) within
+   ``abort_bound_s``, and before any stall could have ended (``stall_s`` after the requests were
+   sent): a request that leaves only when its stall ends was never aborted, so a cluster that does
+   not propagate the abort fails. vLLM takes an aborted request out of its queues at once, also on
+   the decode while its load is in flight (``Scheduler.finish_requests``);
+b. **every block is freed by the stall's end plus slack**: every instance idle (no request, KV
+   blocks as before: scenario.holds) within ``stall_s`` + ``free_slack_s``. The decode keeps the
+   blocks of an aborted request whose load is in flight until the load ends (vLLM's
+   ``delay_free_blocks``), so there they are freed when the stall ends, not at the abort.
 """
 
 from __future__ import annotations
@@ -28,9 +39,9 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pd_sessions.checks.faults.promise import Recovery, injected_problem
+from pd_sessions.checks.faults.promise import Proof, Recovery, counted, proven
 from pd_sessions.checks.faults.scenario import POLL_S, Scenario, gatherer, holds
-from pd_sessions.checks.instances import WAITING
+from pd_sessions.checks.instances import RUNNING, WAITING
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core.plan import ProcessSpec
 from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, pick, reporting
@@ -41,34 +52,56 @@ KV_FETCH = "vllm:num_requests_kv_fetch_by_stage"
 WAITING_FOR_KV = ("waiting_to_start", "in_progress")  # its stages before the KV has arrived
 
 
+def metric_of(where: str) -> str:
+    """The metric ``reached`` reads on ``where``."""
+    return WAITING if where == "prefill" else f"{KV_FETCH} ({' + '.join(WAITING_FOR_KV)})"
+
+
 @dataclass(frozen=True)
 class Phase:
-    """One disconnect and what followed it."""
+    """One disconnect and what followed it (seconds from the disconnect)."""
 
     where: str  # "prefill" | "decode"
     requests: int
-    reached: int  # requests the instance reported waiting before the disconnect
+    stalled: int  # the injector's stall events on ``where`` before the disconnect (the proof)
+    reached: int  # requests ``where``'s /metrics showed waiting before the disconnect (metric_of)
     got_token: int  # streams that had produced a token before the disconnect (must be 0)
     injected: Mapping[str, int]
-    freed_s: float  # from the disconnect until every instance was idle (or the bound)
+    left_s: float | None  # until ``where``'s queues were empty (None: not within the wait)
+    queued: str | None  # what ``where``'s queues still held when the wait for that ended
+    stall_ends_s: float  # the earliest any stall could end: stall_s after the requests were sent
+    abort_bound_s: float
+    freed_s: float  # until every instance was idle (or the free bound)
     held: Mapping[str, str | None]  # what each instance held at the end (None: idle)
-    bound_s: float
+    free_bound_s: float  # stall_s + free_slack_s
+
+    @property
+    def abort_limit_s(self) -> float:
+        """The abort must have emptied the queues by then: the bound, or the stall's earliest end
+        when that comes first (leaving then could be the stall ending, not the abort)."""
+        return min(self.abort_bound_s, self.stall_ends_s)
 
     def problems(self) -> list[str]:
         out = []
-        if injected_problem(self.injected, "stall"):
-            out.append(f"{self.where}: {injected_problem(self.injected, 'stall')}")
         if self.reached < self.requests:
             out.append(
                 f"{self.where}: only {self.reached}/{self.requests} requests were seen waiting on the "
-                f"{self.where} before the disconnect"
+                f"{self.where} ({metric_of(self.where)}) before the disconnect"
             )
         if self.got_token:
             out.append(f"{self.where}: {self.got_token} stream(s) had a token before the disconnect")
+        if self.left_s is None or self.left_s > self.abort_limit_s:
+            when = "were still" if self.left_s is None else f"left only {self.left_s:.1f} s later; they were"
+            out.append(
+                f"{self.where}: the abort did not reach the {self.where}: its requests {when} queued "
+                f"{self.abort_limit_s:g} s after {self.requests} clients disconnected "
+                f"({self.queued or 'queued'}; the stall could end {self.stall_ends_s:.1f} s after the "
+                "disconnect: only an abort that propagates empties the queues before)"
+            )
         still = {n: h for n, h in self.held.items() if h is not None}
         if still:
             out.append(
-                f"{self.bound_s:g} s after {self.requests} clients disconnected while the {self.where} "
+                f"{self.free_bound_s:g} s after {self.requests} clients disconnected while the {self.where} "
                 "waited: " + "; ".join(f"{n}: {h}" for n, h in still.items())
             )
         return out
@@ -77,35 +110,62 @@ class Phase:
         return {
             "where": self.where,
             "requests": self.requests,
+            "stalled": self.stalled,
             "reached": self.reached,
+            "reached_metric": metric_of(self.where),
             "got_token_before_disconnect": self.got_token,
             "injected": dict(self.injected),
+            "left_s": None if self.left_s is None else round(self.left_s, 3),
+            "queued": self.queued,
+            "stall_ends_s": round(self.stall_ends_s, 3),
+            "abort_bound_s": self.abort_bound_s,
             "freed_s": round(self.freed_s, 3),
             "held": dict(self.held),
-            "bound_s": self.bound_s,
+            "free_bound_s": self.free_bound_s,
         }
 
 
+def proofs(details: Mapping[str, Any]) -> list[Proof]:
+    """Each phase's stall, from the injector's events on that side: every request held back."""
+    return [
+        counted(f"the injector's stall events on the {p['where']}", p["stalled"], want=p["requests"])
+        for p in details.get("phases") or []
+    ] or [Proof("the injector's stall events", "no phase ran", False)]
+
+
 def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
-    """What the report shows: how soon every block was free after each disconnect."""
+    """What the report shows: how soon the abort emptied the queues and every block was free."""
     phases = details.get("phases") or []
     return [
         *pick(
             details,
+            ("abort_reached_prefill_s", "s"),
+            ("abort_reached_decode_s", "s"),
             ("freed_after_prefill_stall_s", "s"),
             ("freed_after_decode_stall_s", "s"),
             ("recovery_s", "s"),
         ),
         Table(
             "clients gone before the first token",
-            ("stalled on", "requests", "seen waiting", "freed after (s)", "bound (s)", "still held"),
+            (
+                "stalled on",
+                "requests",
+                "seen waiting",
+                "queues empty after (s)",
+                "abort bound (s)",
+                "freed after (s)",
+                "free bound (s)",
+                "still held",
+            ),
             tuple(
                 (
                     p["where"],
                     p["requests"],
                     p["reached"],
+                    p["left_s"],
+                    p["abort_bound_s"],
                     p["freed_s"],
-                    p["bound_s"],
+                    p["free_bound_s"],
                     "; ".join(f"{n}: {h}" for n, h in p["held"].items() if h) or "nothing",
                 )
                 for p in phases
@@ -115,13 +175,25 @@ def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
 
 
 @reporting(numbers)
+@proven(proofs)
 def evaluate(phases: Sequence[Phase], recovery: Recovery) -> CheckResult:
-    """Pass when each phase's stall happened, its requests were waiting where they should when
-    the clients left, and every instance was idle within the bound; then the cluster recovers."""
+    """The verdict.
+
+    a phase's stall not applied to every request    -> NOT RUN "invalid" (promise.proven)
+    fewer requests waiting on its /metrics than sent -> fail, naming the metric
+    a stream had a token before the disconnect      -> fail
+    its queues not empty within the abort bound, or
+    only once a stall could have ended              -> fail: the abort did not reach it
+    an instance still holding a request or blocks
+    at stall_s + free_slack_s                       -> fail, naming the instance and the value
+    the cluster not whole again                     -> fail
+    otherwise                                       -> pass, with both times per phase
+    """
     problems = [p for ph in phases for p in ph.problems()]
     if not recovery.ok:
         problems.append(recovery.line())
     details: dict[str, Any] = {
+        **{f"abort_reached_{p.where}_s": None if p.left_s is None else round(p.left_s, 3) for p in phases},
         **{f"freed_after_{p.where}_stall_s": round(p.freed_s, 3) for p in phases},
         "recovery_s": round(recovery.seconds, 3),
         "phases": [p.to_dict() for p in phases],
@@ -134,7 +206,8 @@ def evaluate(phases: Sequence[Phase], recovery: Recovery) -> CheckResult:
         PASS,
         "; ".join(
             f"{p.requests} clients disconnected before the first token while the {p.where} waited "
-            f"(stalled): every instance idle again {p.freed_s:.1f} s later"
+            f"(stalled): the abort emptied its queues {p.left_s or 0:.1f} s later (bound "
+            f"{p.abort_limit_s:g} s), every instance idle again {p.freed_s:.1f} s later"
             for p in phases
         )
         + f"; {recovery.line()}",
@@ -177,19 +250,38 @@ def disconnect(conn: http.client.HTTPConnection) -> None:
     conn.close()
 
 
+def samples(spec: ProcessSpec) -> list[Any]:
+    text = pdhttp.get_text(f"{spec.url}/metrics", timeout=3.0)
+    return [smp for family in text_string_to_metric_families(text) for smp in family.samples]
+
+
 def waiting(spec: ProcessSpec, where: str) -> float:
     """How many requests ``spec`` holds waiting: on the prefill for scheduling; on the decode
     for remote KV (the stages of vllm:num_requests_kv_fetch_by_stage before it arrived)."""
-    text = pdhttp.get_text(f"{spec.url}/metrics", timeout=3.0)
     n = 0.0
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            on_prefill = where == "prefill" and s.name == WAITING
-            if on_prefill or (
-                where == "decode" and s.name == KV_FETCH and s.labels.get("stage") in WAITING_FOR_KV
-            ):
-                n += s.value
+    for s in samples(spec):
+        on_prefill = where == "prefill" and s.name == WAITING
+        if on_prefill or (
+            where == "decode" and s.name == KV_FETCH and s.labels.get("stage") in WAITING_FOR_KV
+        ):
+            n += s.value
     return n
+
+
+def queued(specs: Sequence[ProcessSpec]) -> str | None:
+    """What the queues of ``specs`` hold (vllm:num_requests_waiting + vllm:num_requests_running,
+    each instance's; an aborted request leaves both at once, on the decode too while its load is
+    in flight), or None when they are empty."""
+    out = []
+    for spec in specs:
+        try:
+            got = {n: sum(s.value for s in samples(spec) if s.name == n) for n in (WAITING, RUNNING)}
+        except pdhttp.HttpError as e:
+            out.append(f"{spec.name}: /metrics {e.reason}")
+            continue
+        if any(got.values()):
+            out.append(f"{spec.name}: " + ", ".join(f"{n} {v:g}" for n, v in got.items()))
+    return "; ".join(out) or None
 
 
 def poll(until: Callable[[], bool], timeout: float) -> bool:
@@ -202,49 +294,87 @@ def poll(until: Callable[[], bool], timeout: float) -> bool:
         time.sleep(POLL_S)
 
 
-def phase(window: CheckWindow, where: str, options: Mapping[str, Any], idle: Mapping[str, Any]) -> Phase:
-    """Stall requests on ``where``, disconnect their clients once they wait there, and time how
-    long until every instance is idle again (gauges as in ``idle``)."""
-    s = Scenario(window, f"{NAME}-{where}")
-    n, stall_s, bound_s = int(options["requests"]), float(options["stall_s"]), float(options["bound_s"])
+@dataclass
+class Before:
+    """What was seen before the disconnect."""
+
+    stalled: int = 0
+    reached: int = 0
+    got_token: int = 0
+    sent_at: float = 0.0
+
+
+def stall_and_leave(s: Scenario, where: str, n: int, stall_s: float) -> Before:
+    """Stall ``n`` streamed requests on ``where``; disconnect their clients once the injector
+    has held every one back and ``where``'s /metrics shows them waiting (or 0.8 ``stall_s``)."""
+    specs = s.plan.prefill if where == "prefill" else s.plan.decode
+    b = Before()
     s.inject("stall", where=where, stall_s=stall_s)
     conns = []
-    seen = [0.0]
     try:
+        b.sent_at = time.monotonic()
         for i in range(n):
-            conns.append(
-                open_stream(
-                    window.plan.router.url,
-                    s.model,
-                    f"Stalled {where} {i}: the night train waits",
-                    timeout=bound_s,
-                )
-            )
+            prompt = f"Stalled {where} {i}: the night train waits"
+            conns.append(open_stream(s.plan.router.url, s.model, prompt, timeout=stall_s))
 
-        def reached() -> bool:  # the injector has held each one back where it waits
-            seen[0] = s.injected(where).get("stall", 0)
-            return seen[0] >= n
+        def reached() -> bool:  # held back by the injector, and waiting as the instance says
+            b.stalled = s.injected(where).get("stall", 0)
+            b.reached = int(sum(waiting(sp, where) for sp in specs))
+            return b.stalled >= n and b.reached >= n
 
         poll(reached, timeout=stall_s * 0.8)
-        got_token = sum(had_token(c) for c in conns)
+        b.got_token = sum(had_token(c) for c in conns)
     finally:
         for c in conns:
             disconnect(c)
         s.off()
+    return b
+
+
+def phase(window: CheckWindow, where: str, options: Mapping[str, Any], idle: Mapping[str, Any]) -> Phase:
+    """Stall requests on ``where``, disconnect their clients once they wait there, then time
+    until ``where``'s queues are empty (the abort reached it) and until every instance is idle
+    again (gauges as in ``idle``)."""
+    s = Scenario(window, f"{NAME}-{where}")
+    n, stall_s = int(options["requests"]), float(options["stall_s"])
+    abort_bound_s, free_bound_s = float(options["abort_bound_s"]), stall_s + float(options["free_slack_s"])
+    specs = s.plan.prefill if where == "prefill" else s.plan.decode
+    b = stall_and_leave(s, where, n, stall_s)
     t0 = time.monotonic()
+    stall_ends_s = b.sent_at + stall_s - t0  # no stall began before its request was sent
     held: dict[str, str | None] = {}
+    left: list[float] = []
+    still: list[str | None] = [None]
 
     def idle_again() -> bool:
+        if not left:
+            still[0] = queued(specs)
+            if still[0] is None:
+                left.append(time.monotonic() - t0)
         for sp in s.live():
             try:
                 held[sp.name] = holds(idle.get(sp.name, {}), s.gauges([sp])[sp.name])
             except pdhttp.HttpError as e:
                 held[sp.name] = f"/metrics: {e.reason}"
-        return all(h is None for h in held.values())
+        return bool(left) and all(h is None for h in held.values())
 
-    poll(idle_again, timeout=bound_s)
+    poll(idle_again, timeout=free_bound_s)
     freed = time.monotonic() - t0
-    return Phase(where, n, int(seen[0]), got_token, s.injected(), freed, dict(held), bound_s)
+    return Phase(
+        where,
+        n,
+        b.stalled,
+        b.reached,
+        b.got_token,
+        s.injected(),
+        left[0] if left else None,
+        still[0],
+        stall_ends_s,
+        abort_bound_s,
+        freed,
+        dict(held),
+        free_bound_s,
+    )
 
 
 @gatherer(NAME)

@@ -11,7 +11,7 @@ did not bite fails the scenario. The promise is the injected faults' (promise.py
 equals prefill-direct or fails with a clear HTTP error within ``bound_s``; never a 200 with other
 text, never a hang; afterwards the cluster is whole again, and the time it took is recorded.
 
-Pure: :func:`slow`, :func:`ended`, :func:`not_bitten` (and each scenario's ``evaluate``). The
+Pure: :func:`slow`, :func:`ended`, :func:`bitten` (and each scenario's ``evaluate``). The
 gatherers run the faults through the cluster's launcher (``on_host``: the node agent of that
 host, runtime/wire_apply.py): :class:`Wire` and :func:`across_hosts`.
 """
@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from pd_sessions.checks.faults.promise import Outcome, counts
+from pd_sessions.checks.faults.promise import Outcome, Proof, counts, guard
 from pd_sessions.checks.faults.scenario import Answer, Scenario
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core import wire_rules
@@ -62,13 +62,12 @@ def ended(outcomes: Sequence[Outcome]) -> dict[str, Any]:
     }
 
 
-def not_bitten(what: str, got: Mapping[str, int] | None, *keys: str) -> str | None:
-    """None when one of ``keys`` of the kernel's counters ``got`` is above zero, else why the
-    fault did not bite (naming the counters)."""
-    if got is not None and any(got.get(k, 0) > 0 for k in keys):
-        return None
-    shown = ", ".join(f"{k} {v}" for k, v in sorted((got or {}).items())) or "none read"
-    return f"the fault did not bite: {what} ({shown}): a fault that did not happen proves nothing"
+def bitten(what: str, got: Mapping[str, Any] | None, *keys: str) -> Proof:
+    """The proof that a wire fault bit: one of ``keys`` of the kernel's counters ``got`` above
+    zero (``what``: the rule or qdisc, e.g. "the KV rule dropping 2 %"; its value names the
+    counters read)."""
+    shown = ", ".join(f"{k} {v}" for k, v in sorted((got or {}).items())) or "nothing (no counters)"
+    return Proof(f"{what}: its counters", shown, got is not None and any(got.get(k, 0) > 0 for k in keys))
 
 
 # ---------------------------------------------------------------- gathering (edge)
@@ -181,12 +180,13 @@ Gatherer = Callable[[CheckWindow, Mapping[str, Any]], CheckResult]
 def across_hosts(name: str) -> Callable[[WireRun], Gatherer]:
     """A wire scenario's gatherer (``run(wire, options)`` made ``run(window, options)``): it fails,
     saying why, where it cannot run (one host, a host without nft/tc, a host error) instead of
-    ending the config."""
+    ending the config; what it returns must prove that its fault bit (promise.guard, as every
+    fault scenario's gatherer: NOT RUN "invalid" otherwise)."""
 
     def wrap(run: WireRun) -> Gatherer:
         def gatherer(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
             try:
-                return run(Wire(window, name), options)
+                return guard(run(Wire(window, name), options))
             except (PdError, ValueError) as e:
                 return CheckResult(name, FAIL, f"could not run: {e}")
 

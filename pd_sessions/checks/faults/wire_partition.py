@@ -20,11 +20,12 @@ from pd_sessions.checks.faults.promise import (
     broken_promise,
     counts,
     counts_table,
+    proven,
     said,
     verdict,
 )
 from pd_sessions.checks.faults.scenario import Answer
-from pd_sessions.checks.faults.wire_common import MAX_TOKENS, Wire, across_hosts, ended, not_bitten, prompts
+from pd_sessions.checks.faults.wire_common import MAX_TOKENS, Wire, across_hosts, bitten, ended, prompts
 from pd_sessions.core import wire_rules
 from pd_sessions.core.results import CheckResult, Figure, Table, pick, reporting
 
@@ -47,6 +48,7 @@ def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
 
 
 @reporting(numbers)
+@proven(lambda d: [bitten("the partition's KV rule", d.get("counters"), wire_rules.DROPPED)])
 def evaluate(
     outcomes: Sequence[Outcome],
     counters: Mapping[str, int],
@@ -58,7 +60,8 @@ def evaluate(
 ) -> CheckResult:
     """The verdict of wire_partition.
 
-    the rule dropped no packet (no KV crossed during the cut)  -> fail (the fault did not bite)
+    the rule dropped no packet (no KV crossed during the cut)  -> NOT RUN "invalid" (the fault
+                                                                   did not bite: promise.proven)
     a request wrong, hung or cut                                -> fail, naming it
     the cluster not whole again                                 -> fail, naming what
     otherwise                                                   -> pass: what the requests in
@@ -76,10 +79,7 @@ def evaluate(
         **ended(outcomes),
         "recovery": recovery.to_dict(),
     }
-    problems = [
-        not_bitten("the partition's rule dropped no KV packet", counters, wire_rules.DROPPED),
-        broken_promise(outcomes),
-    ]
+    problems = [broken_promise(outcomes)]
 
     def passed() -> str:
         how = (
