@@ -468,6 +468,21 @@ def test_restart_passes_with_its_times_and_fails_naming_why():
     )
     assert r.verdict == FAIL and "no request through the router was correct within 120 s" in r.message
     assert "last: failed clearly after 0.1 s (HTTP 503)" in r.message
+    unproven = restart.evaluate(
+        "prefill-0",
+        ready_s=41.2,
+        start_error=None,
+        attempts=good,
+        correct_s=42.0,
+        recovery=recovered(),
+        killed_here=False,
+        bound_s=120,
+        killed_gone=False,
+    )
+    assert unproven.verdict == NOT_RUN and unproven.message == (
+        "invalid: the fault did not fire (the killed prefill-0's processes gone before the restart "
+        "read not verified)"
+    )
 
 
 @pytest.mark.parametrize("bad", [WRONG, BROKEN, HUNG])

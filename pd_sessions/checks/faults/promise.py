@@ -201,10 +201,10 @@ def counted(what: str, value: int, *, want: int = 1) -> Proof:
     return Proof(what, value, value >= want)
 
 
-def injector_count(injected: Mapping[str, int], mode: str, *, want: int = 1, where: str = "") -> Proof:
+def injector_count(injected: Mapping[str, int], mode: str, *, want: int = 1) -> Proof:
     """The injector's count of ``mode`` (applied, in this scenario's epoch, from the instance
     logs) as the proof: fired when >= ``want``."""
-    return counted(f"the injector's {mode} count{where}", int(injected.get(mode, 0)), want=want)
+    return counted(f"the injector's {mode} count", int(injected.get(mode, 0)), want=want)
 
 
 def invalid(result: CheckResult, proofs: Sequence[Proof]) -> CheckResult:
