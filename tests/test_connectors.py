@@ -205,32 +205,46 @@ def test_push_is_nixls_wheels_ports_and_hops_with_its_own_evidence():
     assert set(NIXL.failure_lines) < set(NIXL_PUSH.failure_lines)
 
 
-def test_push_is_refused_on_the_cpu_lane_before_anything_is_planned():
-    """The CPU lane refuses push (docs/cpu-lane.md, "NIXL push mode"), naming the config, the field,
-    why and what to run instead; a GPU host plans it, and pull mode stays allowed on the CPU lane."""
+def test_push_runs_on_the_cpu_lane_with_a_longer_handshake_wait():
+    """The CPU lane plans push (no refusal, docs/cpu-lane.md, "NIXL push mode") with pull mode's
+    environment and shims plus the handshake's longer answer timeout; pull mode keeps vLLM's."""
     from pd_sessions.core import connector_support
-    from pd_sessions.core.errors import PlanError
+    from pd_sessions.core.connectors.nixl import HANDSHAKE
 
     push = cfg(name="1x1", connector="nixl_push")
-    refusal = NIXL_PUSH.limits.refuse(push, "cpu")
-    assert refusal is not None and refusal.field == "connector"
-    assert refusal.message.startswith("1x1: NixlPushConnector is refused on the CPU lane")
-    assert "5 s" in refusal.message and "--set connector=nixl" in refusal.message
-    with pytest.raises(PlanError) as e:
-        connector_support.check(push, "cpu")
-    assert e.value.field == "connector" and "docs/cpu-lane.md" in str(e.value)
+    assert NIXL_PUSH.limits.refuse(push, "cpu") is None
+    connector_support.check(push, "cpu")
     connector_support.check(push, "cuda")
-    connector_support.check(cfg(name="1x1", connector="nixl"), "cpu")
-    assert NIXL.limits.refuse(push, "cpu") is None
+    env = dict(NIXL_PUSH.cpu_lane.env)
+    assert env == {**dict(NIXL.cpu_lane.env), HANDSHAKE.env: "20"}
+    assert HANDSHAKE.env not in dict(NIXL.cpu_lane.env)
+    assert set(NIXL.cpu_lane.shims) < set(NIXL_PUSH.cpu_lane.shims)
+    assert any("20 s" in s and HANDSHAKE.env in s for s in NIXL_PUSH.cpu_lane.shims)
 
 
 @pytest.mark.procs
-def test_the_refusals_reason_is_vllms_fixed_handshake_timeout():
-    """What the refusal cites: the handshake to a peer's side channel waits 5 s for the answer
-    (a fixed ZMQ receive timeout), and push mode makes the prefill handshake with the decode."""
+def test_the_handshake_shim_wraps_what_vllm_uses():
+    """What the CPU lane's handshake shim relies on in vLLM's source: the handshake's query opens
+    its socket through the worker module's zmq_ctx and sets a fixed 5 s answer timeout; the listener
+    opens its own through the scheduler module's; push mode makes the prefill handshake with the
+    decode, and a failed handshake there fails nothing (the request is left waiting)."""
+    from pd_sessions.core.connectors.nixl import HANDSHAKE
+
     nixl_dir = ("distributed", "kv_transfer", "kv_connector", "v1", "nixl")
-    assert "sock.setsockopt(zmq.RCVTIMEO, 5000)" in vllm_source(*nixl_dir, "base_worker.py")
-    assert 'failure_type="push_handshake_failed"' in vllm_source(*nixl_dir, "push_worker.py")
+    worker = vllm_source(*nixl_dir, "base_worker.py")
+    assert f"sock.setsockopt(zmq.RCVTIMEO, {HANDSHAKE.vllm_ms})" in worker
+    assert f"with {HANDSHAKE.socket_factory}(zmq.REQ, path) as sock:" in worker
+    assert HANDSHAKE.module.endswith(".base_worker") and HANDSHAKE.listener_module.endswith(".base_scheduler")
+    listener = vllm_source(*nixl_dir, "base_scheduler.py")
+    assert f"with {HANDSHAKE.socket_factory}(zmq.ROUTER, path) as sock:" in listener
+    push = vllm_source(*nixl_dir, "push_worker.py")
+
+    def until_return(failure: str) -> str:
+        after = push[push.index(f'failure_type="{failure}"') :]
+        return after[: after.index("return")]
+
+    assert "self._failed_recv_reqs.put(rid)" in until_return("push_reg_handshake_failed")  # D fails it
+    assert "put(" not in until_return("push_handshake_failed")  # P only logs: D is never told
 
 
 @pytest.mark.procs

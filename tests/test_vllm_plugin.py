@@ -18,14 +18,19 @@ from types import SimpleNamespace
 import pytest
 from helpers.needs import needs
 
-from pd_sessions.core.connectors.nixl import KEEP_CORES
+from pd_sessions.core.connectors.nixl import HANDSHAKE, KEEP_CORES
 from pd_sessions.vllm_side.vllm_plugin import (
     NIXL_DELAY_ENV,
+    HandshakeQuery,
+    ListenerSocket,
+    apply_nixl_handshake_timeout,
     apply_nixl_keep_cores,
     apply_nixl_progress_delay,
+    handshake_timeout_s,
     keeping_cores,
     nixl_delay_us,
     shim_needed,
+    with_handshake_timeout,
     with_progress_delay,
 )
 
@@ -199,3 +204,129 @@ def test_the_plugin_wraps_vllms_nixl_worker_only_when_asked():
         )
         assert json.loads(out.stdout.strip().splitlines()[-1]) == want, out.stderr[-2000:]
     assert not apply_nixl_keep_cores({})
+
+
+# --- NIXL's handshake answer timeout (PD_SESSIONS_NIXL_HANDSHAKE_TIMEOUT_S) ----------------------
+
+
+@pytest.mark.parametrize(("raw", "want"), [(None, None), ("", None), ("20", 20.0), ("5.5", 5.5)])
+def test_handshake_timeout_read_from_the_environment(raw, want):
+    assert handshake_timeout_s({} if raw is None else {HANDSHAKE.env: raw}) == want
+
+
+@pytest.mark.parametrize("raw", ["5", "0", "-1", "20s"])
+def test_a_handshake_timeout_not_above_vllms_names_the_variable_and_the_fix(raw):
+    with pytest.raises(ValueError, match=rf"{HANDSHAKE.env}='{raw}'.*seconds above vLLM's own 5"):
+        handshake_timeout_s({HANDSHAKE.env: raw})
+    assert not apply_nixl_handshake_timeout({HANDSHAKE.env: raw})
+
+
+class _Sock:
+    """A socket that records its options and answers (or raises) from a list."""
+
+    def __init__(self, answers):
+        self.options, self.answers, self.closed = {}, list(answers), False
+
+    def setsockopt(self, opt, value):
+        self.options[opt] = value
+
+    def recv_multipart(self):
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def send(self, msg):
+        self.sent = msg
+
+
+RCVTIMEO, REQ, ROUTER = 27, 3, 6  # pyzmq's values; any distinct ints do here
+
+
+def test_the_query_gets_the_longer_timeout_and_says_how_long_each_answer_took(capsys):
+    sock = _Sock([[b"meta", b"ts"], TimeoutError("Resource temporarily unavailable")])
+    q = HandshakeQuery(sock, RCVTIMEO, 20, "tcp://127.0.0.1:5601")
+    q.setsockopt(RCVTIMEO, HANDSHAKE.vllm_ms)  # what vLLM's _nixl_handshake sets
+    q.setsockopt(RCVTIMEO, 1234)  # any other value is left alone
+    q.setsockopt(99, HANDSHAKE.vllm_ms)  # and so is any other option
+    assert sock.options == {RCVTIMEO: 1234, 99: HANDSHAKE.vllm_ms}
+    q.setsockopt(RCVTIMEO, HANDSHAKE.vllm_ms)
+    assert sock.options[RCVTIMEO] == 20000
+    q.send(b"q")  # everything else is the socket's own
+    assert sock.sent == b"q" and q.recv_multipart() == [b"meta", b"ts"]
+    with pytest.raises(TimeoutError):
+        q.recv_multipart()
+    err = capsys.readouterr().err
+    assert "NIXL handshake query to tcp://127.0.0.1:5601 (sent by " in err
+    assert "): answered after 0.0" in err and f"({HANDSHAKE.env}=20)" in err
+    assert "past vLLM's" not in err  # answered at once
+    assert "): no answer within 0.0 s" in err
+
+
+def test_the_wrapped_factory_wraps_the_query_and_the_listener_and_is_marked(capsys):
+    opened = []
+
+    @__import__("contextlib").contextmanager
+    def zmq_ctx(socket_type, addr):
+        opened.append((socket_type, addr))
+        yield _Sock([[b"id", b"", b"q"]])
+
+    wrapped = with_handshake_timeout(zmq_ctx, REQ, RCVTIMEO, 20)
+    assert wrapped._pd_sessions_handshake_s == 20
+    with wrapped(REQ, "tcp://a:1") as q, wrapped(ROUTER, "tcp://b:2") as listener:
+        assert isinstance(q, HandshakeQuery) and isinstance(listener, ListenerSocket)
+        assert listener.recv_multipart() == [b"id", b"", b"q"]
+    assert opened == [(REQ, "tcp://a:1"), (ROUTER, "tcp://b:2")]
+    assert "NIXL side-channel listener read a handshake query at " in capsys.readouterr().err
+
+
+_LATE_LISTENER = """
+import json, os, sys, threading, time, zmq
+from pd_sessions.vllm_side import vllm_plugin
+first = vllm_plugin.apply_nixl_handshake_timeout(os.environ)
+again = vllm_plugin.apply_nixl_handshake_timeout(os.environ)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker, base_scheduler
+path = "tcp://127.0.0.1:" + sys.argv[1]
+def listen():  # vLLM's listener, answering late (as a starved peer engine's thread does)
+    with base_scheduler.zmq_ctx(zmq.ROUTER, path) as sock:
+        identity, _, msg = sock.recv_multipart()
+        time.sleep(float(sys.argv[2]))
+        sock.send_multipart((identity, b"", b"meta", b"ts"))
+threading.Thread(target=listen, daemon=True).start()
+time.sleep(0.5)
+with base_worker.zmq_ctx(zmq.REQ, path) as sock:  # as vLLM's _nixl_handshake does
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.send(b"GET_META_MSG")
+    try:
+        answer = sock.recv_multipart()[0].decode()
+    except zmq.Again:
+        answer = "zmq.Again"
+print(json.dumps([first, again, answer]))
+"""
+
+
+@pytest.mark.procs
+def test_a_handshake_answered_after_vllms_5_s_fails_unless_the_plugin_waits_longer():
+    """vLLM's own zmq_ctx and socket options, in a fresh interpreter: a listener that answers 6 s
+    after the query fails vLLM's handshake (zmq.Again after its fixed 5 s) and succeeds once the
+    plugin gives it 20 s; the query's log says it came past vLLM's 5 s."""
+    needs("vllm")
+    needs("nixl._api")
+    import socket
+
+    for value, want in (("20", [True, False, "meta"]), ("", [False, False, "zmq.Again"])):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {**os.environ, HANDSHAKE.env: value, "PYTHONPATH": str(ROOT)}
+        out = subprocess.run(
+            [sys.executable, "-c", _LATE_LISTENER, str(port), "6"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+        assert json.loads(out.stdout.strip().splitlines()[-1]) == want, out.stderr[-2000:]
+        if value:
+            assert "answered after 6." in out.stderr and "past vLLM's 5 s" in out.stderr, out.stderr[-2000:]
+            assert "side-channel listener read a handshake query at " in out.stderr

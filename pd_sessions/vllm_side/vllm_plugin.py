@@ -21,19 +21,31 @@ vLLM loads general plugins in every process it starts (API server, engine core, 
   instance, prefill and decode, then computed on the machine's last core, and across simulated
   hosts on another host's core. With the variable the thread's cores before the worker's
   ``__init__`` are its cores after it.
+- **NIXL's handshake waits longer for its answer** (only where ``PD_SESSIONS_NIXL_HANDSHAKE_TIMEOUT_S``
+  is set; the planner sets it for NIXL push instances on the CPU lane). vLLM's worker asks the
+  peer's side-channel listener for its metadata and gives up after a fixed 5 s
+  (``sock.setsockopt(zmq.RCVTIMEO, 5000)`` in ``_nixl_handshake``, nixl/base_worker.py); on two
+  loaded cores the listener, a thread of the busily stepping peer engine, answers later, and push
+  mode then leaves the request waiting for ever (docs/cpu-lane.md, "NIXL push mode"). With the
+  variable the handshake's socket takes that many seconds instead, and every handshake query says
+  on stderr how long its answer took; every query a listener answers says when it read it. A CPU-lane
+  accommodation: the handshake still completes, only later; a peer that never answers still fails
+  it, after the longer wait.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
 import sys
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from pd_sessions.core.connectors import MOONCAKE, NIXL
-from pd_sessions.core.connectors.nixl import KEEP_CORES, PROGRESS
+from pd_sessions.core.connectors.nixl import HANDSHAKE, KEEP_CORES, PROGRESS
 
 # The variable the planner sets for the CPU lane (the NIXL spec's cpu_lane.env names it).
 NIXL_DELAY_ENV = PROGRESS.env
@@ -159,9 +171,134 @@ def apply_nixl_keep_cores(environ: Mapping[str, str]) -> bool:
     return True
 
 
+def handshake_timeout_s(environ: Mapping[str, str]) -> float | None:
+    """The handshake answer timeout asked for in ``environ`` (seconds), None when unset;
+    ValueError naming the variable for anything but a number of seconds above vLLM's own."""
+    raw = environ.get(HANDSHAKE.env, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not value * 1000 > HANDSHAKE.vllm_ms:
+        raise ValueError(
+            f"{HANDSHAKE.env}={raw!r}: give a number of seconds above vLLM's own "
+            f"{HANDSHAKE.vllm_ms / 1000:g} (e.g. {HANDSHAKE.cpu_s}), or leave it unset for vLLM's"
+        )
+    return value
+
+
+def _clock() -> str:
+    """Wall-clock time with milliseconds, comparable across the instances' logs of one host."""
+    now = time.time()
+    return time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"
+
+
+class HandshakeQuery:
+    """The handshake's REQ socket (a pyzmq socket) with a longer answer timeout: the timeout vLLM
+    sets (``opt``, its ``vllm_ms``) becomes ``timeout_s``; each answer's wait is said on stderr."""
+
+    def __init__(self, sock: Any, opt: int, timeout_s: float, path: str) -> None:
+        self._sock, self._opt, self._timeout_s, self._path = sock, opt, timeout_s, path
+
+    def setsockopt(self, opt: int, value: Any) -> None:
+        if opt == self._opt and value == HANDSHAKE.vllm_ms:
+            value = int(self._timeout_s * 1000)
+        self._sock.setsockopt(opt, value)
+
+    def recv_multipart(self, *args: Any, **kwargs: Any) -> Any:
+        sent, start = _clock(), time.monotonic()
+        try:
+            answer = self._sock.recv_multipart(*args, **kwargs)
+        except Exception:
+            _say(
+                f"pd_sessions: {NIXL.title} handshake query to {self._path} (sent by {sent}): no answer "
+                f"within {time.monotonic() - start:.1f} s ({HANDSHAKE.env}={self._timeout_s:g})"
+            )
+            raise
+        took = time.monotonic() - start
+        late = f", past vLLM's {HANDSHAKE.vllm_ms / 1000:g} s" if took * 1000 > HANDSHAKE.vllm_ms else ""
+        _say(
+            f"pd_sessions: {NIXL.title} handshake query to {self._path} (sent by {sent}): answered after "
+            f"{took:.2f} s{late} ({HANDSHAKE.env}={self._timeout_s:g})"
+        )
+        return answer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+class ListenerSocket:
+    """The side-channel listener's ROUTER socket: each query it reads is said on stderr with the
+    time the listener thread read it (compare with the asking instance's "sent by")."""
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+
+    def recv_multipart(self, *args: Any, **kwargs: Any) -> Any:
+        parts = self._sock.recv_multipart(*args, **kwargs)
+        _say(f"pd_sessions: {NIXL.title} side-channel listener read a handshake query at {_clock()}")
+        return parts
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+def with_handshake_timeout(open_socket: Callable[..., Any], req: int, opt: int, timeout_s: float) -> Any:
+    """``open_socket`` (vLLM's NIXL ``zmq_ctx(socket_type, addr)``, a context manager) whose REQ
+    sockets are :class:`HandshakeQuery` and whose others (the listener's ROUTER) :class:`ListenerSocket`."""
+
+    @contextlib.contextmanager
+    def zmq_ctx(socket_type: Any, addr: str, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        with open_socket(socket_type, addr, *args, **kwargs) as sock:
+            yield HandshakeQuery(sock, opt, timeout_s, addr) if socket_type == req else ListenerSocket(sock)
+
+    zmq_ctx._pd_sessions_handshake_s = timeout_s  # type: ignore[attr-defined]
+    return zmq_ctx
+
+
+def apply_nixl_handshake_timeout(environ: Mapping[str, str]) -> bool:
+    """Wrap the ``zmq_ctx`` of vLLM's NIXL worker and scheduler modules when ``environ`` asks for
+    a handshake timeout (HANDSHAKE); whether it was wrapped now (not when unset, already wrapped,
+    or that vLLM has no such module or name: said on stderr)."""
+    try:
+        timeout_s = handshake_timeout_s(environ)
+    except ValueError as e:
+        _say(f"pd_sessions: ignored: {e}")
+        return False
+    if timeout_s is None:
+        return False
+    applied = False
+    for name in (HANDSHAKE.module, HANDSHAKE.listener_module):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            return False
+        open_socket, zmq = getattr(module, HANDSHAKE.socket_factory, None), getattr(module, "zmq", None)
+        if open_socket is None or zmq is None:
+            _say(f"pd_sessions: {HANDSHAKE.env} not applied: {name} has no {HANDSHAKE.socket_factory} or zmq")
+            return False
+        if hasattr(open_socket, "_pd_sessions_handshake_s"):
+            continue
+        setattr(
+            module,
+            HANDSHAKE.socket_factory,
+            with_handshake_timeout(open_socket, zmq.REQ, zmq.RCVTIMEO, timeout_s),
+        )
+        applied = True
+    if applied:
+        _say(
+            f"pd_sessions: {NIXL.title} handshake: waits up to {timeout_s:g} s for the peer's answer "
+            f"instead of vLLM's fixed {HANDSHAKE.vllm_ms / 1000:g} s ({HANDSHAKE.env})"
+        )
+    return applied
+
+
 def register() -> None:
     apply_nixl_progress_delay(os.environ)
     apply_nixl_keep_cores(os.environ)
+    apply_nixl_handshake_timeout(os.environ)
 
     import torch
 

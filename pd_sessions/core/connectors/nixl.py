@@ -97,6 +97,34 @@ KEEP_CORES = CoresShim(
     worker_class="NixlBaseConnectorWorker",
 )
 
+
+@dataclass(frozen=True)
+class HandshakeShim:
+    """Where pd-sessions' vLLM plugin gives NIXL's side-channel handshake a longer answer timeout,
+    and the variable that asks it to."""
+
+    env: str  # seconds the handshake waits for the peer's answer; unset = vLLM's own vllm_ms
+    module: str  # vLLM's NIXL worker module: its module-level zmq_ctx opens the handshake's socket
+    socket_factory: str  # that module's name for the context manager (REQ: the handshake's query)
+    listener_module: str  # vLLM's NIXL scheduler module: its zmq_ctx opens the listener's ROUTER
+    vllm_ms: int  # what vLLM sets (``sock.setsockopt(zmq.RCVTIMEO, 5000)``, no setting changes it)
+    cpu_s: int  # what the CPU lane asks for (push mode only: NIXL_PUSH's cpu_lane)
+
+
+# vLLM's NixlBaseConnectorWorker._nixl_handshake (nixl/base_worker.py, vLLM 0.32) asks the peer's
+# side-channel listener (a thread of the peer's engine-core process, nixl/base_scheduler.py) for its
+# metadata and gives up after a fixed 5 s: on a loaded CPU host that thread may answer later (push
+# mode's reverse handshake, docs/cpu-lane.md "NIXL push mode"). 20 s stays under the prefill's 30 s
+# block lease (kv_lease_duration), so a late answer still finds the blocks it must WRITE from.
+HANDSHAKE = HandshakeShim(
+    env="PD_SESSIONS_NIXL_HANDSHAKE_TIMEOUT_S",
+    module=KEEP_CORES.module,
+    socket_factory="zmq_ctx",
+    listener_module="vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler",
+    vllm_ms=5000,
+    cpu_s=20,
+)
+
 # Prometheus sample names after the text parser, summed over label sets (engine, model).
 XFER_COUNT = "vllm:nixl_xfer_time_seconds_count"
 XFER_BYTES = "vllm:nixl_bytes_transferred_sum"
