@@ -23,11 +23,13 @@ from pd_sessions.vllm_side.vllm_plugin import (
     NIXL_DELAY_ENV,
     HandshakeQuery,
     ListenerSocket,
+    answering_late,
     apply_nixl_handshake_timeout,
     apply_nixl_keep_cores,
     apply_nixl_progress_delay,
     handshake_timeout_s,
     keeping_cores,
+    listener_delay_s,
     nixl_delay_us,
     shim_needed,
     with_handshake_timeout,
@@ -258,7 +260,7 @@ def test_the_query_gets_the_longer_timeout_and_says_how_long_each_answer_took(ca
         q.recv_multipart()
     err = capsys.readouterr().err
     assert "NIXL handshake query to tcp://127.0.0.1:5601 (sent by " in err
-    assert "): answered after 0.0" in err and f"({HANDSHAKE.env}=20)" in err
+    assert "): answered after 0.0" in err and "(timeout 20 s)" in err
     assert "past vLLM's" not in err  # answered at once
     assert "): no answer within 0.0 s" in err
 
@@ -330,3 +332,41 @@ def test_a_handshake_answered_after_vllms_5_s_fails_unless_the_plugin_waits_long
         if value:
             assert "answered after 6." in out.stderr and "past vLLM's 5 s" in out.stderr, out.stderr[-2000:]
             assert "side-channel listener read a handshake query at " in out.stderr
+
+
+@pytest.mark.parametrize(("raw", "want"), [(None, 0.0), ("", 0.0), ("0", 0.0), ("8", 8.0), ("0.5", 0.5)])
+def test_the_decode_listeners_delay_read_from_the_environment(raw, want):
+    assert listener_delay_s({} if raw is None else {HANDSHAKE.decode_delay_env: raw}) == want
+
+
+@pytest.mark.parametrize("raw", ["-1", "soon"])
+def test_a_bad_listener_delay_names_the_variable_and_is_ignored(raw, capsys):
+    with pytest.raises(ValueError, match=rf"{HANDSHAKE.decode_delay_env}='{raw}': give a number of seconds"):
+        listener_delay_s({HANDSHAKE.decode_delay_env: raw})
+    assert not apply_nixl_handshake_timeout({HANDSHAKE.decode_delay_env: raw})
+    assert f"pd_sessions: ignored: {HANDSHAKE.decode_delay_env}" in capsys.readouterr().err
+
+
+def test_only_a_decodes_listener_answers_late(monkeypatch, capsys):
+    """The fault reaches the listener of a KV consumer only (the decode's), not a producer's or a
+    kv_both's, and the listener holds each query that long before answering."""
+    from pd_sessions.vllm_side import vllm_plugin
+
+    monkeypatch.setitem(vllm_plugin._LISTENER, "delay_s", 0.0)
+    started = []
+
+    def set_metadata(self, metadata):
+        started.append(vllm_plugin._LISTENER["delay_s"])
+
+    wrapped = answering_late(set_metadata, 0.2)
+    for consumer, producer in ((False, True), (True, True), (True, False)):
+        kv = SimpleNamespace(is_kv_consumer=consumer, is_kv_producer=producer)
+        wrapped(SimpleNamespace(vllm_config=SimpleNamespace(kv_transfer_config=kv)), {})
+    assert started == [0.0, 0.0, 0.2]
+    listener = ListenerSocket(_Sock([[b"id", b"", b"q"]]), vllm_plugin._LISTENER["delay_s"])
+    import time
+
+    start = time.monotonic()
+    assert listener.recv_multipart() == [b"id", b"", b"q"]
+    assert time.monotonic() - start >= 0.2
+    assert f"answers it 0.2 s late (a fault: {HANDSHAKE.decode_delay_env})" in capsys.readouterr().err

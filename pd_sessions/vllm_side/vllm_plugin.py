@@ -30,7 +30,8 @@ vLLM loads general plugins in every process it starts (API server, engine core, 
   variable the handshake's socket takes that many seconds instead, and every handshake query says
   on stderr how long its answer took; every query a listener answers says when it read it. A CPU-lane
   accommodation: the handshake still completes, only later; a peer that never answers still fails
-  it, after the longer wait.
+  it, after the longer wait. ``PD_SESSIONS_NIXL_DECODE_LISTENER_DELAY_S`` (a fault, never set by the
+  planner) makes a decode's listener answer that many seconds late: the known issue's reproducer.
 """
 
 from __future__ import annotations
@@ -214,14 +215,14 @@ class HandshakeQuery:
         except Exception:
             _say(
                 f"pd_sessions: {NIXL.title} handshake query to {self._path} (sent by {sent}): no answer "
-                f"within {time.monotonic() - start:.1f} s ({HANDSHAKE.env}={self._timeout_s:g})"
+                f"within {time.monotonic() - start:.1f} s (timeout {self._timeout_s:g} s)"
             )
             raise
         took = time.monotonic() - start
         late = f", past vLLM's {HANDSHAKE.vllm_ms / 1000:g} s" if took * 1000 > HANDSHAKE.vllm_ms else ""
         _say(
             f"pd_sessions: {NIXL.title} handshake query to {self._path} (sent by {sent}): answered after "
-            f"{took:.2f} s{late} ({HANDSHAKE.env}={self._timeout_s:g})"
+            f"{took:.2f} s{late} (timeout {self._timeout_s:g} s)"
         )
         return answer
 
@@ -229,16 +230,28 @@ class HandshakeQuery:
         return getattr(self._sock, name)
 
 
+# Seconds this process's side-channel listener holds each query before answering: set (by
+# answering_late) only in a decode's engine process, only where HANDSHAKE.decode_delay_env asks.
+_LISTENER = {"delay_s": 0.0}
+
+
 class ListenerSocket:
     """The side-channel listener's ROUTER socket: each query it reads is said on stderr with the
-    time the listener thread read it (compare with the asking instance's "sent by")."""
+    time the listener thread read it (compare with the asking instance's "sent by"); held
+    ``delay_s`` before it is answered when a fault asks for it."""
 
-    def __init__(self, sock: Any) -> None:
-        self._sock = sock
+    def __init__(self, sock: Any, delay_s: float = 0.0) -> None:
+        self._sock, self._delay_s = sock, delay_s
 
     def recv_multipart(self, *args: Any, **kwargs: Any) -> Any:
         parts = self._sock.recv_multipart(*args, **kwargs)
         _say(f"pd_sessions: {NIXL.title} side-channel listener read a handshake query at {_clock()}")
+        if self._delay_s:
+            _say(
+                f"pd_sessions: {NIXL.title} side-channel listener: answers it {self._delay_s:g} s late "
+                f"(a fault: {HANDSHAKE.decode_delay_env})"
+            )
+            time.sleep(self._delay_s)
         return parts
 
     def __getattr__(self, name: str) -> Any:
@@ -252,24 +265,50 @@ def with_handshake_timeout(open_socket: Callable[..., Any], req: int, opt: int, 
     @contextlib.contextmanager
     def zmq_ctx(socket_type: Any, addr: str, *args: Any, **kwargs: Any) -> Iterator[Any]:
         with open_socket(socket_type, addr, *args, **kwargs) as sock:
-            yield HandshakeQuery(sock, opt, timeout_s, addr) if socket_type == req else ListenerSocket(sock)
+            if socket_type == req:
+                yield HandshakeQuery(sock, opt, timeout_s, addr)
+            else:
+                yield ListenerSocket(sock, _LISTENER["delay_s"])
 
     zmq_ctx._pd_sessions_handshake_s = timeout_s  # type: ignore[attr-defined]
     return zmq_ctx
 
 
-def apply_nixl_handshake_timeout(environ: Mapping[str, str]) -> bool:
-    """Wrap the ``zmq_ctx`` of vLLM's NIXL worker and scheduler modules when ``environ`` asks for
-    a handshake timeout (HANDSHAKE); whether it was wrapped now (not when unset, already wrapped,
-    or that vLLM has no such module or name: said on stderr)."""
+def listener_delay_s(environ: Mapping[str, str]) -> float:
+    """The decode listener's delay a fault asks for in ``environ`` (seconds, 0 when unset);
+    ValueError naming the variable for anything but a number of seconds of 0 or more."""
+    raw = environ.get(HANDSHAKE.decode_delay_env, "").strip()
+    if not raw:
+        return 0.0
     try:
-        timeout_s = handshake_timeout_s(environ)
-    except ValueError as e:
-        _say(f"pd_sessions: ignored: {e}")
-        return False
-    if timeout_s is None:
-        return False
-    applied = False
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise ValueError(
+            f"{HANDSHAKE.decode_delay_env}={raw!r}: give a number of seconds (0 or more), or leave it unset"
+        )
+    return value
+
+
+def answering_late(set_metadata: Callable[..., Any], delay_s: float) -> Callable[..., Any]:
+    """``set_metadata`` (vLLM's NIXL scheduler's ``set_xfer_handshake_metadata``, which starts the
+    side-channel listener) that first makes this process's listener answer ``delay_s`` late when
+    the scheduler is a decode's (a KV consumer only)."""
+
+    def set_xfer_handshake_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
+        kv = self.vllm_config.kv_transfer_config
+        if kv.is_kv_consumer and not kv.is_kv_producer:
+            _LISTENER["delay_s"] = delay_s
+        return set_metadata(self, *args, **kwargs)
+
+    set_xfer_handshake_metadata._pd_sessions_delay_s = delay_s  # type: ignore[attr-defined]
+    return set_xfer_handshake_metadata
+
+
+def _wrap_handshake_sockets(timeout_s: float) -> bool:
+    """Wrap the ``zmq_ctx`` of vLLM's NIXL worker and scheduler modules; whether both are wrapped
+    (now or before)."""
     for name in (HANDSHAKE.module, HANDSHAKE.listener_module):
         try:
             module = importlib.import_module(name)
@@ -279,20 +318,43 @@ def apply_nixl_handshake_timeout(environ: Mapping[str, str]) -> bool:
         if open_socket is None or zmq is None:
             _say(f"pd_sessions: {HANDSHAKE.env} not applied: {name} has no {HANDSHAKE.socket_factory} or zmq")
             return False
-        if hasattr(open_socket, "_pd_sessions_handshake_s"):
-            continue
-        setattr(
-            module,
-            HANDSHAKE.socket_factory,
-            with_handshake_timeout(open_socket, zmq.REQ, zmq.RCVTIMEO, timeout_s),
-        )
-        applied = True
-    if applied:
+        if not hasattr(open_socket, "_pd_sessions_handshake_s"):
+            wrapped = with_handshake_timeout(open_socket, zmq.REQ, zmq.RCVTIMEO, timeout_s)
+            setattr(module, HANDSHAKE.socket_factory, wrapped)
+    return True
+
+
+def apply_nixl_handshake_timeout(environ: Mapping[str, str]) -> bool:
+    """Wrap the ``zmq_ctx`` of vLLM's NIXL worker and scheduler modules when ``environ`` asks for
+    a handshake timeout (HANDSHAKE) or the decode listener's delay (a fault; then the timeout is
+    vLLM's unless asked too); whether it was wrapped now (not when unset, already wrapped, or that
+    vLLM has no such module or name: said on stderr)."""
+    try:
+        timeout_s, delay_s = handshake_timeout_s(environ), listener_delay_s(environ)
+    except ValueError as e:
+        _say(f"pd_sessions: ignored: {e}")
+        return False
+    if timeout_s is None and not delay_s:
+        return False
+    worker = sys.modules.get(HANDSHAKE.module)
+    if worker is not None and hasattr(
+        getattr(worker, HANDSHAKE.socket_factory, None), "_pd_sessions_handshake_s"
+    ):
+        return False
+    if not _wrap_handshake_sockets(timeout_s or HANDSHAKE.vllm_ms / 1000):
+        return False
+    if timeout_s is not None:
         _say(
             f"pd_sessions: {NIXL.title} handshake: waits up to {timeout_s:g} s for the peer's answer "
             f"instead of vLLM's fixed {HANDSHAKE.vllm_ms / 1000:g} s ({HANDSHAKE.env})"
         )
-    return applied
+    if delay_s:
+        cls = getattr(sys.modules[HANDSHAKE.listener_module], HANDSHAKE.scheduler_class, None)
+        if cls is None:
+            _say(f"pd_sessions: {HANDSHAKE.decode_delay_env} not applied: no {HANDSHAKE.scheduler_class}")
+        else:
+            cls.set_xfer_handshake_metadata = answering_late(cls.set_xfer_handshake_metadata, delay_s)
+    return True
 
 
 def register() -> None:

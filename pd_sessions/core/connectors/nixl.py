@@ -107,6 +107,8 @@ class HandshakeShim:
     module: str  # vLLM's NIXL worker module: its module-level zmq_ctx opens the handshake's socket
     socket_factory: str  # that module's name for the context manager (REQ: the handshake's query)
     listener_module: str  # vLLM's NIXL scheduler module: its zmq_ctx opens the listener's ROUTER
+    scheduler_class: str  # its scheduler class, whose set_xfer_handshake_metadata starts the listener
+    decode_delay_env: str  # a fault (the known issue's reproducer): the decode's listener answers late
     vllm_ms: int  # what vLLM sets (``sock.setsockopt(zmq.RCVTIMEO, 5000)``, no setting changes it)
     cpu_s: int  # what the CPU lane asks for (push mode only: NIXL_PUSH's cpu_lane)
 
@@ -121,6 +123,8 @@ HANDSHAKE = HandshakeShim(
     module=KEEP_CORES.module,
     socket_factory="zmq_ctx",
     listener_module="vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler",
+    scheduler_class="NixlBaseConnectorScheduler",
+    decode_delay_env="PD_SESSIONS_NIXL_DECODE_LISTENER_DELAY_S",
     vllm_ms=5000,
     cpu_s=20,
 )
