@@ -130,9 +130,9 @@ def nixl_push_sweep(tmp_path_factory) -> SweepRun:
     """The NIXL push sweep's 1x1 (NixlPushConnector: the third connector, one module,
     pd_sessions/core/connectors/nixl_push.py) through the session the noxfile makes from its spec
     (`nox --no-venv -s nixl_push_sweep`), every default check but accuracy: lm_eval's import and
-    24 samples take 20-47 s of the run's 40-60 (docs/cpu-lane.md, "NIXL push mode": every default
-    check passed in runs of their own); push's KV path is what smoke, parity, kv_transfer,
-    request_features, cache_paths and burst send through it."""
+    24 samples took 47 s of 59 s of checks on a loaded host (docs/cpu-lane.md, "NIXL push mode":
+    every default check passed in runs of their own); push's KV path is what smoke, parity,
+    kv_transfer, request_features, cache_paths and burst send through it."""
     needs("vllm")
     needs("nixl._api")
     results = e2e_dir(tmp_path_factory, "nixl_push") / "r"
