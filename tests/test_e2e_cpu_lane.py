@@ -207,8 +207,7 @@ def test_nixl_agents_got_the_cpu_lanes_progress_delay_and_stayed_on_their_cores(
 def test_push_passes_its_checks_on_the_cpu_lane(nixl_push_sweep: SweepRun):
     """NixlPushConnector's sweep, through the nox session the noxfile makes from its spec, passes
     every check it runs (every default but accuracy, conftest.nixl_push_sweep) on the CPU lane:
-    the prefill WRITEs the KV (its transfer counters, the KV proof's evidence role), and the
-    cluster leaves nothing behind."""
+    the prefill WRITEs the KV (its transfer counters, the KV proof's evidence role)."""
     run = nixl_push_sweep
     assert run.rc == 0 and "nox > Running session nixl_push_sweep" in run.cli.text, run.cli.text[-3000:]
     assert run.summary["passed"] is True and run.summary["platform"] == "cpu"
@@ -220,7 +219,13 @@ def test_push_passes_its_checks_on_the_cpu_lane(nixl_push_sweep: SweepRun):
     assert re.search(
         r"NIXL push completed \d+ WRITE transfers of \d+ bytes \(prefill /metrics\), no failures", kv
     ), kv
-    assert run.extra["tmp_left"] == [] and processes_using(plan_ports(run.run_dir)) == []
+
+
+def test_push_leaves_nothing(nixl_push_sweep: SweepRun):
+    """No process on the plan's ports and nothing new in the temporary folder (as the healthy
+    sweeps' tests above; on a host where other clusters start meanwhile, theirs show here too)."""
+    assert processes_using(plan_ports(nixl_push_sweep.run_dir)) == []
+    assert nixl_push_sweep.extra["tmp_left"] == []
 
 
 def test_push_handshakes_with_the_cpu_lanes_longer_timeout_and_says_each_wait(nixl_push_sweep: SweepRun):
