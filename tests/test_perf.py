@@ -180,8 +180,11 @@ def test_a_missing_baseline_is_not_run_never_pass():
     assert "within the cpu lane's expectations" in r.message  # what was judged, after the reason
     elsewhere = judged(baselines=[baseline("1x NVIDIA H200", 1e4)])  # another hardware class: not judged
     assert elsewhere.not_run and elsewhere.details["baseline"]["other_hardware"] == ["1x NVIDIA H200"]
+    assert r.message.count("no perf baseline") == 1
     # the bad figures still fail without a baseline: NOT RUN only when nothing else was wrong
-    assert judged(baselines=[], link=None).failed
+    failed = judged(baselines=[], link=None)
+    assert failed.failed and failed.message.startswith("the transport alone was not measured")
+    assert "; not judged: no perf baseline for cpu, 2 cores" in failed.message
 
 
 def test_a_lane_without_expectations_is_not_run_even_with_a_baseline():

@@ -255,10 +255,11 @@ def evaluate(
     if regression:
         problems.append(f"baseline {base['key']['hardware']}: {regression}")
     summary = _summary(records, link, ratio, base, expected)
-    if problems:
-        message = "; ".join(problems) + f" ({summary})"
-        return CheckResult("perf", FAIL, message, details, figures=figures, tables=tables)
     unjudged = [d["status"] for d in (expected, base) if d["status"] not in ("judged", "compared")]
+    if problems:
+        also = f"; not judged: {'; '.join(unjudged)}" if unjudged else ""
+        message = "; ".join(problems) + f" ({summary}{also})"
+        return CheckResult("perf", FAIL, message, details, figures=figures, tables=tables)
     verdict, message = (NOT_RUN, "; ".join(unjudged) + f" ({summary})") if unjudged else (PASS, summary)
     return CheckResult("perf", verdict, message, details, figures=figures, tables=tables)
 
@@ -339,8 +340,6 @@ def _summary(
                 else ""
             )
         )
-    else:
-        parts.append(f"baseline: {base.get('status', '')}")
     return "; ".join(parts)
 
 
