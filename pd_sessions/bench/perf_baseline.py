@@ -108,11 +108,13 @@ def entries(folders: Sequence[Path], *, margin: float, source: str) -> list[dict
     return [perf_baselines.measured_entry(k, v, source=source, margin=margin) for k, v in by_key.items()]
 
 
-PATH_OPTIONS = ("--out", "--from", "--baselines", "--results-dir")
+# Left out of the command in the entry's source: this machine's folders (the entry is kept in the
+# repo), and --note (its text follows the command).
+PATH_OPTIONS = ("--out", "--from", "--baselines", "--results-dir", "--note")
 
 
 def without_paths(argv: Sequence[str]) -> list[str]:
-    """``argv`` less the options that name this machine's folders (the entry is kept in the repo)."""
+    """``argv`` less the options that name this machine's folders, and --note."""
     out: list[str] = []
     skip = False
     for a in argv:

@@ -68,10 +68,12 @@ DEFAULT_TOLERANCES: dict[str, tuple[float, str]] = {
 # pd-sessions perf-baseline (measured_entry): at least MIN_RUNS runs; each figure's tolerance is
 # SPREAD_MARGIN x its runs' largest relative distance from their median, never below the figure's
 # DEFAULT_TOLERANCES (a quiet window's spread says little about a busy CI); a better-when-higher
-# figure's at most HIGHER_RTOL_CAP (a bound of 0 would pass anything).
+# figure's at most HIGHER_RTOL_CAP (a bound of 0 would pass anything): a tenth of the median, as
+# far as the 2 shared cores spread them (output tok/s 20-194 and the link ratio 0.016-0.54 over 8
+# runs of CI's shape, 2026-12-05).
 MIN_RUNS = 5
 SPREAD_MARGIN = 3.0
-HIGHER_RTOL_CAP = 0.8
+HIGHER_RTOL_CAP = 0.9
 LANES = ("cpu", "cuda")
 # c<N>.ratio.<m>_p<P> (P/D / colocated, x) or c<N>.excess.<m>_p<P>_ms (P/D - colocated, ms)
 EXPECTATION_FIGURE = re.compile(
