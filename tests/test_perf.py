@@ -275,6 +275,18 @@ def test_record_then_load_round_trips_and_refuses_a_second_entry(tmp_path):
         perf_baselines.record(path, perf_baselines.new_entry(KEY, measured, source="again"))
 
 
+def test_record_baseline_writes_one_run_and_stays_not_run(tmp_path):
+    path = tmp_path / "b.toml"
+    r = perf.record(judged(baselines=[]), KEY, path)
+    assert r.not_run and r.message.startswith(
+        f"recorded the perf baseline of {KEY} in {path}; no perf baseline"
+    )
+    (b,) = perf_baselines.load(path)
+    assert b.key == KEY and b.figures["c1.pd.itl_p50_ms"].value == 4.0
+    again = perf.record(judged(baselines=[]), KEY, path)
+    assert again.failed and "already has a perf baseline" in again.message
+
+
 def test_a_bad_entry_names_the_field(tmp_path):
     path = tmp_path / "b.toml"
     path.write_text('[[baseline]]\nmodel="m"\nconnector="nixl"\nconfig="1x1"\nhardware="h"\n'
