@@ -10,7 +10,7 @@ and the effective KV bandwidth; then the transport alone moves a transfer of the
 the same descriptor size between two processes on the same devices
 (``python -m pd_sessions.vllm_side.link_probe``): "x GB/s = y % of what the transport itself moves here".
 Last, P/D against colocated is judged by the lane's expectations (``[[expectation]]`` in
-perf_baselines.toml: e.g. on the CPU lane ITL p50 P/D / colocated <= 2 and TTFT p50 P/D -
+perf_baselines.toml: e.g. on the CPU lane ITL p50 P/D / colocated <= 2.5 and TTFT p50 P/D -
 colocated within the handover's budget, at concurrency 1), and the figures are compared with
 the perf baseline of this (model, connector, config, hardware class) (:mod:`perf_baselines`),
 or recorded with ``--record-baseline`` (``pd-sessions perf-baseline``: from N runs).

@@ -23,8 +23,8 @@ expectation holds on any machine of it::
     [[expectation]]
     lane = "cpu"
     figure = "c1.ratio.itl_p50"        # P/D / colocated (x)
-    max = 2.0
-    why = "measured 0.89-1.53x in 9 runs on 2 shared cores"
+    max = 2.5
+    why = "measured 0.89-1.53x in 11 runs on 2 shared cores"
 
 Baseline rules (:func:`compare`):
 - a figure that is better when lower regresses when measured > value * (1 + rtol); one that is
