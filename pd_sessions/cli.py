@@ -1,6 +1,7 @@
 """Command line: ``pd-sessions <command>`` (or ``python -m pd_sessions <command>``), the one way in.
 
-Commands: sweep, serve, tiny-model, inventory, bench, bench-report, wheelhouse, buildkite, report; this
+Commands: sweep, serve, tiny-model, inventory, bench, bench-report, perf-baseline, wheelhouse, buildkite,
+report; this
 module parses them, calls the function that does each one's work (:data:`COMMANDS`: ``sweep`` and
 ``serve`` are :mod:`pd_sessions.run.sweep` and :mod:`pd_sessions.run.serve`) and maps what they
 end with to an exit status. The other ``python -m pd_sessions.X`` entries are process boundaries
@@ -61,6 +62,12 @@ def _parser() -> argparse.ArgumentParser:
         "bench-report", help="render bench results (table, goals, chart) again from results.json"
     )
     r.add_argument("results_json", type=_results_json, metavar="RESULTS_JSON", help="e.g. bench/results.json")
+    _passthrough(
+        sub,
+        "perf-baseline",
+        "record a config's perf baseline from N runs of its sweep: the median and a tolerance from "
+        "the spread (pd-sessions perf-baseline --help)",
+    )
     _passthrough(
         sub,
         "wheelhouse",
@@ -128,6 +135,7 @@ COMMANDS: dict[str, tuple[str, str, Call]] = {
     "inventory": ("pd_sessions.runtime.machine", "inventory_json", lambda fn, a: _printed(fn())),
     # passthroughs: they parse their own options
     "bench": ("pd_sessions.bench.bench_command", "main", lambda fn, a: fn(a.rest)),
+    "perf-baseline": ("pd_sessions.bench.perf_baseline", "main", lambda fn, a: fn(a.rest)),
     "wheelhouse": ("pd_sessions.env.wheelhouse", "main", lambda fn, a: fn(a.rest)),
     "bench-report": (
         "pd_sessions.bench.bench_results",

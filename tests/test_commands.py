@@ -39,6 +39,7 @@ def test_every_subcommand_names_a_function_that_exists():
             "inventory",
             "bench",
             "bench-report",
+            "perf-baseline",
             "wheelhouse",
             "buildkite",
             "report",

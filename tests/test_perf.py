@@ -14,6 +14,7 @@ from pd_sessions.checks import perf, perf_baselines
 from pd_sessions.checks import perf_figures as pf
 from pd_sessions.core import check_registry as registry
 from pd_sessions.core import connectors, selection
+from pd_sessions.core.config import load as load_builtin
 from pd_sessions.core.config import load_sweep, make_overrides
 from pd_sessions.core.connectors.base import MetricEvidence
 from pd_sessions.core.errors import ConfigError, PerfError
@@ -137,18 +138,86 @@ def test_the_raw_transfer_has_the_windows_size_in_its_descriptor_size():
 # ---------------------------------------------------------------- the verdict
 
 
+CPU = [
+    perf_baselines.Expectation("cpu", "c1.ratio.itl_p50", 1.5, "measured"),
+    perf_baselines.Expectation("cpu", "c1.excess.ttft_p50_ms", 60.0, "the handover budget"),
+]
+
+
+def judged(recs=None, **kw) -> perf.CheckResult:
+    """evaluate with the CPU lane's expectations and a baseline of today's figures (PASS when healthy)."""
+    recs = records() if recs is None else recs
+    today = perf_baselines.from_entry(
+        perf_baselines.new_entry(KEY, perf.baseline_figures(records(), 0.6), source="t")
+    )
+    args = {"link": LINK, "baselines": [today], "expectations": CPU, **kw}
+    return perf.evaluate(recs, requests=8, key=KEY, **args)
+
+
 def test_a_healthy_run_passes_with_figures_tables_and_the_link_ratio():
-    r = perf.evaluate(records(), requests=8, link=LINK, key=KEY)
+    r = judged()
     assert r.passed, r.message
     assert "c=1: TTFT p50 40.0 vs 20.0 ms colocated" in r.message and "% of what NIXL" in r.message
-    assert "no baseline for this hardware class" in r.message
+    assert (
+        "within the cpu lane's expectations: c1.ratio.itl_p50 1 <= 1.5, c1.excess.ttft_p50_ms 20 <= 60"
+        in (r.message)
+    )
+    assert "baseline of tiny-llama, nixl, 1x1, cpu, 2 cores (t): 13/13 figures within tolerance" in r.message
     names = {f.name: f for f in r.figures}
     assert names["c1.ratio.ttft_p50"].value == 2.0 and names["c8.colocated.itl_p50_ms"].unit == "ms"
+    assert names["c1.excess.ttft_p50_ms"].value == 20.0 and names["c1.excess.ttft_p50_ms"].unit == "ms"
     assert names["link_ratio"].value == pytest.approx(TRANSFERS.gb_s / LINK.gb_s)
     assert [t.title.split(" (")[0] for t in r.tables] == [
         "P/D vs colocated", "Where P/D TTFT goes", "KV bandwidth against the link"
     ]  # fmt: skip
     assert r.details["baseline_figures"]["c8.pd.output_tok_s"] == 1200
+    assert r.details["expectations"]["status"] == "judged" and r.details["baseline"]["status"] == "compared"
+
+
+def test_a_missing_baseline_is_not_run_never_pass():
+    r = judged(baselines=[])
+    assert r.not_run and r.message.startswith("no perf baseline for cpu, 2 cores (tiny-llama, nixl, 1x1)")
+    assert "within the cpu lane's expectations" in r.message  # what was judged, after the reason
+    elsewhere = judged(baselines=[baseline("1x NVIDIA H200", 1e4)])  # another hardware class: not judged
+    assert elsewhere.not_run and elsewhere.details["baseline"]["other_hardware"] == ["1x NVIDIA H200"]
+    assert r.message.count("no perf baseline") == 1
+    # the bad figures still fail without a baseline: NOT RUN only when nothing else was wrong
+    failed = judged(baselines=[], link=None)
+    assert failed.failed and failed.message.startswith("the transport alone was not measured")
+    assert "; not judged: no perf baseline for cpu, 2 cores" in failed.message
+
+
+def test_a_lane_without_expectations_is_not_run_even_with_a_baseline():
+    r = judged(expectations=[perf_baselines.Expectation("cuda", "c1.ratio.itl_p50", 1.5)])
+    assert r.not_run and r.message.startswith("no P/D vs colocated expectation for the cpu lane")
+    other_level = judged(expectations=[perf_baselines.Expectation("cpu", "c4.ratio.itl_p50", 1.5)])
+    assert other_level.not_run and "none of the cpu lane's P/D vs colocated expectations measured" in (
+        other_level.message
+    )
+
+
+@pytest.mark.parametrize(
+    ("pd_c1", "why"),
+    [
+        # P/D decodes 3x slower than colocated: ITL 12 ms against 4
+        ({"ttft": 40, "itl": 12}, "c1.ratio.itl_p50 = 3x, allowed <= 1.5x (measured)"),
+        # P/D's first token 200 ms after colocated's: far beyond the handover budget
+        ({"ttft": 220, "itl": 4}, "c1.excess.ttft_p50_ms = 200 ms, allowed <= 60 ms (the handover budget)"),
+    ],
+)
+def test_pd_beyond_the_lanes_expectation_fails_naming_the_figure_value_and_bound(pd_c1, why):
+    recs = [record("pd", 1, tok_s=200, transfers=TRANSFERS, **pd_c1), *records()[1:]]
+    r = judged(recs)
+    assert r.failed and "P/D vs colocated beyond the cpu lane's expectation: " + why in r.message
+    assert judged(recs, baselines=[]).failed  # a missing baseline never hides it
+
+
+def test_expectation_figures_are_ratios_and_differences_at_each_level():
+    vs = perf.expectation_figures(records())
+    assert vs["c1.ratio.itl_p50"] == 1.0 and vs["c1.excess.ttft_p50_ms"] == 20.0
+    assert vs["c8.ratio.ttft_p99"] == pytest.approx(80 / 50) and vs["c8.excess.itl_p99_ms"] == 0.0
+    assert all(perf_baselines.EXPECTATION_FIGURE.match(k) for k in vs)
+    assert "c8.ratio.itl_p50" not in perf.expectation_figures(records()[:3])  # no colocated c=8
 
 
 @pytest.mark.parametrize(
@@ -180,18 +249,13 @@ def baseline(hardware: str, tok_s: float, ttft: float = 40.0) -> perf_baselines.
 
 
 def test_a_baseline_far_above_todays_figures_fails_only_on_the_same_hardware():
-    far = baseline("cpu, 2 cores", tok_s=10_000)
-    r = perf.evaluate(records(), requests=8, link=LINK, baselines=[far], key=KEY)
-    assert not r.passed and "c1.pd.output_tok_s 200 vs baseline 1e+04 (allowed >= 5000)" in r.message
-    elsewhere = perf.evaluate(
-        records(), requests=8, link=LINK, baselines=[baseline("1x NVIDIA H200", 1e4)], key=KEY
-    )
-    assert elsewhere.passed and elsewhere.details["baseline"]["other_hardware"] == ["1x NVIDIA H200"]
-    slower = perf.evaluate(
-        records(), requests=8, link=LINK, baselines=[baseline("cpu, 2 cores", 200, 10)], key=KEY
-    )
-    assert not slower.passed and "c1.pd.ttft_p50_ms 40 vs baseline 10 (allowed <= 15)" in slower.message
-    same = perf.evaluate(records(), requests=8, link=LINK, baselines=[baseline("cpu, 2 cores", 200)], key=KEY)
+    r = judged(baselines=[baseline("cpu, 2 cores", tok_s=10_000)])
+    assert r.failed and "c1.pd.output_tok_s 200 vs baseline 1e+04 (allowed >= 5000)" in r.message
+    elsewhere = judged(baselines=[baseline("1x NVIDIA H200", 1e4)])
+    assert elsewhere.not_run and elsewhere.details["baseline"]["other_hardware"] == ["1x NVIDIA H200"]
+    slower = judged(baselines=[baseline("cpu, 2 cores", 200, 10)])
+    assert slower.failed and "c1.pd.ttft_p50_ms 40 vs baseline 10 (allowed <= 15)" in slower.message
+    same = judged(baselines=[baseline("cpu, 2 cores", 200)])
     assert same.passed and same.details["baseline"]["status"] == "compared"
 
 
@@ -200,15 +264,27 @@ def test_a_baseline_far_above_todays_figures_fails_only_on_the_same_hardware():
 
 def test_record_then_load_round_trips_and_refuses_a_second_entry(tmp_path):
     path = tmp_path / "perf_baselines.toml"
-    path.write_text((perf_baselines.BASELINES).read_text())  # the shipped header, no entry yet
+    path.write_text((perf_baselines.BASELINES).read_text())  # the shipped file: other keys' entries
     measured = perf.baseline_figures(records(), 0.6)
     perf_baselines.record(path, perf_baselines.new_entry(KEY, measured, source="test"))
-    (b,) = perf_baselines.load(path)
+    (b,) = [b for b in perf_baselines.load(path) if b.key == KEY]
     assert b.key == KEY and b.figures["link_ratio"] == perf_baselines.FigureBaseline(0.6, 0.5, "higher")
     assert b.figures["c8.pd.ttft_p99_ms"].better == "lower" and set(b.figures) == set(measured)
     assert perf_baselines.judge(measured, [b], KEY)[0] is None
     with pytest.raises(ConfigError, match="already has a perf baseline"):
         perf_baselines.record(path, perf_baselines.new_entry(KEY, measured, source="again"))
+
+
+def test_record_baseline_writes_one_run_and_stays_not_run(tmp_path):
+    path = tmp_path / "b.toml"
+    r = perf.record(judged(baselines=[]), KEY, path)
+    assert r.not_run and r.message.startswith(
+        f"recorded the perf baseline of {KEY} in {path}; no perf baseline"
+    )
+    (b,) = perf_baselines.load(path)
+    assert b.key == KEY and b.figures["c1.pd.itl_p50_ms"].value == 4.0
+    again = perf.record(judged(baselines=[]), KEY, path)
+    assert again.failed and "already has a perf baseline" in again.message
 
 
 def test_a_bad_entry_names_the_field(tmp_path):
@@ -218,7 +294,116 @@ def test_a_bad_entry_names_the_field(tmp_path):
     with pytest.raises(ConfigError, match=r"baseline #1\.figures\.x.*better in \('lower', 'higher'\)"):
         perf_baselines.load(path)
     assert perf_baselines.load(tmp_path / "absent.toml") == []
-    assert perf_baselines.load(perf_baselines.BASELINES) == []  # shipped empty: nothing judged yet
+    assert perf_baselines.load_expectations(tmp_path / "absent.toml") == []
+
+
+@pytest.mark.parametrize(
+    ("entry", "error"),
+    [
+        ('lane = "gpu"\nfigure = "c1.ratio.itl_p50"\nmax = 1.5', r"expectation #1\.lane: got 'gpu'"),
+        ('lane = "cpu"\nfigure = "c1.itl_p50"\nmax = 1.5', r"expectation #1\.figure: got 'c1\.itl_p50'"),
+        ('lane = "cpu"\nfigure = "c1.excess.ttft_p50"\nmax = 1.5', r"expectation #1\.figure.*_ms"),
+        ('lane = "cpu"\nfigure = "c1.ratio.itl_p50"\nmax = "1.5"', r"expectation #1\.max: got '1\.5'"),
+    ],
+)
+def test_a_bad_expectation_names_the_field(tmp_path, entry, error):
+    path = tmp_path / "b.toml"
+    path.write_text(f"[[expectation]]\n{entry}\n")
+    with pytest.raises(ConfigError, match=error):
+        perf_baselines.load_expectations(path)
+
+
+def test_the_shipped_file_has_expectations_per_lane():
+    exp = perf_baselines.load_expectations()
+    for lane in ("cpu", "cuda"):
+        assert {e.figure for e in exp if e.lane == lane} >= {"c1.ratio.itl_p50", "c1.excess.ttft_p50_ms"}
+    assert all(e.why for e in exp)  # each bound says where it comes from
+    cpu = {e.figure: e.max for e in exp if e.lane == "cpu"}
+    # a real break fails on the CPU lane: P/D ITL 3x colocated, TTFT 1 s beyond colocated
+    assert cpu["c1.ratio.itl_p50"] < 3.0 and cpu["c1.excess.ttft_p50_ms"] < 1000.0
+
+
+def test_the_shipped_file_has_the_ci_shapes_baseline_from_its_runs():
+    ci = ("tiny-llama-remote", "nixl", "1x1", "cpu, 2 cores")  # conftest's nixl_sweep, on CI's 2 cores
+    (b,) = [b for b in perf_baselines.load() if b.key == ci]
+    assert b.source.startswith("recorded 2026-12-05 from 8 runs by: pd-sessions perf-baseline")
+    assert "load" in b.source and "/" + "work/" not in b.source  # how loaded; no machine's folder
+    assert set(b.figures) == {f"c{c}.pd.{k}" for c in (1, 8) for k in perf.BASELINED} | {"link_ratio"}
+    assert all(f.better == "higher" for n, f in b.figures.items() if n.endswith(("tok_s", "link_ratio")))
+    assert all(
+        f.rtol >= perf_baselines.DEFAULT_TOLERANCES[n.rsplit(".", 1)[-1]][0] for n, f in b.figures.items()
+    )
+
+
+def test_a_baseline_from_runs_takes_the_median_and_a_tolerance_from_the_spread():
+    runs = [{"c1.pd.itl_p50_ms": v, "link_ratio": r, "other": 1.0} for v, r in
+            [(4.0, 0.5), (4.2, 0.4), (3.8, 0.6), (4.0, 0.5), (6.0, 0.3)]]  # fmt: skip
+    e = perf_baselines.measured_entry(KEY, runs, source="5 runs")
+    itl, link = e["figures"]["c1.pd.itl_p50_ms"], e["figures"]["link_ratio"]
+    assert itl["value"] == 4.0 and itl["spread"] == 0.5 and itl["rtol"] == 1.5  # 3 x (6 - 4) / 4
+    assert itl["runs"] == [4.0, 4.2, 3.8, 4.0, 6.0] and itl["better"] == "lower"
+    assert link["value"] == 0.5 and link["rtol"] == 0.9  # 3 x 0.4 capped: a bound of 0 would pass anything
+    assert "other" not in e["figures"]  # no known direction: not baselined
+    quiet = perf_baselines.measured_entry(KEY, [{"c1.pd.itl_p50_ms": 4.0}] * 5, source="")
+    assert quiet["figures"]["c1.pd.itl_p50_ms"]["rtol"] == 0.5  # never below the figure's default
+    b = perf_baselines.from_entry(e)
+    assert b.figures["c1.pd.itl_p50_ms"].bound() == 10.0 and not b.figures["c1.pd.itl_p50_ms"].ok(10.5)
+    with pytest.raises(ConfigError, match=r"--runs: got 4 run\(s\).*at least 5"):
+        perf_baselines.measured_entry(KEY, runs[:4], source="")
+
+
+def _results(folder, verdict="pass", figures=None, model="tiny-llama"):
+    (folder / "1x1").mkdir(parents=True)
+    key = {"model": model, "connector": "nixl", "config": "1x1", "hardware": "cpu, 2 cores"}
+    perf_check = {"name": "perf", "verdict": verdict, "message": "m", "details": {
+        "baseline": {"key": key}, "baseline_figures": figures or {"c1.pd.itl_p50_ms": 4.0}}}  # fmt: skip
+    (folder / "1x1" / "result.json").write_text(json.dumps({"checks": [{"name": "smoke"}, perf_check]}))
+    return folder
+
+
+def test_the_perf_baseline_tool_reads_each_runs_figures_and_refuses_a_failed_run(tmp_path):
+    from pd_sessions.bench import perf_baseline
+
+    folders = [_results(tmp_path / f"r{i}", figures={"c1.pd.itl_p50_ms": 4.0 + i / 10}) for i in range(5)]
+    folders[1] = _results(tmp_path / "not-run", verdict="not run", figures={"c1.pd.itl_p50_ms": 4.4})
+    (e,) = perf_baseline.entries(folders, margin=3.0, source="s")
+    assert (e["model"], e["hardware"]) == ("tiny-llama", "cpu, 2 cores") and e["source"] == "s"
+    assert e["figures"]["c1.pd.itl_p50_ms"]["runs"] == [4.0, 4.4, 4.2, 4.3, 4.4]
+    with pytest.raises(PerfError, match=r"perf fail: m \(whole runs only\)"):
+        perf_baseline.perf_of(_results(tmp_path / "failed", verdict="fail"))
+    with pytest.raises(PerfError, match="no config with a perf result"):
+        perf_baseline.perf_of(tmp_path / "empty")
+    out = tmp_path / "out"
+    args = ["--from", str(folders[0]), "--out", str(out), "--print-only"]
+    assert perf_baseline.main(args) == 2  # fewer than 5 runs: refused, naming --runs
+    args = [a for f in folders for a in ("--from", str(f))] + [
+        "--out",
+        str(out),
+        "--baselines",
+        str(tmp_path / "b.toml"),
+    ]
+    assert perf_baseline.main(args) == 0
+    (b,) = perf_baselines.load(tmp_path / "b.toml")
+    assert (
+        b.figures["c1.pd.itl_p50_ms"].value == 4.3
+        and "from 5 runs by: pd-sessions perf-baseline; read from 5 earlier sweeps'" in b.source
+    )
+    assert perf_baseline.main(args) == 2  # the key is there already: remove it first
+    assert str(tmp_path) not in b.source  # no machine's folder in the repo's file
+    argv = ["--runs", "5", "--out", "/x", "--baselines=/y", "--", "s", "--results-dir", "/z", "--only", "1x1"]
+    assert perf_baseline.without_paths(argv) == ["--runs", "5", "--", "s", "--only", "1x1"]
+
+
+def test_perf_is_not_required_unless_a_sweep_names_it(tmp_path):
+    p = tmp_path / "s.toml"
+    p.write_text('name = "s"\n[defaults]\nmodel = "tiny-llama"\n[[config]]\nname = "1x1"\n')
+    # a GPU sweep runs perf by default; without a baseline for the GPU it is NOT RUN, not a failure
+    assert "perf" in load_sweep(p).checks_on("cuda") and "perf" not in load_sweep(p).required_on("cuda")
+    assert load_builtin("perf_single_gpu").required_on("cuda") == ("smoke", "kv_transfer")
+    assert "perf" not in load_builtin("kimi_linear_nightly").required_on("cuda")
+    p.write_text('name = "s"\nchecks = ["smoke", "perf"]\nrequired_checks = ["perf"]\n'
+                 '[defaults]\nmodel = "tiny-llama"\n[[config]]\nname = "1x1"\n')  # fmt: skip
+    assert load_sweep(p).required_on("cpu") == ("perf",)  # named: its NOT RUN fails the config
 
 
 def test_the_hardware_class_is_the_gpus_or_the_cores():

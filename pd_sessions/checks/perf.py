@@ -9,12 +9,18 @@ prefills' "KV Transfer metrics" log lines) give where TTFT goes (:func:`perf_fig
 and the effective KV bandwidth; then the transport alone moves a transfer of the same size in
 the same descriptor size between two processes on the same devices
 (``python -m pd_sessions.vllm_side.link_probe``): "x GB/s = y % of what the transport itself moves here".
-Last, the figures are compared with the perf baseline of this (model, connector, config,
-hardware class) (:mod:`perf_baselines`), or recorded with ``--record-baseline``.
+Last, P/D against colocated is judged by the lane's expectations (``[[expectation]]`` in
+perf_baselines.toml: e.g. on the CPU lane ITL p50 P/D / colocated <= 2.5 and TTFT p50 P/D -
+colocated within the handover's budget, at concurrency 1), and the figures are compared with
+the perf baseline of this (model, connector, config, hardware class) (:mod:`perf_baselines`),
+or recorded with ``--record-baseline`` (``pd-sessions perf-baseline``: from N runs).
 
 Verdict (:func:`evaluate`): a request that failed in any run, a P/D run in which the connector
-reported no transfer, a transport probe that failed, or a regression beyond a baseline's
-tolerance on the same hardware fails the check; a missing baseline fails nothing.
+reported no transfer, a transport probe that failed, an expectation broken or a regression
+beyond a baseline's tolerance on the same hardware fails the check, naming the figure, the
+value and the bound. Otherwise a missing baseline (or a lane without expectations) makes it NOT
+RUN, its reason first, what was judged after: the comparison that did not happen never reads as
+a PASS. PASS only when both were judged and held.
 
 Files: ``<run dir>/perf/`` holds every bench result (``pd-c1.json``...), the driver's and the
 probe's logs and the probe's output.
@@ -54,7 +60,7 @@ from pd_sessions.core import connectors
 from pd_sessions.core.connectors.base import MetricEvidence
 from pd_sessions.core.errors import ConfigError, PerfError
 from pd_sessions.core.plan import ClusterPlan
-from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, Value
+from pd_sessions.core.results import FAIL, NOT_RUN, PASS, CheckResult, Figure, Table, Value
 from pd_sessions.runtime import http, machine, process
 from pd_sessions.runtime.cluster import Cluster
 
@@ -87,6 +93,24 @@ def baseline_figures(records: Sequence[RunRecord], ratio: float | None) -> dict[
     out = {f"c{r.concurrency}.pd.{k}": r.figures[k] for r in records if r.target == "pd" for k in BASELINED}
     if ratio is not None:
         out["link_ratio"] = ratio
+    return out
+
+
+def expectation_figures(records: Sequence[RunRecord]) -> dict[str, float]:
+    """At each level with both runs: ``c<N>.ratio.<m>_p<P>`` (P/D / colocated) and
+    ``c<N>.excess.<m>_p<P>_ms`` (P/D - colocated, ms) of TTFT, ITL and TPOT, as the lane's
+    expectations name them (perf_baselines.EXPECTATION_FIGURE)."""
+    out: dict[str, float] = {}
+    for pd in (r for r in records if r.target == "pd"):
+        co = next((r for r in records if r.concurrency == pd.concurrency and r.target == "colocated"), None)
+        if co is None:
+            continue
+        for m in ("ttft", "itl", "tpot"):
+            for p in (50, 99):
+                k = f"{m}_p{p}_ms"
+                out[f"c{pd.concurrency}.excess.{k}"] = pd.figures[k] - co.figures[k]
+                if co.figures[k] > 0:
+                    out[f"c{pd.concurrency}.ratio.{m}_p{p}"] = pd.figures[k] / co.figures[k]
     return out
 
 
@@ -185,15 +209,20 @@ def evaluate(
     error: str | None = None,
     baselines: Sequence[perf_baselines.PerfBaseline] = (),
     key: tuple[str, str, str, str] = ("", "", "", ""),
+    expectations: Sequence[perf_baselines.Expectation] = (),
 ) -> CheckResult:
-    """Verdict on the runs, the transport probe and the baseline (each problem named, in this order):
+    """Verdict on the runs, the transport probe, the lane's expectations and the baseline (each
+    problem named, in this order; the lane is the hardware class's, ``key[3]``):
 
     ``error``: what stopped the measurement (a bench run, the probe), if anything did
     a run whose requests did not all complete              -> FAIL (the P/D path dropped them)
     a P/D run in which the connector reported no transfer  -> FAIL (no split, no bandwidth)
     ``error``, or no transport figure                      -> FAIL (no link ratio)
-    a figure regressed beyond a same-hardware baseline     -> FAIL, naming the figures
-    otherwise                                             -> PASS (no baseline: recorded only)
+    P/D vs colocated beyond the lane's expectation         -> FAIL: figure, value, bound
+    a figure regressed beyond a same-hardware baseline     -> FAIL: figure, value, bound
+    otherwise, no baseline of this key or no expectation   -> NOT RUN: what was not judged
+      of the lane measured                                    first, then what was
+    otherwise                                             -> PASS, naming what was judged
     """
     figures, tables = _numbers(records, link)
     pds = sorted((r for r in records if r.target == "pd"), key=lambda r: r.concurrency)
@@ -202,10 +231,49 @@ def evaluate(
     measured = baseline_figures(records, ratio)
     if ratio is not None:
         figures.append(_fig("link_ratio", ratio, "fraction"))
+    vs = expectation_figures(records)
+    figures += [_fig(k, v, "ms") for k, v in vs.items() if ".excess." in k]
+    broken, expected = perf_baselines.judge_expectations(vs, expectations, perf_baselines.lane_of(key[3]))
     regression, base = perf_baselines.judge(measured, baselines, key)
-    details: dict[str, Any] = {
+    details = _details(records, link, error, base, measured)
+    details["expectations"] = expected
+    problems = []
+    for r in records:
+        done = r.figures.get("completed", 0)
+        if r.figures.get("failed", 0) or done < requests:
+            problems.append(f"{r.target} c={r.concurrency}: {done:g}/{requests} requests completed")
+    silent = [f"c={r.concurrency}" for r in pds if r.transfers is None]
+    if silent:
+        problems.append(f"the connector reported no KV transfer in the P/D run(s) at {', '.join(silent)}")
+    if error:
+        problems.append(error)
+    elif link is None:
+        problems.append("the transport alone was not measured: no P/D transfer to size it")
+    if broken:
+        lane = expected["lane"]
+        problems.append(f"P/D vs colocated beyond the {lane} lane's expectation: " + "; ".join(broken))
+    if regression:
+        problems.append(f"baseline {base['key']['hardware']}: {regression}")
+    summary = _summary(records, link, ratio, base, expected)
+    unjudged = [d["status"] for d in (expected, base) if d["status"] not in ("judged", "compared")]
+    if problems:
+        also = f"; not judged: {'; '.join(unjudged)}" if unjudged else ""
+        message = "; ".join(problems) + f" ({summary}{also})"
+        return CheckResult("perf", FAIL, message, details, figures=figures, tables=tables)
+    verdict, message = (NOT_RUN, "; ".join(unjudged) + f" ({summary})") if unjudged else (PASS, summary)
+    return CheckResult("perf", verdict, message, details, figures=figures, tables=tables)
+
+
+def _details(
+    records: Sequence[RunRecord],
+    link: LinkProbe | None,
+    error: str | None,
+    base: dict[str, Any],
+    measured: Mapping[str, float],
+) -> dict[str, Any]:
+    return {
         "baseline": base,
-        "baseline_figures": measured,
+        "baseline_figures": dict(measured),
         "link": None
         if link is None
         else {
@@ -226,29 +294,14 @@ def evaluate(
             for r in records
         ],
     }
-    problems = []
-    for r in records:
-        done = r.figures.get("completed", 0)
-        if r.figures.get("failed", 0) or done < requests:
-            problems.append(f"{r.target} c={r.concurrency}: {done:g}/{requests} requests completed")
-    silent = [f"c={r.concurrency}" for r in pds if r.transfers is None]
-    if silent:
-        problems.append(f"the connector reported no KV transfer in the P/D run(s) at {', '.join(silent)}")
-    if error:
-        problems.append(error)
-    elif link is None:
-        problems.append("the transport alone was not measured: no P/D transfer to size it")
-    if regression:
-        problems.append(f"baseline {base['key']['hardware']}: {regression}")
-    summary = _summary(records, link, ratio, base)
-    if problems:
-        message = "; ".join(problems) + f" ({summary})"
-        return CheckResult("perf", FAIL, message, details, figures=figures, tables=tables)
-    return CheckResult("perf", PASS, summary, details, figures=figures, tables=tables)
 
 
 def _summary(
-    records: Sequence[RunRecord], link: LinkProbe | None, ratio: float | None, base: Mapping[str, Any]
+    records: Sequence[RunRecord],
+    link: LinkProbe | None,
+    ratio: float | None,
+    base: Mapping[str, Any],
+    expected: Mapping[str, Any],
 ) -> str:
     parts = []
     for c in sorted({r.concurrency for r in records}):
@@ -268,7 +321,25 @@ def _summary(
             f"KV {first.transfers.gb_s:.3g} GB/s = {100 * ratio:.0f} % of what {link.transport} moves "
             f"here ({link.gb_s:.3g} GB/s)"
         )
-    parts.append(f"baseline: {base.get('status', '')}")
+    held = [r for r in expected.get("rows", []) if r["ok"]]
+    if held:
+        parts.append(
+            f"P/D vs colocated within the {expected['lane']} lane's expectations: "
+            + ", ".join(f"{r['figure']} {r['measured']:.3g} <= {r['max']:g}" for r in held)
+        )
+    if base.get("status") == "compared":
+        ok = sum(1 for r in base["rows"] if r["ok"])
+        link_row = next((r for r in base["rows"] if r["figure"] == "link_ratio"), None)
+        parts.append(
+            f"baseline of {', '.join(base['key'].values())} ({base.get('source', '').split(' by:')[0]}): "
+            f"{ok}/{len(base['rows'])} figures within tolerance"
+            + (
+                f" (link_ratio {link_row['measured']:.3g} vs {link_row['baseline']:.3g}, allowed >= "
+                f"{link_row['bound']:.3g})"
+                if link_row
+                else ""
+            )
+        )
     return "; ".join(parts)
 
 
@@ -531,17 +602,25 @@ def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
     key = (plan.config.model, plan.config.connector, plan.config.name, hardware(plan))
     path = Path(options.get("baselines") or perf_baselines.BASELINES)
     result = evaluate(
-        records, requests=requests, link=link, error=error, baselines=perf_baselines.load(path), key=key
+        records,
+        requests=requests,
+        link=link,
+        error=error,
+        baselines=perf_baselines.load(path),
+        key=key,
+        expectations=perf_baselines.load_expectations(path),
     )
     result.details["folder"] = str(folder)
-    if options.get("record_baseline") and result.passed:
+    if options.get("record_baseline") and not result.failed:
         return record(result, key, path)
     return result
 
 
 def record(result: CheckResult, key: tuple[str, str, str, str], path: Path) -> CheckResult:
     """--record-baseline: write this run's figures as the baseline of ``key`` (a FAIL naming the
-    entry when the file has one already: it is removed by hand, never overwritten)."""
+    entry when the file has one already: it is removed by hand, never overwritten). The verdict
+    stays what it was (NOT RUN: this run was not judged against a baseline, it is one); the
+    default tolerances of one run; ``pd-sessions perf-baseline`` measures them over N runs."""
     entry = perf_baselines.new_entry(
         key,
         result.details["baseline_figures"],

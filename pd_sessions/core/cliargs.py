@@ -255,7 +255,7 @@ def add_check_options(s: argparse.ArgumentParser) -> None:
         action="store_true",
         help="every check that could not run (NOT RUN: e.g. no netem in the kernel, no perf "
         "baseline) fails its config; without it only the sweep's required ones do (TOML "
-        "required_checks; default: every check the sweep itself runs)",
+        "required_checks; default: every check the sweep itself runs but perf)",
     )
     c.add_argument(
         "--skip-check",

@@ -168,8 +168,9 @@ class Sweep:
     checks_listed: bool = False
     # The checks that must run (TOML `required_checks = [...]`): one of them NOT RUN (it could not
     # look: no netem, no perf baseline) fails its config. None (the key left out): every check the
-    # sweep itself runs on the platform (checks_on); checks added with --check are not required
-    # unless named here. --strict makes every NOT RUN fail.
+    # sweep itself runs on the platform (checks_on) but perf (no baseline is NOT RUN: required
+    # only where named); checks added with --check are not required unless named here. --strict
+    # makes every NOT RUN fail.
     required: tuple[str, ...] | None = None
 
     def checks_on(self, platform: str) -> tuple[str, ...]:
@@ -178,8 +179,11 @@ class Sweep:
         return self.checks if self.checks_listed else registry.defaults(platform)
 
     def required_on(self, platform: str) -> tuple[str, ...]:
-        """The checks that must run on ``platform``: the declared ones, else the sweep's own."""
-        return self.required if self.required is not None else self.checks_on(platform)
+        """The checks that must run on ``platform``: the declared ones, else the sweep's own that
+        the registry marks required (all but perf: CheckInfo.required)."""
+        if self.required is not None:
+            return self.required
+        return tuple(c for c in self.checks_on(platform) if registry.BY_NAME[c].required)
 
     def entries(self, platform: str) -> tuple[SweepEntry, ...]:
         if platform not in self.entries_by_platform:
