@@ -230,6 +230,14 @@ CHECKS: tuple[CheckInfo, ...] = (
         options={"requests": 3, "delay_ms": 20, "bound_s": 60.0},
         hosts=True,
     ),
+    # Last: it compares the KV of every request the checks before it sent.
+    CheckInfo(
+        "kv_digest",
+        "every KV block a decode loaded equals, byte for byte (a checksum per layer), the block the "
+        "prefill sent, for every request of every check (vLLM-side observer; full blocks)",
+        gatherer=("kv_digest", "run"),
+        default=False,
+    ),
 )
 BY_NAME = {c.name: c for c in CHECKS}
 NAMES = tuple(BY_NAME)
@@ -237,6 +245,8 @@ NAMES = tuple(BY_NAME)
 DEFAULTS = tuple(c.name for c in CHECKS if c.default and len(c.platforms) == 2)
 FAULTS = tuple(c.name for c in CHECKS if c.faults)
 WIRE = tuple(c.name for c in CHECKS if c.hosts)
+# The check whose selection loads the KV digest's observer into every instance's connector.
+KV_DIGEST = "kv_digest"
 
 
 def defaults(platform: str) -> tuple[str, ...]:

@@ -90,6 +90,14 @@ def faults_control(config: ClusterConfig, opts: SweepOptions) -> str | None:
     return str((opts.results_dir / config.name / "faults.json").resolve())
 
 
+def kv_digest_dir(config: ClusterConfig, opts: SweepOptions) -> str | None:
+    """The run directory of a config whose checks include ``kv_digest`` (its instances' observers
+    write their side files there), else None: the connectors stay unwrapped for it."""
+    if check_registry.KV_DIGEST not in opts.checks:
+        return None
+    return str((opts.results_dir / config.name).resolve())
+
+
 def make_plan(
     config: ClusterConfig,
     inv: Inventory,
@@ -122,4 +130,5 @@ def make_plan(
         layout=layout,
         host_ports=host_ports,
         faults_control=faults_control(config, opts),
+        kv_digest_dir=kv_digest_dir(config, opts),
     )

@@ -42,12 +42,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pd_sessions.core import connectors, faults
+from pd_sessions.core import connectors, digest_records, faults
 from pd_sessions.core.faults import Control
+from pd_sessions.vllm_side.kv_observer import SENDS_ATTR, Observer
 
 # vLLM connector class -> how its worker metadata lists loads (each connector's spec says:
 # ConnectorSpec.recv_layout); each load's meta has local_block_ids (one list per KV cache group).
 RECV_LAYOUT: dict[str, str] = {s.vllm_class: s.recv_layout for s in connectors.ALL if s.recv_layout}
+# vLLM connector class -> how the KV digest pairs a send with a load (ConnectorSpec.send_layout)
+SEND_LAYOUT = {s.vllm_class: s.send_layout for s in connectors.ALL if s.send_layout}
 _MAX_TRACKED = 4096  # request ids remembered per side (a long-running server must not grow)
 
 _classes: dict[str, type] = {}
@@ -213,9 +216,22 @@ class FaultInjecting:
             wraps=self._pd_wraps,
         )
         self._pd_cache_config = kv_cache_config
+        digest = got.get(digest_records.SETTING)
+        self._pd_digest = (
+            Observer(
+                str(digest),
+                side=self._pd.side,
+                layout=SEND_LAYOUT.get(self._pd_wraps),
+                block_size=int(vllm_config.cache_config.block_size),
+                world=int(vllm_config.parallel_config.tensor_parallel_size),
+            )
+            if digest
+            else None
+        )
         say(
             f"pd_sessions: fault-injecting {self._pd_wraps} ({self._pd.side} {self._pd.role}, "
             f"pid {os.getpid()}); control file {self._pd.control_path or '(none: faults off)'}"
+            + (f"; KV digest to {digest}" if digest else "")
         )
 
     # ------------------------------------------------------------ scheduler side (prefill stall)
@@ -237,6 +253,26 @@ class FaultInjecting:
                 del pd.held[rid]
         return super().get_num_new_matched_tokens(request, num_computed_tokens)  # type: ignore[misc]
 
+    # ------------------------------------------------------------ scheduler side (KV digest)
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        delay, params = super().request_finished(request, block_ids)  # type: ignore[misc]
+        if self._pd_digest is not None and self._pd.side == "prefill":
+            self._pd_digest.note_send(request, block_ids, delay)
+        return delay, params
+
+    def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        delay, params = super().request_finished_all_groups(request, block_ids)  # type: ignore[misc]
+        if self._pd_digest is not None and self._pd.side == "prefill":
+            self._pd_digest.note_send(request, block_ids, delay)
+        return delay, params
+
+    def build_connector_meta(self, *args: Any, **kw: Any) -> Any:
+        meta = super().build_connector_meta(*args, **kw)  # type: ignore[misc]
+        if self._pd_digest is not None:
+            meta = self._pd_digest.hand_over(meta)
+        return meta
+
     # ------------------------------------------------------------ worker side (decode)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -244,15 +280,17 @@ class FaultInjecting:
         super().register_kv_caches(kv_caches)  # type: ignore[misc]
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
-        pd = self._pd
-        if pd.side == "decode" and pd.control_path and pd.layout:
+        pd, digest = self._pd, self._pd_digest
+        if digest is not None and pd.side == "prefill":
+            self._pd_digest_sends(getattr(connector_metadata, SENDS_ATTR, None) or {})
+        if pd.side == "decode" and (pd.control_path or digest is not None) and pd.layout:
             connector_metadata = self._pd_hold_back(connector_metadata, pd.layout)
         super().bind_connector_metadata(connector_metadata)  # type: ignore[misc]
 
     def _pd_hold_back(self, metadata: Any, layout: str) -> Any:
         """Record each load's blocks; under stall (decode), hold selected loads back."""
         pd = self._pd
-        c = pd.now_control()
+        c = pd.now_control() if pd.control_path else faults.OFF
         now = time.monotonic()
         found = loads(metadata, layout)
         keep: list[Load] = []
@@ -261,6 +299,8 @@ class FaultInjecting:
                 if len(pd.blocks) >= _MAX_TRACKED:
                     pd.blocks.pop(next(iter(pd.blocks)))
                 pd.blocks[ld.req] = ld.groups
+                if self._pd_digest is not None:
+                    self._pd_note_load(ld)
                 if c.mode == "stall" and c.applies_to("decode") and pd.candidate(ld.req):
                     ld.until = now + c.stall_s
                     pd.parked.append(ld)
@@ -276,22 +316,98 @@ class FaultInjecting:
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         results = super().get_transfer_results(finished_req_ids)  # type: ignore[misc]
         pd = self._pd
-        if pd.side != "decode" or not pd.control_path:
+        if pd.side != "decode" or not (pd.control_path or self._pd_digest is not None):
             return results
-        c = pd.now_control()
-        if c.mode not in ("drop", "zero", "swap"):
+        c = pd.now_control() if pd.control_path else faults.OFF
+        if c.mode not in ("drop", "zero", "swap") and self._pd_digest is None:
             return results
         done = [r for r in sorted(results.finished_recving) if r not in results.failed_recving]
-        chosen = [r for r in done if pd.candidate(r)]
+        chosen = [r for r in done if pd.candidate(r)] if c.mode in ("drop", "zero", "swap") else []
         if c.mode == "drop":
             for r in chosen:
                 results.failed_recving.add(r)
                 pd.event("drop", r)
         elif chosen:
             self._pd_corrupt(c, chosen)
+        if self._pd_digest is not None:  # after any fault: what the scheduler will compute on
+            self._pd_digest_loads([r for r in done if r not in results.failed_recving])
         for r in done:
             pd.blocks.pop(r, None)
         return results
+
+    # ------------------------------------------------------------ KV digest (workers)
+
+    def _pd_note_load(self, ld: Load) -> None:
+        """The digest's view of a decode load: the key both sides know it by, and how many of its
+        leading blocks it did not load (its own prefix-cache hits, where the meta lists them)."""
+        digest = self._pd_digest
+        assert digest is not None
+        lay = digest.layout
+        if lay is None:
+            return
+        if lay.key == "request_id":
+            key = getattr(getattr(ld.meta, "remote", None), "request_id", None)
+        else:
+            key = getattr(ld.meta, lay.key, None)
+        skip = 0
+        if lay.recv_blocks == "all":
+            computed = tuple(getattr(ld.meta, "local_num_computed_blocks", ()) or ())
+            skip = int(computed[0]) if computed else 0
+        if len(digest.loads) >= _MAX_TRACKED:
+            digest.loads.pop(next(iter(digest.loads)))
+        digest.loads[ld.req] = {"key": None if key is None else str(key), "skip": skip}
+
+    def _pd_digest_loads(self, done: list[str]) -> None:
+        digest, pd = self._pd_digest, self._pd
+        assert digest is not None
+        if not any(r in digest.loads for r in done):
+            return
+        rank = _tp_rank()
+        why = self._pd_digest_why()
+        if why:
+            digest.unavailable(why, rank)
+            return
+        assert digest.layout is not None
+        for r in done:
+            info = digest.loads.pop(r, None)
+            groups = pd.blocks.get(r) or [[]]
+            if info is None:
+                continue
+            ids = groups[0][info["skip"] :]
+            kv = (pd.kv_caches, pd.block_dims)
+            more = {"align": digest.layout.recv_blocks, "first": info["skip"], "listed": len(groups[0])}
+            digest.record("load", r, info, kv, ids, rank=rank, **more)
+
+    def _pd_digest_sends(self, sends: dict[str, dict[str, Any]]) -> None:
+        digest, pd = self._pd_digest, self._pd
+        assert digest is not None
+        if not sends:
+            return
+        rank = _tp_rank()
+        why = self._pd_digest_why()
+        if why:
+            digest.unavailable(why, rank)
+            return
+        for r, info in sends.items():
+            if info.get("groups", 1) > 1:
+                digest.unavailable(
+                    "a hybrid model: its requests have blocks in several KV cache groups", rank
+                )
+                continue
+            full = min(len(info["blocks"]), info["num_tokens"] // digest.block_size)
+            digest.record("send", r, info, (pd.kv_caches, pd.block_dims), info["blocks"], rank=rank,
+                          num_tokens=info["num_tokens"], listed=len(info["blocks"]), full=full)  # fmt: skip
+
+    def _pd_digest_why(self) -> str | None:
+        """Why this worker cannot digest (None when it can)."""
+        digest = self._pd_digest
+        assert digest is not None
+        if digest.layout is None:
+            return f"{self._pd_wraps}: its sends cannot be paired with loads (no send_layout in its spec)"
+        groups = getattr(self._pd_cache_config, "kv_cache_groups", None) or ()
+        if len(groups) > 1:
+            return f"a hybrid model: {len(groups)} KV cache groups (the digest covers models of one group)"
+        return self._pd_block_dims()
 
     # ------------------------------------------------------------ zero / swap
 
@@ -346,6 +462,11 @@ class FaultInjecting:
         pd = self._pd
         if not pd.layout:
             return f"{pd.wraps}: its loads' blocks are not known (its ConnectorSpec has no recv_layout)"
+        return self._pd_block_dims()
+
+    def _pd_block_dims(self) -> str | None:
+        """Finds each layer's block dimension (once); why it cannot (None when it could)."""
+        pd = self._pd
         if not pd.kv_caches:
             return "no KV cache tensors registered with the connector"
         if pd.block_dims:
@@ -361,3 +482,13 @@ class FaultInjecting:
         said = sorted(set(dims.values()))
         say(f"pd_sessions: fault injector: KV blocks are dimension {said} (num_blocks={num_blocks})")
         return None
+
+
+def _tp_rank() -> int:
+    """This worker's tensor-parallel rank (0 where vLLM's groups are not set up)."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except (ImportError, AssertionError, AttributeError, RuntimeError):
+        return 0

@@ -312,6 +312,25 @@ class DetectionRate:
 
 
 @dataclass(frozen=True)
+class SendLayout:
+    """How the KV digest (pd_sessions/vllm_side/kv_observer.py, checks/kv_digest.py) pairs what a
+    prefill sent with what a decode loaded, read from vLLM's connector code.
+
+    ``key``: what both sides know a transfer by. "request_id": the prefill's own request id
+    (``request_finished``'s ``request.request_id``), which the decode's load meta carries as
+    ``remote.request_id``; "transfer_id": the id the router gives both hops
+    (``kv_transfer_params["transfer_id"]`` on the prefill, the load meta's ``transfer_id``).
+    ``recv_blocks``: what the decode's load meta lists in ``local_block_ids``. "all": a block for
+    every prompt block, its first ``local_num_computed_blocks`` hit in its own prefix cache (not
+    loaded); "tail": only the blocks it loads, the last ones of the prompt (aligned with the end
+    of the prefill's list)."""
+
+    key: str  # "request_id" | "transfer_id"
+    recv_blocks: str  # "all" | "tail"
+    code: str  # where in vLLM this comes from
+
+
+@dataclass(frozen=True)
 class ConnectorSpec:
     """One KV connector: see the module docstring for who reads what."""
 
@@ -342,6 +361,9 @@ class ConnectorSpec:
     # "by_engine" {remote engine: {req: meta}}; None (unknown): the injector's zero, swap and
     # decode stall are logged as skipped
     recv_layout: str | None = None
+    # how the KV digest pairs a prefill's send with a decode's load (SendLayout); None (unknown):
+    # the kv_digest check is NOT RUN over it, saying so
+    send_layout: SendLayout | None = None
     # the corruption detection rates the fault scenarios require, per fault and parity mode
     # (checks/faults/corrupt.py); a pair not listed requires at least one detection, and says so
     detection: tuple[DetectionRate, ...] = ()

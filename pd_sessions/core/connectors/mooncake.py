@@ -36,6 +36,7 @@ from pd_sessions.core.connectors.base import (
     Package,
     Ports,
     Refusal,
+    SendLayout,
 )
 from pd_sessions.core.inventory import Inventory
 
@@ -211,6 +212,11 @@ SPEC = ConnectorSpec(
     ),
     sweep="mooncake_sweep",
     recv_layout="by_engine",  # vLLM 0.32's mooncake_connector.py: reqs_to_recv
+    send_layout=SendLayout(
+        key="transfer_id",
+        recv_blocks="tail",
+        code="mooncake_connector.py: PullReqMeta.transfer_id, the scheduler's unhashed_block_ids",
+    ),
     # the CPU lane's CI runs in exact mode, 2026-12-05 (vLLM 0.32.0, the tiny Llama): zero and swap
     # 32/32 in each of 4 runs (tests/test_e2e_faults.py); failure-modes rows 31-32
     detection=(

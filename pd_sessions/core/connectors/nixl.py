@@ -39,6 +39,7 @@ from pd_sessions.core.connectors.base import (
     MetricEvidence,
     Package,
     Ports,
+    SendLayout,
 )
 
 PACKAGE = Package(
@@ -249,6 +250,11 @@ SPEC = ConnectorSpec(
     cpu_lane=CPU_LANE,
     sweep="nixl_sweep",
     recv_layout="flat",  # vLLM 0.32's nixl/metadata.py: reqs_to_recv
+    send_layout=SendLayout(
+        key="request_id",
+        recv_blocks="all",
+        code="nixl/pull_scheduler.py request_finished (remote_request_id); nixl/metadata.py ReqMeta",
+    ),
     # the CPU lane's CI runs in margin mode, 2026-12-05 (vLLM 0.32.0, the tiny Llama): zero 32/32
     # in each of 4 runs; swap 28-32/32 (a swapped answer whose tokens stay within the margin passes:
     # failure-modes row 32); 26 is two below the lowest seen: the spread passes, a collapse fails

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from pd_sessions.core import connectors, faults
+from pd_sessions.core import connectors, digest_records, faults
 from pd_sessions.core.config import DUMMY_WEIGHT_MODELS, ClusterConfig
 from pd_sessions.core.errors import PlanError
 from pd_sessions.core.plan.across_hosts import host_env, host_problems, loopback_advertised
@@ -65,6 +65,9 @@ class Launch:
     # The fault scenarios' control file (absolute path): every instance's connector is then
     # pd-sessions' fault-injecting wrapper of it (pd_sessions/vllm_side/fault_connector.py); None = plain.
     faults_control: str | None = None
+    # The KV digest's directory (the config's run directory, absolute): each instance's connector is
+    # then wrapped too, its observer writing <dir>/<instance>.kv_digest.jsonl (core/digest_records.py).
+    kv_digest_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -225,8 +228,9 @@ def _kv_args(slot: Slot, launch: Launch) -> tuple[list[str], list[str]]:
     decode with decode_kv_transfer = false        -> nothing, and a warning (fault injection)
     """
     if slot.role == "prefill" or launch.config.decode_kv_transfer:
+        digest = digest_records.side_file(launch.kv_digest_dir, slot.name) if launch.kv_digest_dir else None
         kv = kv_transfer_config(
-            launch.config, slot.role, launch.platform, faults_control=launch.faults_control
+            launch.config, slot.role, launch.platform, faults_control=launch.faults_control, digest=digest
         )
         return ["--kv-transfer-config", json.dumps(kv, sort_keys=True, separators=(",", ":"))], []
     return [], [
@@ -269,22 +273,32 @@ def _engine_args(launch: Launch) -> list[str]:
 
 
 def kv_transfer_config(
-    config: ClusterConfig, role: str, platform: str, *, faults_control: str | None = None
+    config: ClusterConfig,
+    role: str,
+    platform: str,
+    *,
+    faults_control: str | None = None,
+    digest: str | None = None,
 ) -> dict[str, object]:
     """The --kv-transfer-config value for an instance of ``role``.
 
     the connector's spec builds its own settings, then
     kv_load_failure_policy set    -> "kv_load_failure_policy" (else vLLM's default, "fail")
-    faults_control set            -> "kv_connector_module_path": pd-sessions' fault-injecting
+    faults_control or digest set  -> "kv_connector_module_path": pd-sessions' fault-injecting
                                      wrapper, which keeps the connector's name, and its settings
-                                     under kv_connector_extra_config (see core/faults.py)
+                                     under kv_connector_extra_config (see core/faults.py): the
+                                     control file ("" when only the digest is asked for: faults
+                                     off) and the KV digest's side file (core/digest_records.py)
     """
     kv = connectors.get(config.connector).kv_transfer_config(config, role, platform)
     if config.kv_load_failure_policy is not None:
         kv["kv_load_failure_policy"] = config.kv_load_failure_policy
-    if faults_control is not None:
+    if faults_control is not None or digest is not None:
         kv["kv_connector_module_path"] = faults.CONNECTOR_MODULE
         extra = dict(kv.get("kv_connector_extra_config") or {})  # type: ignore[call-overload]
-        extra[faults.EXTRA_CONFIG_KEY] = {"control": faults_control}
+        settings: dict[str, str] = {"control": faults_control or ""}
+        if digest is not None:
+            settings[digest_records.SETTING] = digest
+        extra[faults.EXTRA_CONFIG_KEY] = settings
         kv["kv_connector_extra_config"] = extra
     return kv

@@ -35,6 +35,7 @@ def plan_cluster(
     layout: HostLayout | None = None,
     host_ports: Mapping[str, PortSource] | None = None,
     faults_control: str | None = None,
+    kv_digest_dir: str | None = None,
 ) -> ClusterPlan:
     """Plan every process of ``config``. ``model`` overrides what --model gets
     (e.g. the path of the generated tiny model); requests use ``config.model``.
@@ -45,6 +46,8 @@ def plan_cluster(
     host's ports unique on that host; ``ports`` is the driver's, where the router runs).
     ``faults_control``: the fault scenarios' control file; every connector is then wrapped by
     pd-sessions' fault injector (see core/faults.py).
+    ``kv_digest_dir``: where the KV digest's side files go (the config's run directory); every
+    connector is then wrapped by the same module, its observer on (see core/digest_records.py).
 
     The steps, in order; the first that fails raises a PlanError naming the field:
         platform                 -> "platform" unless cpu or cuda
@@ -73,7 +76,7 @@ def plan_cluster(
     allow = layout is not None and layout.allow_loopback
     launch = Launch(
         config, platform, python, models, lane, placement.shared_gpus,
-        allow_loopback=allow, faults_control=faults_control,
+        allow_loopback=allow, faults_control=faults_control, kv_digest_dir=kv_digest_dir,
     )  # fmt: skip
     ledgers = _Ledgers(ports, layout, host_ports or {})
     prefill, decode, said = _plan_instances(placement, launch, ledgers)
