@@ -160,19 +160,26 @@ def test_a_zeroed_block_fails_naming_the_request_layer_and_block(tmp_path):
     # the injector zeroes the second candidate (fraction 0.5): d2, its block 0 (decode block 10)
     assert "d2 layer model.layers.0.attn block 0 (decode block 10" in r.message
     assert [m["req"] for m in r.details["mismatches"]] == ["d2"]
+    assert verdict(tmp_path, injected={"d2": "zero"}).verdict == PASS
+    # the injector's word for a load whose blocks are intact: the digest missed it
+    missed = verdict(tmp_path, injected={"d1": "zero", "d2": "zero"})
+    assert missed.verdict == FAIL and "missed" in missed.message and missed.details["missed"] == ["d1"]
 
 
-def test_a_swapped_block_fails(tmp_path, capsys):
+def test_a_swapped_block_fails_and_with_the_injectors_word_the_corrupted_loads_are_the_ones_caught(
+    tmp_path, capsys
+):
     control = tmp_path / "faults.json"
     control.write_text(Control(epoch="s", mode="swap").to_json())
     _, d = two_requests(tmp_path, control=str(control))
     nixl_load(d, {"d1": ("p1", [7, 8, 9], 0), "d2": ("p2", [10, 11, 0], 0)}, {"d1", "d2"})
     injected = check.injected_requests([capsys.readouterr().err])
-    assert injected == {"d1": "swap", "d2": "swap"}
-    r = verdict(tmp_path, injected=injected)
+    assert injected == {"d1": "swap", "d2": "swap"}  # each took the other's blocks
+    r = verdict(tmp_path)
     assert r.verdict == FAIL and r.details["requests_differ"] == 2
-    assert (r.details["injected"], r.details["injected_caught"]) == (2, 2)
-    assert r.details["detection"] == {"swap": "2/2"} and r.details["observer_s"] > 0
+    caught = verdict(tmp_path, injected=injected)
+    assert caught.verdict == PASS, caught.message
+    assert caught.details["detection"] == {"swap": "2/2"} and caught.details["observer_s"] > 0
 
 
 def test_prefix_hits_on_the_decode_are_not_compared_and_tail_loads_align_with_the_end(tmp_path):

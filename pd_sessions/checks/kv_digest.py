@@ -19,15 +19,19 @@ a check of full blocks only would compare nothing there. ``partial_compared`` co
 
 Verdicts:
 
-- FAIL: a block differs (naming the request, the layer and the block); a load with no send
-  digest on any prefill (the prefill's observer saw nothing); no load digest at all on the
-  decodes while requests went through the router (the decode's observer saw nothing); a side
-  file that the observer should have written and did not.
+- FAIL: a block differs (naming the request, the layer and the block) in a load the fault
+  injector did not corrupt; a load it corrupted (zero, swap: its log lines name them) whose
+  blocks all equal the prefill's (the digest missed it); a load with no send digest on any
+  prefill (the prefill's observer saw nothing); no load digest at all on the decodes while
+  requests went through the router (the decode's observer saw nothing); a side file that the
+  observer should have written and did not.
 - NOT RUN: the observer said it could not digest (its ``unavailable`` reason: a hybrid model, a
   connector without a send layout); the two sides' layouts differ (TP sizes, block shapes, dtypes
   or the checksum method): the digest does not re-lay blocks out; the connectors are not wrapped
   (no decode KV transfer); the side files are on other hosts.
-- PASS: every load paired with its send and every compared block equal.
+- PASS: every load paired with its send, and its blocks equal exactly where no fault was
+  injected: with fault_zero or fault_swap in the same config, the corrupted loads are the ones
+  that differ (``detection`` says how many per fault: the digest's detection rate).
 """
 
 from __future__ import annotations
@@ -183,12 +187,12 @@ def _details(
     return d
 
 
-def _differ(p: Pairing, d: dict[str, Any]) -> CheckResult:
-    """FAIL naming the first requests whose blocks differ or whose load has no send."""
+def _differ(p: Pairing, d: dict[str, Any], unexpected: list[dict[str, Any]]) -> CheckResult:
+    """FAIL naming the first requests whose blocks differ (no fault injected) or whose load has no send."""
     said = [
         f"{m['req']} layer {m['layer']} block {m['block']} (decode block {m['block_id']}, "
         f"{m['blocks_differ']} block(s) differ) on {m['instance']}"
-        for m in p.mismatches[:SHOWN]
+        for m in unexpected[:SHOWN]
     ]
     said += [
         f"{u['req']} on {u['instance']}: no send digest (the prefill's observer saw nothing)"
@@ -197,8 +201,8 @@ def _differ(p: Pairing, d: dict[str, Any]) -> CheckResult:
     return CheckResult(
         NAME,
         FAIL,
-        f"{len(p.mismatches)} of {p.paired} loads differ from what the "
-        f"prefill sent, {len(p.unpaired)} unpaired: " + "; ".join(said),
+        f"{len(unexpected)} of {p.paired} loads differ from what the prefill sent with no fault "
+        f"injected, {len(p.unpaired)} unpaired: " + "; ".join(said),
         d,
     )
 
@@ -248,8 +252,28 @@ def evaluate(
             "decodes' observer digested no load: it saw nothing",
             d,
         )
-    if p.mismatches or p.unpaired:
-        return _differ(p, d)
+    injected = injected or {}
+    missed = [r for r in injected if r not in {m["req"] for m in p.mismatches}]
+    unexpected = [m for m in p.mismatches if m["req"] not in injected]
+    if unexpected or p.unpaired:
+        return _differ(p, d, unexpected)
+    if missed:
+        d["missed"] = missed
+        return CheckResult(
+            NAME,
+            FAIL,
+            f"the fault injector corrupted {len(injected)} load(s) and {len(missed)} of them equal what "
+            f"the prefill sent, e.g. {missed[0]}: the digest missed them ({d['detection']})",
+            d,
+        )
+    if injected:
+        return CheckResult(
+            NAME,
+            PASS,
+            f"every corrupted load caught ({d['detection']}) and none other differs: {p.paired} loads, "
+            f"{p.blocks} blocks compared per layer ({p.partial} of them partial)",
+            d,
+        )
     return CheckResult(
         NAME,
         PASS,
