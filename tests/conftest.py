@@ -54,7 +54,8 @@ def bystander():
 @pytest.fixture(scope="session")
 def mooncake_sweep(tmp_path_factory) -> SweepRun:
     """The built-in Mooncake sweep's 1x1, every default check and the fault scenarios of
-    MOONCAKE_FAULTS (the connectors wrapped by the fault injector), through `nox --no-venv` on
+    MOONCAKE_FAULTS (the connectors wrapped by the fault injector), then kv_digest (the KV
+    digest of every request before it: test_e2e_kv_digest), through `nox --no-venv` on
     this (hand-prepared) environment as vLLM's CI runs it, with the user's passing test files
     (`--pytest`: an env-style file and a pd_cluster-fixture file) against its cluster, after the
     faults. Shared by test_e2e_cpu_lane (all checks pass, nothing installed, nothing
@@ -76,6 +77,8 @@ def mooncake_sweep(tmp_path_factory) -> SweepRun:
             str(results),
             "--check",
             MOONCAKE_FAULTS,
+            "--check",
+            "kv_digest",
             "--pytest",
             str(USER / "pd_parity_env.py"),
             str(USER / "pd_parity_fixture.py"),
@@ -88,7 +91,7 @@ def mooncake_sweep(tmp_path_factory) -> SweepRun:
 @pytest.fixture(scope="session")
 def nixl_sweep(tmp_path_factory) -> SweepRun:
     """The built-in NIXL sweep's 1x1, every default check, the perf check (opt-in on the CPU
-    lane; CI runs it once, here) and the fault scenarios of NIXL_FAULTS, through the CLI, serving
+    lane; CI runs it once, here), the fault scenarios of NIXL_FAULTS and kv_digest, through the CLI, serving
     the remote-code tiny model (trust_remote_code: vLLM and lm_eval load its own classes) with
     margin-mode parity forced (auto would pick exact on the CPU lane; exact parity on a healthy
     pair is the Mooncake sweep's) and kv_load_failure_policy "recompute" (the Mooncake run keeps
@@ -119,6 +122,8 @@ def nixl_sweep(tmp_path_factory) -> SweepRun:
             "perf",
             "--check",
             NIXL_FAULTS,
+            "--check",
+            "kv_digest",
             "--results-dir",
             str(results),
         ),

@@ -33,7 +33,7 @@ def test_defaults_are_every_check_in_running_order():
         "accuracy",
     )
     assert registry.resolve(None) == registry.DEFAULTS
-    opt_in = ("preemption", "perf", *registry.FAULTS, *registry.WIRE)  # run when selected
+    opt_in = ("preemption", "perf", *registry.FAULTS, *registry.WIRE, "kv_digest")  # run when selected
     assert (*registry.DEFAULTS, *opt_in) == registry.NAMES
 
 
