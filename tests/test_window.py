@@ -216,6 +216,7 @@ def test_the_runner_runs_every_check_in_order_around_one_window(fake, monkeypatc
         "perf",
         *registry.FAULTS,
         *registry.WIRE,
+        "kv_digest",
     ):
         monkeypatch.setitem(runner.GATHERERS, name, gather(name))
     results = []
@@ -273,6 +274,7 @@ def test_the_runner_runs_every_check_in_order_around_one_window(fake, monkeypatc
         ("wire_partition", {"requests": 4, "partition_s": 3.0, "bound_s": 60.0}, n),
         ("wire_cap", {"requests": 3, "rate_kbit": 4000, "bound_s": 60.0}, n),
         ("wire_delay", {"requests": 3, "delay_ms": 20, "bound_s": 60.0}, n),
+        ("kv_digest", {}, n),  # last: it compares the KV of every request before it
     ]
 
 
@@ -309,6 +311,7 @@ def test_a_stuck_path_fails_every_later_check_without_running_it(fake, monkeypat
         "perf",
         *registry.FAULTS,
         *registry.WIRE,
+        "kv_digest",
     ):
         monkeypatch.setitem(runner.GATHERERS, name, gather(name))
     fake.router_hangs = True
