@@ -280,3 +280,31 @@ def test_kv_digest_is_registered_last_and_each_connector_says_how_sends_pair_wit
     assert check_registry.BY_NAME["kv_digest"].gatherer == ("kv_digest", "run")
     for name in ("nixl", "mooncake"):
         assert connectors.get(name).send_layout is not None
+
+
+def test_the_gatherer_reads_each_instances_side_file_and_the_injectors_word(tmp_path, capsys):
+    from pd_sessions.core.config import ClusterConfig
+    from pd_sessions.core.plan.instance import kv_transfer_config
+
+    control = tmp_path / "faults.json"
+    control.write_text(Control(epoch="z", mode="zero").to_json())
+    _, d = two_requests(tmp_path, control=str(control))
+    nixl_load(d, {"d1": ("p1", [7, 8, 9], 0)}, {"d1"})
+    (tmp_path / "decode-0.log").write_text(capsys.readouterr().err)  # the injector's lines
+    c = ClusterConfig(name="c", model="tiny-llama", connector="nixl")
+
+    def spec(name, digest=True):
+        kv = kv_transfer_config(c, name.split("-")[0], "cpu", digest=digest_records.side_file(tmp_path, name))
+        argv = ("python", "--kv-transfer-config", json.dumps(kv)) if digest else ("python",)
+        return SimpleNamespace(name=name, argv=argv, node=None, log_name=f"{name}.log")
+
+    def window(*specs):
+        plan = SimpleNamespace(instances=specs, decode=[s for s in specs if s.name.startswith("decode")])
+        return SimpleNamespace(plan=plan, cluster=SimpleNamespace(run_dir=tmp_path), router_requests=1)
+
+    r = check.run(window(spec("prefill-0"), spec("decode-0")), {})
+    assert r.verdict == PASS and r.details["detection"] == {"zero": "1/1"}, r.message
+    unwrapped = check.run(window(spec("prefill-0"), spec("decode-0", digest=False)), {})
+    assert unwrapped.verdict == NOT_RUN and unwrapped.message.startswith(
+        "decode-0 run(s) no KV digest observer"
+    )
