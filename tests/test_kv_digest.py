@@ -195,6 +195,11 @@ def test_prefix_hits_on_the_decode_are_not_compared_and_tail_loads_align_with_th
     assert check._positions(send, dict(load)) == [(0, 1)]  # decode block 5 is the prefill's second
     wrong = check.pair({"p": [send], "d": [{**load, "sums": {"l": [9, 9]}}]})
     assert wrong.mismatches[0]["block"] == 1
+    # NIXL, seen on real vLLM: a 514-token prompt in 5 prefill blocks; the decode lists 3, hit 2 in
+    # its own cache and loads the last: it pairs with the prefill's last (partial) block
+    send5 = {"kind": "send", "key": "k", "rank": 0, "listed": 5, "full": 4, "sums": {"l": [1, 2, 3, 4, 5]}}
+    load1 = {"kind": "load", "key": "k", "rank": 0, "align": "all", "first": 2, "listed": 3, "blocks": [18]}
+    assert check._positions(send5, load1) == [(0, 4)]
 
 
 def test_mooncake_pairs_by_transfer_id(tmp_path):

@@ -10,9 +10,10 @@ stays within parity's margin.
 Which blocks are compared, per request and per layer: every prompt block the decode loaded,
 the partial last one included. The prefill digests every block it holds for the send (its first
 ``num_tokens // block_size`` are full); the decode digests the blocks its load filled, before it
-computes anything into them: where its load meta lists every prompt block ("all"), those after
-its own prefix-cache hits (``first``); where it lists only the loaded tail ("tail"), they align
-with the end of the prefill's list. A position both sides cover is compared. The connectors move
+computes anything into them: where its load meta lists blocks it hit in its own prefix cache
+("all"), those after them (``first``); where it lists only the loaded ones ("tail"), all. The
+loaded blocks are the end of the prefill's list, as vLLM pairs them. A position both sides cover
+is compared. The connectors move
 whole blocks, so a partial block's tail (stale bytes of an earlier request on the prefill) arrives
 as it was; comparing it matters: on the CPU lane (block size 128) most prompts fill no block, and
 a check of full blocks only would compare nothing there. ``partial_compared`` counts them.
@@ -65,12 +66,14 @@ class Pairing:
 
 
 def _positions(send: Mapping[str, Any], load: Mapping[str, Any]) -> list[tuple[int, int]]:
-    """(index in the load's sums, index in the send's sums) of each block both cover."""
-    first = int(load.get("first", 0))
-    offset = int(send.get("listed", 0)) - int(load.get("listed", 0)) if load.get("align") == "tail" else 0
+    """(index in the load's sums, index in the send's sums) of each block both cover: the blocks a
+    decode loaded are the END of the prefill's list (vLLM trims the prefill's blocks from the front
+    to the count of the decode's uncomputed ones: nixl/base_worker.py ``_apply_prefix_caching``,
+    Mooncake's send of its ``unhashed_block_ids``)."""
     n = len(load.get("blocks") or ())
+    offset = int(send.get("listed", 0)) - n
     listed = min((len(v) for v in (send.get("sums") or {}).values()), default=0)
-    return [(i, offset + first + i) for i in range(n) if 0 <= offset + first + i < listed]
+    return [(i, offset + i) for i in range(n) if 0 <= offset + i < listed]
 
 
 def _layout_differs(send: Mapping[str, Any], load: Mapping[str, Any]) -> str | None:

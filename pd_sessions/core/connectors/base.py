@@ -320,10 +320,10 @@ class SendLayout:
     (``request_finished``'s ``request.request_id``), which the decode's load meta carries as
     ``remote.request_id``; "transfer_id": the id the router gives both hops
     (``kv_transfer_params["transfer_id"]`` on the prefill, the load meta's ``transfer_id``).
-    ``recv_blocks``: what the decode's load meta lists in ``local_block_ids``. "all": a block for
-    every prompt block, its first ``local_num_computed_blocks`` hit in its own prefix cache (not
-    loaded); "tail": only the blocks it loads, the last ones of the prompt (aligned with the end
-    of the prefill's list)."""
+    ``recv_blocks``: what the decode's load meta lists in ``local_block_ids``. "all": its first
+    ``local_num_computed_blocks`` hit in its own prefix cache (not loaded), then the ones it loads;
+    "tail": only the blocks it loads. Either way the loaded blocks pair with the END of the
+    prefill's list (vLLM trims the prefill's from the front to their count)."""
 
     key: str  # "request_id" | "transfer_id"
     recv_blocks: str  # "all" | "tail"
