@@ -17,7 +17,11 @@ It overrides only these, and acts only when the control file asks (the rest is i
   and hands it to the connector ``stall_s`` later; every load's blocks are recorded;
 - ``get_transfer_results`` (decode worker): drop reports a finished load as failed; zero and swap
   overwrite its blocks before the scheduler learns it finished;
-- ``register_kv_caches`` (worker): keeps the KV cache tensors that zero and swap write into.
+- ``register_kv_caches`` (worker): keeps the KV cache tensors that zero and swap write into;
+- ``request_finished`` / ``request_finished_all_groups`` and ``build_connector_meta`` (prefill
+  scheduler), only with the KV digest on: note the blocks held for a send and hand them to the
+  workers (kv_observer.py, whose settings the planner adds when ``kv_digest`` is selected: the
+  connector is then wrapped even with no fault scenario, the control file "" and faults off).
 
 Each fault applied is one line in the instance log (``pd_sessions fault: {...}``, see
 :func:`pd_sessions.core.faults.event_line`), so a scenario proves it happened.
