@@ -2,9 +2,10 @@
 connector), its side files (core/digest_records.py) and the kv_digest check's verdict
 (checks/kv_digest.py).
 
-The observer is driven on a fake connector base with real torch KV tensors: a "transfer" here is
-a copy of the prefill's blocks into the decode's, and the fault injector's own zero and swap
-corrupt them, as on real vLLM (the e2e run over both connectors is in the report of issue 41).
+The observer is driven on a fake connector base with real torch KV tensors (those tests are marked
+procs: the unit venv has no torch): a "transfer" here is a copy of the prefill's blocks into the
+decode's, and the fault injector's own zero and swap corrupt them, as on real vLLM
+(tests/test_e2e_kv_digest.py runs it on real vLLM over both connectors).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from helpers.needs import needs
 
 from pd_sessions.checks import kv_digest as check
 from pd_sessions.core import check_registry, connectors, digest_records, faults
@@ -20,8 +22,6 @@ from pd_sessions.core.faults import Control
 from pd_sessions.core.results import FAIL, NOT_RUN, PASS
 from pd_sessions.vllm_side.fault_connector import FaultInjecting
 from pd_sessions.vllm_side.kv_observer import SENDS_ATTR, block_sums
-
-torch = pytest.importorskip("torch")
 
 BLOCK, NUM_BLOCKS, LAYERS = 4, 12, ("model.layers.0.attn", "model.layers.1.attn")
 
@@ -76,6 +76,7 @@ def make(tmp_path, side, *, wraps="NixlConnector", groups=1, control=""):
     )
     cache_config = SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_groups=[object()] * groups)
     conn = cls(vllm_config, SimpleNamespace(name="WORKER"), cache_config)
+    torch = needs("torch")
     conn.register_kv_caches(
         {name: torch.randn(2, NUM_BLOCKS, BLOCK, 2, 8, dtype=torch.bfloat16) for name in LAYERS}
     )
@@ -133,6 +134,7 @@ def two_requests(tmp_path, *, control=""):
     return p, d
 
 
+@pytest.mark.procs
 def test_matching_digests_pass_partial_last_blocks_included(tmp_path):
     _, d = two_requests(tmp_path)
     nixl_load(d, {"d1": ("p1", [7, 8, 9], 0), "d2": ("p2", [10, 11, 0], 0)}, {"d1", "d2"})
@@ -141,6 +143,7 @@ def test_matching_digests_pass_partial_last_blocks_included(tmp_path):
     assert (r.details["paired"], r.details["blocks_compared"], r.details["partial_compared"]) == (2, 6, 2)
 
 
+@pytest.mark.procs
 def test_a_changed_partial_last_block_fails(tmp_path):
     """On the CPU lane (block size 128) most prompts fill no block: the partial one is compared."""
     _, d = two_requests(tmp_path)
@@ -150,6 +153,7 @@ def test_a_changed_partial_last_block_fails(tmp_path):
     assert r.verdict == FAIL and f"d1 layer {LAYERS[1]} block 2 (decode block 9" in r.message
 
 
+@pytest.mark.procs
 def test_a_zeroed_block_fails_naming_the_request_layer_and_block(tmp_path):
     control = tmp_path / "faults.json"
     control.write_text(Control(epoch="z", mode="zero", fraction=0.5).to_json())
@@ -166,6 +170,7 @@ def test_a_zeroed_block_fails_naming_the_request_layer_and_block(tmp_path):
     assert missed.verdict == FAIL and "missed" in missed.message and missed.details["missed"] == ["d1"]
 
 
+@pytest.mark.procs
 def test_a_swapped_block_fails_and_with_the_injectors_word_the_corrupted_loads_are_the_ones_caught(
     tmp_path, capsys
 ):
@@ -182,6 +187,7 @@ def test_a_swapped_block_fails_and_with_the_injectors_word_the_corrupted_loads_a
     assert caught.details["detection"] == {"swap": "2/2"} and caught.details["observer_s"] > 0
 
 
+@pytest.mark.procs
 def test_prefix_hits_on_the_decode_are_not_compared_and_tail_loads_align_with_the_end(tmp_path):
     _, d = two_requests(tmp_path)
     for layer in LAYERS:  # decode block 7 is a prefix-cache hit of its own: not loaded
@@ -189,6 +195,9 @@ def test_prefix_hits_on_the_decode_are_not_compared_and_tail_loads_align_with_th
     nixl_load(d, {"d1": ("p1", [7, 8, 9], 1)}, {"d1"})
     r = verdict(tmp_path)
     assert r.verdict == PASS and r.details["blocks_compared"] == 2
+
+
+def test_the_loaded_blocks_pair_with_the_end_of_the_prefills_list():
     # a "tail" connector lists only the loaded blocks: they align with the end of the prefill's
     send = {"kind": "send", "key": "t", "rank": 0, "listed": 3, "full": 2, "sums": {"l": [1, 2]}}
     load = {"kind": "load", "key": "t", "rank": 0, "align": "tail", "first": 0, "listed": 2, "blocks": [5, 6]}
@@ -202,6 +211,7 @@ def test_prefix_hits_on_the_decode_are_not_compared_and_tail_loads_align_with_th
     assert check._positions(send5, load1) == [(0, 4)]
 
 
+@pytest.mark.procs
 def test_mooncake_pairs_by_transfer_id(tmp_path):
     p = make(tmp_path, "prefill", wraps="MooncakeConnector")
     d = make(tmp_path, "decode", wraps="MooncakeConnector")
@@ -218,29 +228,39 @@ def test_mooncake_pairs_by_transfer_id(tmp_path):
     assert r.details["blocks_compared"] == 2
 
 
-def test_a_load_with_no_send_or_no_load_at_all_fails(tmp_path):
+@pytest.mark.procs
+def test_a_load_with_no_send_fails(tmp_path):
     d = make(tmp_path, "decode")
     nixl_load(d, {"d1": ("ghost", [7], 0)}, {"d1"})
     r = verdict(tmp_path)
     assert r.verdict == FAIL and "d1 on decode-0: no send digest" in r.message
+
+
+def test_no_side_file_or_no_load_at_all_fails():
     assert check.evaluate({}, decodes=["decode-0"], router_requests=3).verdict == FAIL  # no side file
     none = check.evaluate({"decode-0": []}, decodes=["decode-0"], router_requests=3)
     assert none.verdict == FAIL and "saw nothing" in none.message
 
 
-def test_layouts_that_differ_and_an_observer_that_cannot_digest_are_not_run(tmp_path):
+def test_layouts_that_differ_are_not_run():
     base = {"key": "k", "rank": 0, "method": "crc32", "layout": ["x"], "block_size": 4}
     send = {**base, "kind": "send", "world": 2, "listed": 1, "full": 1, "sums": {"l": [1]}}
     load = {**base, "kind": "load", "world": 1, "first": 0, "listed": 1, "blocks": [3], "sums": {"l": [1]}}
     r = check.evaluate({"prefill-0": [send], "decode-0": [load]}, decodes=["decode-0"], router_requests=1)
     assert r.verdict == NOT_RUN and "world: prefill 2, decode 1" in r.message
+
+
+@pytest.mark.procs
+def test_an_observer_that_cannot_digest_is_not_run(tmp_path):
     d = make(tmp_path, "decode", groups=2)  # a hybrid model: two KV cache groups
     nixl_load(d, {"d1": ("p1", [7], 0)}, {"d1"})
     r = verdict(tmp_path)
     assert r.verdict == NOT_RUN and "hybrid model" in r.message
 
 
+@pytest.mark.procs
 def test_block_sums_see_one_changed_byte_and_the_order_of_words():
+    torch = needs("torch")
     t = torch.zeros(2, 3, 4, 8, dtype=torch.bfloat16)
     t[:, 1, 0, 0] = 1.0
     a, b, c = block_sums(t, 1, [0, 1, 2])
@@ -287,6 +307,7 @@ def test_kv_digest_is_registered_last_and_each_connector_says_how_sends_pair_wit
         assert connectors.get(name).send_layout is not None
 
 
+@pytest.mark.procs
 def test_the_gatherer_reads_each_instances_side_file_and_the_injectors_word(tmp_path, capsys):
     from pd_sessions.core.config import ClusterConfig
     from pd_sessions.core.plan.instance import kv_transfer_config
