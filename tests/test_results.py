@@ -98,7 +98,7 @@ def test_result_json_carries_the_schema_starts_processes_figures_and_tables(tmp_
     ]
     write_config_result(r, tmp_path / "result.json")
     doc = json.loads((tmp_path / "result.json").read_text())
-    assert doc["schema"] == SCHEMA_VERSION == 3
+    assert doc["schema"] == SCHEMA_VERSION == 4
     assert (
         doc["model"] == "tiny-llama"
         and doc["started_at"] == 1000.0

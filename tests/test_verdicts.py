@@ -44,7 +44,7 @@ def test_a_check_that_could_not_run_is_not_run_never_pass():
     r = config(ok(), unrun("wire_delay", NETEM))
     assert r.outcome == PASSED and r.not_run == ["wire_delay"] and r.unmet == []
     assert r.label == "passed, 1 not run"
-    assert r.to_dict()["not_run"] == ["wire_delay"] and r.to_dict()["schema"] == SCHEMA_VERSION == 3
+    assert r.to_dict()["not_run"] == ["wire_delay"] and r.to_dict()["schema"] == SCHEMA_VERSION == 4
 
 
 def test_a_required_check_that_did_not_run_fails_the_config():

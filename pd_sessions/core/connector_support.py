@@ -16,7 +16,7 @@ from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
-from pd_sessions.core import connectors
+from pd_sessions.core import connectors, known_issues
 from pd_sessions.core.config import ClusterConfig
 from pd_sessions.core.errors import PlanError
 
@@ -102,6 +102,7 @@ def vllm_problem(config: ClusterConfig, vllm_version: str | None, *, hybrid_mla:
         f"{c.name}: vLLM {vllm_version} cannot pull KV over {spec.title} from prefill TP{c.prefill_tp} "
         f"into decode TP{c.decode_tp} ranks for {c.model} (SSM + MLA layers): {limit.why}. Fixed in "
         f"vLLM >= {limit.fixed_in} ({limit.fix}); with this vLLM use --set prefill_tp={c.decode_tp}"
+        + (f" ({known_issues.cite(limit.known_issue)})" if limit.known_issue else "")
     )
 
 

@@ -21,13 +21,21 @@ PASS, FAIL = "pass", "fail"
 # not run", a sweep may require the check (then its config fails), and --strict fails every one.
 # The same word is a config's outcome when it never started (below).
 NOT_RUN = "not run"
-VERDICTS = (PASS, FAIL, NOT_RUN)
+# A check that reproduces a known upstream bug in its version range (core/known_issues.py):
+# XFAIL when it failed the way the registry's entry says (still broken upstream: the config does
+# not fail); XPASS when it passed (the bug is fixed: the config fails until the entry is retired).
+XFAIL, XPASS = "xfail", "xpass"
+VERDICTS = (PASS, FAIL, NOT_RUN, XFAIL, XPASS)
 
 # The version of result.json and summary.json ("schema"): 1 (no key) had no figures, tables,
 # start times or processes; 2 added them; 3 added the check verdict "not run", a config's
 # "not_run" (its checks that could not run) and "unmet" (why a passing-looking config failed: a
-# required check that did not run, or any under --strict), and the summary's "not_run" count.
-SCHEMA_VERSION = 3
+# required check that did not run, or any under --strict), and the summary's "not_run" count; 4
+# added the check verdicts "xfail" and "xpass" (a known upstream bug, core/known_issues.py: the
+# check's details then carry "known_issue": its id, link, component, range and installed
+# version), a config's "known_issues" (every entry its checks hit: check, verdict, id, link) and
+# the summary's "known_issues" (the same, over every config) and "xfail"/"xpass" counts.
+SCHEMA_VERSION = 4
 
 Value = float | int | str | bool | None
 P = ParamSpec("P")
@@ -69,7 +77,7 @@ class Table:
 @dataclass
 class CheckResult:
     name: str  # "smoke", "parity", "kv_transfer", ...
-    verdict: str  # "pass" | "fail" | "not run" (VERDICTS)
+    verdict: str  # "pass" | "fail" | "not run" | "xfail" | "xpass" (VERDICTS)
     message: str  # one line a person reads first; for "not run", the reason
     details: dict[str, Any] = field(default_factory=dict)  # the check's own raw record
     seconds: float = 0.0
@@ -92,6 +100,17 @@ class CheckResult:
     @property
     def not_run(self) -> bool:
         return self.verdict == NOT_RUN
+
+    @property
+    def ok(self) -> bool:
+        """Does not fail its config: passed, could not look (NOT RUN), or a known bug still there."""
+        return self.verdict in (PASS, NOT_RUN, XFAIL)
+
+    @property
+    def known_issue(self) -> dict[str, Any] | None:
+        """The known upstream bug this check's verdict is about (XFAIL or XPASS), or None."""
+        k = self.details.get("known_issue") if self.verdict in (XFAIL, XPASS) else None
+        return k if isinstance(k, dict) else None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -224,9 +243,10 @@ class ConfigResult:
         what was seen                                          outcome
         =====================================================  ========
         an error, or an expected check that returned nothing   error
-        a check failed                                         failed
+        a check failed, or XPASS (a known bug fixed)           failed
         a check NOT RUN that is ``required`` (or any, strict)  failed (``unmet`` says which, why)
-        every check passed or NOT RUN                          passed (``not_run`` lists those)
+        every check passed, NOT RUN or XFAIL                   passed (``not_run``, ``known_issues``
+                                                               list those)
         =====================================================  ========
         """
         ran = {c.name for c in self.checks}
@@ -242,7 +262,7 @@ class ConfigResult:
         ]
         if self.error is not None:
             self.outcome = ERROR
-        elif any(not (c.passed or c.not_run) for c in self.checks) or self.unmet:
+        elif any(not c.ok for c in self.checks) or self.unmet:
             self.outcome = FAILED
         else:
             self.outcome = PASSED
@@ -253,11 +273,21 @@ class ConfigResult:
         return [c.name for c in self.checks if c.not_run]
 
     @property
+    def known_issues(self) -> list[dict[str, Any]]:
+        """Every known upstream bug its checks hit (XFAIL or XPASS): check, verdict, id, link."""
+        return [
+            {"check": c.name, "verdict": c.verdict, "id": k.get("id"), "link": k.get("link")}
+            for c in self.checks
+            if (k := c.known_issue) is not None
+        ]
+
+    @property
     def label(self) -> str:
-        """The outcome as a person reads it: "passed, 2 not run" when checks could not run (a
-        config is never plain green then), else the outcome."""
-        n = len(self.not_run)
-        return f"{self.outcome}, {n} not run" if self.outcome == PASSED and n else self.outcome
+        """The outcome as a person reads it: "passed, 2 not run, 1 xfail" when checks could not
+        run or hit a known bug (a config is never plain green then), else the outcome."""
+        n, x = len(self.not_run), sum(1 for c in self.checks if c.verdict == XFAIL)
+        extra = [f"{n} not run"] * bool(n) + [f"{x} xfail"] * bool(x)
+        return ", ".join([self.outcome, *extra]) if self.outcome == PASSED and extra else self.outcome
 
     @property
     def total_seconds(self) -> float:
@@ -282,6 +312,7 @@ class ConfigResult:
             "checks": [c.to_dict() for c in self.checks],
             "not_run": self.not_run,
             "unmet": self.unmet,
+            "known_issues": self.known_issues,
             "warnings": self.warnings,
             "overrides": self.overrides,
             "run_dir": self.run_dir,

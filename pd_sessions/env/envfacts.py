@@ -98,6 +98,21 @@ def module_facts(name: str, providers: Mapping[str, list[str]] | None = None) ->
     return out
 
 
+def component_versions(modules: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """Installed versions by the names the known-issues registry gives components
+    (core/known_issues.py): each module of MODULES ("vllm", "vllm_router" also as "vllm-router",
+    a connector's package module) and its distribution's name, -> version. ``modules``: facts()'
+    "modules" (found here when None); a module not installed is left out."""
+    found = modules if modules is not None else {n: module_facts(n) for n in MODULES}
+    out: dict[str, str] = {}
+    for name, m in found.items():
+        if m and m.get("version"):
+            for key in (name, name.replace("_", "-"), m.get("dist")):
+                if key:
+                    out[key] = str(m["version"])
+    return out
+
+
 def torch_facts(*, import_torch: bool = True) -> dict[str, Any] | None:
     """torch's version, build and location; without importing it, the build is unknown (None)."""
     if not import_torch:

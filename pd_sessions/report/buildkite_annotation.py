@@ -21,7 +21,7 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from pd_sessions.core.results import PASSED, ConfigResult
+from pd_sessions.core.results import PASSED, XFAIL, XPASS, ConfigResult
 from pd_sessions.report.writers import table
 
 log = logging.getLogger(__name__)
@@ -44,14 +44,25 @@ def annotation(results: Sequence[ConfigResult], *, sweep: str, page: str | None)
     path) and the summary table."""
     ok = all(r.outcome == PASSED for r in results) and bool(results)
     not_run = sum(len(r.not_run) for r in results)
-    verdict = ("passed" + (f", {not_run} not run" if not_run else "")) if ok else "FAILED"
+    known = [(r.name, k) for r in results for k in r.known_issues]
+    xfail = sum(1 for _, k in known if k["verdict"] == XFAIL)
+    extra = [f"{not_run} not run"] * bool(not_run) + [f"{xfail} xfail"] * bool(xfail)
+    verdict = ", ".join(["passed", *extra]) if ok else "FAILED"
     link = (
         f' &middot; <a href="artifact://{html.escape(page, quote=True)}">report.html</a> '
         "(timeline, figures, log tails)"
         if page
         else ""
     )
-    return f"**{html.escape(sweep)}**: {verdict}{link}\n\n```\n{table(results)}\n```\n"
+    hits = "".join(
+        f"- {html.escape(name)} `{k['check']}`: **{k['verdict'].upper()}** known issue `{k['id']}`: "
+        f'<a href="{html.escape(str(k["link"]), quote=True)}">{html.escape(str(k["link"]))}</a>'
+        + (" (fixed: retire the entry)" if k["verdict"] == XPASS else "")
+        + "\n"
+        for name, k in known
+    )
+    hits = f"\nKnown upstream bugs hit:\n\n{hits}" if hits else ""
+    return f"**{html.escape(sweep)}**: {verdict}{link}\n\n```\n{table(results)}\n```\n{hits}"
 
 
 def annotate(results: Sequence[ConfigResult], *, sweep: str, page: Path | None) -> bool:
@@ -62,7 +73,8 @@ def annotate(results: Sequence[ConfigResult], *, sweep: str, page: Path | None) 
     if agent is None:
         return False
     ok = all(r.outcome == PASSED for r in results) and bool(results)
-    style = ("warning" if any(r.not_run for r in results) else "success") if ok else "error"
+    partial = any(r.not_run or r.known_issues for r in results)
+    style = ("warning" if partial else "success") if ok else "error"
     body = annotation(results, sweep=sweep, page=artifact_path(page) if page else None)
     subprocess.run(
         [agent, "annotate", "--style", style, "--context", f"pd-sessions-{sweep}"],

@@ -126,13 +126,22 @@ def page_model(doc: Mapping[str, Any], results_dir: Path) -> dict[str, Any]:
     starts = [c["started_at"] for c in configs_doc if c.get("started_at")]
     passed = sum(1 for c in configs_doc if c.get("outcome") == PASSED)
     not_run = sum(len(c.get("not_run") or []) for c in configs_doc)
+    known = [
+        {"config": str(c.get("name", "?")), **k}
+        for c in configs_doc
+        for k in c.get("known_issues") or []
+        if isinstance(k, Mapping)
+    ]
+    xfail = sum(1 for k in known if k.get("verdict") == "xfail")
+    extra = [f"{not_run} not run"] * bool(not_run) + [f"{xfail} xfail"] * bool(xfail)
     ok = bool(doc.get("passed"))
     return {
         "sweep": str(doc.get("sweep") or results_dir.name),
         "passed": ok,
-        # never plain green while a check could not run
-        "verdict": ("PASSED" + (f", {not_run} not run" if not_run else "")) if ok else "FAILED",
-        "verdict_class": ("partial" if not_run else "passed") if ok else "failed",
+        # never plain green while a check could not run or a known bug was hit
+        "verdict": ", ".join(["PASSED", *extra]) if ok else "FAILED",
+        "verdict_class": ("partial" if extra else "passed") if ok else "failed",
+        "known_issues": known,
         "n_passed": passed,
         "n": len(configs_doc),
         "provisional": doc.get("provisional"),
@@ -194,8 +203,10 @@ def outcome_label(c: Mapping[str, Any]) -> tuple[str, str]:
     green then) and its CSS class."""
     outcome = str(c.get("outcome", "?"))
     n = len(c.get("not_run") or [])
-    if outcome == PASSED and n:
-        return f"PASSED, {n} NOT RUN", "partial"
+    x = sum(1 for k in c.get("known_issues") or [] if isinstance(k, Mapping) and k.get("verdict") == "xfail")
+    extra = [f"{n} NOT RUN"] * bool(n) + [f"{x} XFAIL"] * bool(x)
+    if outcome == PASSED and extra:
+        return ", ".join(["PASSED", *extra]), "partial"
     return outcome.upper(), outcome.replace(" ", "-")
 
 

@@ -16,6 +16,8 @@ from pd_sessions.core.results import (
     PASSED,
     PHASES,
     SCHEMA_VERSION,
+    XFAIL,
+    XPASS,
     CheckResult,
     ConfigResult,
 )
@@ -40,7 +42,20 @@ def table(results: Sequence[ConfigResult]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return "\n".join(lines + known_issue_lines(results))
+
+
+def known_issue_lines(results: Sequence[ConfigResult]) -> list[str]:
+    """Every known upstream bug a check hit (XFAIL: still broken; XPASS: fixed, retire it), with
+    its link; [] when none was hit."""
+    hits = [(r.name, k) for r in results for k in r.known_issues]
+    if not hits:
+        return []
+    return ["", "known upstream bugs hit (pd_sessions/configs/known_issues.toml):"] + [
+        f"  {name} {k['check']}: {k['verdict'].upper()} {k['id']}: {k['link']}"
+        + ("  <- fixed: retire the entry" if k["verdict"] == XPASS else "")
+        for name, k in hits
+    ]
 
 
 def write_config_result(r: ConfigResult, path: Path) -> None:
@@ -56,6 +71,9 @@ def write_summary(results: Sequence[ConfigResult], results_dir: Path, meta: dict
         **meta,
         "passed": all(r.outcome == PASSED for r in results) and bool(results),
         "not_run": sum(len(r.not_run) for r in results),
+        "xfail": sum(1 for r in results for c in r.checks if c.verdict == XFAIL),
+        "xpass": sum(1 for r in results for c in r.checks if c.verdict == XPASS),
+        "known_issues": [{"config": r.name, **k} for r in results for k in r.known_issues],
         "configs": [r.to_dict() for r in results],
     }
     path.write_text(json.dumps(doc, indent=2) + "\n")
@@ -79,7 +97,9 @@ def write_junit(
     skipped_checks: Sequence[str] = (),
 ) -> Path:
     """One test case per config and check; a failing check is a <failure> with its message
-    and the logs' tails; a check that could not run (NOT RUN) is <skipped> with its reason, or a
+    and the logs' tails; a known upstream bug still broken (XFAIL) is <skipped> (type pytest.xfail)
+    naming the entry and its link, one fixed (XPASS) a <failure> (type KnownIssueFixed) with the
+    retire message; a check that could not run (NOT RUN) is <skipped> with its reason, or a
     <failure> (type RequiredNotRun) when the sweep required it or --strict was given; a check that
     never ran because the config errored or was cancelled is an <error> (type ConfigError /
     Cancelled); a config never started is <skipped> ("not run")."""
@@ -97,6 +117,11 @@ def write_junit(
                     f.text = why
                 elif c.not_run:
                     ET.SubElement(case, "skipped", message=f"not run: {c.message}"[:500])
+                elif c.verdict == XFAIL:  # as pytest writes an xfail: skipped, naming the issue
+                    ET.SubElement(case, "skipped", message=f"xfail: {c.message}"[:500], type="pytest.xfail")
+                elif c.verdict == XPASS:
+                    f = ET.SubElement(case, "failure", message=c.message[:500], type="KnownIssueFixed")
+                    f.text = c.message
                 elif not c.passed:
                     f = ET.SubElement(case, "failure", message=c.message[:500], type="CheckFailed")
                     trace = c.details.get("traceback") if isinstance(c.details, dict) else None

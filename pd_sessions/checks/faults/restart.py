@@ -85,6 +85,7 @@ def evaluate(
         "ready_s": None if ready_s is None else round(ready_s, 3),
         "pd_correct_s": None if correct_s is None else round(correct_s, 3),
         "attempts": [o.to_dict() for o in attempts],
+        "last_kind": attempts[-1].kind if attempts else None,  # how the last request ended
         "recovery": recovery.to_dict() if recovery else None,
     }
     if start_error is not None:

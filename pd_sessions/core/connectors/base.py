@@ -231,6 +231,7 @@ class HybridMlaHeteroTp:
     fixed_in: str  # the first vLLM version with the fix
     why: str  # what goes wrong, for the refusal
     fix: str  # the upstream change that fixed it
+    known_issue: str = ""  # its entry in configs/known_issues.toml, which the refusal cites
 
 
 def _no_refusal(config: ConfigView, platform: str) -> Refusal | None:

