@@ -140,18 +140,27 @@ def test_kv_transfer_moved_the_prompts_and_not_the_control(run: SweepRun):
 def test_request_features_equal_prefill_direct_with_exact_kv_per_request(run: SweepRun, sweep: str):
     """Issue 27: every request path users send, over every connector (the NIXL pull run in margin mode)."""
     rf = _checks(run)["request_features"]
-    assert rf["verdict"] == "pass", rf["message"]
+    n2 = ["n=2 greedy (top_k=1)", "n=2 seeded"]
+    mooncake = sweep == "mooncake_sweep"
+    if mooncake:  # a known upstream bug (configs/known_issues.toml: mooncake-n-gt-1), still broken
+        assert rf["verdict"] == "xfail", rf["message"]
+        assert rf["details"]["known_issue"]["id"] == "mooncake-n-gt-1"
+        assert (
+            rf["details"]["failed_shapes"] == ["n>1"] and rf["details"]["known_limit_drained_s"] is not None
+        )
+    else:
+        assert rf["verdict"] == "pass", rf["message"]
     cases = {c["name"]: c for c in rf["details"]["cases"]}
-    assert len(cases) == 17 and all(c["same"] for c in cases.values()), rf["message"]
+    assert len(cases) == 17 and all(c["same"] for n, c in cases.items() if not (mooncake and n in n2))
     # the one refusal: vLLM's own 400 for n > 1 at temperature 0, passed on by the router
     assert [n for n, c in cases.items() if c["refused"]] == ["n=2 at temperature 0"]
     assert "HTTP 400" in cases["n=2 at temperature 0"]["refused"]
     assert cases["chat"]["pd"]["status"] == 200 and cases["chat"]["pd"]["texts"][0]
     assert cases["stop string at the first token"]["pd"]["usage"][1] == 1
-    # n > 1 over Mooncake is a known limit (the connector spec's limits.unserved_requests), named
-    n2 = ["n=2 greedy (top_k=1)", "n=2 seeded"]
-    assert [n for n, c in cases.items() if c["not_sent"]] == (n2 if sweep == "mooncake_sweep" else [])
-    if sweep != "mooncake_sweep":  # NIXL pull and push serve both choices
+    # n > 1 over Mooncake is a known limit (the connector spec's limits.unserved_requests): sent
+    # last, each up to 32 times with a 20 s deadline, until one is unanswered
+    assert [n for n, c in cases.items() if c["known_limit"]] == (n2 if mooncake else [])
+    if not mooncake:  # NIXL pull and push serve both choices
         assert [len(cases[n]["pd"]["texts"]) for n in n2] == [2, 2]
     # block boundaries: each prompt arrived whole by transfer; the repeat found 4 blocks cached
     rows = [c["kv"] for c in cases.values() if "kv" in c]

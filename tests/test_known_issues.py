@@ -319,3 +319,20 @@ def test_the_page_and_the_annotation_list_the_hits(tmp_path: Path):
     assert "**XFAIL** known issue `fake-hang`" in note
     failed = buildkite_annotation.annotation(hits(), sweep="s", page=None)
     assert failed.startswith("**s**: FAILED") and "(fixed: retire the entry)" in failed
+
+
+def test_mooncake_n_gt_1_is_xfail_only_when_n_gt_1_alone_failed():
+    def features(shapes: list[str], verdict=FAIL) -> CheckResult:
+        return CheckResult(
+            "request_features", verdict, "2 of 17 request features differ", {"failed_shapes": shapes}
+        )
+
+    r = mooncake(features(["n>1"]))
+    assert r.verdict == XFAIL and "known issue mooncake-n-gt-1" in r.message
+    assert mooncake(features(["n>1", "other"])).verdict == FAIL
+    assert mooncake(features(["kv sum", "n>1"])).verdict == FAIL
+    assert mooncake(features([], PASS)).verdict == XPASS
+    nixl = against_known_issues(
+        features(["n>1"]), known_issues.load(), connector="nixl", platform="cpu", versions={"vllm": "0.32.0"}
+    )
+    assert nixl.verdict == FAIL  # the entry is Mooncake's: over NIXL an ordinary check
