@@ -31,6 +31,7 @@ dying process still reports the checks that finished.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
@@ -101,17 +102,19 @@ def run_checks(
         "perf": {**(options or {}).get("perf", {}), "record_baseline": accuracy.record_baseline},
     }
     window = CheckWindow.open(cluster, results, timeout_s=CHECK_REQUEST_TIMEOUT_S)
-    issues, versions = known_issues.load(), component_versions()
+    known = functools.partial(
+        against_known_issues,
+        issues=known_issues.load(),
+        connector=cluster.plan.config.connector,
+        platform=cluster.plan.platform,
+        versions=component_versions(),
+    )
     for info in registry.CHECKS:
         if info.name not in wanted:
             continue
         opts = {**info.options, **given.get(info.name, {})}
         gather = GATHERERS[info.name]
-        window.timed(info.name, lambda: gather(window, opts))  # noqa: B023 (timed calls it at once)
-        results[-1] = against_known_issues(
-            results[-1], issues, connector=cluster.plan.config.connector, platform=cluster.plan.platform,
-            versions=versions,
-        )  # fmt: skip
+        window.timed(info.name, lambda: gather(window, opts), judge=known)  # noqa: B023 (called at once)
 
 
 def against_known_issues(

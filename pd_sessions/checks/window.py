@@ -27,7 +27,7 @@ from pd_sessions.checks.completions import MAX_TOKENS, Completion
 from pd_sessions.core.errors import PdError
 from pd_sessions.core.kv_identity import Counts
 from pd_sessions.core.plan import ClusterPlan
-from pd_sessions.core.results import FAIL, CheckResult, crashed
+from pd_sessions.core.results import FAIL, NOT_RUN, CheckResult, crashed
 from pd_sessions.runtime import http, stuck
 from pd_sessions.runtime.cluster import Cluster
 
@@ -113,8 +113,14 @@ class CheckWindow:
             result, before, after, requests=requests, roles=self.roles, direct=direct
         )
 
-    def timed(self, name: str, check: Callable[[], CheckResult]) -> None:
-        """Run one check and append its result, with its seconds.
+    def timed(
+        self,
+        name: str,
+        check: Callable[[], CheckResult],
+        judge: Callable[[CheckResult], CheckResult] | None = None,
+    ) -> None:
+        """Run one check and append its result (``judge``'s verdict of it, when given: the
+        known-issues registry's), with its seconds.
 
         the path is stuck already            -> FAIL "not run: the P/D path is stuck (...)";
                                                 ``check`` is not called
@@ -122,6 +128,8 @@ class CheckWindow:
         PdError                              -> raised (the config errs, not the check)
         any other exception                  -> FAIL "crashed: ..." (the other checks still run)
         a failure that is a request timeout  -> "; stuck: <diagnosis>" added; the path is stuck
+        an XFAIL (a known bug's hang)        -> not stuck: the hang is the bug's own, and the
+                                                checks after it reproduce theirs
         """
         if self.stuck:
             r = CheckResult(
@@ -130,8 +138,9 @@ class CheckWindow:
             self.results.append(r)
             return
         r = _run(name, check)
+        r = judge(r) if judge is not None else r
         self.results.append(r)
-        if not r.passed and stuck.is_timeout(r.message):
+        if r.verdict in (FAIL, NOT_RUN) and stuck.is_timeout(r.message):
             diagnosis = stuck.gather(self.plan)
             r.message += f"; stuck: {diagnosis}"
             r.details["stuck"] = diagnosis
