@@ -387,11 +387,8 @@ def evaluate(
             f"{len(bad)} of {len(cases)} request features differ: " + " | ".join(bad),
             details,
         )
-    how = (
-        "token for token"
-        if judge.mode == "exact"
-        else f"within {judge.margin:g} nats (margin mode: {judge.why})"
-    )
+    how = f"within {judge.margin:g} nats (margin mode: {judge.why})"
+    how = "token for token" if judge.mode == "exact" else how
     msg = (
         f"{len(cases) - len(refused)}/{len(cases)} request features through the router equal "
         f"prefill-direct {how}; KV per request exact ({seen} over {len(kv_rows)} block-boundary "
