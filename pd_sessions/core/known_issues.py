@@ -6,7 +6,8 @@ specifier on vLLM, vllm-router or a connector's package), the check that reprodu
 connector and lane) and how its failure is recognised (``fails_when``: conditions on the check's
 details or message). In range, the check still runs, bounded, and :func:`judge` turns its
 verdict into XFAIL, XPASS or FAIL; out of range it is an ordinary check. An entry without a check
-is a config pd-sessions refuses before launch; the refusal cites it (:func:`cite`).
+says how it is handled instead (``handled``: a refusal before launch, which cites it with
+:func:`cite`, or a setting of the CPU lane).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pd_sessions.core.results import FAIL, XFAIL, XPASS, CheckResult
 REGISTRY = Path(__file__).resolve().parent.parent / "configs" / "known_issues.toml"
 
 ENTRY_KEYS = (
-    "id", "link", "breaks", "component", "versions", "check", "refused", "connector", "platform",
+    "id", "link", "breaks", "component", "versions", "check", "handled", "connector", "platform",
     "fails_when",
 )  # fmt: skip
 CONDITION_KEYS = ("detail", "equals", "one_of", "absent", "message")
@@ -82,8 +83,8 @@ class KnownIssue:
     breaks: str  # what goes wrong, as seen
     component: str  # "vllm", "vllm-router", or a connector's package module
     versions: SpecifierSet  # the range it is known in ("" = every version)
-    check: str = ""  # the check that reproduces it; "" = refused before launch
-    refused: str = ""  # where the refusal is (check == "")
+    check: str = ""  # the check that reproduces it; "" = none does
+    handled: str = ""  # how pd-sessions handles it instead (check == ""): a refusal, a setting
     connector: str = ""  # "" = any
     platform: str = ""  # "" = any
     fails_when: tuple[Condition, ...] = ()
@@ -178,7 +179,7 @@ def entry(raw: Any, source: str, index: int) -> KnownIssue:
             "versions", f"not a PEP 440 specifier ({e}), e.g. '>=0.32.0,<0.34'", source=where
         ) from None
     check = _text(raw, "check", where, required=False)
-    refused = _text(raw, "refused", where, required=False)
+    handled = _text(raw, "handled", where, required=False)
     fails = raw.get("fails_when", [])
     if not isinstance(fails, list):
         raise ConfigError("fails_when", "must be a list of tables ([[issue.fails_when]])", source=where)
@@ -186,9 +187,11 @@ def entry(raw: Any, source: str, index: int) -> KnownIssue:
         raise ConfigError(
             "fails_when", f"say how {check}'s failure is recognised as this bug (a condition)", source=where
         )
-    if not check and not refused:
+    if not check and not handled:
         raise ConfigError(
-            "check", "name the check that reproduces it, or `refused`: where it is refused", source=where
+            "check",
+            "name the check that reproduces it, or `handled`: how it is handled instead",
+            source=where,
         )
     return KnownIssue(
         id=ident,
@@ -197,7 +200,7 @@ def entry(raw: Any, source: str, index: int) -> KnownIssue:
         component=_text(raw, "component", where),
         versions=versions,
         check=check,
-        refused=refused,
+        handled=handled,
         connector=_text(raw, "connector", where, required=False),
         platform=_text(raw, "platform", where, required=False),
         fails_when=tuple(_condition(c, where) for c in fails),
