@@ -158,7 +158,7 @@ def test_request_features_equal_prefill_direct_with_exact_kv_per_request(run: Sw
     assert cases["chat"]["pd"]["status"] == 200 and cases["chat"]["pd"]["texts"][0]
     assert cases["stop string at the first token"]["pd"]["usage"][1] == 1
     # n > 1 over Mooncake is a known limit (the connector spec's limits.unserved_requests): sent
-    # last, each up to 32 times with a 20 s deadline, until one is unanswered
+    # last, each up to 64 times with a 20 s deadline, until one is unanswered
     assert [n for n, c in cases.items() if c["known_limit"]] == (n2 if mooncake else [])
     if not mooncake:  # NIXL pull and push serve both choices
         assert [len(cases[n]["pd"]["texts"]) for n in n2] == [2, 2]
