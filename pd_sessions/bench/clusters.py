@@ -230,9 +230,10 @@ def run_upstream(
         t4 = time.monotonic()
         rec.phases["checks"] = t4 - t3
         _record_checks(rec, config, checks)
-        # a NOT RUN check (perf without a baseline for this host) is no failure, as in pd_sessions'
-        # runs (ConfigResult.decide: perf is not required)
-        failed = [f"{c.name}: {c.message}" for c in checks if c.failed]
+        # a NOT RUN check (perf without a baseline for this host) and a known upstream bug still
+        # there (XFAIL) are no failure, as in pd_sessions' runs (ConfigResult.decide: perf is not
+        # required); an XPASS (the bug fixed: retire its entry) is one
+        failed = [f"{c.name}: {c.message}" for c in checks if not c.ok]
         process.terminate(cluster.instances)  # pkill -f "vllm serve" || true
         for s in UPSTREAM_CLEANUP_SLEEPS_S:
             time.sleep(s)
