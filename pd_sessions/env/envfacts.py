@@ -94,8 +94,30 @@ def module_facts(name: str, providers: Mapping[str, list[str]] | None = None) ->
         out.update(
             dist=canonical(dist.metadata["Name"]), version=dist.version, editable=_editable_source(dist)
         )
+        if not out["editable"] and not _inside(location, dist):
+            # another package of that name comes first on the path (e.g. the test suite's fake
+            # stack): the distribution is not what runs, so neither is its version
+            out.update(shadowed=True, declared_version=_declared_version(location))
         break
     return out
+
+
+def _inside(location: str, dist: md.Distribution) -> bool:
+    """Whether ``location`` (a package's directory or a module's file) is where ``dist`` put it."""
+    root = Path(str(dist.locate_file(""))).resolve()
+    return Path(location).resolve().parent == root
+
+
+def _declared_version(location: str) -> str | None:
+    """The ``__version__ = "..."`` a package's __init__.py (or a module's file) assigns, read as
+    text (nothing is imported), else None."""
+    path = Path(location)
+    try:
+        text = (path / "__init__.py" if path.is_dir() else path).read_text(errors="replace")
+    except OSError:
+        return None
+    found = re.search(r"""^__version__\s*=\s*["']([^"']+)["']""", text, re.M)
+    return found.group(1) if found else None
 
 
 def component_versions(modules: Mapping[str, Any] | None = None) -> dict[str, str]:
@@ -106,10 +128,13 @@ def component_versions(modules: Mapping[str, Any] | None = None) -> dict[str, st
     found = modules if modules is not None else {n: module_facts(n) for n in MODULES}
     out: dict[str, str] = {}
     for name, m in found.items():
-        if m and m.get("version"):
+        # a module another package of its name shadows runs that package's declared version
+        # (the fake stack's "0+fake.stack"), not the distribution's
+        version = m and (m.get("declared_version") if m.get("shadowed") else m.get("version"))
+        if m and version:
             for key in (name, name.replace("_", "-"), m.get("dist")):
                 if key:
-                    out[key] = str(m["version"])
+                    out[key] = str(version)
     return out
 
 
