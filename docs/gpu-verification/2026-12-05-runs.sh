@@ -30,7 +30,7 @@ sweep() {  # label, time limit (s), then the sweep's arguments
   mkdir -p "$w/res-$label" && cp -r "/tmp/res-$label/." "$w/res-$label/" 2>/dev/null
 }
 case $stage in
-setup)  # nixl, the transport diagnosis, then vLLM's tree, the import canary
+diag)  # nixl, the transport diagnosis (the first call)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/nixl /tmp/carry/c1/*.whl
   timeout -k 10 240 bash "$here/2026-12-05-ucx-diag.sh" /tmp/work/diag > "$w/diag-console.txt" 2>&1
   echo "diag exit $?"; tail -20 "$w/diag-console.txt"
@@ -50,6 +50,8 @@ for js in sorted(glob.glob("/tmp/work/diag/logs/*-d2048.json")):
 print("BEST", best)
 open("/tmp/work/diag/best.env", "w").write("".join(e + "\n" for e in best[1]) if best else "")
 PY
+  ;;
+unpack)  # vLLM's tree (the parts carried so far), the import canary
   python3 - <<'PY'
 import glob, hashlib, tarfile, time
 import pyarrow as pa
