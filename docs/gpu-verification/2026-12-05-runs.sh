@@ -72,11 +72,17 @@ PY
 perf-best)  # the perf check with the best UCX setting of the diagnosis
   echo "UCX env: $(tr '\n' ' ' < /tmp/work/diag/best.env)" | tee "$w/env.txt"
   for kv in $(cat /tmp/work/diag/best.env); do export "$kv"; done
-  sweep perf-best 300 perf_single_gpu "${COMMON[@]}" --only nixl-llama1b
+  sweep perf-best "${PERF_LIMIT:-300}" perf_single_gpu "${COMMON[@]}" --only nixl-llama1b
   ;;
 perf-default)  # the same with UCX's defaults (the condition of 2026-12-01), recording the baseline
   sweep perf-default 330 perf_single_gpu "${COMMON[@]}" --only nixl-llama1b --record-baseline
   cp pd_sessions/configs/perf_baselines.toml "$w/" 2>/dev/null
+  ;;
+push)  # NIXL push 1x1 with every default check (limit: PUSH_LIMIT s)
+  sweep push "${PUSH_LIMIT:-300}" nixl_push_sweep "${COMMON[@]}" "${TINY[@]}" --only 1x1
+  ;;
+faults)  # the faults sweep (limit: FAULTS_LIMIT s)
+  sweep faults "${FAULTS_LIMIT:-540}" faults "${COMMON[@]}" "${TINY[@]}" --mooncake-protocol tcp
   ;;
 push-faults)  # NIXL push 1x1 with every default check, and the faults sweep, at the same time
   sweep push 540 nixl_push_sweep "${COMMON[@]}" "${TINY[@]}" --only 1x1 &
