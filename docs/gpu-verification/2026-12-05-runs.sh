@@ -62,6 +62,9 @@ with open("/tmp/site.tar.zst", "wb") as f:
     for p in parts:
         b = open(p, "rb").read(); h.update(b); f.write(b)
 print(len(parts), "parts, sha256", h.hexdigest())
+want = "6d69fb3f4826ccee8f9d38ceb3344767dfb6b8dfd3828db07e862f923aabd1b6"  # site.tar.zst as packed
+if h.hexdigest() != want:
+    raise SystemExit(f"site.tar.zst: sha256 {h.hexdigest()} is not the packed archive's {want}")
 with pa.input_stream("/tmp/site.tar.zst", compression="zstd") as f:
     tarfile.open(fileobj=f, mode="r|").extractall("/tmp")
 print(f"unpacked in {time.time() - t:.1f} s")
