@@ -55,11 +55,17 @@ def test_1p1d_across_two_hosts_passes_every_default_check_and_the_kv_crossed_the
     assert r.rc == 0, r.text
     checks = r.checks
     assert tuple(checks) == (*check_registry.DEFAULTS, *check_registry.WIRE)  # WIRE: test_e2e_wire_faults
-    # every check passed; wire_delay alone may be NOT RUN (no netem here: test_e2e_wire_faults)
+    # every check passed; wire_delay alone may be NOT RUN (no netem here: test_e2e_wire_faults), and
+    # over Mooncake request_features is XFAIL: n > 1, a known upstream bug (configs/known_issues.toml)
     verdicts = {n: c["verdict"] for n, c in checks.items()}
-    assert all(v == "pass" or (n, v) == ("wire_delay", "not run") for n, v in verdicts.items()), {
+    allowed = {("wire_delay", "not run")}
+    if run == "hosts_mooncake":
+        allowed.add(("request_features", "xfail"))
+    assert all(v == "pass" or (n, v) in allowed for n, v in verdicts.items()), {
         n: c["message"] for n, c in checks.items()
     }
+    if verdicts["request_features"] == "xfail":
+        assert checks["request_features"]["details"]["known_issue"]["id"] == "mooncake-n-gt-1"
     host1, host2 = simulated_hosts_2.hosts
     plan = (r.run_dir / "plan.txt").read_text()
     assert re.search(rf"^  prefill-0: http://{host1.address}:\d+ on host1 \(", plan, re.M), plan
