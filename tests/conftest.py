@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import USER
+from helpers import USER, ci_summary
 from helpers.cli_runs import environment_facts, nox_no_venv
 from helpers.e2e_runs import (
     FAULTY_SWEEP,
@@ -31,6 +31,15 @@ def pytest_runtest_makereport(item, call):
     """`nox -s unit` (PD_SESSIONS_UNIT_TIER=1): a skip fails (helpers.needs.no_skip_in_unit_tier)."""
     outcome = yield
     no_skip_in_unit_tier(outcome.get_result())
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The verdicts worth seeing in a CI log even when their tests pass (helpers.ci_summary)."""
+    lines = config.stash.get(ci_summary.LINES, [])
+    if lines:
+        terminalreporter.section("judged in this run")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import time
 
 import psutil
 import pytest
+from helpers import ci_summary
 from helpers.cli_runs import Cli, plan_ports
 from helpers.e2e_runs import SweepRun
 from helpers.needs import needs
@@ -137,9 +138,14 @@ def test_kv_transfer_moved_the_prompts_and_not_the_control(run: SweepRun):
     assert kv["control"]["before"] == kv["control"]["after"]
 
 
-def test_request_features_equal_prefill_direct_with_exact_kv_per_request(run: SweepRun, sweep: str):
+def test_request_features_equal_prefill_direct_with_exact_kv_per_request(run: SweepRun, sweep: str, request):
     """Issue 27: every request path users send, over every connector (the NIXL pull run in margin mode)."""
     rf = _checks(run)["request_features"]
+    known = rf["details"].get("known_issue") if rf["verdict"] in ("xfail", "xpass") else None
+    if known:
+        ci_summary.add(
+            request.config, f"{sweep} request_features {rf['verdict'].upper()}: {known['id']} {known['link']}"
+        )
     n2 = ["n=2 greedy (top_k=1)", "n=2 seeded"]
     mooncake = sweep == "mooncake_sweep"
     if mooncake:  # a known upstream bug (configs/known_issues.toml: mooncake-n-gt-1), still broken

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import ci_summary
 from helpers.e2e_runs import SweepRun
 
 from pd_sessions.checks import perf_baselines
@@ -35,8 +36,10 @@ def _recorded(perf: dict) -> bool:
     return any(b.key == key for b in perf_baselines.load())
 
 
-def test_perf_passes_with_pd_and_colocated_figures_at_both_levels(nixl_sweep: SweepRun):
+def test_perf_passes_with_pd_and_colocated_figures_at_both_levels(nixl_sweep: SweepRun, request):
     perf = _perf(nixl_sweep)
+    verdict = perf["verdict"].upper()
+    ci_summary.add(request.config, f"perf (the shared NIXL sweep, 1x1) {verdict}: {perf['message']}")
     # judged against the lane's expectations and the baseline: PASS; a host of another core count
     # has no baseline: NOT RUN (never PASS), the reason first
     assert perf["verdict"] == ("pass" if _recorded(perf) else "not run"), perf["message"]
