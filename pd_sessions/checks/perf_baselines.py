@@ -144,14 +144,19 @@ def hardware_class(gpu_names: Sequence[str], cores: int) -> str:
     return " + ".join(f"{c}x {n}" for n, c in counts.items())
 
 
-def load(path: Path = BASELINES) -> list[PerfBaseline]:
-    """Every entry of the file (ConfigError naming the entry and the field that is wrong)."""
+def _document(path: Path) -> dict[str, Any]:
+    """The file's TOML ({} when there is no file; ConfigError naming it when it does not parse)."""
     try:
-        data = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text())
     except FileNotFoundError:
-        return []
+        return {}
     except tomllib.TOMLDecodeError as e:
         raise ConfigError("perf baselines", str(e), source=str(path)) from None
+
+
+def load(path: Path = BASELINES) -> list[PerfBaseline]:
+    """Every entry of the file (ConfigError naming the entry and the field that is wrong)."""
+    data = _document(path)
     return [
         from_entry(raw, where=f"baseline #{i + 1}", source=str(path))
         for i, raw in enumerate(data.get("baseline", []))
@@ -160,12 +165,7 @@ def load(path: Path = BASELINES) -> list[PerfBaseline]:
 
 def load_expectations(path: Path = BASELINES) -> list[Expectation]:
     """Every ``[[expectation]]`` of the file (ConfigError naming the entry and the field)."""
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        return []
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError("perf baselines", str(e), source=str(path)) from None
+    data = _document(path)
     out = []
     for i, raw in enumerate(data.get("expectation", [])):
         where = f"expectation #{i + 1}"
