@@ -327,15 +327,7 @@ def new_entry(
         tol = DEFAULT_TOLERANCES.get(name.rsplit(".", 1)[-1])
         if tol is not None:
             figures[name] = {"value": round(value, 4), "rtol": tol[0], "better": tol[1]}
-    model, connector, config, hardware = key
-    return {
-        "model": model,
-        "connector": connector,
-        "config": config,
-        "hardware": hardware,
-        "source": source,
-        "figures": figures,
-    }
+    return _entry(key, source, figures)
 
 
 def measured_entry(
@@ -372,15 +364,7 @@ def measured_entry(
             "spread": round(spread, 4),
             "runs": [round(v, 4) for v in values],
         }
-    model, connector, config, hardware = key
-    return {
-        "model": model,
-        "connector": connector,
-        "config": config,
-        "hardware": hardware,
-        "source": source,
-        "figures": figures,
-    }
+    return _entry(key, source, figures)
 
 
 def record(path: Path, entry: Mapping[str, Any]) -> None:
@@ -395,3 +379,16 @@ def record(path: Path, entry: Mapping[str, Any]) -> None:
 
     with open(path, "a") as f:
         f.write("\n" + tomli_w.dumps({"baseline": [dict(entry)]}))
+
+
+def _entry(key: tuple[str, str, str, str], source: str, figures: dict[str, Any]) -> dict[str, Any]:
+    """One ``[[baseline]]`` entry as the file holds it (what :func:`from_entry` reads)."""
+    model, connector, config, hardware = key
+    return {
+        "model": model,
+        "connector": connector,
+        "config": config,
+        "hardware": hardware,
+        "source": source,
+        "figures": figures,
+    }
