@@ -13,7 +13,7 @@ from helpers import FIXTURES
 from pd_sessions.checks import perf, perf_baselines
 from pd_sessions.checks import perf_figures as pf
 from pd_sessions.core import check_registry as registry
-from pd_sessions.core import connectors, selection
+from pd_sessions.core import connectors, selection, ucx
 from pd_sessions.core.config import load as load_builtin
 from pd_sessions.core.config import load_sweep, make_overrides
 from pd_sessions.core.connectors.base import MetricEvidence
@@ -504,3 +504,43 @@ def test_a_level_without_a_figure_keeps_its_column_empty():
     r = perf.evaluate(recs, requests=8, link=LINK, key=KEY)
     split = {row[0]: row[2:] for row in r.tables[1].rows}  # a Table checks its rows' lengths itself
     assert split["KV transfer post"] == (None, 1.25) and split["KV transfer"][0] is None
+
+
+# ---------------------------------------------------------------- the transport and the physical limit
+
+
+def test_a_finding_is_reported_in_message_figures_and_details_and_the_verdict_stays():
+    # the same transfer timings as test_perf's LINK (the baseline's link ratio holds), a limit
+    # 100x above the transport: a finding, and the check still PASSES
+    base = pf.LinkProbe("NIXL agents (UCX)", 2**20, 2, (0.002, 0.004, 0.003))
+    limit = pf.LinkLimit("shared-memory copy between two processes", 2**20, (0.00003,))
+    slow = pf.LinkProbe(*[getattr(base, f) for f in ("transport", "bytes", "descriptors", "seconds")],
+                        ("tcp/lo",), "UCX", ucx.advice(("tcp/lo",), "cpu"), limit,
+                        {"interface": "lo", "gb_s": None, "note": "loopback"})  # fmt: skip
+    r = judged(link=slow)
+    assert r.passed, r.message
+    assert "% of what NIXL agents (UCX) moves here (0.35 GB/s, over tcp/lo)" in r.message
+    assert "physical limit: shared-memory copy between two processes 35 GB/s (KV 0.6 % of it" in r.message
+    assert "finding (reported, not judged): NIXL agents (UCX) moved 0.35 GB/s, 1 % of the" in r.message
+    assert "it used tcp, not shared memory" in r.message
+    link = r.details["link"]
+    assert link["transports"] == ["tcp/lo"] and link["limit"]["gb_s"] == pytest.approx(34.95, rel=0.01)
+    assert link["finding"] and link["transport_of_limit"] == pytest.approx(0.01, rel=0.01)
+    figures = {f.name: f for f in r.figures}
+    assert figures["link.limit_gb_s"].unit == "GB/s" and figures["c1.kv.of_limit"].unit == "fraction"
+    assert figures["c1.kv.of_limit"].value == pytest.approx(TRANSFERS.gb_s / limit.gb_s, rel=1e-3)
+    bandwidth = r.tables[2]
+    assert bandwidth.columns[-3:] == (
+        "physical limit GB/s",
+        "% of the limit",
+        "transport alone, % of the limit",
+    )
+    assert bandwidth.rows[0][-1] == pytest.approx(1.0, rel=0.01)
+    # the same run with the limit in reach: no finding anywhere
+    fast = pf.LinkProbe(*[getattr(slow, f) for f in ("transport", "bytes", "descriptors", "seconds")],
+                        ("cma/memory",), "UCX", None, pf.LinkLimit("copy", 2**20, (0.0006,)))  # fmt: skip
+    ok = judged(link=fast)
+    assert ok.passed and "finding" not in ok.message and ok.details["link"]["finding"] is None
+    # a finding never hides a failure, nor turns one
+    assert judged(link=slow, baselines=[]).not_run
+    assert KEY[3] == "cpu, 2 cores"

@@ -45,11 +45,14 @@ from pd_sessions.checks.perf_figures import (
     Transfers,
     bench_figures,
     hist_deltas,
+    limit_ratio,
+    link_finding,
     link_probe_from,
     link_ratio,
     metric_transfers,
     mooncake_transfers,
     pd_over_colocated,
+    percent,
     probe_size,
     transfer_histograms,
     ttft_split,
@@ -150,26 +153,19 @@ def _numbers(records: Sequence[RunRecord], link: LinkProbe | None) -> tuple[list
                 figures.append(_fig(f"c{c}.split.{row.figure.replace(' ', '_')}", row.ms, "ms"))
             t = pd.transfers
             if t is not None:
-                ratio = link_ratio(t.gb_s, link) if link else None
-                bw_rows.append(
-                    (
-                        c,
-                        round(t.count),
-                        round(t.bytes_per_transfer / 2**20, 3),
-                        round(t.descriptors / t.count, 1),
-                        round(t.mean_ms, 3),
-                        round(t.gb_s, 4),
-                        round(link.gb_s, 4) if link else None,
-                        _r(100 * ratio if ratio is not None else None),
-                    )
-                )
+                bw_rows.append(_bandwidth_row(c, t, link))
                 figures += [
                     _fig(f"c{c}.kv.gb_s", t.gb_s, "GB/s"),
                     _fig(f"c{c}.kv.bytes_per_transfer", t.bytes_per_transfer, "bytes"),
                     _fig(f"c{c}.kv.transfer_ms", t.mean_ms, "ms"),
                 ]
+                if link and link.limit:
+                    figures.append(_fig(f"c{c}.kv.of_limit", limit_ratio(t.gb_s, link), "fraction"))
     if link:
         figures.append(_fig("link.transport_gb_s", link.gb_s, "GB/s"))
+        if link.limit:
+            figures.append(_fig("link.limit_gb_s", link.limit.gb_s, "GB/s"))
+            figures.append(_fig("link.transport_of_limit", limit_ratio(link.gb_s, link), "fraction"))
     tables = [
         Table("P/D vs colocated (per request, vllm bench serve)", (*cols, "output tok/s"), tuple(vs_rows)),
         Table(
@@ -180,7 +176,8 @@ def _numbers(records: Sequence[RunRecord], link: LinkProbe | None) -> tuple[list
         ),
         Table(
             "KV bandwidth against the link (window over each P/D run; transport alone: the "
-            "same bytes in the same descriptor size between two processes here)",
+            "same bytes in the same descriptor size between two processes here; physical limit: "
+            "the same bytes copied on the same devices)",
             (
                 "concurrency",
                 "transfers",
@@ -190,11 +187,34 @@ def _numbers(records: Sequence[RunRecord], link: LinkProbe | None) -> tuple[list
                 "effective GB/s",
                 "transport alone GB/s",
                 "% of the transport",
+                "physical limit GB/s",
+                "% of the limit",
+                "transport alone, % of the limit",
             ),
             tuple(bw_rows),
         ),
     ]
     return figures, tables
+
+
+def _bandwidth_row(c: int, t: Transfers, link: LinkProbe | None) -> tuple[Value, ...]:
+    """One row of the bandwidth table: the window's transfers against the transport and the limit."""
+    ratio = link_ratio(t.gb_s, link) if link else None
+    of_limit = limit_ratio(t.gb_s, link) if link else None
+    alone = limit_ratio(link.gb_s, link) if link else None
+    return (
+        c,
+        round(t.count),
+        round(t.bytes_per_transfer / 2**20, 3),
+        round(t.descriptors / t.count, 1),
+        round(t.mean_ms, 3),
+        round(t.gb_s, 4),
+        round(link.gb_s, 4) if link else None,
+        _r(100 * ratio if ratio is not None else None),
+        round(link.limit.gb_s, 4) if link and link.limit else None,
+        None if of_limit is None else round(100 * of_limit, 4),
+        None if alone is None else round(100 * alone, 4),
+    )
 
 
 def _r(v: float | None) -> float | None:
@@ -274,14 +294,7 @@ def _details(
     return {
         "baseline": base,
         "baseline_figures": dict(measured),
-        "link": None
-        if link is None
-        else {
-            "transport": link.transport,
-            "bytes": link.bytes,
-            "descriptors": link.descriptors,
-            "seconds": list(link.seconds),
-        },
+        "link": None if link is None else _link_details(link),
         "error": error,
         "runs": [
             {
@@ -294,6 +307,39 @@ def _details(
             for r in records
         ],
     }
+
+
+def _link_details(link: LinkProbe) -> dict[str, Any]:
+    """The probe in result.json: the transport alone, the lanes it used and where that was read,
+    the physical limit, the NIC, and the finding (None: none)."""
+    return {
+        "transport": link.transport,
+        "bytes": link.bytes,
+        "descriptors": link.descriptors,
+        "seconds": list(link.seconds),
+        "gb_s": link.gb_s,
+        "transports": list(link.transports),
+        "transports_source": link.transports_source,
+        "advice": link.advice,
+        "limit": None
+        if link.limit is None
+        else {"name": link.limit.name, "seconds": list(link.limit.seconds), "gb_s": link.limit.gb_s},
+        "transport_of_limit": limit_ratio(link.gb_s, link),
+        "nic": None if link.nic is None else dict(link.nic),
+        "finding": link_finding(link),
+    }
+
+
+def _limit_summary(kv_gb_s: float, link: LinkProbe) -> str:
+    """KV and the transport alone against the physical limit, then the finding if there is one."""
+    assert link.limit is not None
+    kv, alone = (limit_ratio(v, link) for v in (kv_gb_s, link.gb_s))
+    text = (
+        f"physical limit: {link.limit.name} {link.limit.gb_s:.3g} GB/s (KV {percent(kv or 0)} of it, "
+        f"the transport alone {percent(alone or 0)})"
+    )
+    finding = link_finding(link)
+    return f"{text}; finding (reported, not judged): {finding}" if finding else text
 
 
 def _summary(
@@ -319,8 +365,11 @@ def _summary(
     if first and first.transfers and link and ratio is not None:
         parts.append(
             f"KV {first.transfers.gb_s:.3g} GB/s = {100 * ratio:.0f} % of what {link.transport} moves "
-            f"here ({link.gb_s:.3g} GB/s)"
+            f"here ({link.gb_s:.3g} GB/s"
+            + (f", over {', '.join(link.transports)})" if link.transports else ", lanes not reported)")
         )
+    if first and first.transfers and link and link.limit:
+        parts.append(_limit_summary(first.transfers.gb_s, link))
     held = [r for r in expected.get("rows", []) if r["ok"]]
     if held:
         parts.append(

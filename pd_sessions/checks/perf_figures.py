@@ -295,20 +295,43 @@ def ttft_split(
 # ---------------------------------------------------------------- bandwidth against the link
 
 
+def _median(seconds: Sequence[float]) -> float:
+    s = sorted(seconds)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
+@dataclass(frozen=True)
+class LinkLimit:
+    """What the hardware moves: the same bytes copied on the same devices (the probe's ``limit``)."""
+
+    name: str  # "device-to-device copy on GPU 0", "shared-memory copy between two processes"
+    bytes: int
+    seconds: tuple[float, ...]
+
+    @property
+    def gb_s(self) -> float:
+        return self.bytes / _median(self.seconds) / 1e9 if self.seconds and _median(self.seconds) > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class LinkProbe:
-    """What the transport alone moved between the same two endpoints (pd_sessions.vllm_side.link_probe)."""
+    """What the transport alone moved between the same two endpoints (pd_sessions.vllm_side.link_probe),
+    which lanes it used, and the physical limit of the same bytes there."""
 
     transport: str  # "NIXL (UCX)", "Mooncake transfer engine (tcp)"
     bytes: int  # per transfer
     descriptors: int  # per transfer
     seconds: tuple[float, ...]  # each timed transfer
+    transports: tuple[str, ...] = ()  # the lanes used ("cma/memory", "tcp/lo"; Mooncake: "tcp")
+    transports_source: str = "not reported"  # where the lanes were read, or why they are unknown
+    advice: str | None = None  # the probe's: what it used instead of the fast lane, what to set
+    limit: LinkLimit | None = None
+    nic: Mapping[str, Any] | None = None  # {"interface", "gb_s", "note"}
 
     @property
     def median_s(self) -> float:
-        s = sorted(self.seconds)
-        mid = len(s) // 2
-        return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+        return _median(self.seconds)
 
     @property
     def gb_s(self) -> float:
@@ -316,13 +339,22 @@ class LinkProbe:
 
 
 def link_probe_from(doc: Mapping[str, Any]) -> LinkProbe:
-    """A LinkProbe from the probe's JSON output (PerfError naming what is missing)."""
+    """A LinkProbe from the probe's JSON output (PerfError naming what is missing); the lanes, the
+    limit and the NIC are optional (an older probe's output has none)."""
     try:
+        limit = doc.get("limit")
         return LinkProbe(
             transport=str(doc["transport"]),
             bytes=int(doc["bytes"]),
             descriptors=int(doc["descriptors"]),
             seconds=tuple(float(s) for s in doc["seconds"]),
+            transports=tuple(str(t) for t in doc.get("transports") or ()),
+            transports_source=str(doc.get("transports_source") or "not reported"),
+            advice=None if doc.get("advice") is None else str(doc["advice"]),
+            limit=None
+            if not limit
+            else LinkLimit(str(limit["name"]), int(doc["bytes"]), tuple(float(s) for s in limit["seconds"])),
+            nic=dict(doc["nic"]) if doc.get("nic") else None,
         )
     except (KeyError, TypeError, ValueError) as e:
         raise PerfError(f"link probe output lacks {e}: {dict(doc)}") from None
@@ -331,6 +363,41 @@ def link_probe_from(doc: Mapping[str, Any]) -> LinkProbe:
 def link_ratio(effective_gb_s: float, raw: LinkProbe) -> float | None:
     """Effective KV bandwidth / what the transport itself moves here (None without a raw figure)."""
     return effective_gb_s / raw.gb_s if raw.gb_s > 0 else None
+
+
+def limit_ratio(gb_s: float, raw: LinkProbe) -> float | None:
+    """``gb_s`` / the physical limit the probe measured (None without one)."""
+    return gb_s / raw.limit.gb_s if raw.limit is not None and raw.limit.gb_s > 0 else None
+
+
+FINDING_BELOW = 0.10  # the transport alone under this share of the physical limit is a finding
+
+
+def link_finding(raw: LinkProbe) -> str | None:
+    """A finding, for people, when the transport alone moves under FINDING_BELOW of the physical
+    limit of the same bytes: how much it moved, what share of what, the lanes it used and (the
+    probe's advice) what to set. None at or above it, or without a limit. A finding is reported
+    (message, details), never a verdict: a slow transport is the host's configuration, which
+    the connector under test did not choose (the link ratio judges the connector against it)."""
+    share = limit_ratio(raw.gb_s, raw)
+    if share is None or raw.limit is None or share >= FINDING_BELOW:
+        return None
+    if raw.advice:
+        why = raw.advice
+    elif raw.transports:
+        why = f"it used {', '.join(raw.transports)}"
+    else:
+        why = f"its lanes are unknown ({raw.transports_source})"
+    return (
+        f"{raw.transport} moved {raw.gb_s:.3g} GB/s, {percent(share)} of the {raw.limit.name} "
+        f"({raw.limit.gb_s:.3g} GB/s, under {100 * FINDING_BELOW:g} %): {why}"
+    )
+
+
+def percent(share: float) -> str:
+    """A share as a percentage with the digits a small one needs (0.02 %, 3.4 %, 45 %)."""
+    pct = 100 * share
+    return f"{pct:.2g} %" if pct < 10 else f"{pct:.0f} %"
 
 
 def probe_size(transfers: Transfers, *, max_bytes: int = 1 << 30) -> tuple[int, int]:

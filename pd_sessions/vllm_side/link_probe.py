@@ -20,8 +20,26 @@ spawn), each with a buffer of ``--bytes`` on its device (``--device cpu``: an an
   its RPC port; this process writes the pieces with ``batch_transfer_sync_write`` (the prefill
   pushes, as in vLLM), timed around the call as vLLM times its sends.
 
-One warm-up transfer (connection set-up), then ``--repeats`` timed ones. Writes ``--out``:
-``{"transport", "bytes", "descriptors", "seconds": [...]}``; exits 1 with the reason on failure.
+Two warm-up transfers (connection set-up), then ``--repeats`` timed ones. Then what was used and
+what the hardware allows (see :func:`transports_used`, :func:`copy_limit`, :func:`nic`):
+
+- ``transports``: the lanes the transport chose, and ``transports_source``, where that was read.
+  NIXL: UCX's own report, its ``UCX_PROTO_INFO=y`` tables (pd_sessions.core.ucx) of the READ into
+  this device's memory, which the probe has UCX write to ``<out>.ucx.<pid>.log`` (unless
+  ``UCX_PROTO_INFO`` or ``UCX_LOG_FILE`` is set already: then "unknown", saying why). Mooncake:
+  the protocol its transfer engine was initialized with (and accepted); the engine reports
+  nothing finer. ``advice``: when those lanes cannot reach the device's copy bandwidth, the
+  setting to try (None otherwise).
+- ``limit``: the physical limit of the same bytes on the same devices, timed as the transfers
+  (warm-ups, ``--repeats``): ``cpu``: a copy out of a shared-memory segment that another process
+  wrote (multiprocessing.shared_memory, ctypes.memmove); ``cuda``: a device-to-device copy on
+  ``--gpu`` (a peer copy from ``--peer-gpu`` when they differ), timed with CUDA events.
+- ``nic``: the interface ``--host`` is on and its line rate from ``/sys/class/net/<if>/speed``;
+  loopback: no NIC; a rate the interface does not report (a veth): "unknown".
+
+Writes ``--out``: ``{"transport", "bytes", "descriptors", "seconds": [...], "transports",
+"transports_source", "advice", "limit": {"name", "seconds"}, "nic"}``; exits 1 with the reason
+on failure.
 """
 
 from __future__ import annotations
@@ -29,10 +47,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import ipaddress
 import json
 import mmap
 import multiprocessing
 import os
+import socket
 import sys
 import time
 import traceback
@@ -43,6 +63,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from pd_sessions.core import ucx
 from pd_sessions.vllm_side.vllm_plugin import apply_nixl_progress_delay
 
 PEER_TIMEOUT_S = 60.0
@@ -224,8 +245,10 @@ def _peer_main(args: Args, conn: Connection) -> None:
         conn.send({"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
 
 
-def probe(args: Args) -> dict[str, Any]:
-    """Run the peer and the timed transfers; the result document."""
+def probe(args: Args, out: Path | None = None) -> dict[str, Any]:
+    """Run the peer and the timed transfers, then the limit; the result document. ``out``: where
+    the document goes (UCX's log files go beside it)."""
+    report = _report_setup(args, out)
     ctx = multiprocessing.get_context("spawn")
     mine, theirs = ctx.Pipe()
     peer = ctx.Process(target=_peer_main, args=(args, theirs), daemon=True)
@@ -239,12 +262,188 @@ def probe(args: Args) -> dict[str, Any]:
         if peer.is_alive():
             peer.terminate()
             peer.join(timeout=10)
+    used, source, advice = transports_used(args, report)
+    name, limit = copy_limit(args)
     return {
         "transport": transport_name(args),
         "bytes": args.bytes,
         "descriptors": args.descriptors,
         "seconds": seconds,
+        "transports": list(used),
+        "transports_source": source,
+        "advice": advice,
+        "limit": {"name": name, "seconds": limit},
+        "nic": nic(args.host),
     }
+
+
+# ---------------------------------------------------------------- what was used
+
+
+def _report_setup(args: Args, out: Path | None) -> Path | None:
+    """NIXL: have UCX print its protocol tables to files beside ``out`` (inherited by the peer);
+    the folder and file-name prefix they go to, or None when the environment set either already."""
+    if args.connector != "nixl" or out is None:
+        return None
+    if "UCX_PROTO_INFO" in os.environ or "UCX_LOG_FILE" in os.environ:
+        return None
+    prefix = out.with_name(f"{out.name}.ucx")
+    for old in prefix.parent.glob(f"{prefix.name}.*.log"):
+        old.unlink(missing_ok=True)
+    os.environ["UCX_PROTO_INFO"] = "y"
+    os.environ["UCX_LOG_FILE"] = f"{prefix}.%p.log"
+    return prefix
+
+
+def transports_used(args: Args, report: Path | None) -> tuple[tuple[str, ...], str, str | None]:
+    """(lanes, where they were read, advice) for the transfers just timed."""
+    if args.connector == "mooncake":
+        source = "the protocol Mooncake's TransferEngine.initialize accepted (it reports no finer path)"
+        advice = None
+        if args.device == "cuda" and args.protocol == "tcp":
+            advice = "it used tcp, which stages GPU memory through sockets; mooncake_protocol selects another"
+        return (args.protocol,), source, advice
+    if report is None:
+        return (), "unknown: UCX_PROTO_INFO or UCX_LOG_FILE was set by the environment", None
+    ctypes.CDLL(None).fflush(None)  # UCX writes its log through stdio, flushed at exit otherwise
+    logs = sorted(report.parent.glob(f"{report.name}.{os.getpid()}.log"))  # this process READs
+    text = "".join(p.read_text(errors="replace") for p in logs)
+    used = ucx.lanes(text, "read", args.device)
+    source = f"UCX_PROTO_INFO=y: the 'remote memory read' tables of {', '.join(p.name for p in logs)}"
+    if not used:
+        return (), f"unknown: no 'remote memory read' table in UCX's log ({source})", None
+    return used, source, ucx.advice(used, args.device, os.environ.get("UCX_TLS"))
+
+
+# ---------------------------------------------------------------- what the hardware allows
+
+
+def _address(buf: Any) -> int:
+    """The address of a writable buffer's first byte (no export outlives the call: it can close)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+def _shm_writer(name: str, size: int, conn: Connection) -> None:
+    """The other process of the CPU limit: fills the segment, then waits until it is read."""
+    from multiprocessing import shared_memory
+
+    shm = shared_memory.SharedMemory(name=name)
+    try:
+        ctypes.memset(_address(shm.buf), 7, size)
+        conn.send("ready")
+        conn.recv()
+    finally:
+        shm.close()
+
+
+def cpu_copy_limit(size: int, repeats: int) -> list[float]:
+    """Seconds per copy of ``size`` bytes out of a shared-memory segment another process wrote,
+    into this process's memory (one memmove, as cma's single copy)."""
+    from multiprocessing import shared_memory
+
+    shm = shared_memory.SharedMemory(create=True, size=size)
+    ctx = multiprocessing.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    writer = ctx.Process(target=_shm_writer, args=(shm.name, size, theirs), daemon=True)
+    writer.start()
+    dst = mmap.mmap(-1, size)
+    try:
+        if not mine.poll(PEER_TIMEOUT_S):
+            raise RuntimeError(f"the shared-memory writer sent nothing within {PEER_TIMEOUT_S:g} s")
+        mine.recv()
+        src, target = _address(shm.buf), _address(dst)  # valid while both stay mapped (until closed)
+
+        def once() -> float:
+            t0 = time.perf_counter()
+            ctypes.memmove(target, src, size)
+            return time.perf_counter() - t0
+
+        return _timed(once, repeats)
+    finally:
+        with contextlib.suppress(OSError):
+            mine.send("done")
+        writer.join(timeout=30)
+        if writer.is_alive():
+            writer.terminate()
+            writer.join(timeout=10)
+        with contextlib.suppress(BufferError):
+            dst.close()
+            shm.close()
+        shm.unlink()
+
+
+def cuda_copy_limit(size: int, gpu: int, peer_gpu: int, repeats: int) -> list[float]:
+    """Seconds per copy of ``size`` bytes from ``peer_gpu`` to ``gpu`` (the same GPU: a
+    device-to-device copy), timed with CUDA events on ``gpu``."""
+    import torch
+
+    torch.cuda.set_device(gpu)
+    src = torch.full((size,), 7, dtype=torch.uint8, device=f"cuda:{peer_gpu}")
+    dst = torch.empty(size, dtype=torch.uint8, device=f"cuda:{gpu}")
+
+    def once() -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        return float(start.elapsed_time(end)) / 1e3
+
+    return _timed(once, repeats)
+
+
+def copy_limit(args: Args) -> tuple[str, list[float]]:
+    """(what was copied, seconds per copy): the physical limit of ``args.bytes`` on the probe's devices."""
+    if args.device == "cuda":
+        how = f"GPU {args.peer_gpu} to GPU {args.gpu} peer copy" if args.gpu != args.peer_gpu else ""
+        name = how or f"device-to-device copy on GPU {args.gpu}"
+        return name, cuda_copy_limit(args.bytes, args.gpu, args.peer_gpu, args.repeats)
+    name = "shared-memory copy between two processes"
+    return name, cpu_copy_limit(args.bytes, args.repeats)
+
+
+SYSFS_NET = Path("/sys/class/net")
+
+
+def _interface_of(address: str) -> str | None:
+    """The interface of this host that has the IPv4 ``address`` (SIOCGIFADDR), or None."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            with contextlib.suppress(OSError):
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+                if socket.inet_ntoa(raw[20:24]) == address:
+                    return name
+    return None
+
+
+def nic(host: str, sysfs: Path = SYSFS_NET) -> dict[str, Any]:
+    """The interface ``host`` is on and its line rate (GB/s) from sysfs, or why there is none."""
+    try:
+        address = str(ipaddress.ip_address(socket.gethostbyname(host)))
+    except (OSError, ValueError):
+        return {"interface": None, "gb_s": None, "note": f"unknown: {host!r} does not resolve to IPv4"}
+    if ipaddress.ip_address(address).is_loopback:
+        return {"interface": "lo", "gb_s": None, "note": "loopback: the probe's path crosses no NIC"}
+    name = _interface_of(address)
+    if name is None:
+        return {"interface": None, "gb_s": None, "note": f"unknown: no interface here has {address}"}
+    return line_rate(name, sysfs)
+
+
+def line_rate(name: str, sysfs: Path = SYSFS_NET) -> dict[str, Any]:
+    """Interface ``name``'s line rate from ``<sysfs>/<name>/speed`` (Mb/s), in GB/s; "unknown"
+    when it reports none (a veth: -1 or EINVAL; a link that is down)."""
+    path = sysfs / name / "speed"
+    try:
+        mbit = int(path.read_text().strip())
+    except (OSError, ValueError):
+        mbit = -1
+    if mbit <= 0:
+        return {"interface": name, "gb_s": None, "note": f"unknown: {name} reports no line rate ({path})"}
+    return {"interface": name, "gb_s": mbit / 8000, "note": f"{mbit} Mb/s from {path}"}
 
 
 def parse(argv: Sequence[str] | None = None) -> tuple[Args, Path]:
@@ -299,7 +498,7 @@ def parse(argv: Sequence[str] | None = None) -> tuple[Args, Path]:
 def main(argv: Sequence[str] | None = None) -> int:
     args, out = parse(argv)
     try:
-        doc = probe(args)
+        doc = probe(args, out)
     except Exception as e:  # the check reads the reason from the output file
         doc = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         out.write_text(json.dumps(doc))
@@ -307,10 +506,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     out.write_text(json.dumps(doc))
     median = sorted(doc["seconds"])[len(doc["seconds"]) // 2]
+    limit = sorted(doc["limit"]["seconds"])[len(doc["limit"]["seconds"]) // 2]
     print(
         f"pd_sessions.vllm_side.link_probe: {doc['transport']}: {args.bytes} bytes "
         f"in {args.descriptors} pieces, "
-        f"median {median * 1e3:.3f} ms ({args.bytes / median / 1e9:.3f} GB/s)",
+        f"median {median * 1e3:.3f} ms ({args.bytes / median / 1e9:.3f} GB/s) over "
+        f"{', '.join(doc['transports']) or 'unknown lanes'} ({doc['transports_source']}); "
+        f"{doc['limit']['name']}: {args.bytes / limit / 1e9:.3f} GB/s; NIC: {doc['nic']['note']}"
+        + (f"; {doc['advice']}" if doc["advice"] else ""),
         flush=True,
     )
     return 0
