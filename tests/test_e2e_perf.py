@@ -88,6 +88,25 @@ def test_the_ttft_split_and_the_link_ratio_are_measured(nixl_sweep: SweepRun):
     assert "% of what NIXL agents (UCX), DRAM to DRAM moves here" in perf["message"]
 
 
+def test_the_transport_used_and_the_physical_limit_are_reported(nixl_sweep: SweepRun):
+    """Issue 42, part 2: UCX's own report of the lanes (its UCX_PROTO_INFO tables, in the perf
+    folder), the shared-memory copy of the same bytes, and the finding reported, never judged."""
+    perf = _perf(nixl_sweep)
+    link = perf["details"]["link"]
+    assert link["transports"] and link["transports_source"].startswith("UCX_PROTO_INFO=y: "), link
+    assert all("/" in lane for lane in link["transports"])  # transport/device, as UCX names them
+    assert list((nixl_sweep.run_dir / "perf").glob("link-probe.json.ucx.*.log"))
+    assert link["limit"]["name"] == "shared-memory copy between two processes" and link["limit"]["gb_s"] > 0
+    assert link["nic"]["interface"] == "lo"
+    figures = {f["name"]: f["value"] for f in perf["figures"]}
+    assert figures["link.limit_gb_s"] > 0 and 0 < figures["c1.kv.of_limit"] < 1.5
+    assert "physical limit: shared-memory copy between two processes" in perf["message"]
+    # the finding, if any, is in the message and the details, and the verdict is the same without it
+    if link["finding"]:
+        assert f"finding (reported, not judged): {link['finding']}" in perf["message"]
+    assert perf["verdict"] in ("pass", "not run"), perf["message"]
+
+
 def test_the_lanes_expectations_and_the_recorded_baseline_were_judged(nixl_sweep: SweepRun):
     perf = _perf(nixl_sweep)
     details = perf["details"]

@@ -544,3 +544,17 @@ def test_a_finding_is_reported_in_message_figures_and_details_and_the_verdict_st
     # a finding never hides a failure, nor turns one
     assert judged(link=slow, baselines=[]).not_run
     assert KEY[3] == "cpu, 2 cores"
+
+
+def test_the_nic_is_named_with_its_line_rate_or_unknown_and_loopback_is_not():
+    base = pf.LinkProbe("NIXL agents (UCX)", 2**20, 2, (0.002, 0.004, 0.003))
+    limit = pf.LinkLimit("shared-memory copy between two processes", 2**20, (0.001,))
+
+    def with_nic(nic: dict) -> str:
+        link = pf.LinkProbe(base.transport, base.bytes, base.descriptors, base.seconds, limit=limit, nic=nic)
+        return judged(link=link).message
+
+    assert "; NIC eth0: 3.12 GB/s line rate" in with_nic({"interface": "eth0", "gb_s": 3.125, "note": "x"})
+    veth = {"interface": "veth1", "gb_s": None, "note": "unknown: veth1 reports no line rate (...)"}
+    assert "; NIC veth1: unknown: veth1 reports no line rate" in with_nic(veth)
+    assert "NIC" not in with_nic({"interface": "lo", "gb_s": None, "note": "loopback"})

@@ -8,7 +8,12 @@ the P/D / colocated ratios. Around each P/D run the instances' /metrics (and, fo
 prefills' "KV Transfer metrics" log lines) give where TTFT goes (:func:`perf_figures.ttft_split`)
 and the effective KV bandwidth; then the transport alone moves a transfer of the same size in
 the same descriptor size between two processes on the same devices
-(``python -m pd_sessions.vllm_side.link_probe``): "x GB/s = y % of what the transport itself moves here".
+(``python -m pd_sessions.vllm_side.link_probe``): "x GB/s = y % of what the transport itself moves here",
+over the lanes it used (UCX's own report for NIXL, the protocol for Mooncake), and both against
+the physical limit: the same bytes copied on the same devices (a shared-memory copy between two
+processes on the CPU lane, a device-to-device or peer copy on a GPU; the NIC's line rate when the
+probe's address is on one). The transport alone under 10 % of that limit is a finding, reported
+with the lanes and the setting to try, never a verdict.
 Last, P/D against colocated is judged by the lane's expectations (``[[expectation]]`` in
 perf_baselines.toml: e.g. on the CPU lane ITL p50 P/D / colocated <= 2.5 and TTFT p50 P/D -
 colocated within the handover's budget, at concurrency 1), and the figures are compared with
@@ -243,6 +248,11 @@ def evaluate(
     otherwise, no baseline of this key or no expectation   -> NOT RUN: what was not judged
       of the lane measured                                    first, then what was
     otherwise                                             -> PASS, naming what was judged
+
+    The transport alone against the physical limit (the probe's copy of the same bytes on the same
+    devices) is reported, never judged: under 10 % of it is a finding (perf_figures.link_finding)
+    in the message and ``details["link"]["finding"]``, with the lanes used and the setting to try;
+    the verdict is the same with or without it (the transport's configuration is the host's).
     """
     figures, tables = _numbers(records, link)
     pds = sorted((r for r in records if r.target == "pd"), key=lambda r: r.concurrency)
@@ -338,6 +348,10 @@ def _limit_summary(kv_gb_s: float, link: LinkProbe) -> str:
         f"physical limit: {link.limit.name} {link.limit.gb_s:.3g} GB/s (KV {percent(kv or 0)} of it, "
         f"the transport alone {percent(alone or 0)})"
     )
+    nic = link.nic or {}
+    if nic.get("interface") not in (None, "lo"):  # the address the probe used is on a NIC
+        rate = f"{nic['gb_s']:.3g} GB/s line rate" if nic.get("gb_s") else nic.get("note", "unknown")
+        text += f"; NIC {nic['interface']}: {rate}"
     finding = link_finding(link)
     return f"{text}; finding (reported, not judged): {finding}" if finding else text
 
