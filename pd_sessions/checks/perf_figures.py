@@ -15,7 +15,9 @@ Three sources, each read by one function here:
   the window (each line holds an interval's count and averages: count x average = total).
 
 :func:`ttft_split` puts them together per concurrency level (where TTFT goes), and
-:func:`link_ratio` sets the effective KV bandwidth against the transport's own.
+:func:`link_ratio` sets the effective KV bandwidth against the transport's own, :func:`limit_ratio`
+against the physical limit the probe measured, and :func:`link_finding` says when the transport
+alone is under 10 % of that limit (a finding, reported, never a verdict).
 """
 
 from __future__ import annotations
