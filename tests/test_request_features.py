@@ -389,6 +389,37 @@ def test_a_known_limit_unanswered_in_its_deadline_fails_naming_its_shape_for_the
     assert rf.compare(fixed, EXACT) == ([], None)
 
 
+def test_a_known_limits_request_answered_wrong_fails_and_no_known_issue_covers_it():
+    """A wrong 200 on a known limit's request is a wrong answer, not the limit: on its own, and
+    before the hang that would otherwise read XFAIL (every answered attempt is compared)."""
+    from pd_sessions.core import known_issues
+
+    late = Answer(0, error="unanswered in its 20 s deadline (timed out)")
+    wrong = ans((" red stone", (7, 9), "length"))
+    right = rf.Case("n=2 seeded", A, A, shape="n>1")
+    bad = rf.Case("n=2 seeded", wrong, A, shape="n>1")
+    hung = rf.Case("n=2 seeded", late, A, shape="n>1", limit="L", tries=(0.1, 0.1, 20.0))
+    ok_then_hang = replace(hung, earlier=(right, right))
+    assert rf.compare(ok_then_hang, EXACT)[0][0].startswith("attempt 3 unanswered")
+    wrong_then_hang = replace(hung, earlier=(right, bad))
+    (p1, *_), _ = rf.compare(wrong_then_hang, EXACT)
+    assert p1.startswith("n=2 seeded answered 200 but wrong (earlier attempt 2): ")
+    issue = known_issues.get("mooncake-n-gt-1")
+    for case, shape, verdict in (
+        (ok_then_hang, "n>1", "xfail"),
+        (wrong_then_hang, "n>1 answered wrong", "fail"),
+        (replace(hung, pd=wrong, tries=(0.1,)), "n>1 answered wrong", "fail"),  # one try, wrong
+    ):
+        cases = named(all_cases())
+        cases[5] = case
+        r = rf.evaluate(cases, judge=EXACT, identity=IDENTITY, expected_cases=rf.expected_cases(128))
+        assert r.verdict == "fail" and r.details["failed_shapes"] == [shape], r.details["failed_shapes"]
+        judged = known_issues.judge(r, issue, "0.32.0")
+        assert judged.verdict == verdict, (shape, judged.message)
+    row = rf.evaluate([wrong_then_hang], judge=EXACT, identity=IDENTITY).details["cases"][0]
+    assert row["earlier_answers_compared"] == 2
+
+
 # ---------------------------------------------------------------- how the gatherer sends (fakes)
 
 
@@ -536,11 +567,38 @@ def test_an_intermittent_known_limit_is_tried_with_new_prompts_until_one_is_unan
             return A
 
     asker = Third(1, connector="mooncake")
-    first, tries = rf.tried(asker, f, 0.0, 32)
-    assert len(tries) == 3 and first.answer.status == 0
+    (g, last), tries, answered = rf.tried(asker, f, 0.0, 32)
+    assert len(tries) == 3 and last.answer.status == 0 and g.payload["prompt"] == f"{rf.PROMPT} (2)"
     prompts = [p["prompt"] for _, _, p in asker.sent]
     assert prompts == [rf.PROMPT, f"{rf.PROMPT} (1)", f"{rf.PROMPT} (2)"]
-    case = replace(rf.case_of(asker, f, first, rf.Timed(A, 0.1), limit="L"), tries=tries)
+    assert [h.payload["prompt"] for h, _ in answered] == prompts[:2]
+    case = replace(rf.case_of(asker, f, last, rf.Timed(A, 0.1), limit="L"), tries=tries)
     assert rf.compare(case, EXACT)[0][0].startswith("attempt 3 unanswered in its 0 s deadline (timed out)")
-    answered, tries = rf.tried(FakeAsker(1, connector="mooncake"), f, 20.0, 5)
-    assert answered.answer.ok and len(tries) == 5  # every attempt answered: the case is compared as any
+    (g, first), tries, answered = rf.tried(FakeAsker(1, connector="mooncake"), f, 20.0, 5)
+    assert first.answer.ok and g is f and len(tries) == len(answered) == 5  # all answered: all compared
+
+
+def test_every_answered_attempt_of_a_known_limit_is_compared_with_its_own_direct_answer(monkeypatch):
+    """The gatherer: attempt 2 (prompt "... (1)") answers 200 with another text through the router,
+    attempt 3 hangs; the case fails as a wrong answer (not the limit), naming attempt 2."""
+    feats = [f for f in rf.features(rf.PROMPT, "x", 0) if f.name == "n=2 seeded"]
+    wrong = ans((" blue stone", (7, 9), "length"))
+
+    class WrongThenHang(FakeAsker):
+        def ask(self, url, f, timeout=None):
+            super().ask(url, f, timeout)
+            routed, prompt = url == "http://router", f.payload["prompt"]
+            if routed and prompt.endswith("(2)"):
+                raise HttpError(url, f"no answer within {timeout:g} s")
+            return wrong if routed and prompt.endswith("(1)") else A
+
+    asker = WrongThenHang(1, connector="mooncake")
+    monkeypatch.setattr(rf, "drained", lambda plan, bound_s: 0.5)
+    with rf.ThreadPoolExecutor(max_workers=2) as pool:
+        (case,), _ = rf.limit_cases(asker, pool, feats, deadline_s=20.0, drain_s=60.0, attempts=64)
+    direct = sorted(p["prompt"] for u, _, p in asker.sent if u == "http://prefill-0")
+    assert direct == [rf.PROMPT, f"{rf.PROMPT} (1)"]  # each answered attempt's own reference
+    assert len(case.earlier) == 2 and case.pd.status == 0
+    problems, _ = rf.compare(case, EXACT)
+    assert problems[0].startswith("n=2 seeded answered 200 but wrong (earlier attempt 2)"), problems
+    assert rf.failed_shape(case, problems) == "n>1 answered wrong"

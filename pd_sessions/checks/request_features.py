@@ -109,6 +109,9 @@ class Case:
     # with a short deadline (LIMIT_DEADLINE_S), its failure judged by the known-issues registry
     limit: str | None = None
     tries: tuple[float, ...] = ()  # a known limit's attempts, their seconds (see tried())
+    # a known limit's other attempts answered with 200, each with its own prefill-direct
+    # reference: every one is compared, so a wrong 200 before the hang is a failure, not the limit
+    earlier: tuple[Case, ...] = ()
 
 
 # ---------------------------------------------------------------- pure
@@ -239,10 +242,37 @@ def _margin(case: Case, margin: float) -> list[str]:
     return out
 
 
+def earlier_wrong(case: Case, judge: parity.Judge) -> list[str]:
+    """The problems of a known limit's attempts answered with 200 before its last (each against
+    its own prefill-direct answer), each named by its attempt: a wrong answer, then a hang, is a
+    wrong answer."""
+    out = []
+    for i, e in enumerate(case.earlier, 1):
+        problems, _ = compare(e, judge)
+        out += [f"{e.name} answered 200 but wrong (earlier attempt {i}): {p}" for p in problems[:2]]
+    return out
+
+
+def failed_shape(case: Case, problems: Sequence[str]) -> str:
+    """The request shape a failing case reports (``failed_shapes``, what the known-issues registry
+    matches): a known limit's shape only when its failure is the limit itself (its request
+    unanswered in the deadline, every earlier answer right); a known limit's request answered
+    wrong is ``"<shape> answered wrong"``, which no known issue covers."""
+    shape = case.shape or "other"
+    if case.limit is None:
+        return shape
+    if case.pd.status == 0 and not any("answered 200 but wrong" in p for p in problems):
+        return shape
+    return f"{shape} answered wrong"
+
+
 def compare(case: Case, judge: parity.Judge) -> tuple[list[str], str | None]:
     """(problems, note) of one case: a known limit's request unanswered in its deadline, its
     refusal, then its answers in ``judge``'s mode, then what the feature itself promises (one
     token, usage once, the echoed prompt) and its KV row."""
+    wrong = earlier_wrong(case, judge)
+    if wrong:
+        return wrong, None
     if case.limit is not None and case.pd.status == 0:
         n = f"attempt {len(case.tries)} " if case.tries else ""
         return [f"{n}{case.pd.error} (a known limit of the connector: {case.limit})"], None
@@ -352,7 +382,7 @@ def evaluate(
         problems, note = compare(c, judge)
         rows.append(_row(c, problems, note))
         if problems:
-            shapes.add(c.shape or "other")
+            shapes.add(failed_shape(c, problems))
             bad.append(
                 f"{c.name}: {'; '.join(problems[:2])}"
                 + (f" (+{len(problems) - 2})" if len(problems) > 2 else "")
@@ -427,6 +457,7 @@ def _row(c: Case, problems: Sequence[str], note: str | None) -> dict[str, Any]:
         "refused": note,
         "known_limit": c.limit,
         "tries": list(c.tries),
+        "earlier_answers_compared": len(c.earlier),
         "pd": side(c.pd),
         "direct": side(c.direct),
         "seconds": {k: round(v, 3) for k, v in (c.seconds or {}).items()},
@@ -733,27 +764,37 @@ def limit_cases(
     cases = []
     for f, pd, direct in sent:
         limit = connector_support.unserved_request(asker.connector, f.shape)
-        first, tries = pd.result()
-        cases.append(replace(case_of(asker, f, first, direct.result(), limit=limit), tries=tries))
+        (g, last), tries, answered = pd.result()
+        first = direct.result()
+        earlier = tuple(
+            case_of(asker, h, t, first if h is f else asker.direct(h)) for h, t in answered if t is not last
+        )
+        ref = first if g is f or last.answer.status == 0 else asker.direct(g)
+        cases.append(replace(case_of(asker, g, last, ref, limit=limit), tries=tries, earlier=earlier))
     return cases, drained(asker.plan, drain_s)
 
 
-def tried(asker: Asker, f: Feature, deadline_s: float, attempts: int) -> tuple[Timed, tuple[float, ...]]:
+def tried(
+    asker: Asker, f: Feature, deadline_s: float, attempts: int
+) -> tuple[tuple[Feature, Timed], tuple[float, ...], list[tuple[Feature, Timed]]]:
     """A known limit's request through the router, then again with a new prompt each time (its
-    number appended) until one is not answered with 200 or ``attempts`` were: (the first answer,
-    or the one that was not 200; every attempt's seconds). The limit seen over Mooncake is
-    intermittent (1 of 8 seeded n=2 requests waited past 20 s on 2026-12-05), so one request
-    alone would often pass and read as fixed."""
-    first = asker.routed_within(f, deadline_s)
-    tries = [first.seconds]
-    while first.answer.ok and len(tries) < attempts:
-        again = asker.routed_within(
-            replace(f, payload={**f.payload, "prompt": f"{f.payload['prompt']} ({len(tries)})"}), deadline_s
-        )
-        tries.append(again.seconds)
-        if not again.answer.ok:
-            return again, tuple(round(t, 3) for t in tries)
-    return first, tuple(round(t, 3) for t in tries)
+    number appended) until one is not answered with 200 or ``attempts`` were: (the one that was
+    not 200, else the first, with its feature; every attempt's seconds; the attempts answered
+    with 200, each with its feature). The limit seen over Mooncake is intermittent (1 of 8 seeded n=2 requests
+    waited past 20 s on 2026-12-05), so one request alone would often pass and read as fixed;
+    every answered attempt is compared with prefill-direct (:func:`limit_cases`), so a wrong
+    200 before the hang fails."""
+    g, t = f, asker.routed_within(f, deadline_s)
+    answered: list[tuple[Feature, Timed]] = []
+    tries = [t.seconds]
+    while t.answer.ok:
+        answered.append((g, t))
+        if len(tries) >= attempts:
+            return answered[0], tuple(round(s, 3) for s in tries), answered
+        g = replace(f, payload={**f.payload, "prompt": f"{f.payload['prompt']} ({len(tries)})"})
+        t = asker.routed_within(g, deadline_s)
+        tries.append(t.seconds)
+    return (g, t), tuple(round(s, 3) for s in tries), answered
 
 
 def drained(plan: Any, bound_s: float) -> float | None:
