@@ -154,6 +154,9 @@ def test_request_features_equal_prefill_direct_with_exact_kv_per_request(run: Sw
         assert (
             rf["details"]["failed_shapes"] == ["n>1"] and rf["details"]["known_limit_drained_s"] is not None
         )
+        # every attempt answered before the one that hung was compared with its own direct answer
+        rows = [c for c in rf["details"]["cases"] if c["name"] in n2]
+        assert rows and all(c["earlier_answers_compared"] == len(c["tries"]) - 1 for c in rows), rows
     else:
         assert rf["verdict"] == "pass", rf["message"]
     cases = {c["name"]: c for c in rf["details"]["cases"]}
