@@ -7,6 +7,7 @@
     nox -s faults       # injected faults over both connectors (drop, stall, zero, swap, peer death, restart)
     nox -s tests        # everything: unit, procs (processes, fake servers, Ray...) and end-to-end (real vLLM)
     nox -s unit         # the pure tier: no vLLM, no process spawned, no skip (under a minute on 2 cores)
+    nox -s docs         # regenerate docs/reference/ from the code, build the docs site strictly
     nox -s bench        # measures (not a test): overhead, readiness, teardown, router, each check's cost,
                         # nox's second-run start-up; writes bench/
 
@@ -115,12 +116,21 @@ def buildkite(session: nox.Session) -> None:
 @nox.session(python=PYTHON, reuse_venv=True, tags=["ci"])
 def lint(session: nox.Session) -> None:
     """ruff (rules and formatting), mypy (strict on the pure core) and import-linter (the layers
-    contract), as configured in pyproject.toml."""
+    contract), as configured in pyproject.toml; then the docs: the reference pages fresh and the
+    site built strictly (as `nox -s docs`, which rewrites the pages instead)."""
     session.install("-e", str(ROOT), *nox_support.requirements("lint.txt"))
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("mypy")
     session.run("lint-imports", env={"PYTHONPATH": str(ROOT / "tools")})
+    nox_support.docs(session, check=True)
+
+
+@nox.session(python=PYTHON, reuse_venv=True, tags=["ci"])
+def docs(session: nox.Session) -> None:
+    """The docs site: regenerate docs/reference/ from the code (tools/docs_reference.py), then
+    `mkdocs build --strict` into site/ (a broken internal link or anchor fails)."""
+    nox_support.docs(session, check=False)
 
 
 @nox.session(python=PYTHON, reuse_venv=True, tags=["cpu"])

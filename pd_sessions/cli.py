@@ -48,7 +48,12 @@ def _parser() -> argparse.ArgumentParser:
     add_common_options(v)
 
     t = sub.add_parser("tiny-model", help="generate (once) the tiny model and print its path")
-    t.add_argument("--cache-dir", type=Path, default=None)
+    t.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="where the models are cached (default ~/.cache/pd-sessions)",
+    )
 
     sub.add_parser("inventory", help="print the detected host inventory as JSON")
 

@@ -80,7 +80,8 @@ def test_a_stop_while_checks_run_ends_nox_only_once_the_real_cluster_is_gone(tmp
     t0 = time.monotonic()
     os.killpg(run.proc.pid, sig)
     # nox ends on its own, everything gone and written (how fast, against Buildkite's 10 s grace:
-    # the bench's number, README's "Stopping a run"; a test may not fail because 2 cores are busy)
+    # the bench's number, docs/explanation/running-clusters.md, "Stopping a run"; a test may not fail
+    # because 2 cores are busy)
     status = run.wait(STOP_BOUND_S)
     took = time.monotonic() - t0
     # the moment nox exits: nothing of the run alive, no port served, the results written

@@ -159,7 +159,7 @@ NOT_DEAD = {
     "pytest_addoption": "a pytest hook (pytest_plugin)",
     "pytest_runtest_setup": "a pytest hook (pytest_plugin)",
     "pytest_runtest_makereport": "a pytest hook (pytest_plugin)",
-    "kv_delta": "the pd_cluster fixture's API for users' tests (README)",
+    "kv_delta": "the pd_cluster fixture's API for users' tests (docs/tutorials/own-tests.md)",
     # the simulated hosts' interface (runtime/simhosts.py) for issue 26's launcher and sweep
     "simulated_hosts": "the context manager --simulate-hosts enters (issue 26 part B), the tests' fixture",
     "ray_init_kwargs": "the driver's ray.init arguments (issue 26 part B's launcher), the tests",

@@ -1,4 +1,5 @@
-"""Every way of stopping a run across hosts (issue 26, item 3): README's "Stopping a run" rows, and
+"""Every way of stopping a run across hosts (issue 26, item 3): the "Stopping a run" rows
+(docs/explanation/running-clusters.md), and
 the two that only a multi-host run has (a node's agent killed, the driver SIGKILLed), each through
 nox as in test_stops.py, with the instances on the simulated hosts (``--ray``, the session's
 simulated_hosts_2) and the router here. After each, nothing of the run is left on any host.

@@ -43,7 +43,9 @@ def bench_parser(prog: str = "pd-sessions bench") -> argparse.ArgumentParser:
         metavar="NAME",
         help="only these configs (default: the sweep's default ones on this lane)",
     )
-    p.add_argument("--platform", choices=["cpu", "cuda"], default=None)
+    p.add_argument(
+        "--platform", choices=["cpu", "cuda"], default=None, help="force a lane (default: cuda with a GPU)"
+    )
     p.add_argument("--repeats", type=int, default=3, help="runs per config and driver (default 3)")
     p.add_argument(
         "--parts",
@@ -83,7 +85,14 @@ def bench_parser(prog: str = "pd-sessions bench") -> argparse.ArgumentParser:
         help="report part: the results directory whose configs the 6-config page is built from "
         "(default: the one this bench's clusters part wrote)",
     )
-    p.add_argument("--router-requests", type=int, default=600)
-    p.add_argument("--router-concurrent-requests", type=int, default=2000)
-    p.add_argument("--concurrency", type=int, default=100)
+    p.add_argument(
+        "--router-requests", type=int, default=600, help="router part: single requests per proxy (latency)"
+    )
+    p.add_argument(
+        "--router-concurrent-requests",
+        type=int,
+        default=2000,
+        help="router part: requests per proxy at --concurrency (throughput)",
+    )
+    p.add_argument("--concurrency", type=int, default=100, help="router part: requests in flight at once")
     return p

@@ -77,7 +77,7 @@ def add_common_options(s: argparse.ArgumentParser) -> None:
     add_run_options(s)
     add_host_options(s)
     add_override_options(s)
-    s.add_argument("-v", "--verbose", action="store_true")
+    s.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
 
 
 def add_run_options(s: argparse.ArgumentParser) -> None:
@@ -226,7 +226,13 @@ def add_check_options(s: argparse.ArgumentParser) -> None:
         help="warn: exploratory run; an accuracy miss or missing baseline is reported, "
         "not failed (said in the summary)",
     )
-    c.add_argument("--accuracy-rule", choices=["tolerance", "wilson"], default="tolerance")
+    c.add_argument(
+        "--accuracy-rule",
+        choices=["tolerance", "wilson"],
+        default="tolerance",
+        help="accuracy against its baseline: the measured value within the baseline's rtol "
+        "(tolerance), or the Wilson lower bound of the measured rate at least baseline x (1 - rtol)",
+    )
     c.add_argument(
         "--accuracy-limit",
         type=int,
@@ -234,7 +240,11 @@ def add_check_options(s: argparse.ArgumentParser) -> None:
         metavar="N",
         help="lm_eval sample limit (refused unless it matches the baseline's)",
     )
-    c.add_argument("--allow-sample-mismatch", action="store_true")
+    c.add_argument(
+        "--allow-sample-mismatch",
+        action="store_true",
+        help="judge accuracy although its sample count differs from the baseline's (refused otherwise)",
+    )
     c.add_argument(
         "--record-baseline", action="store_true", help="measure accuracy and write it as the model's baseline"
     )

@@ -65,7 +65,7 @@ HYBRID_MLA_MODELS = frozenset({"moonshotai/Kimi-Linear-48B-A3B-Instruct", "tiny-
 
 # A connector's ``limits.hybrid_mla_hetero_tp`` says when a vLLM cannot feed a lower-TP decode rank
 # from a higher-TP prefill for such a model (over NIXL before 0.27.0: seen on the lent H200 x2 with
-# vLLM 0.26.0, docs/gpu-verification.md; the first transfer killed the decode's worker).
+# vLLM 0.26.0, docs/notes/gpu-verification.md; the first transfer killed the decode's worker).
 
 
 def is_hybrid_mla(config: ClusterConfig, model_config: Mapping[str, Any] | None = None) -> bool:

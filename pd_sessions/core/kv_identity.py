@@ -33,7 +33,7 @@ So per request, with ``cached`` the tokens the decode already holds in its prefi
     local_cache_hit      = cached
     local_compute        = prompt - cached - external_kv_transfer   (= backoff when it fits)
 
-checked exactly, per request and summed. Seen on the H200s (docs/gpu-verification/, 2026-11-29):
+checked exactly, per request and summed. Seen on the H200s (docs/notes/gpu-verification/, 2026-11-29):
 the tiny Kimi-Linear (KDA layers are Mamba layers to vLLM) over NIXL received 351 of 356 prompt
 tokens for 5 requests (backoff 1), every attention-only config exactly 356 of 356 (backoff 0).
 No connector's code leaves room for slack, so there is none; a future one that needs it must

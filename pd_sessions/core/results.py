@@ -46,9 +46,9 @@ class Figure:
     """One thing a check measured: ``name`` (a details key, e.g. "max_gap"), its value and unit
     ("s", "tokens", "nats", "bytes", "GB/s", "%"; "" for a count, a ratio or a text)."""
 
-    name: str
-    value: Value
-    unit: str = ""
+    name: str  # a details key, e.g. "max_gap"
+    value: Value  # a number, a text, a bool or None
+    unit: str = ""  # "s", "tokens", "nats", "bytes", "GB/s", "%"; "" for a count, a ratio or a text
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "value": self.value, "unit": self.unit}
@@ -59,9 +59,9 @@ class Table:
     """A small table a check measured: rows of values under named columns (a unit, if any, is
     part of the column's name: "ttft p50 (ms)")."""
 
-    title: str
-    columns: tuple[str, ...]
-    rows: tuple[tuple[Value, ...], ...]
+    title: str  # what the table shows
+    columns: tuple[str, ...]  # the column names, a unit in parentheses
+    rows: tuple[tuple[Value, ...], ...]  # one value per column in each row
 
     def __post_init__(self) -> None:
         for i, row in enumerate(self.rows):
@@ -80,9 +80,9 @@ class CheckResult:
     verdict: str  # "pass" | "fail" | "not run" | "xfail" | "xpass" (VERDICTS)
     message: str  # one line a person reads first; for "not run", the reason
     details: dict[str, Any] = field(default_factory=dict)  # the check's own raw record
-    seconds: float = 0.0
+    seconds: float = 0.0  # how long it ran
     figures: list[Figure] = field(default_factory=list)  # what it measured, for any reader
-    tables: list[Table] = field(default_factory=list)
+    tables: list[Table] = field(default_factory=list)  # small tables it measured
     started_at: float | None = None  # time.time() when it started
 
     def __post_init__(self) -> None:
@@ -213,22 +213,22 @@ class ProcessRecord:
 
 @dataclass
 class ConfigResult:
-    name: str
-    shape: str
-    connector: str
-    platform: str
+    name: str  # the config's name (--only NAME)
+    shape: str  # e.g. "1xP(TP1) + 1xD(TP1)"
+    connector: str  # the KV connector it ran over
+    platform: str  # the lane: "cpu" or "cuda"
     outcome: str = ERROR  # passed | failed | error | cancelled | not run | running
     phases: dict[str, float] = field(default_factory=dict)  # PHASES -> seconds
-    checks: list[CheckResult] = field(default_factory=list)
+    checks: list[CheckResult] = field(default_factory=list)  # in running order
     error: str | None = None  # what stopped the config, if anything did
-    run_dir: str = ""
-    warnings: list[str] = field(default_factory=list)
+    run_dir: str = ""  # its folder: plan.txt, result.json, the logs
+    warnings: list[str] = field(default_factory=list)  # printed and kept, not failures
     timings: dict[str, float] = field(default_factory=dict)  # per-process readiness etc.
     overrides: list[str] = field(default_factory=list)  # the command line's, described
     model: str = ""  # what the instances served (path or hub id)
     started_at: float | None = None  # time.time() when the config started (its plan phase)
     phase_starts: dict[str, float] = field(default_factory=dict)  # PHASES -> time.time() at its start
-    processes: list[ProcessRecord] = field(default_factory=list)
+    processes: list[ProcessRecord] = field(default_factory=list)  # every process it started
     # why a config whose checks all passed or could not run still failed (decide())
     unmet: list[str] = field(default_factory=list)
     # the checks ``unmet`` speaks of, by name, in its order (decide(); the JUnit writer's)

@@ -357,6 +357,16 @@ def unit(session: Session) -> None:
     session.run("pytest", "-m", UNIT_TIER, *session.posargs, env={"PD_SESSIONS_UNIT_TIER": "1"})
 
 
+def docs(session: Session, *, check: bool) -> None:
+    """The docs site (mkdocs.yml): the reference pages generated from the code
+    (tools/docs_reference.py; ``check``: only verify they are fresh, naming each stale page, as CI
+    does, else rewrite them), then ``mkdocs build --strict``: a broken internal link or anchor fails."""
+    session.install("-e", str(ROOT), *requirements("docs.txt"))
+    session.run("python", str(ROOT / "tools" / "docs_reference.py"), *(["--check"] if check else []))
+    env = {"NO_MKDOCS_2_WARNING": "1"}  # mkdocs-material's banner about its successor, on every build
+    session.run("mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"), env=env)
+
+
 def tests(session: Session) -> None:
     """The tests session: the CPU lane with every connector, the test requirements, then pytest
     in the full environment (PD_SESSIONS_FULL_ENV=1: a missing heavy module fails, never skips)."""
