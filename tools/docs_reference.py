@@ -146,6 +146,8 @@ def check_cli(parsers: Iterable[tuple[str, argparse.ArgumentParser]]) -> list[st
 
 
 def page_cli(parsers: Sequence[tuple[str, argparse.ArgumentParser]] | None = None) -> str:
+    from pd_sessions.core import connectors
+
     parsers = list(parsers if parsers is not None else cli_parsers())
     if missing := check_cli(parsers):
         raise UndocumentedError(missing)
@@ -156,7 +158,7 @@ def page_cli(parsers: Sequence[tuple[str, argparse.ArgumentParser]] | None = Non
         "# Command line: `pd-sessions`\n",
         f"{top.description}\n",
         "`pd-sessions` is also `python -m pd_sessions`. The nox sessions take the same options after "
-        "`--` (`nox -s mooncake_sweep -- --only 1x1`; see [nox sessions](nox-sessions.md)).\n",
+        f"`--` (`nox -s {connectors.DEFAULT.sweep} -- --only 1x1`; see [nox sessions](nox-sessions.md)).\n",
         "Exit status: 0 all passed; 1 a config failed; 2 bad config or arguments (nothing launched); "
         "128+N when stopped by signal N (teardown still ran).\n",
         "| command | what it does |",

@@ -100,7 +100,7 @@ def advice(lane_names: Sequence[str], device: str, tls: str | None = None) -> st
         return (
             f"it used {seen}, not cuda_ipc{chosen}; UCX 1.23 offers CUDA IPC reads (get) by default only "
             "over NVLink: set UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y, then UCX_TLS=cuda_ipc,cuda_copy,tcp "
-            "(docs/gpu-verification.md, 2026-12-05)"
+            "(docs/notes/gpu-verification.md, 2026-12-05)"
         )
     shm = ", ".join(fast[:2])
     if tls:
