@@ -125,6 +125,26 @@ def test_every_check_has_its_entry_and_one_without_a_summary_is_an_error():
         ref.page_checks([check_registry.CHECKS[0], bad])
 
 
+def test_a_check_or_option_added_without_regenerating_fails_naming_the_page(tmp_path, pages):
+    """The drift the tests above catch, shown on the real pages: a check registered and a sweep
+    option added after the pages were written make those two pages stale, and their new
+    entries are missing from the committed text."""
+    for name, text in pages.items():
+        (tmp_path / name).write_text(text)
+    added = dataclasses.replace(check_registry.CHECKS[0], name="new_check", summary="a new check")
+    checks_page = ref.page_checks([*check_registry.CHECKS, added])
+    parsers = ref.cli_parsers()
+    sweep = dict(parsers)["pd-sessions sweep"]
+    sweep.add_argument("--new-option", help="an option added later")
+    cli_page = ref.page_cli(parsers)
+    assert ref.stale({**pages, "checks.md": checks_page, "cli.md": cli_page}, tmp_path) == [
+        "checks.md",
+        "cli.md",
+    ]
+    assert ref.anchor("new_check") in ids(checks_page) - ids(pages["checks.md"])
+    assert "sweep-new-option" in ids(cli_page) - ids(pages["cli.md"])
+
+
 def test_every_known_issue_and_nox_session_has_its_entry():
     have = ids(committed("known-issues.md"))
     for issue in known_issues.load():
