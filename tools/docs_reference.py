@@ -170,7 +170,7 @@ def page_cli(parsers: Sequence[tuple[str, argparse.ArgumentParser]] | None = Non
     for command, parser in parsers:
         name = command.split()[-1] if command != "pd-sessions" else "top"
         summary = helps.get(name, "the options of `pd-sessions` itself, before the command")
-        out += ["", f"## `{command}` {{#{anchor(name)}}}", "", cell(summary), ""]
+        out += ["", f'<a id="{anchor(name)}"></a>\n\n## `{command}`', "", cell(summary), ""]
         out += ["```text", parser.format_usage().strip().replace("usage: ", "", 1), "```", ""]
         rows = option_entries(command, parser)
         if not rows:
@@ -344,7 +344,7 @@ def page_checks(checks: Sequence[Any] | None = None) -> str:
         on = ", ".join(c.platforms) if c.default else "opt-in"
         out.append(f"| [`{c.name}`](#{anchor(c.name)}) | {on} | {cell(c.summary)} |")
     for c in checks:
-        out += ["", f"## `{c.name}` {{#{anchor(c.name)}}}", "", cell(c.summary), ""]
+        out += ["", f'<a id="{anchor(c.name)}"></a>\n\n## `{c.name}`', "", cell(c.summary), ""]
         default = "on " + ", ".join(c.platforms) if c.default else f"no (select it: `--check {c.name}`)"
         facts = [
             f"- default: {default}",
@@ -392,7 +392,7 @@ def page_known_issues() -> str:
         versions = str(i.versions) or "every version"
         out.append(f"| [`{i.id}`](#{anchor(i.id)}) | {i.component} | `{versions}` | {by} | <{i.link}> |")
     for i in issues:
-        out += ["", f"## `{i.id}` {{#{anchor(i.id)}}}", "", f"**Breaks**: {cell(i.breaks)}", ""]
+        out += ["", f'<a id="{anchor(i.id)}"></a>\n\n## `{i.id}`', "", f"**Breaks**: {cell(i.breaks)}", ""]
         if i.handled:
             out += [f"**Handled**: {cell(i.handled)}", ""]
         if i.fails_when:
@@ -448,7 +448,7 @@ def page_results() -> str:
     out += ["## Schema versions\n", _comment_before(results, "SCHEMA_VERSION") + "\n"]
     for cls, rows in sections:
         doc = " ".join((cls.__doc__ or "").split())
-        out += [f"## `{cls.__name__}` {{#{anchor(cls.__name__)}}}", ""]
+        out += [f'<a id="{anchor(cls.__name__)}"></a>\n\n## `{cls.__name__}`', ""]
         if doc and not doc.startswith(cls.__name__ + "("):
             out += [doc, ""]
         out += ["| field | type | default | what it is |", "| --- | --- | --- | --- |"]
