@@ -47,6 +47,13 @@ def test_the_committed_reference_pages_are_what_the_code_generates(pages):
     )
 
 
+def test_the_pages_name_no_path_of_the_machine_they_were_generated_on(pages):
+    """A default inside the repository is shown relative to it (the pages were generated in a
+    worktree once, and every other checkout then read them as stale)."""
+    assert ref.code(ROOT / "pd_sessions" / "x.toml") == "`PosixPath('pd_sessions/x.toml')`"
+    assert not [name for name, text in pages.items() if str(ROOT) in text]
+
+
 def test_stale_names_a_changed_page_a_missing_one_and_one_no_generator_writes(tmp_path):
     pages = {"a.md": "A\n", "b.md": "B\n", "c.md": "C\n"}
     (tmp_path / "a.md").write_text("A\n")

@@ -73,6 +73,10 @@ def cell(text: object) -> str:
 
 
 def code(value: object) -> str:
+    """``value`` as code; a path inside the repository relative to it (the page must not name the
+    machine it was generated on)."""
+    if isinstance(value, Path) and value.is_absolute() and value.is_relative_to(ROOT):
+        value = value.relative_to(ROOT)
     text = repr(value) if not isinstance(value, str) else value
     return f"`{text}`" if text != "" else '`""`'
 
