@@ -1,7 +1,7 @@
 """Command line: ``pd-sessions <command>`` (or ``python -m pd_sessions <command>``), the one way in.
 
-Commands: sweep, serve, tiny-model, inventory, bench, bench-report, perf-baseline, wheelhouse, buildkite,
-report; this
+Commands: sweep, serve, tiny-model, inventory, bench, bench-report, perf-baseline, wheelhouse, recall,
+buildkite, report; this
 module parses them, calls the function that does each one's work (:data:`COMMANDS`: ``sweep`` and
 ``serve`` are :mod:`pd_sessions.run.sweep` and :mod:`pd_sessions.run.serve`) and maps what they
 end with to an exit status. The other ``python -m pd_sessions.X`` entries are process boundaries
@@ -78,6 +78,12 @@ def _parser() -> argparse.ArgumentParser:
         "wheelhouse",
         "download every wheel a session needs, for an offline host (pd-sessions wheelhouse --help)",
     )
+    _passthrough(
+        sub,
+        "recall",
+        "run every injected bug class of the catalogue (or read earlier results: --results DIR...) "
+        "and print the recall table (pd-sessions recall --help)",
+    )
     sub.add_parser(
         "buildkite",
         help="render .buildkite/ from the job registry in pd_sessions/report/buildkite_pipelines.py",
@@ -142,6 +148,7 @@ COMMANDS: dict[str, tuple[str, str, Call]] = {
     "bench": ("pd_sessions.bench.bench_command", "main", lambda fn, a: fn(a.rest)),
     "perf-baseline": ("pd_sessions.bench.perf_baseline", "main", lambda fn, a: fn(a.rest)),
     "wheelhouse": ("pd_sessions.env.wheelhouse", "main", lambda fn, a: fn(a.rest)),
+    "recall": ("pd_sessions.run.recall", "main", lambda fn, a: fn(a.rest)),
     "bench-report": (
         "pd_sessions.bench.bench_results",
         "rerender",

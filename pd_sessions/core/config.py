@@ -136,6 +136,18 @@ class ClusterConfig:
         return f"{self.num_prefill}xP(TP{self.prefill_tp}) + {self.num_decode}xD(TP{self.decode_tp}{dp}{ep})"
 
     @property
+    def injected(self) -> dict[str, Any]:
+        """The fault-injection settings this config sets (its result's "injected": the recall
+        table, core/recall_table.py, finds the bug classes they inject by them): decode_weights_seed
+        when set, decode_kv_transfer when false."""
+        out: dict[str, Any] = {}
+        if self.decode_weights_seed is not None:
+            out["decode_weights_seed"] = self.decode_weights_seed
+        if not self.decode_kv_transfer:
+            out["decode_kv_transfer"] = False
+        return out
+
+    @property
     def decode_ranks(self) -> int:
         return self.decode_tp * self.decode_dp
 

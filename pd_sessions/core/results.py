@@ -34,7 +34,8 @@ VERDICTS = (PASS, FAIL, NOT_RUN, XFAIL, XPASS)
 # added the check verdicts "xfail" and "xpass" (a known upstream bug, core/known_issues.py: the
 # check's details then carry "known_issue": its id, link, component, range and installed
 # version), a config's "known_issues" (every entry its checks hit: check, verdict, id, link) and
-# the summary's "known_issues" (the same, over every config) and "xfail"/"xpass" counts.
+# the summary's "known_issues" (the same, over every config) and "xfail"/"xpass" counts; later
+# in 4, a config's "injected" (its fault-injection settings; a reader of an older file reads {}).
 SCHEMA_VERSION = 4
 
 Value = float | int | str | bool | None
@@ -225,6 +226,9 @@ class ConfigResult:
     warnings: list[str] = field(default_factory=list)  # printed and kept, not failures
     timings: dict[str, float] = field(default_factory=dict)  # per-process readiness etc.
     overrides: list[str] = field(default_factory=list)  # the command line's, described
+    # the fault-injection settings the config sets (ClusterConfig.injected; {} for none): the
+    # recall table (core/recall_table.py) finds the bug classes they inject by them
+    injected: dict[str, Any] = field(default_factory=dict)
     model: str = ""  # what the instances served (path or hub id)
     started_at: float | None = None  # time.time() when the config started (its plan phase)
     phase_starts: dict[str, float] = field(default_factory=dict)  # PHASES -> time.time() at its start
@@ -315,5 +319,6 @@ class ConfigResult:
             "known_issues": self.known_issues,
             "warnings": self.warnings,
             "overrides": self.overrides,
+            "injected": self.injected,
             "run_dir": self.run_dir,
         }

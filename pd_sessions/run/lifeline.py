@@ -63,6 +63,7 @@ def new_result(config: ClusterConfig, opts: SweepOptions) -> ConfigResult:
         connector=config.connector,
         platform=opts.platform,
         overrides=list(opts.overrides),
+        injected=config.injected,
     )
 
 
