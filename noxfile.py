@@ -5,6 +5,7 @@
     nox -s mooncake_imports / nixl_imports [-- --dry-run]   # install + import canary only
     nox -s serve -- mooncake_sweep --only 1x1   # hold one cluster up (URLs, env, curl) until Ctrl-C
     nox -s faults       # injected faults over both connectors (drop, stall, zero, swap, peer death, restart)
+    nox -s recall       # every catalogued bug class injected and the recall table (docs/bug-catalogue.md)
     nox -s tests        # everything: unit, procs (processes, fake servers, Ray...) and end-to-end (real vLLM)
     nox -s unit         # the pure tier: no vLLM, no process spawned, no skip (under a minute on 2 cores)
     nox -s docs         # regenerate docs/reference/ from the code, build the docs site strictly
@@ -75,6 +76,15 @@ def faults(session: nox.Session) -> None:
     """Injected faults over Mooncake and NIXL, one cluster each: KV loads dropped, stalled, zeroed,
     swapped; a prefill killed mid-pull and restarted in place. [-- same options as mooncake_sweep]"""
     nox_support.sweep(session, "faults")
+
+
+@nox.session(python=PYTHON, reuse_venv=True, tags=["cpu"])
+def recall(session: nox.Session) -> None:
+    """The recall table: every bug class of pd_sessions/configs/bug_catalogue.toml injected on the
+    CPU lane over Mooncake and NIXL (faults, the faulty decode, the wire faults across two
+    simulated hosts), caught or not; exit 1 below 100 %. [-- --no-hosts --out DIR; --results DIR...
+    builds the table from earlier runs and runs nothing]"""
+    nox_support.recall(session)
 
 
 @nox.session(python=PYTHON, reuse_venv=True, tags=["cpu", "gpu"])

@@ -396,3 +396,26 @@ def test_the_installed_bench_needs_its_plotting_and_proxy_packages():
     assert stopped(nox_support.bench, session, bench_parser()) == 2
     assert "the bench needs matplotlib: install them with" in session.logged
     assert session.ran("pd_sessions", "bench") == []
+
+
+# ------------------------------------------------------------------ the recall session
+
+
+def test_the_recall_session_reading_earlier_results_installs_only_the_package(tmp_path):
+    session = FakeSession(["--results", str(tmp_path)], name="recall")
+    nox_support.recall(session)
+    assert session.of("install") == [(("-e", str(ROOT)), {"env": None})]
+    (argv, _), *_ = session.ran("pd_sessions", "recall")
+    assert argv[-2:] == ("--results", str(tmp_path))
+
+
+def test_the_recall_session_installs_both_connectors_and_ray_then_runs_every_injection():
+    session = FakeSession([], name="recall")
+    nox_support.recall(session)
+    installed = " ".join(" ".join(a) for a, _ in session.of("install"))
+    assert "ray.txt" in installed
+    assert session.ran("pd_sessions.env.import_canary", "mooncake", "nixl")
+    assert session.ran("-m", "pd_sessions", "recall")
+    session = FakeSession(["--no-hosts"], name="recall")
+    nox_support.recall(session)
+    assert "ray.txt" not in " ".join(" ".join(a) for a, _ in session.of("install"))

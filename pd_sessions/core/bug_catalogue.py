@@ -58,11 +58,6 @@ class BugClass:
     not_run_reason: Mapping[str, str] = field(default_factory=dict)  # connector -> why not run
     ci_not_run: Mapping[str, str] = field(default_factory=dict)  # connector -> why CI leaves it out
 
-    @property
-    def judged_by(self) -> tuple[str, ...]:
-        """The checks whose verdicts decide caught or missed: the injecting check, else caught_by."""
-        return (self.injection.check,) if self.injection.check else self.caught_by
-
     def expected(self, *, ci: bool) -> tuple[str, ...]:
         """The connectors a run must cover it on: `nox -s recall`'s, less CI's declared ones."""
         return tuple(c for c in self.connectors if not (ci and c in self.ci_not_run))

@@ -379,6 +379,28 @@ def tests(session: Session) -> None:
     target.run("-m", "pytest", *target.rest, env={**(target.env or {}), "PD_SESSIONS_FULL_ENV": "1"})
 
 
+def recall(session: Session) -> None:
+    """The recall session: install the CPU lane of both connectors and Ray (the wire faults'
+    simulated hosts), then ``python -m pd_sessions recall ...`` (run/recall.py). Reading earlier
+    results (``--results DIR...``) or asking for help installs only the package."""
+    target = Target(session)
+    reads_only = any(a in target.rest for a in ("--results", "-h", "--help"))
+    if reads_only:
+        if not target.installed:
+            target.venv_install("-e", str(ROOT))
+    else:
+        connectors(
+            session, target, "cuda" if "cuda" in target.rest else "cpu", ["mooncake", "nixl"], accuracy=False
+        )
+        if not target.installed and "--no-hosts" not in target.rest:
+            target.venv_install(*requirements(*MULTIHOST_REQUIREMENTS))
+    with parentwatch.nox_waits_for_the_harness(session.log):
+        target.run(
+            "-m", "pd_sessions", "recall", *target.rest, env=target.env,
+            **parentwatch.nox_run_options(target.rest),
+        )  # fmt: skip
+
+
 def bench(session: Session, parser: argparse.ArgumentParser) -> None:
     """The bench session: its posargs parsed by the bench's own ``parser`` (pd_sessions.bench
     options) before anything is installed; the connectors of --sweep and of --check-sweeps
