@@ -359,3 +359,27 @@ def test_a_config_records_the_settings_that_inject_a_fault():
     faulty = ClusterConfig(**base, decode_weights_seed=1, decode_kv_transfer=False)
     assert faulty.injected == {"decode_weights_seed": 1, "decode_kv_transfer": False}
     assert set(faulty.injected) == set(bug_catalogue.INJECTION_SETTINGS)
+
+
+def test_recall_without_results_runs_each_sweep_then_judges_what_they_wrote(tmp_path, monkeypatch, capsys):
+    ran: list[list[str]] = []
+
+    def fake_sweep(argv):
+        ran.append(list(argv))
+        out = Path(argv[argv.index("--results-dir") + 1])
+        if out.name == "faults":  # this one wrote a result; the others failed before any
+            _write(out / "nixl", zero_caught("nixl"))
+        return 1
+
+    monkeypatch.setattr(recall, "run_sweep", fake_sweep)
+    assert recall.main(["--out", str(tmp_path), "--no-hosts"]) == 1
+    assert [a[4] for a in ran] == ["faults", "recall_decode"]  # --no-hosts: no rehearsal
+    table = json.loads((tmp_path / "recall.json").read_text())
+    cells = {(c["bug"], c["connector"]): c["status"] for c in table["cells"]}
+    assert cells[("kv-zeroed", "nixl")] == "caught" and cells[("kv-zeroed", "mooncake")] == "not run"
+    assert "recall: faults exited 1" in capsys.readouterr().out
+
+
+@pytest.mark.procs
+def test_a_sweep_is_waited_for_and_its_exit_status_returned(python):
+    assert recall.run_sweep([python, "-c", "raise SystemExit(3)"]) == 3
