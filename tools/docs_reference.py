@@ -87,16 +87,18 @@ def code(value: object) -> str:
 
 def cli_parsers() -> list[tuple[str, argparse.ArgumentParser]]:
     """(command line, parser) for `pd-sessions` and each subcommand; a passthrough subcommand
-    (bench, perf-baseline, wheelhouse: they parse their own options) by its own parser."""
+    (bench, perf-baseline, wheelhouse, recall: they parse their own options) by its own parser."""
     from pd_sessions import cli  # noqa: TID251 (a tool outside the layers: it documents the CLI)
     from pd_sessions.bench import perf_baseline
     from pd_sessions.bench.bench_args import bench_parser
     from pd_sessions.env.wheelhouse import wheelhouse_command
+    from pd_sessions.run import recall
 
     own = {
         "bench": bench_parser(),
         "perf-baseline": perf_baseline.parser(),
         "wheelhouse": wheelhouse_command.parser(),
+        "recall": recall.parser(),
     }
     top = cli._parser()
     out = [("pd-sessions", top)]
