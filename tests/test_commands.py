@@ -43,6 +43,7 @@ def test_every_subcommand_names_a_function_that_exists():
             "wheelhouse",
             "buildkite",
             "report",
+            "recall",
         ]
     )
     assert sorted(cli.COMMANDS) == sorted(sub.choices)

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pd_sessions.core import check_registry
+from pd_sessions.core import check_registry, connectors
 from pd_sessions.core.errors import ConfigError, did_you_mean
 
 REGISTRY = Path(__file__).resolve().parent.parent / "configs" / "bug_catalogue.toml"
 
 # The recall table's columns: the connectors `nox -s recall` runs every class on.
-CONNECTORS = ("mooncake", "nixl")
+CONNECTORS = tuple(spec.name for spec in connectors.RECALL)
 ENTRY_KEYS = (
     "id", "title", "links", "caught_by", "connectors", "detection", "injection", "not_run_reason",
     "ci_not_run",

@@ -389,9 +389,8 @@ def recall(session: Session) -> None:
         if not target.installed:
             target.venv_install("-e", str(ROOT))
     else:
-        connectors(
-            session, target, "cuda" if "cuda" in target.rest else "cpu", ["mooncake", "nixl"], accuracy=False
-        )
+        platform = "cuda" if "cuda" in target.rest else "cpu"
+        connectors(session, target, platform, [c.name for c in kv_connectors.RECALL], accuracy=False)
         if not target.installed and "--no-hosts" not in target.rest:
             target.venv_install(*requirements(*MULTIHOST_REQUIREMENTS))
     with parentwatch.nox_waits_for_the_harness(session.log):

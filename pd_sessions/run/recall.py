@@ -22,25 +22,29 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from pd_sessions.core import bug_catalogue, recall_table
+from pd_sessions.core import bug_catalogue, connectors, recall_table
 from pd_sessions.core.errors import UsageError
 from pd_sessions.runtime.console import say
 
 # The wire faults selected on a rehearsal (no default check: only what the wire classes need).
 WIRE_CHECKS = '["smoke", "wire_loss", "wire_partition", "wire_cap"]'
-# The sweeps that inject every class: name -> the `pd-sessions sweep` arguments. Mooncake's
-# wire_loss at 2 % only, as CI: at 20 % its pull sometimes waits out Mooncake's 30 s TCP give-up
-# (docs/failure-modes.md, row 50).
+# Per connector, what its wire rehearsal adds: Mooncake's wire_loss at 2 % only, as CI: at 20 %
+# its pull sometimes waits out Mooncake's 30 s TCP give-up (docs/failure-modes.md, row 50).
+WIRE_EXTRA = {connectors.MOONCAKE.name: ("--set", "check_options.wire_loss.rates=[2]")}
+# The sweeps that inject every class: name -> the `pd-sessions sweep` arguments; each recalled
+# connector's wire rehearsal is "hosts_<connector>".
+HOSTS = tuple(f"hosts_{c.name}" for c in connectors.RECALL)
 SWEEPS: dict[str, tuple[str, ...]] = {
     "faults": ("faults",),
     "decode": ("recall_decode",),
-    "hosts_mooncake": (
-        "mooncake_sweep", "--only", "1x1", "--simulate-hosts", "2", "--set", f"checks={WIRE_CHECKS}",
-        "--set", "check_options.wire_loss.rates=[2]",
-    ),
-    "hosts_nixl": ("nixl_sweep", "--only", "1x1", "--simulate-hosts", "2", "--set", f"checks={WIRE_CHECKS}"),
+    **{
+        f"hosts_{c.name}": (
+            c.sweep, "--only", "1x1", "--simulate-hosts", "2", "--set", f"checks={WIRE_CHECKS}",
+            *WIRE_EXTRA.get(c.name, ()),
+        )
+        for c in connectors.RECALL
+    },
 }  # fmt: skip
-HOSTS = ("hosts_mooncake", "hosts_nixl")
 
 
 def parser() -> argparse.ArgumentParser:

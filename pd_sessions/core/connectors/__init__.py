@@ -24,6 +24,9 @@ ALL: tuple[ConnectorSpec, ...] = (mooncake.SPEC, nixl.SPEC, nixl_push.SPEC)
 # The connector a config gets when it names none, and the examples' default cluster.
 DEFAULT = mooncake.SPEC
 MOONCAKE, NIXL, NIXL_PUSH = mooncake.SPEC, nixl.SPEC, nixl_push.SPEC
+# The connectors the recall table covers (configs/bug_catalogue.toml): those `nox -s faults`
+# injects into, the pull connectors the fault injector wraps.
+RECALL: tuple[ConnectorSpec, ...] = (MOONCAKE, NIXL)
 
 _BY_NAME = {spec.name: spec for spec in ALL}
 
