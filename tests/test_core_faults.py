@@ -85,3 +85,30 @@ def test_events_are_read_back_per_epoch_and_counted_per_mode():
 def test_settings_are_read_from_the_extra_config_only_when_present():
     assert faults.settings({"mooncake_protocol": "tcp"}) is None
     assert faults.settings({faults.EXTRA_CONFIG_KEY: {"control": "/x"}}) == {"control": "/x"}
+
+
+@pytest.mark.parametrize(
+    ("external", "prompt", "block", "tokens", "back"),
+    [
+        (40, 40, 16, 5, 5),  # the last block holds 8 tokens: 5 of them
+        (40, 40, 16, 99, 7),  # at most the last block's but one: the load keeps its 3 blocks
+        (33, 33, 16, 3, 0),  # the last block holds 1 token: nothing to take
+        (20, 20, 128, 8, 8),  # the CPU lane: one block
+        (0, 20, 128, 8, 0),  # nothing to load
+        (3, 20, 128, 8, 3),  # never more than is loaded
+        (20, 20, 0, 8, 0),  # no block size known
+    ],
+)
+def test_recomputed_takes_back_only_tokens_of_the_last_block(external, prompt, block, tokens, back):
+    assert faults.recomputed(external, prompt, block, tokens) == back
+
+
+def test_the_new_modes_and_their_tokens_are_checked():
+    assert faults.Control(mode="truncate", tokens=2).applies_to("decode")
+    assert not faults.Control(mode="recompute").applies_to("prefill")
+    assert faults.Control.parse('{"mode": "mixup"}').tokens == 1
+    with pytest.raises(ValueError, match="tokens: got 0"):
+        faults.Control(mode="truncate", tokens=0)
+    with pytest.raises(ValueError, match=r"tokens: got 1\.5"):
+        faults.Control(mode="truncate", tokens=1.5)
+    assert set(faults.CORRUPTING) <= set(faults.AFTER_LOAD) and "mixup" in faults.CORRUPTING

@@ -33,9 +33,10 @@ class FakeBase:
         self.bound = []
         self.results = FakeResults(())
         self.registered = None
+        self.matched = (7, True)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        return 7, True
+        return self.matched
 
     def bind_connector_metadata(self, metadata):
         self.bound.append(metadata)
@@ -47,7 +48,7 @@ class FakeBase:
         self.registered = kv_caches
 
 
-def make(tmp_path, *, side="decode", wraps="NixlConnector", num_blocks=10):
+def make(tmp_path, *, side="decode", wraps="NixlConnector", num_blocks=10, block_size=16):
     control = tmp_path / "faults.json"
     cls = type("Fake", (FaultInjecting, FakeBase), {"_pd_wraps": wraps})
     ktc = SimpleNamespace(
@@ -56,7 +57,7 @@ def make(tmp_path, *, side="decode", wraps="NixlConnector", num_blocks=10):
         is_kv_consumer=side == "decode",
     )
     conn = cls(
-        SimpleNamespace(kv_transfer_config=ktc),
+        SimpleNamespace(kv_transfer_config=ktc, cache_config=SimpleNamespace(block_size=block_size)),
         SimpleNamespace(name="WORKER"),
         SimpleNamespace(num_blocks=num_blocks),
     )
@@ -242,3 +243,94 @@ def test_the_wrapper_of_a_registered_connector_keeps_its_name_and_its_class(monk
         fault_connector.NoSuchConnector  # noqa: B018
     with pytest.raises(AttributeError):
         fault_connector.__wrapped__  # noqa: B018
+
+
+@pytest.mark.procs
+def test_mixup_gives_each_load_the_whole_kv_of_another_concurrent_request(tmp_path, capsys):
+    """Every block of each load (not a share: ``blocks`` is ignored) becomes another's; loads
+    finished together trade crosswise; one alone takes the last batch's."""
+    torch = needs("torch")
+    conn, control = make(tmp_path)
+    caches = _caches(torch)
+    before = {k: v.clone() for k, v in caches.items()}
+    conn.register_kv_caches(caches)
+    switch(control, epoch="m", mode="mixup", blocks=0.1)
+    conn.bind_connector_metadata(nixl_meta(a=[1, 2], b=[4, 5]))
+    conn.results = FakeResults({"a", "b"})
+    conn.get_transfer_results(set())
+    for k, t in caches.items():
+        assert torch.equal(t[:, [1, 2]], before[k][:, [4, 5]]) and torch.equal(
+            t[:, [4, 5]], before[k][:, [1, 2]]
+        )
+    conn.bind_connector_metadata(nixl_meta(c=[7, 8]))
+    conn.results = FakeResults({"c"})
+    conn.get_transfer_results(set())
+    for k, t in caches.items():  # c, alone, takes the last load's own blocks: b's
+        assert torch.equal(t[:, [7, 8]], before[k][:, [4, 5]])
+    got = [(e["mode"], e["req"], e["donor"], e["blocks"]) for e in events(capsys)]
+    assert got == [("mixup", "a", "b", 2), ("mixup", "b", "a", 2), ("mixup", "c", "b", 2)]
+
+
+@pytest.mark.procs
+def test_a_lone_first_mixup_has_no_donor_and_is_said_skipped(tmp_path, capsys):
+    torch = needs("torch")
+    conn, control = make(tmp_path)
+    conn.register_kv_caches(_caches(torch))
+    switch(control, epoch="m", mode="mixup")
+    conn.bind_connector_metadata(nixl_meta(a=[1]))
+    conn.results = FakeResults({"a"})
+    conn.get_transfer_results(set())
+    assert faults.count_events(events(capsys)) == {"mixup_skipped": 1}
+
+
+def test_donors_per_mode():
+    saved = {"a": "A", "b": "B", "c": "C"}
+    swap = fault_connector.donors("swap", ["a", "b", "c"], saved, ("z", "Z"))
+    assert swap == [("z", "Z"), ("a", "A"), ("b", "B")]  # a chain from the earlier batch
+    assert fault_connector.donors("swap", ["a", "b"], saved, None) == [("b", "B"), ("a", "A")]
+    mixup = fault_connector.donors("mixup", ["a", "b", "c"], saved, ("z", "Z"))
+    assert mixup == [("c", "C"), ("a", "A"), ("b", "B")]  # together: among themselves
+    assert fault_connector.donors("mixup", ["a"], saved, ("z", "Z")) == [("z", "Z")]
+    assert fault_connector.donors("mixup", ["a"], saved, None) == [("a", "A")]  # itself: skipped
+
+
+def test_truncate_lowers_a_selected_pd_requests_max_tokens_on_the_decode_scheduler(tmp_path, capsys):
+    conn, control = make(tmp_path)
+    switch(control, epoch="t", mode="truncate", tokens=2)
+    req = SimpleNamespace(request_id="r1", max_tokens=8, num_prompt_tokens=20)
+    assert conn.get_num_new_matched_tokens(req, 0) == (7, True)  # the load itself unchanged
+    assert req.max_tokens == 2
+    direct = SimpleNamespace(request_id="d1", max_tokens=8, num_prompt_tokens=20)
+    conn.matched = (0, False)  # a request sent straight to the decode: nothing to load, not a candidate
+    conn.get_num_new_matched_tokens(direct, 0)
+    assert direct.max_tokens == 8
+    (ev,) = events(capsys)
+    assert (ev["mode"], ev["req"], ev["max_tokens"], ev["cut_to"]) == ("truncate", "r1", 8, 2)
+
+
+def test_recompute_takes_tokens_of_the_last_block_back_every_time_it_is_asked(tmp_path, capsys):
+    conn, control = make(tmp_path, block_size=16)
+    switch(control, epoch="r", mode="recompute", tokens=5)
+    conn.matched = (40, True)
+    req = SimpleNamespace(request_id="r1", max_tokens=8, num_prompt_tokens=40)
+    assert conn.get_num_new_matched_tokens(req, 0) == (35, True)
+    # asked again (not admitted on the first step): the same answer, one event
+    assert conn.get_num_new_matched_tokens(req, 0) == (35, True)
+    conn.matched = (33, True)
+    edge = SimpleNamespace(request_id="r2", max_tokens=8, num_prompt_tokens=33)
+    assert conn.get_num_new_matched_tokens(edge, 0) == (33, True)  # its last block holds 1 token
+    evs = events(capsys)
+    assert [(e["mode"], e["req"], e.get("recomputed"), e["applied"]) for e in evs] == [
+        ("recompute", "r1", 5, True),
+        ("recompute", "r2", None, False),
+    ]
+    assert "no token of its last block" in evs[1]["reason"]
+
+
+def test_truncate_and_recompute_leave_the_prefill_alone(tmp_path, capsys):
+    conn, control = make(tmp_path, side="prefill")
+    for mode in ("truncate", "recompute"):
+        switch(control, epoch=mode, mode=mode, tokens=3)
+        req = SimpleNamespace(request_id=f"p-{mode}", max_tokens=1, num_prompt_tokens=40)
+        assert conn.get_num_new_matched_tokens(req, 0) == (7, True) and req.max_tokens == 1
+    assert events(capsys) == []

@@ -25,11 +25,21 @@ Modes (``Control.mode``):
 |       |         | blocks is overwritten with zeros |
 | swap  | decode  | after the load, those blocks are overwritten with another request's |
 |       |         | received blocks |
+| mixup | decode  | after the load, every block of the request is overwritten with another |
+|       |         | concurrent request's (loads finishing together trade their KV crosswise): |
+|       |         | its whole answer is computed from another prompt's KV |
+| truncate | decode | the decode's scheduler ends the request after ``tokens`` generated |
+|       |         | tokens (its ``max_tokens`` lowered when it is first scheduled): HTTP 200 |
+|       |         | with a short answer |
+| recompute | decode | the decode's scheduler takes ``tokens`` of the tokens the connector |
+|       |         | would load back (at most the last block's but one, so the load's blocks |
+|       |         | are the same): the decode loads part of the KV and computes the rest |
 
 Which requests: the n-th candidate of an epoch (counted from 0 on each side) is selected when
 ``floor((n + 1) * fraction) > floor(n * fraction)``: exactly ``fraction`` of them, spread evenly
 (1.0 = every one, 0.5 = every second, 0 = none). Candidates are, on the decode, the loads that
-start (stall) or finish (drop, zero, swap); on the prefill, the requests it schedules.
+start (stall) or finish (drop, zero, swap, mixup), the requests its scheduler first schedules
+(truncate, recompute); on the prefill, the requests it schedules.
 """
 
 from __future__ import annotations
@@ -40,7 +50,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-MODES = ("off", "drop", "stall", "zero", "swap")
+MODES = ("off", "drop", "stall", "zero", "swap", "mixup", "truncate", "recompute")
+# The modes that overwrite a load's KV blocks after it finished (the KV digest must see them).
+CORRUPTING = ("zero", "swap", "mixup")
+# The modes applied after a load finished (get_transfer_results), and those applied by the
+# decode's scheduler when it first schedules a request (get_num_new_matched_tokens).
+AFTER_LOAD = ("drop", *CORRUPTING)
+AT_SCHEDULE = ("truncate", "recompute")
 SIDES = ("decode", "prefill")
 # The kv_connector_extra_config key the planner puts the injector's settings under.
 EXTRA_CONFIG_KEY = "pd_sessions_faults"
@@ -60,6 +76,7 @@ class Control:
     blocks: float = 1.0  # zero / swap: this fraction of a request's KV blocks (at least one)
     stall_s: float = 0.0  # stall: seconds
     where: str = "decode"  # stall: "decode" (the load) or "prefill" (before it computes)
+    tokens: int = 1  # truncate: tokens the answer is cut to; recompute: tokens taken back
 
     def __post_init__(self) -> None:
         """ValueError naming the field and what is allowed."""
@@ -71,6 +88,12 @@ class Control:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
                 raise ValueError(f"{name}: got {v!r}; allowed: a number from {lo:g} to {hi:g}")
+        if (
+            isinstance(self.tokens, bool)
+            or not isinstance(self.tokens, int)
+            or not 1 <= self.tokens <= 1 << 20
+        ):
+            raise ValueError(f"tokens: got {self.tokens!r}; allowed: a whole number from 1 to {1 << 20}")
         if not isinstance(self.epoch, str):
             raise ValueError(f"epoch: got {self.epoch!r}; allowed: a string")
 
@@ -119,6 +142,24 @@ def chosen_blocks(block_ids: Sequence[int], fraction: float) -> list[int]:
         return []
     k = max(1, math.ceil(len(block_ids) * fraction - 1e-9))
     return list(block_ids[:k])
+
+
+def recomputed(external: int, prompt: int, block_size: int, tokens: int) -> int:
+    """How many of the ``external`` tokens a decode would load (of a ``prompt``-token prompt) the
+    recompute mode takes back: ``tokens``, at most those of the prompt's last block but one, so
+    the load still covers the same blocks (a connector pairs its local blocks with the remote
+    ones by count). 0 when there is nothing to take (nothing loaded, or the prompt's last block
+    holds one token).
+
+    external 40, prompt 40, block 16, tokens 5   -> 5   (the last block holds 8: 5 <= 7)
+    external 40, prompt 40, block 16, tokens 99  -> 7
+    external 33, prompt 33, block 16, tokens 3   -> 0   (the last block holds 1 token)
+    external 0 (nothing to load)                 -> 0
+    """
+    if external <= 0 or prompt <= 0 or block_size <= 0:
+        return 0
+    last = prompt - (prompt - 1) // block_size * block_size  # tokens in the last block: 1..block_size
+    return max(0, min(tokens, last - 1, external))
 
 
 def event_line(**fields: Any) -> str:

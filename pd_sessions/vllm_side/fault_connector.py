@@ -12,11 +12,14 @@ still hold. With the mode ``off`` the subclass changes nothing.
 It overrides only these, and acts only when the control file asks (the rest is inherited):
 
 - ``get_num_new_matched_tokens`` (prefill scheduler): stall on the prefill answers "not yet"
-  (None) until the stall ends, so the request waits there, unscheduled;
+  (None) until the stall ends, so the request waits there, unscheduled; (decode scheduler):
+  truncate lowers a selected request's ``max_tokens`` (vLLM's scheduler then ends it early, the
+  client gets HTTP 200 with a short answer), recompute answers fewer tokens than the wrapped
+  connector would load (the decode computes the rest itself: vLLM counts them as local_compute);
 - ``bind_connector_metadata`` (decode worker): stall on the decode holds a selected load back
   and hands it to the connector ``stall_s`` later; every load's blocks are recorded;
-- ``get_transfer_results`` (decode worker): drop reports a finished load as failed; zero and swap
-  overwrite its blocks before the scheduler learns it finished;
+- ``get_transfer_results`` (decode worker): drop reports a finished load as failed; zero, swap and
+  mixup overwrite its blocks before the scheduler learns it finished;
 - ``register_kv_caches`` (worker): keeps the KV cache tensors that zero and swap write into;
 - ``request_finished`` / ``request_finished_all_groups`` and ``build_connector_meta`` (prefill
   scheduler), only with the KV digest on: note the blocks held for a send and hand them to the
@@ -141,6 +144,7 @@ class Injector:
     stamp: tuple[int, int, int] | None = None  # the file's inode, mtime (ns) and size
     problem: str | None = None  # why the control file could not be read (said once)
     held: dict[str, float] = field(default_factory=dict)  # prefill stall: req -> until
+    lowered: dict[str, int] = field(default_factory=dict)  # recompute: req -> tokens taken back
     seen: dict[str, str] = field(default_factory=dict)  # req -> epoch it was a candidate in
     parked: list[Load] = field(default_factory=list)  # decode stall
     blocks: dict[str, list[list[int]]] = field(default_factory=dict)  # req -> its load's blocks
@@ -220,6 +224,7 @@ class FaultInjecting:
             wraps=self._pd_wraps,
         )
         self._pd_cache_config = kv_cache_config
+        self._pd_block_size = int(getattr(getattr(vllm_config, "cache_config", None), "block_size", 0) or 0)
         digest = got.get(digest_records.SETTING)
         self._pd_digest = (
             Observer(
@@ -255,7 +260,39 @@ class FaultInjecting:
                 if time.monotonic() < until:
                     return None, False  # "not yet": vLLM asks again on a later step
                 del pd.held[rid]
-        return super().get_num_new_matched_tokens(request, num_computed_tokens)  # type: ignore[misc]
+        got = super().get_num_new_matched_tokens(request, num_computed_tokens)  # type: ignore[misc]
+        if pd.side == "decode" and pd.control_path:
+            return self._pd_at_schedule(request, got)
+        return got
+
+    def _pd_at_schedule(self, request: Any, got: tuple[int | None, bool]) -> tuple[int | None, bool]:
+        """truncate / recompute on the decode's scheduler, for a request it is about to schedule
+        (``got``: what the wrapped connector answered)."""
+        pd = self._pd
+        c = pd.now_control()
+        rid = request.request_id
+        count, is_async = got
+        if c.mode in faults.AT_SCHEDULE and count and pd.candidate(rid):
+            if c.mode == "truncate":
+                was = int(getattr(request, "max_tokens", 0) or 0)
+                request.max_tokens = min(was, c.tokens) if was else c.tokens
+                pd.event("truncate", rid, max_tokens=was, cut_to=request.max_tokens)
+            else:
+                prompt = int(getattr(request, "num_prompt_tokens", 0) or 0)
+                back = faults.recomputed(count, prompt, self._pd_block_size, c.tokens)
+                if back:
+                    if len(pd.lowered) >= _MAX_TRACKED:
+                        pd.lowered.pop(next(iter(pd.lowered)))
+                    pd.lowered[rid] = back
+                    pd.event("recompute", rid, external=count, recomputed=back, prompt=prompt)
+                else:
+                    why = (
+                        f"prompt {prompt}, block size {self._pd_block_size}: "
+                        "no token of its last block to take"
+                    )
+                    pd.event("recompute", rid, applied=False, reason=why)
+        back = pd.lowered.get(rid, 0) if count else 0
+        return (count - back, is_async) if count and back else got
 
     # ------------------------------------------------------------ scheduler side (KV digest)
 
@@ -323,10 +360,10 @@ class FaultInjecting:
         if pd.side != "decode" or not (pd.control_path or self._pd_digest is not None):
             return results
         c = pd.now_control() if pd.control_path else faults.OFF
-        if c.mode not in ("drop", "zero", "swap") and self._pd_digest is None:
+        if c.mode not in faults.AFTER_LOAD and self._pd_digest is None:
             return results
         done = [r for r in sorted(results.finished_recving) if r not in results.failed_recving]
-        chosen = [r for r in done if pd.candidate(r)] if c.mode in ("drop", "zero", "swap") else []
+        chosen = [r for r in done if pd.candidate(r)] if c.mode in faults.AFTER_LOAD else []
         if c.mode == "drop":
             for r in chosen:
                 results.failed_recving.add(r)
@@ -421,7 +458,8 @@ class FaultInjecting:
         last of an earlier batch, or of this one); its own blocks are kept as the next donor."""
         pd = self._pd
         why = self._pd_cannot_corrupt()
-        chosen = {r: faults.chosen_blocks((pd.blocks.get(r) or [[]])[0], c.blocks) for r in reqs}
+        share = 1.0 if c.mode == "mixup" else c.blocks  # mixup: the whole prompt's KV
+        chosen = {r: faults.chosen_blocks((pd.blocks.get(r) or [[]])[0], share) for r in reqs}
         for r in reqs:
             if why or not chosen[r]:
                 pd.event(c.mode, r, applied=False, reason=why or "no blocks recorded for this load")
@@ -446,19 +484,16 @@ class FaultInjecting:
             }
             for r in todo
         }
-        donors = ([pd.donor] if pd.donor else []) + [(r, saved[r]) for r in todo]
-        for i, r in enumerate(todo):
-            # the one before it; the first takes the earlier donor, or this batch's last
-            donor = donors[i] if pd.donor else donors[i - 1]
+        for r, donor in zip(todo, donors(c.mode, todo, saved, pd.donor), strict=True):
             if donor[0] == r:
-                pd.event("swap", r, applied=False, reason="no other request's blocks received yet")
+                pd.event(c.mode, r, applied=False, reason="no other request's blocks received yet")
                 continue
             for layer, t in pd.kv_caches.items():
                 src = donor[1][layer]
                 take = [j % src.shape[pd.block_dims[layer]] for j in range(len(chosen[r]))]
                 dim = pd.block_dims[layer]
                 t.index_copy_(dim, index(chosen[r], t), src.index_select(dim, index(take, src)))
-            pd.event("swap", r, blocks=len(chosen[r]), donor=donor[0])
+            pd.event(c.mode, r, blocks=len(chosen[r]), donor=donor[0])
         pd.donor = (todo[-1], saved[todo[-1]])
 
     def _pd_cannot_corrupt(self) -> str | None:
@@ -486,6 +521,25 @@ class FaultInjecting:
         said = sorted(set(dims.values()))
         say(f"pd_sessions: fault injector: KV blocks are dimension {said} (num_blocks={num_blocks})")
         return None
+
+
+def donors(
+    mode: str, todo: list[str], saved: dict[str, Any], earlier: tuple[str, Any] | None
+) -> list[tuple[str, Any]]:
+    """Whose blocks each of ``todo`` (the loads finished together) takes, in order.
+
+    swap : the one before it; the first takes ``earlier`` (the last of an earlier batch), or,
+           with none, this batch's last
+    mixup: loads finished together trade crosswise (each takes the one before it, the first the
+           last: two trade theirs); one alone takes ``earlier``
+    A load given its own blocks (one alone, nothing earlier) is not corrupted (the caller says so).
+    """
+    own = [(r, saved[r]) for r in todo]
+    if (mode == "mixup" and len(todo) > 1) or earlier is None:
+        return [own[i - 1] for i in range(len(own))]
+    if mode == "mixup":
+        return [earlier]
+    return [earlier, *own[:-1]]
 
 
 def _tp_rank() -> int:
