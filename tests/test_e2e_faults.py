@@ -18,7 +18,15 @@ from helpers.procs import processes_using
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
 CONNECTOR = {"mooncake_sweep": "MooncakeConnector", "nixl_sweep": "NixlConnector"}
-COMMON = ("fault_drop", "fault_zero", "fault_swap", "fault_stall_abort")
+COMMON = (
+    "fault_drop",
+    "fault_zero",
+    "fault_swap",
+    "fault_mixup",
+    "fault_truncate",
+    "fault_partial_recompute",
+    "fault_stall_abort",
+)
 kills = pytest.mark.skipif(
     not E2E_KILLS,
     reason="PD_SESSIONS_E2E_KILLS=0 left peer death and restart in place out of the shared NIXL run "
@@ -145,3 +153,42 @@ def test_the_killed_prefill_restarts_in_place_and_pd_answers_correctly_again(nix
     assert log.count("# pd_sessions: starting prefill-0:") == 2  # the same log, appended
     # the planned death was no failure, and nothing of either prefill process is left
     assert nixl_sweep.rc == 0 and processes_using(plan_ports(nixl_sweep.run_dir)) == []
+
+
+def test_a_mixed_up_request_is_caught_every_time_naming_both_rates(run: SweepRun):
+    """fault_mixup: every request of its burst answered from another concurrent request's whole
+    KV (HTTP 200), and parity or the KV digest (on in both shared runs) caught every one (N/N)."""
+    c = run.checks["fault_mixup"]
+    d = c["details"]
+    n = d["mixed_up"]
+    assert c["verdict"] == "pass", c["message"]
+    assert n == d["requests"] > 0 and d["counts"]["hung"] == d["counts"]["broken"] == 0
+    assert d["parity_detected"] == n or d["digest_detected"] == n, d["detection"]
+    assert d["digest_detected"] is not None  # the shared runs select kv_digest
+    print(f"fault_mixup: detection {d['detection']}")
+
+
+def test_a_truncated_200_fails_smoke_and_parity_in_this_runs_mode(run: SweepRun, sweep: str):
+    """fault_truncate: the decode cut every answer and the client got HTTP 200; smoke's rule and
+    parity (exact over Mooncake, margin over NIXL) each failed every one."""
+    c = run.checks["fault_truncate"]
+    d = c["details"]
+    assert c["verdict"] == "pass", c["message"]
+    assert d["parity_mode"] == ("exact" if sweep == "mooncake_sweep" else "margin")
+    assert d["truncated"] == d["requests"] == len(d["answers"]) > 0
+    assert all(a["status"] == 200 and a["tokens"] < d["max_tokens"] for a in d["answers"]), d["answers"]
+    assert d["parity_detected"] == d["smoke_detected"] == d["requests"]
+    print(f"fault_truncate ({d['parity_mode']}): {c['message'][:200]}")
+
+
+def test_a_partly_recomputed_prompt_is_caught_by_the_kv_accounting(run: SweepRun):
+    """fault_partial_recompute: every answer right, and the decode's prompt tokens by source named
+    each request that it partly computed itself."""
+    c = run.checks["fault_partial_recompute"]
+    d = c["details"]
+    assert c["verdict"] == "pass", c["message"]
+    assert d["recomputed"] == d["requests"] == d["detected"] > 0
+    for r in d["rows"]:
+        assert r["kind"] == "correct" and r["seen"]["local_compute"] > 0, r
+        assert "local_compute" in r["accounting"], r
+    print(f"fault_partial_recompute: {c['message'][:220]}")

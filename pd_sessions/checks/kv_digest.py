@@ -303,12 +303,13 @@ def digest_settings(argv: Sequence[str]) -> str | None:
 
 
 def injected_requests(log_texts: Sequence[str]) -> dict[str, str]:
-    """Decode request id -> "zero" | "swap" for every corruption the injector applied."""
+    """Decode request id -> "zero" | "swap" | "mixup" (faults.CORRUPTING) for every corruption
+    the injector applied."""
     return {
         str(e.get("req")): str(e.get("mode"))
         for text in log_texts
         for e in faults.parse_events(text)
-        if e.get("mode") in ("zero", "swap") and e.get("applied", True)
+        if e.get("mode") in faults.CORRUPTING and e.get("applied", True)
     }
 
 

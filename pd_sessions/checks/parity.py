@@ -166,7 +166,10 @@ def evaluate_exact(
 ) -> CheckResult:
     """Token-for-token equality of (prompt, P/D completion, baseline completion) pairs.
 
-    Compares token ids when both sides have them, else text.
+    Compares token ids when both sides have them, else text; and the finish_reason (where the
+    reference gives one): an answer with the reference's tokens that ended otherwise ("error",
+    none) is not the same answer.
+    A truncated answer (fewer tokens) differs at the token where it ends; an empty one at 0.
     """
     if not pairs:
         return CheckResult("parity", FAIL, "no prompts were compared", {"mode": "exact", "mode_reason": why})
@@ -176,7 +179,9 @@ def evaluate_exact(
         use_ids = pd.token_ids is not None and base.token_ids is not None
         a = pd.token_ids if use_ids else pd.text
         b = base.token_ids if use_ids else base.text
-        same = a == b and len(a or ()) > 0
+        # a reference that says no finish_reason (a server without it) is not compared on it
+        same_finish = base.finish_reason is None or pd.finish_reason == base.finish_reason
+        same = a == b and len(a or ()) > 0 and same_finish
         rows.append(
             {
                 "prompt": prompt[:60],
@@ -185,13 +190,21 @@ def evaluate_exact(
                 "baseline_text": base.text,
                 "pd_token_ids": list(pd.token_ids or ()),
                 "baseline_token_ids": list(base.token_ids or ()),
+                "finish_reason": pd.finish_reason,
+                "baseline_finish_reason": base.finish_reason,
             }
         )
         if not same:
             at = _first_diff(a or (), b or ())
+            ended = (
+                ""
+                if same_finish
+                else f"; finish_reason {pd.finish_reason!r} vs {baseline} {base.finish_reason!r}"
+            )
+            unit = "token" if use_ids else "char"
             mismatches.append(
-                f"prompt {prompt[:40]!r}: differ at {'token' if use_ids else 'char'} {at} "
-                f"(P/D {pd.text!r} vs {baseline} {base.text!r})"
+                f"prompt {prompt[:40]!r}: differ at {unit} {at} ({len(a or ())} vs {len(b or ())} "
+                f"{unit}s; P/D {pd.text!r} vs {baseline} {base.text!r}{ended})"
             )
     details = {"mode": "exact", "mode_reason": why, "baseline": baseline, "prompts": rows}
     if mismatches:

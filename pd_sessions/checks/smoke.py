@@ -1,4 +1,4 @@
-"""smoke: one completion through the router returns the requested tokens."""
+"""smoke: one completion through the router returns the requested tokens, ended as asked."""
 
 from __future__ import annotations
 
@@ -19,8 +19,20 @@ def numbers(details: Mapping[str, Any]) -> list[Figure | Table]:
 
 @reporting(numbers)
 def evaluate(c: Completion, *, max_tokens: int = MAX_TOKENS) -> CheckResult:
-    """Pass when the router answered with exactly ``max_tokens`` generated tokens."""
-    details = {"text": c.text, "completion_tokens": c.completion_tokens, "prompt_tokens": c.prompt_tokens}
+    """Pass when the router answered with exactly ``max_tokens`` generated tokens, some text, and
+    finish_reason "length" (the request asks ``max_tokens`` with ignore_eos, so no other reason is
+    right: "error", "stop" or none at all is an answer the server ended early or broke).
+
+    another token count       -> fail, naming both counts and the finish_reason
+    empty text                -> fail
+    finish_reason not "length" -> fail, naming it
+    """
+    details = {
+        "text": c.text,
+        "completion_tokens": c.completion_tokens,
+        "prompt_tokens": c.prompt_tokens,
+        "finish_reason": c.finish_reason,
+    }
     if c.completion_tokens != max_tokens:
         return CheckResult(
             "smoke",
@@ -31,6 +43,14 @@ def evaluate(c: Completion, *, max_tokens: int = MAX_TOKENS) -> CheckResult:
         )
     if not c.text:
         return CheckResult("smoke", FAIL, "router returned empty text", details)
+    if c.finish_reason != "length":
+        return CheckResult(
+            "smoke",
+            FAIL,
+            f"router returned {c.completion_tokens} tokens with finish_reason {c.finish_reason!r}, "
+            "not 'length' (the request asks max_tokens with ignore_eos)",
+            details,
+        )
     return CheckResult(
         "smoke", PASS, f"router completed {c.completion_tokens} tokens: {c.text[:60]!r}", details
     )

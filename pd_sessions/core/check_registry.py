@@ -162,6 +162,35 @@ CHECKS: tuple[CheckInfo, ...] = (
         faults=True,
     ),
     CheckInfo(
+        "fault_mixup",
+        "under concurrency each request's whole prompt KV replaced with another concurrent "
+        "request's (HTTP 200 with another's answer: vllm#52234): parity or the KV digest must catch "
+        "every one (N/N); both rates recorded; the cluster recovers",
+        gatherer=("faults.mixup", "run"),
+        default=False,
+        options={"requests": 4, "max_tokens": 8},
+        faults=True,
+    ),
+    CheckInfo(
+        "fault_truncate",
+        "the decode ends each answer after cut_to tokens and the client gets HTTP 200: smoke's "
+        "rule and parity (exact or margin) must fail every truncated answer; the cluster recovers",
+        gatherer=("faults.truncate", "run"),
+        default=False,
+        options={"requests": 2, "max_tokens": 8, "cut_to": 2},
+        faults=True,
+    ),
+    CheckInfo(
+        "fault_partial_recompute",
+        "the decode loads part of each prompt's KV and computes the rest (tokens of its last "
+        "block): the answer is right, the KV accounting (prompt tokens by source) must catch "
+        "every request, naming its counts; the cluster recovers",
+        gatherer=("faults.recompute", "run"),
+        default=False,
+        options={"requests": 2, "max_tokens": 4, "tokens": 8},
+        faults=True,
+    ),
+    CheckInfo(
         "fault_stall_abort",
         "clients disconnect before the first token, while the prefill is stalled and while the "
         "decode waits for stalled KV: the abort empties the stalled instance's queues within "

@@ -5,6 +5,9 @@
 | --- | --- | --- |
 | fault_drop | drop.py | every finished KV load reported failed |
 | fault_zero, fault_swap | corrupt.py | received KV blocks overwritten (zeros / another request's) |
+| fault_mixup | mixup.py | every block of a load replaced by another concurrent request's (another's answer) |
+| fault_truncate | truncate.py | the decode ends answers early, HTTP 200 |
+| fault_partial_recompute | recompute.py | the decode loads part of the KV and computes the rest |
 | fault_stall_abort | stall_abort.py | clients leave while the prefill, then the decode, is stalled |
 | fault_peer_death | peer_death.py | the prefill SIGKILLed while the decode waits for its KV |
 | fault_restart | restart.py | the killed prefill started again in place |

@@ -202,6 +202,11 @@ class Scenario:
     def injected(self, side: str | None = None) -> dict[str, int]:
         """What the injector says it did in this epoch (on ``side`` only, when given), from what
         every instance logged since the scenario began."""
+        return faults.count_events(e for e in self.events() if side is None or e.get("side") == side)
+
+    def events(self) -> list[dict[str, Any]]:
+        """The injector's events of this epoch (each instance's in order), from what every
+        instance logged since the scenario began."""
         text = ""
         for n, path in self.logs.items():
             try:
@@ -210,8 +215,7 @@ class Scenario:
                     text += f.read().decode("utf-8", errors="replace")
             except FileNotFoundError:
                 continue
-        events = faults.parse_events(text, self.epoch)
-        return faults.count_events(e for e in events if side is None or e.get("side") == side)
+        return faults.parse_events(text, self.epoch)
 
     # ------------------------------------------------------------ requests
 
