@@ -165,7 +165,10 @@ def test_a_mixed_up_request_is_caught_every_time_naming_both_rates(run: SweepRun
     assert n == d["requests"] > 0 and d["counts"]["hung"] == d["counts"]["broken"] == 0
     assert d["parity_detected"] == n or d["digest_detected"] == n, d["detection"]
     assert d["digest_detected"] is not None  # the shared runs select kv_digest
-    print(f"fault_mixup: detection {d['detection']}")
+    # kv_digest, last, counts every mixed-up load as injected and caught it (the donor's too)
+    caught, of = run.checks["kv_digest"]["details"]["detection"]["mixup"].split("/")
+    assert caught == of and int(of) >= n, run.checks["kv_digest"]["message"]
+    print(f"fault_mixup: detection {d['detection']}; kv_digest {caught}/{of}")
 
 
 def test_a_truncated_200_fails_smoke_and_parity_in_this_runs_mode(run: SweepRun, sweep: str):

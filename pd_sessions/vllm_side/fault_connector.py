@@ -454,8 +454,8 @@ class FaultInjecting:
 
     def _pd_corrupt(self, c: Control, reqs: list[str]) -> None:
         """Overwrite the chosen blocks of ``reqs`` (first KV cache group) with zeros, or with
-        another request's blocks: for swap, each takes the previous one's (the first takes the
-        last of an earlier batch, or of this one); its own blocks are kept as the next donor."""
+        another request's blocks (swap: the first ``blocks`` share; mixup: all of them; whose:
+        :func:`donors`); the last one's own blocks are kept as the next donor."""
         pd = self._pd
         why = self._pd_cannot_corrupt()
         share = 1.0 if c.mode == "mixup" else c.blocks  # mixup: the whole prompt's KV
