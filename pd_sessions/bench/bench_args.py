@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pd_sessions.core import check_registry
 from pd_sessions.core.connectors import DEFAULT, MOONCAKE, NIXL
 
 # The first line of pd_sessions/bench/bench_command.py's docstring, as `--help` has always shown it.
@@ -14,9 +15,9 @@ DESCRIPTION = (
     "``pd-sessions bench`` (``nox -s bench``): run the benchmark and write "
     "bench/results.{json,md} + phases.png."
 )
-PARTS = ("router", "teardown", "clusters", "checks", "startup", "report", "multihost", "packing")
+PARTS = ("router", "teardown", "clusters", "checks", "digest", "startup", "report", "multihost", "packing")
 # multihost (two simulated hosts: root and the [ray] extra) runs only when --parts names it.
-DEFAULT_PARTS = ("router", "teardown", "clusters", "checks", "startup", "report", "packing")
+DEFAULT_PARTS = ("router", "teardown", "clusters", "checks", "digest", "startup", "report", "packing")
 # The checks part: what each check costs over each connector (the clusters part's pd_sessions
 # runs count for its own sweep, so that one is not run again).
 CHECK_SWEEPS = (MOONCAKE.sweep, NIXL.sweep)
@@ -64,6 +65,15 @@ def bench_parser(prog: str = "pd-sessions bench") -> argparse.ArgumentParser:
         action="store_true",
         help="also run the perf check in every cluster run where the sweep does not (it is opt-in "
         "on the CPU lane): the checks part then says what it costs",
+    )
+    p.add_argument(
+        "--skip-check",
+        action="append",
+        default=[],
+        choices=list(check_registry.NAMES),
+        metavar="NAME",
+        help="leave this check out of every cluster run (as `pd-sessions sweep --skip-check`; "
+        "accuracy is left out unless --with-accuracy)",
     )
     p.add_argument(
         "--check-sweeps",
