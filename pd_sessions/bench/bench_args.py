@@ -66,15 +66,7 @@ def bench_parser(prog: str = "pd-sessions bench") -> argparse.ArgumentParser:
         help="also run the perf check in every cluster run where the sweep does not (it is opt-in "
         "on the CPU lane): the checks part then says what it costs",
     )
-    p.add_argument(
-        "--skip-check",
-        action="append",
-        default=[],
-        choices=list(check_registry.NAMES),
-        metavar="NAME",
-        help="leave this check out of every cluster run (as `pd-sessions sweep --skip-check`; "
-        "accuracy is left out unless --with-accuracy)",
-    )
+    _skip_check(p)
     p.add_argument(
         "--check-sweeps",
         default=",".join(CHECK_SWEEPS),
@@ -106,3 +98,16 @@ def bench_parser(prog: str = "pd-sessions bench") -> argparse.ArgumentParser:
     )
     p.add_argument("--concurrency", type=int, default=100, help="router part: requests in flight at once")
     return p
+
+
+def _skip_check(p: argparse.ArgumentParser) -> None:
+    """--skip-check NAME, as the sweep's (the digest part measures with and without kv_digest)."""
+    p.add_argument(
+        "--skip-check",
+        action="append",
+        default=[],
+        choices=list(check_registry.NAMES),
+        metavar="NAME",
+        help="leave this check out of every cluster run (as `pd-sessions sweep --skip-check`; "
+        "accuracy is left out unless --with-accuracy)",
+    )

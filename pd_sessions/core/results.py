@@ -94,8 +94,8 @@ class CheckResult:
     figures: list[Figure] = field(default_factory=list)  # what it measured, for any reader
     tables: list[Table] = field(default_factory=list)  # small tables it measured
     started_at: float | None = None  # time.time() when it started
-    # NOT RUN only: the config is outside what the check judges (see NOT_RUN above); its NOT RUN
-    # then fails no config but under --strict
+    # NOT RUN only: the config is outside what the check judges (kv_digest over TP sizes that
+    # differ, a hybrid model); its NOT RUN then fails no config but under --strict
     inapplicable: bool = False
 
     def __post_init__(self) -> None:
