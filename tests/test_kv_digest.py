@@ -308,6 +308,19 @@ def test_an_observer_that_cannot_digest_is_not_run(tmp_path):
 
 
 @pytest.mark.procs
+def test_an_observer_that_should_digest_and_cannot_is_a_not_run_that_fails_its_config(tmp_path):
+    """No dimension of the KV tensors has num_blocks: the observer says so, not as a layout it
+    does not cover, and the check's NOT RUN then fails a config that requires it."""
+    d = make(tmp_path, "decode")
+    d._pd_cache_config = SimpleNamespace(num_blocks=999, kv_cache_groups=[object()])
+    nixl_load(d, {"d1": ("p1", [7], 0)}, {"d1"})
+    (said,) = [r for r in records(tmp_path)["decode-0"] if r["kind"] == "unavailable"]
+    assert said["inapplicable"] is False and "num_blocks=999" in said["reason"]
+    r = verdict(tmp_path)
+    assert r.verdict == NOT_RUN and not r.inapplicable and _config_of(r).outcome == "failed"
+
+
+@pytest.mark.procs
 def test_block_sums_see_one_changed_byte_and_the_order_of_words():
     torch = needs("torch")
     t = torch.zeros(2, 3, 4, 8, dtype=torch.bfloat16)
