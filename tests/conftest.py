@@ -14,6 +14,7 @@ from helpers.e2e_runs import (
     LOOPBACK_CASES,
     MOONCAKE_FAULTS,
     NIXL_FAULTS,
+    NO_DIGEST,
     WIRE,
     WIRE_LOSS_RATES,
     SweepRun,
@@ -243,16 +244,16 @@ def loopback_runs(simulated_hosts_2, tmp_path_factory) -> dict[str, SweepRun]:
 @pytest.fixture(scope="session")
 def hosts_mooncake(simulated_hosts_2, tmp_path_factory) -> SweepRun:
     """The Mooncake sweep's 1x1 across the two simulated hosts, every default check, then the
-    wire faults (WIRE)."""
+    wire faults (WIRE); kv_digest left out (NO_DIGEST)."""
     needs("mooncake.engine")
     rates = ", ".join(map(str, WIRE_LOSS_RATES["hosts_mooncake"]))
     loss = ("--set", f"check_options.wire_loss.rates=[{rates}]")
-    return rehearsal(tmp_path_factory, simulated_hosts_2, "mooncake_sweep", *WIRE, *loss)
+    return rehearsal(tmp_path_factory, simulated_hosts_2, "mooncake_sweep", *WIRE, *loss, *NO_DIGEST)
 
 
 @pytest.fixture(scope="session")
 def hosts_nixl(simulated_hosts_2, tmp_path_factory) -> SweepRun:
     """The NIXL sweep's 1x1 across the two simulated hosts, every default check, then the wire
-    faults (WIRE)."""
+    faults (WIRE); kv_digest left out (NO_DIGEST)."""
     needs("nixl._api")
-    return rehearsal(tmp_path_factory, simulated_hosts_2, "nixl_sweep", *WIRE)
+    return rehearsal(tmp_path_factory, simulated_hosts_2, "nixl_sweep", *WIRE, *NO_DIGEST)

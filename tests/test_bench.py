@@ -219,8 +219,8 @@ def test_bench_refuses_unknown_part(tmp_path):
     )
     assert p.returncode == 2
     assert (
-        "--parts takes router, teardown, clusters, checks, startup, report, multihost, packing (got speed)"
-        in p.stderr
+        "--parts takes router, teardown, clusters, checks, digest, startup, report, multihost, packing "
+        "(got speed)" in p.stderr
     )
     p = subprocess.run(
         [sys.executable, "-m", "pd_sessions", "bench", "--repeats", "0", "--out", str(tmp_path)],
@@ -258,6 +258,7 @@ def _bench_on_fake_stack(tmp_path, *args: str) -> tuple[dict, str]:
     out = tmp_path / "out"
     p = subprocess.run(
         [sys.executable, "-m", "pd_sessions", "bench", "--platform", "cpu", *args]
+        + ["--skip-check", "kv_digest"]  # the fake stack has no vLLM connector for its observer
         + ["--repeats", "1", "--grace", "2", "--out", str(out)],
         cwd=ROOT,
         env=env,
@@ -432,3 +433,67 @@ def test_request_features_has_its_own_goal_of_10_s_per_config():
     assert (
         goals["1x1 over nixl: request_features adds"].limit == bench_results.REQUEST_FEATURES_GOAL_S == 10.0
     )
+
+
+# ------------------------------------------------------------------ the digest part
+
+
+def _digest_run(digest: bool, wall: float, checks: float, *, check=0.5, observer=0.1, loads=50, ok=True):
+    rec = {"config": "1x1", "connector": "mooncake", "digest": digest, "ok": ok, "wall_s": wall}
+    rec["checks_s"] = checks
+    if digest:
+        rec["kv_digest"] = {"seconds": check, "verdict": "pass", "observer_s": observer, "loads": loads}
+    return rec
+
+
+def test_the_digest_part_reports_seconds_share_of_the_config_and_per_request_cost():
+    from pd_sessions.bench import digest_bench
+
+    runs = [
+        _digest_run(True, 100.0, 40.0),
+        _digest_run(False, 98.0, 39.0),
+        _digest_run(False, 97.0, 38.0),
+        _digest_run(True, 110.0, 41.0, check=1.0, observer=0.2),
+        _digest_run(True, 400.0, 300.0, check=90.0, ok=False),  # a failed run: not in the times
+    ]
+    c = digest_bench.summarize(runs)["1x1"]
+    assert c["runs"] == {"with": 3, "without": 2} and c["ok"] == {"with": 2, "without": 2}
+    assert c["digest_s"]["values"] == [0.6, 1.2] and c["digest_s"]["median"] == 0.9
+    assert c["fraction"]["values"] == [0.006, round(1.2 / 110.0, 5)]
+    assert c["per_request_ms"]["values"] == [2.0, 4.0]  # the observer's seconds per load digested
+    assert c["checks_diff_s"] == 40.5 - 38.5
+    doc = {"digest_cost": {"1x1": c}}
+    (goal,) = [g for g in bench_results.goals(doc) if "KV digest" in g.name]
+    assert goal.limit == digest_bench.DIGEST_GOAL == 0.05 and goal.met is True
+    md = "\n".join(digest_bench.markdown(doc["digest_cost"]))
+    assert (
+        "## What the KV digest costs a config" in md and "**0.900 (0.600-1.200) s, 0.84 (0.60-1.09) %**" in md
+    )
+
+
+def test_a_digest_over_the_goal_is_not_met_and_the_section_says_no():
+    from pd_sessions.bench import digest_bench
+
+    c = digest_bench.summarize([_digest_run(True, 20.0, 15.0, check=1.5, observer=0.5)])
+    (goal,) = digest_bench.goals(c)
+    assert goal.measured == 0.1 and goal.met is False  # 2 s of a 20 s config: 10 %
+    md = bench_results.goals_markdown([goal.to_dict()])
+    assert "| 1x1 over mooncake: the KV digest costs | <= 5 % | 10.00 % | no |" in md
+
+
+def test_the_digest_figures_of_a_run_come_from_its_kv_digest_check():
+    from pd_sessions.bench import digest_bench
+    from pd_sessions.core.results import PASS, CheckResult
+
+    checks = [
+        CheckResult("smoke", PASS, "ok", seconds=1.0),
+        CheckResult("kv_digest", PASS, "ok", {"observer_s": 0.25, "loads": 40, "blocks_compared": 9}, 0.7),
+    ]
+    assert digest_bench.record(checks) == {
+        "seconds": 0.7,
+        "verdict": PASS,
+        "observer_s": 0.25,
+        "loads": 40,
+        "blocks_compared": 9,
+    }
+    assert digest_bench.record(checks[:1]) == {}

@@ -200,7 +200,8 @@ def test_commands_with_their_own_parser_get_the_rest_of_the_line():
     r = cli("bench", "--parts", "nope", "--repeats", "1")
     assert (
         r.returncode == 2
-        and "--parts takes router, teardown, clusters, checks, startup, report, multihost, packing (got nope)"
+        and "--parts takes router, teardown, clusters, checks, digest, startup, report, multihost, "
+        "packing (got nope)"
         in r.stderr
     )
     r = cli("wheelhouse", "--help")

@@ -225,13 +225,19 @@ def test_nixl_agents_got_the_cpu_lanes_progress_delay_and_stayed_on_their_cores(
 def test_push_passes_its_checks_on_the_cpu_lane(nixl_push_sweep: SweepRun):
     """NixlPushConnector's sweep, through the nox session the noxfile makes from its spec, passes
     every check it runs (every default but accuracy, conftest.nixl_push_sweep) on the CPU lane:
-    the prefill WRITEs the KV (its transfer counters, the KV proof's evidence role)."""
+    the prefill WRITEs the KV (its transfer counters, the KV proof's evidence role). kv_digest, a
+    default on the CPU lane, cannot pair push's sends with its loads (no send_layout): NOT RUN,
+    inapplicable, with its reason, and the config still passes (required, yet nothing to judge)."""
     run = nixl_push_sweep
     assert run.rc == 0 and "nox > Running session nixl_push_sweep" in run.cli.text, run.cli.text[-3000:]
     assert run.summary["passed"] is True and run.summary["platform"] == "cpu"
     checks = run.checks
     want = {"smoke", "parity", "kv_transfer", "request_features", "cache_paths", "too_long", "burst"}
     assert want <= set(checks) and "accuracy" not in checks, sorted(checks)
+    digest = checks.pop("kv_digest")
+    assert digest["verdict"] == "not run" and digest["inapplicable"] is True, digest
+    assert "nixl_push: the digest cannot pair its sends with its loads" in digest["message"], digest
+    assert run.summary["configs"][0]["not_run"] == ["kv_digest"] and run.summary["configs"][0]["unmet"] == []
     assert all(c["verdict"] == "pass" for c in checks.values()), checks
     kv = checks["kv_transfer"]["message"]
     assert re.search(

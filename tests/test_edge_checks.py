@@ -33,8 +33,11 @@ def test_defaults_are_every_check_in_running_order():
         "accuracy",
     )
     assert registry.resolve(None) == registry.DEFAULTS
-    opt_in = ("preemption", "perf", *registry.FAULTS, *registry.WIRE, "kv_digest")  # run when selected
-    assert (*registry.DEFAULTS, *opt_in) == registry.NAMES
+    opt_in = ("preemption", "perf", *registry.FAULTS, *registry.WIRE)  # run when selected
+    assert (*registry.DEFAULTS, *opt_in, "kv_digest") == registry.NAMES
+    # perf is a default on cuda only, kv_digest (last: it compares every request before it) on cpu only
+    assert registry.defaults("cpu") == (*registry.DEFAULTS, "kv_digest")
+    assert registry.defaults("cuda") == (*registry.DEFAULTS, "perf")
 
 
 def test_selection_is_put_in_running_order():

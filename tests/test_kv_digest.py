@@ -248,6 +248,55 @@ def test_layouts_that_differ_are_not_run():
     load = {**base, "kind": "load", "world": 1, "first": 0, "listed": 1, "blocks": [3], "sums": {"l": [1]}}
     r = check.evaluate({"prefill-0": [send], "decode-0": [load]}, decodes=["decode-0"], router_requests=1)
     assert r.verdict == NOT_RUN and "world: prefill 2, decode 1" in r.message
+    assert r.inapplicable  # nothing to compare: it fails no config, even one requiring it
+
+
+def _config_of(r):
+    """``r`` in a config of the CPU lane's defaults, each required (a sweep listing no checks)."""
+    from pd_sessions.core.results import CheckResult as Result
+    from pd_sessions.core.results import ConfigResult
+
+    c = ConfigResult("1x1", "1xP(TP2) + 1xD(TP1)", "nixl", "cpu")
+    c.checks = [Result("smoke", PASS, "fine"), r]
+    c.decide(["smoke", "kv_digest"], required=check_registry.defaults("cpu"))
+    return c
+
+
+def test_a_layout_not_run_leaves_the_config_passing_and_shows_not_run_with_its_reason():
+    base = {"key": "k", "rank": 0, "method": "crc32", "layout": ["x"], "block_size": 4}
+    send = {**base, "kind": "send", "world": 2, "listed": 1, "full": 1, "sums": {"l": [1]}}
+    load = {**base, "kind": "load", "world": 1, "first": 0, "listed": 1, "blocks": [3], "sums": {"l": [1]}}
+    r = check.evaluate({"prefill-0": [send], "decode-0": [load]}, decodes=["decode-0"], router_requests=1)
+    c = _config_of(r)
+    assert "kv_digest" in check_registry.defaults("cpu") and c.outcome == "passed"
+    assert c.label == "passed, 1 not run" and c.not_run == ["kv_digest"] and c.unmet == []
+    assert c.to_dict()["checks"][1]["message"].startswith("prefill and decode lay their KV out differently")
+
+
+def test_an_observer_that_should_have_digested_and_did_not_fails_a_default_config():
+    said = {"kind": "unavailable", "reason": "no KV cache tensors registered with the connector"}
+    r = check.evaluate(
+        {"decode-0": [{**said, "inapplicable": False}]}, decodes=["decode-0"], router_requests=1
+    )
+    assert r.verdict == NOT_RUN and not r.inapplicable
+    c = _config_of(r)
+    assert c.outcome == "failed" and c.unmet_checks == ["kv_digest"]
+    hybrid = {"kind": "unavailable", "reason": "a hybrid model: 2 KV cache groups", "inapplicable": True}
+    mixed = check.evaluate(
+        {"prefill-0": [hybrid], "decode-0": [said]}, decodes=["decode-0"], router_requests=1
+    )
+    assert mixed.verdict == NOT_RUN and not mixed.inapplicable  # one reason that fails is enough
+    only = check.evaluate({"prefill-0": [hybrid]}, decodes=["decode-0"], router_requests=1)
+    assert only.inapplicable and _config_of(only).outcome == "passed"
+
+
+def test_a_digest_mismatch_fails_a_default_config():
+    base = {"key": "k", "rank": 0, "method": "crc32", "layout": ["x"], "block_size": 4, "world": 1}
+    send = {**base, "kind": "send", "listed": 1, "full": 1, "sums": {"l": [1]}}
+    load = {**base, "kind": "load", "first": 0, "listed": 1, "blocks": [3], "sums": {"l": [2]}, "req": "d1"}
+    r = check.evaluate({"prefill-0": [send], "decode-0": [load]}, decodes=["decode-0"], router_requests=1)
+    assert r.verdict == FAIL and "d1 layer l block 0" in r.message
+    assert _config_of(r).outcome == "failed"
 
 
 @pytest.mark.procs
@@ -255,7 +304,20 @@ def test_an_observer_that_cannot_digest_is_not_run(tmp_path):
     d = make(tmp_path, "decode", groups=2)  # a hybrid model: two KV cache groups
     nixl_load(d, {"d1": ("p1", [7], 0)}, {"d1"})
     r = verdict(tmp_path)
-    assert r.verdict == NOT_RUN and "hybrid model" in r.message
+    assert r.verdict == NOT_RUN and "hybrid model" in r.message and r.inapplicable
+
+
+@pytest.mark.procs
+def test_an_observer_that_should_digest_and_cannot_is_a_not_run_that_fails_its_config(tmp_path):
+    """No dimension of the KV tensors has num_blocks: the observer says so, not as a layout it
+    does not cover, and the check's NOT RUN then fails a config that requires it."""
+    d = make(tmp_path, "decode")
+    d._pd_cache_config = SimpleNamespace(num_blocks=999, kv_cache_groups=[object()])
+    nixl_load(d, {"d1": ("p1", [7], 0)}, {"d1"})
+    (said,) = [r for r in records(tmp_path)["decode-0"] if r["kind"] == "unavailable"]
+    assert said["inapplicable"] is False and "num_blocks=999" in said["reason"]
+    r = verdict(tmp_path)
+    assert r.verdict == NOT_RUN and not r.inapplicable and _config_of(r).outcome == "failed"
 
 
 @pytest.mark.procs
@@ -324,8 +386,9 @@ def test_the_gatherer_reads_each_instances_side_file_and_the_injectors_word(tmp_
         argv = ("python", "--kv-transfer-config", json.dumps(kv)) if digest else ("python",)
         return SimpleNamespace(name=name, argv=argv, node=None, log_name=f"{name}.log")
 
-    def window(*specs):
-        plan = SimpleNamespace(instances=specs, decode=[s for s in specs if s.name.startswith("decode")])
+    def window(*specs, config=c):
+        decode = [s for s in specs if s.name.startswith("decode")]
+        plan = SimpleNamespace(config=config, instances=specs, decode=decode)
         return SimpleNamespace(plan=plan, cluster=SimpleNamespace(run_dir=tmp_path), router_requests=1)
 
     r = check.run(window(spec("prefill-0"), spec("decode-0")), {})
@@ -334,3 +397,25 @@ def test_the_gatherer_reads_each_instances_side_file_and_the_injectors_word(tmp_
     assert unwrapped.verdict == NOT_RUN and unwrapped.message.startswith(
         "decode-0 run(s) no KV digest observer"
     )
+    assert not unwrapped.inapplicable  # the observer should be there: a required check's NOT RUN fails
+
+
+def test_a_config_the_digest_cannot_cover_runs_no_observer_and_is_not_run_inapplicable(tmp_path):
+    """Known before launch (digest_records.not_covered): NIXL push (no send_layout) and a decode
+    that loads no KV; the planner then wraps nothing for the digest, and the check says why."""
+    from pd_sessions.core.config import ClusterConfig
+    from pd_sessions.run.sweep_options import SweepOptions, kv_digest_dir
+
+    opts = SweepOptions(platform="cpu", results_dir=tmp_path, selected_checks=("smoke", "kv_digest"))
+    plain = ClusterConfig(name="c", model="tiny-llama", connector="nixl")
+    assert kv_digest_dir(plain, opts) == str((tmp_path / "c").resolve())
+    for config in (
+        ClusterConfig(name="c", model="tiny-llama", connector="nixl_push"),
+        ClusterConfig(name="c", model="tiny-llama", connector="mooncake", decode_kv_transfer=False),
+    ):
+        assert kv_digest_dir(config, opts) is None
+        plan = SimpleNamespace(config=config, instances=(), decode=())
+        w = SimpleNamespace(plan=plan, cluster=SimpleNamespace(run_dir=tmp_path), router_requests=1)
+        r = check.run(w, {})  # type: ignore[arg-type]
+        assert r.verdict == NOT_RUN and r.inapplicable, r.message
+    assert connectors.get("nixl_push").send_layout is None  # when it gets one, this test changes

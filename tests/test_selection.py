@@ -114,14 +114,15 @@ def test_a_missing_model_path_in_the_sweep_file_names_the_file(tmp_path):
 def test_check_adds_checks_to_the_sweeps_own_in_running_order():
     from pd_sessions.core import check_registry
 
+    digest = check_registry.KV_DIGEST  # a default on the CPU lane, and last in running order
     sel = select_run("mooncake_sweep", args("--platform", "cpu"), CPUS)
-    assert sel.checks == check_registry.DEFAULTS
+    assert sel.checks == (*check_registry.DEFAULTS, digest) == check_registry.defaults("cpu")
     sel = select_run("mooncake_sweep", args("--platform", "cpu", "--check", "fault_zero,fault_drop"), CPUS)
-    assert sel.checks == (*check_registry.DEFAULTS, "fault_drop", "fault_zero")
+    assert sel.checks == (*check_registry.DEFAULTS, "fault_drop", "fault_zero", digest)
     sel = select_run(
         "mooncake_sweep", args("--platform", "cpu", "--check", "faults", "--check", "smoke"), CPUS
     )
-    assert sel.checks == (*check_registry.DEFAULTS, *check_registry.FAULTS)
+    assert sel.checks == (*check_registry.DEFAULTS, *check_registry.FAULTS, digest)
     said = r"--check: unknown check 'fault_zeros' \(did you mean \"fault_zero\"\?\)"
     with pytest.raises(ConfigError, match=said):
         select_run("mooncake_sweep", args("--platform", "cpu", "--check", "fault_zeros"), CPUS)

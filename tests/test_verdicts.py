@@ -21,6 +21,7 @@ from pd_sessions.core.results import (
     SCHEMA_VERSION,
     CheckResult,
     ConfigResult,
+    inapplicable,
     unrun,
 )
 from pd_sessions.report import buildkite_annotation, html, writers
@@ -56,6 +57,42 @@ def test_a_required_check_that_did_not_run_fails_the_config():
 def test_strict_fails_every_not_run():
     r = config(ok(), unrun("wire_delay", NETEM), strict=True)
     assert r.outcome == FAILED and "NOT RUN under --strict" in r.unmet[0]
+
+
+LAYOUT = "prefill and decode lay their KV out differently (world: prefill 2, decode 1)"
+
+
+def test_an_inapplicable_not_run_leaves_a_requiring_config_passing_and_says_not_run():
+    """A required check with nothing to judge in this config (its layout is outside what it
+    compares) is NOT RUN with its reason, never PASS, and its config passes, still "1 not run"."""
+    r = config(ok(), inapplicable("kv_digest", LAYOUT), required=["smoke", "kv_digest"])
+    assert r.outcome == PASSED and r.label == "passed, 1 not run"
+    assert r.not_run == ["kv_digest"] and r.unmet == [] and r.unmet_checks == []
+    (_, digest) = r.to_dict()["checks"]
+    assert digest["verdict"] == NOT_RUN and digest["message"] == LAYOUT and digest["inapplicable"] is True
+    assert "inapplicable" not in r.to_dict()["checks"][0]  # said of NOT RUN checks only
+
+
+def test_an_inapplicable_not_run_fails_under_strict_and_a_plain_one_fails_when_required():
+    strict = config(ok(), inapplicable("kv_digest", LAYOUT), required=["kv_digest"], strict=True)
+    assert strict.outcome == FAILED and "NOT RUN under --strict" in strict.unmet[0]
+    plain = config(ok(), unrun("kv_digest", "decode-0 run(s) no KV digest observer"), required=["kv_digest"])
+    assert plain.outcome == FAILED and plain.unmet_checks == ["kv_digest"]
+    assert plain.to_dict()["checks"][1]["inapplicable"] is False
+
+
+@pytest.mark.parametrize("verdict", [PASS, FAIL])
+def test_only_a_not_run_can_be_inapplicable(verdict):
+    with pytest.raises(ValueError, match="only a NOT RUN can be inapplicable"):
+        CheckResult("kv_digest", verdict, "?", inapplicable=True)
+
+
+def test_junit_shows_an_inapplicable_not_run_as_skipped_with_its_reason(tmp_path: Path):
+    r = config(ok(), inapplicable("wire_delay", LAYOUT), required=["wire_delay"])
+    cases = _junit(tmp_path, [r])
+    skipped = cases["wire_delay"].find("skipped")
+    assert skipped is not None and skipped.get("message") == f"not run: {LAYOUT}"
+    assert cases["wire_delay"].find("failure") is None
 
 
 def test_a_failing_check_fails_whatever_else_did_not_run():

@@ -15,6 +15,8 @@ not be made (a run failed). Parts:
   both in front of the same small fake backends (the router is what is measured).
 - ``checks``: each check's own wall time per config over each connector (the edge
   checks' sum against issue 17's 15 s goal).
+- ``digest``: each config with the KV digest (kv_digest and its vLLM-side observer) and without
+  it: what it costs, against issue 41's goal of under 5 % of a config (bench/digest_bench.py).
 - ``startup``: from invoking nox to the first instance spawned, the session venv
   rebuilt (``--reuse-venv=never``) versus reused.
 """

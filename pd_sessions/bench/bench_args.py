@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pd_sessions.core import check_registry
 from pd_sessions.core.connectors import DEFAULT, MOONCAKE, NIXL
 
 # The first line of pd_sessions/bench/bench_command.py's docstring, as `--help` has always shown it.
@@ -14,9 +15,9 @@ DESCRIPTION = (
     "``pd-sessions bench`` (``nox -s bench``): run the benchmark and write "
     "bench/results.{json,md} + phases.png."
 )
-PARTS = ("router", "teardown", "clusters", "checks", "startup", "report", "multihost", "packing")
+PARTS = ("router", "teardown", "clusters", "checks", "digest", "startup", "report", "multihost", "packing")
 # multihost (two simulated hosts: root and the [ray] extra) runs only when --parts names it.
-DEFAULT_PARTS = ("router", "teardown", "clusters", "checks", "startup", "report", "packing")
+DEFAULT_PARTS = ("router", "teardown", "clusters", "checks", "digest", "startup", "report", "packing")
 # The checks part: what each check costs over each connector (the clusters part's pd_sessions
 # runs count for its own sweep, so that one is not run again).
 CHECK_SWEEPS = (MOONCAKE.sweep, NIXL.sweep)
@@ -65,6 +66,7 @@ def bench_parser(prog: str = "pd-sessions bench") -> argparse.ArgumentParser:
         help="also run the perf check in every cluster run where the sweep does not (it is opt-in "
         "on the CPU lane): the checks part then says what it costs",
     )
+    _skip_check(p)
     p.add_argument(
         "--check-sweeps",
         default=",".join(CHECK_SWEEPS),
@@ -96,3 +98,16 @@ def bench_parser(prog: str = "pd-sessions bench") -> argparse.ArgumentParser:
     )
     p.add_argument("--concurrency", type=int, default=100, help="router part: requests in flight at once")
     return p
+
+
+def _skip_check(p: argparse.ArgumentParser) -> None:
+    """--skip-check NAME, as the sweep's (the digest part measures with and without kv_digest)."""
+    p.add_argument(
+        "--skip-check",
+        action="append",
+        default=[],
+        choices=list(check_registry.NAMES),
+        metavar="NAME",
+        help="leave this check out of every cluster run (as `pd-sessions sweep --skip-check`; "
+        "accuracy is left out unless --with-accuracy)",
+    )

@@ -13,6 +13,7 @@ import os
 import platform as pyplatform
 import sys
 import time
+from dataclasses import replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import psutil
 from pd_sessions.bench import (
     bench_results,
     clusters,
+    digest_bench,
     multihost,
     packing_bench,
     page,
@@ -92,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     plat, inv, _ = preflight(sweep, args.platform, machine.detect())
     only = tuple(o for item in args.only for o in item.split(",") if o)
     configs = [e.config for e in select(sweep.entries(plat), plat, only=only)[0]]
-    skip = () if args.with_accuracy else ("accuracy",)
+    skip = tuple(dict.fromkeys((*(() if args.with_accuracy else ("accuracy",)), *args.skip_check)))
     opts = _options(sweep, plat, logs / "clusters", args.grace, skip, perf=args.with_perf)
     doc: dict[str, Any] = {
         "started_at": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -119,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
         failed = _measure(doc, args, parts, configs, inv, opts, logs)
         if "checks" in parts:
             failed |= _measure_checks(doc, args, parts, plat, inv, logs, skip, only)
+        if "digest" in parts:
+            failed |= _measure_digest(doc, args, sweep, configs, inv, logs, skip)
         failed |= _measure_more(doc, args, parts, plat, sweep.name, configs, logs, only)
     except BaseException as e:  # a cancel or an error: write what was measured, then go on out
         doc["interrupted"] = f"{type(e).__name__}: {e}"
@@ -189,6 +193,8 @@ def _write(doc: dict[str, Any], out: Path, t0: float) -> None:
         doc["clusters"] = bench_results.summarize_clusters(doc["runs"])
     if doc.get("runs") or doc.get("check_runs"):
         doc["checks_cost"] = bench_results.summarize_checks(doc.get("runs", []) + doc.get("check_runs", []))
+    if doc.get("digest_runs"):
+        doc["digest_cost"] = digest_bench.summarize(doc["digest_runs"])
     doc["machine"]["load_after"] = _load()
     doc["duration_s"] = round(time.monotonic() - t0, 1)
     doc["goals"] = [g.to_dict() for g in bench_results.goals(doc)]
@@ -301,6 +307,49 @@ def _measure_checks(
                 say(
                     f"checks part: {sweep.name} {config.name}: "
                     + (f"edge checks {edge:.1f} s" if rec.ok else f"FAILED: {rec.error}")
+                )
+                failed |= not rec.ok
+    return failed
+
+
+def _measure_digest(
+    doc: dict[str, Any],
+    args: argparse.Namespace,
+    sweep: Sweep,
+    configs: list[ClusterConfig],
+    inv: Inventory,
+    logs: Path,
+    skip: tuple[str, ...],
+) -> bool:
+    """The digest part: each config of the clusters part's sweep --repeats times with the KV
+    digest (kv_digest selected: every instance loads its observer) and as often without it
+    (kv_digest skipped), the two alternating which goes first; the records land in
+    doc["digest_runs"] (``digest``: True/False). True if a run failed."""
+    plat = doc["settings"]["platform"]
+    on = _options(sweep, plat, logs / "digest" / "with", args.grace, skip, perf=args.with_perf)
+    if digest_bench.NAME not in on.checks:  # a GPU lane, or a sweep listing its checks: add it
+        on = replace(on, selected_checks=check_registry.resolve([*on.selected_checks, digest_bench.NAME]))
+    if digest_bench.NAME in skip:
+        raise BenchError("the digest part measures kv_digest: leave out --skip-check kv_digest or the part")
+    off = replace(on, results_dir=logs / "digest" / "without", skip_checks=(*skip, digest_bench.NAME))
+    runs: list[dict[str, Any]] = doc.setdefault("digest_runs", [])
+    failed = False
+    for rep in range(args.repeats):
+        for config in configs:
+            for digest in (True, False) if rep % 2 == 0 else (False, True):
+                how = "with" if digest else "without"
+                say(f"digest part: {config.name} {how} the KV digest (repeat {rep + 1})")
+                rec = clusters.run_pd_sessions(config, inv, on if digest else off, rep, say)
+                runs.append({**rec.to_dict(), "sweep": sweep.name, "digest": digest})
+                d = rec.extra.get("kv_digest") or {}
+                say(
+                    f"digest part: {config.name}: "
+                    + (
+                        f"wall {rec.wall_s:.1f} s"
+                        + (f", kv_digest {d['seconds']:.2f} s + observer {d['observer_s']} s" if d else "")
+                        if rec.ok
+                        else f"FAILED: {rec.error}"
+                    )
                 )
                 failed |= not rec.ok
     return failed

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pd_sessions.bench import multihost, packing_bench
+from pd_sessions.bench import digest_bench, multihost, packing_bench
 from pd_sessions.bench.page import PAGE_GOAL_BYTES, PAGE_GOAL_S
 from pd_sessions.bench.stats import Goal, ratio, summary
 from pd_sessions.core.check_registry import NAMES as CHECK_ORDER
@@ -132,7 +132,12 @@ def _round(v: float | None, digits: int = 3) -> float | None:
 
 def goals(doc: dict[str, Any]) -> list[Goal]:
     """The issue's goals, each judged on a median of this run's measurements."""
-    return [*_cluster_goals(doc), *_check_goals(doc), *_part_goals(doc)]
+    return [
+        *_cluster_goals(doc),
+        *_check_goals(doc),
+        *digest_bench.goals(doc.get("digest_cost") or {}),
+        *_part_goals(doc),
+    ]
 
 
 def _cluster_goals(doc: dict[str, Any]) -> list[Goal]:
@@ -269,6 +274,7 @@ def markdown(doc: dict[str, Any]) -> str:
     for name, c in doc.get("clusters", {}).items():
         lines += cluster_markdown(name, c)
     lines += checks_markdown(doc.get("checks_cost", {}))
+    lines += digest_bench.markdown(doc.get("digest_cost"))
     lines += startup_markdown(doc.get("startup"))
     lines += page_markdown(doc.get("report_page"))
     lines += multihost.markdown(doc.get("multihost"))
@@ -572,5 +578,7 @@ def rerender(results_json: Path) -> dict[str, Path]:
         doc["clusters"] = summarize_clusters(doc["runs"])
     if doc.get("runs") or doc.get("check_runs"):
         doc["checks_cost"] = summarize_checks(doc.get("runs", []) + doc.get("check_runs", []))
+    if doc.get("digest_runs"):
+        doc["digest_cost"] = digest_bench.summarize(doc["digest_runs"])
     doc["goals"] = [g.to_dict() for g in goals(doc)]
     return write(doc, results_json.parent)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pd_sessions.bench import digest_bench
 from pd_sessions.bench.prober import HealthProber
 from pd_sessions.bench.stats import overhead
 from pd_sessions.checks.runner import run_checks
@@ -129,6 +130,8 @@ def _record_checks(rec: RunRecord, config: ClusterConfig, checks: list[CheckResu
     rec.extra["connector"] = config.connector
     rec.extra["check_s"] = {c.name: round(c.seconds, 3) for c in checks}
     rec.extra["check_verdicts"] = {c.name: c.verdict for c in checks}
+    if digest := digest_bench.record(checks):
+        rec.extra["kv_digest"] = digest  # the digest part's figures (its observer's seconds, loads)
 
 
 def _fill_probe_times(

@@ -26,10 +26,17 @@ Verdicts:
   prefill (the prefill's observer saw nothing); no load digest at all on the decodes while
   requests went through the router (the decode's observer saw nothing); a side file that the
   observer should have written and did not.
-- NOT RUN: the observer said it could not digest (its ``unavailable`` reason: a hybrid model, a
-  connector without a send layout); the two sides' layouts differ (TP sizes, block shapes, dtypes
-  or the checksum method): the digest does not re-lay blocks out; the connectors are not wrapped
-  (no decode KV transfer); the side files are on other hosts.
+- NOT RUN, inapplicable (results.inapplicable: the config is outside what the digest compares,
+  so it fails no config, even where the check is required; only --strict fails it): the two
+  sides' layouts differ (TP sizes, block shapes, dtypes or the checksum method): the digest does
+  not re-lay blocks out; the observer said the layout is not one it covers (a hybrid model: KV
+  cache groups); known before launch (core/digest_records.py ``not_covered``: the instances then
+  run no observer): a connector whose sends cannot be paired with loads (no ``send_layout``:
+  NIXL push), a decode that loads no KV (``decode_kv_transfer = false``).
+- NOT RUN that fails a config requiring the check (the default: kv_digest is a default check on
+  the CPU lane, core/check_registry.py): the digest should have looked and could not: an
+  instance runs no observer (its connector unwrapped), the observer could not digest for another
+  reason (no KV tensors, no block dimension found), the side files are on other hosts.
 - PASS: every load paired with its send, and its blocks equal exactly where no fault was
   injected: with fault_zero or fault_swap in the same config, the corrupted loads are the ones
   that differ (``detection`` says how many per fault: the digest's detection rate).
@@ -45,7 +52,17 @@ from typing import Any
 
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core import digest_records, faults
-from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, pick, reporting, unrun
+from pd_sessions.core.results import (
+    FAIL,
+    PASS,
+    CheckResult,
+    Figure,
+    Table,
+    inapplicable,
+    pick,
+    reporting,
+    unrun,
+)
 
 NAME = "kv_digest"
 SHOWN = 3  # mismatches named in the message
@@ -221,18 +238,18 @@ def evaluate(
     """The verdict from every instance's records (instance -> records; an instance whose side file
     is missing is absent), the decode instances' names, the requests sent through the router, and
     (when faults were injected) the decode requests whose KV the injector corrupted -> its mode."""
-    unavailable = sorted(
-        {f"{i}: {r.get('reason')}" for i, rs in records.items() for r in rs if r.get("kind") == "unavailable"}
-    )
+    said = [(i, r) for i, rs in records.items() for r in rs if r.get("kind") == "unavailable"]
+    unavailable = sorted({f"{i}: {r.get('reason')}" for i, r in said})
     if unavailable:
-        return unrun(
-            NAME, "the observer could not digest: " + "; ".join(unavailable), {"unavailable": unavailable}
-        )
+        # inapplicable when every reason is a layout the digest does not cover (a hybrid model)
+        why = unrun if any(not r.get("inapplicable") for _, r in said) else inapplicable
+        said_why = "the observer could not digest: " + "; ".join(unavailable)
+        return why(NAME, said_why, {"unavailable": unavailable})
     p = pair(records)
     d = _details(p, records, injected)
     if p.differ:
         d["layouts_differ"] = p.differ
-        return unrun(
+        return inapplicable(
             NAME,
             f"prefill and decode lay their KV out differently ({p.differ[0]}); the digest "
             "compares blocks of one layout (no re-layout)",
@@ -315,6 +332,10 @@ def injected_requests(log_texts: Sequence[str]) -> dict[str, str]:
 
 def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
     plan, run_dir = window.plan, window.cluster.run_dir
+    config = plan.config
+    why = digest_records.not_covered(config.connector, decode_kv_transfer=config.decode_kv_transfer)
+    if why:
+        return inapplicable(NAME, why)
     files = {s.name: digest_settings(s.argv) for s in plan.instances}
     unwrapped = [n for n, f in files.items() if f is None]
     if unwrapped:

@@ -41,7 +41,9 @@ class CheckInfo:
     # launch on one host (--simulate-hosts N or --ray ADDRESS give the hosts).
     hosts: bool = False
     # Required by a sweep that declares no ``required_checks`` (its NOT RUN then fails the
-    # config). perf is not: its baseline part is NOT RUN on every hardware class without a
+    # config, unless the check said the config is outside what it judges: an inapplicable NOT
+    # RUN, core/results.py, e.g. kv_digest over different TP sizes).
+    # perf is not: its baseline part is NOT RUN on every hardware class without a
     # recorded baseline (the GPU lanes today), and a GPU sweep that runs it by default must not
     # fail for that; a sweep that must judge perf names it in required_checks.
     required: bool = True
@@ -259,18 +261,28 @@ CHECKS: tuple[CheckInfo, ...] = (
         options={"requests": 3, "delay_ms": 20, "bound_s": 60.0},
         hosts=True,
     ),
-    # Last: it compares the KV of every request the checks before it sent.
+    # Last: it compares the KV of every request the checks before it sent. A default on the CPU
+    # lane, where `nox -s bench` measures what it costs a config (its digest part: under 5 %; the
+    # observer's own time, 0.5-3 ms per record). Not on cuda: the observer's GPU path (a torch
+    # reduction on the device) has never run inside vLLM on a GPU; GPU sweeps select it
+    # (`--check kv_digest`). Where it has nothing to compare (prefill and decode of different
+    # TP sizes or block layouts, a hybrid model, a connector whose sends it cannot pair, NIXL
+    # push) it is NOT RUN, inapplicable: its config does not fail for it (results.inapplicable);
+    # where it should have looked and could not (an instance without its observer, side files
+    # it cannot read), its NOT RUN fails the config as every required check's does.
     CheckInfo(
         "kv_digest",
         "every KV block a decode loaded equals, byte for byte (a checksum per layer), the block the "
-        "prefill sent, for every request of every check (vLLM-side observer; full blocks)",
+        "prefill sent, for every request of every check (vLLM-side observer; NOT RUN, failing "
+        "nothing, where the layouts differ or the model is hybrid)",
         gatherer=("kv_digest", "run"),
-        default=False,
+        platforms=("cpu",),
     ),
 )
 BY_NAME = {c.name: c for c in CHECKS}
 NAMES = tuple(BY_NAME)
-# The checks that run everywhere unless a sweep lists its own (see defaults() per platform).
+# The checks that run everywhere unless a sweep lists its own (see defaults() per platform: perf is
+# a default on cuda only, kv_digest on cpu only).
 DEFAULTS = tuple(c.name for c in CHECKS if c.default and len(c.platforms) == 2)
 FAULTS = tuple(c.name for c in CHECKS if c.faults)
 WIRE = tuple(c.name for c in CHECKS if c.hosts)

@@ -11,7 +11,9 @@ appending to it:
   connectors move it as it is);
 - ``"kind": "load"`` (decode worker): the blocks a finished load filled, after any injected fault
   (what the decode will compute on); ``sums`` per layer, one per block it loaded;
-- ``"kind": "unavailable"``: the observer cannot digest here, and ``reason`` says why.
+- ``"kind": "unavailable"``: the observer cannot digest here, and ``reason`` says why;
+  ``inapplicable`` (true) when the digest does not cover the layout (a hybrid model, a connector
+  whose sends cannot be paired): the check is then NOT RUN without failing its config.
 
 Both carry ``key`` (what the two sides know the transfer by: the connector's
 :class:`~pd_sessions.core.connectors.base.SendLayout`), ``req`` (the instance's own request id),
@@ -26,10 +28,25 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pd_sessions.core import connectors
+
 # the key of the injector's settings (core/faults.py EXTRA_CONFIG_KEY) holding the side file's path
 SETTING = "digest"
 SUFFIX = ".kv_digest.jsonl"
 KINDS = ("send", "load", "unavailable")
+
+
+def not_covered(connector: str, *, decode_kv_transfer: bool) -> str | None:
+    """Why the digest has nothing to compare in a config over ``connector`` (known before launch:
+    its instances then run no observer and the check is NOT RUN, inapplicable), or None."""
+    if not decode_kv_transfer:
+        return "the decode loads no KV (decode_kv_transfer = false): there is no transfer to compare"
+    if connectors.get(connector).send_layout is None:
+        return (
+            f"{connector}: the digest cannot pair its sends with its loads (no send_layout in its "
+            "ConnectorSpec, pd_sessions/core/connectors/)"
+        )
+    return None
 
 
 def side_file(run_dir: str | Path, instance: str) -> str:

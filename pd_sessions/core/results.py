@@ -21,6 +21,13 @@ PASS, FAIL = "pass", "fail"
 # not run", a sweep may require the check (then its config fails), and --strict fails every one.
 # The same word is a config's outcome when it never started (below).
 NOT_RUN = "not run"
+# A NOT RUN whose reason is that this config is outside what the check judges (kv_digest over a
+# prefill and a decode of different TP sizes, a hybrid model, a connector whose sends it cannot
+# pair): there is nothing there for it to look at, so it fails no config, not even one that
+# requires the check; --strict still fails it, as every NOT RUN. It is shown as NOT RUN with its
+# reason everywhere, never as a pass. Every other NOT RUN (a tool, a baseline, a side file
+# missing: the check could not look where it should) fails a config that requires the check.
+# CheckResult.inapplicable marks it; :func:`inapplicable` makes one.
 # A check that reproduces a known upstream bug in its version range (core/known_issues.py):
 # XFAIL when it failed the way the registry's entry says (still broken upstream: the config does
 # not fail); XPASS when it passed (the bug is fixed: the config fails until the entry is retired).
@@ -35,7 +42,9 @@ VERDICTS = (PASS, FAIL, NOT_RUN, XFAIL, XPASS)
 # check's details then carry "known_issue": its id, link, component, range and installed
 # version), a config's "known_issues" (every entry its checks hit: check, verdict, id, link) and
 # the summary's "known_issues" (the same, over every config) and "xfail"/"xpass" counts; later
-# in 4, a config's "injected" (its fault-injection settings; a reader of an older file reads {}).
+# in 4, a config's "injected" (its fault-injection settings; a reader of an older file reads {})
+# and a NOT RUN check's "inapplicable" (true: the config is outside what the check judges, and
+# its NOT RUN fails no config but under --strict; a reader of an older file reads false).
 SCHEMA_VERSION = 4
 
 Value = float | int | str | bool | None
@@ -85,10 +94,15 @@ class CheckResult:
     figures: list[Figure] = field(default_factory=list)  # what it measured, for any reader
     tables: list[Table] = field(default_factory=list)  # small tables it measured
     started_at: float | None = None  # time.time() when it started
+    # NOT RUN only: the config is outside what the check judges (kv_digest over TP sizes that
+    # differ, a hybrid model); its NOT RUN then fails no config but under --strict
+    inapplicable: bool = False
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
             raise ValueError(f"check {self.name!r}: verdict {self.verdict!r} is not one of {VERDICTS}")
+        if self.inapplicable and self.verdict != NOT_RUN:
+            raise ValueError(f"check {self.name!r}: only a NOT RUN can be inapplicable, not {self.verdict!r}")
 
     @property
     def passed(self) -> bool:
@@ -123,6 +137,7 @@ class CheckResult:
             "figures": [f.to_dict() for f in self.figures],
             "tables": [t.to_dict() for t in self.tables],
             "details": self.details,
+            **({"inapplicable": self.inapplicable} if self.verdict == NOT_RUN else {}),
         }
 
 
@@ -176,6 +191,14 @@ def crashed(name: str, exc: BaseException) -> CheckResult:
 def unrun(name: str, reason: str, details: dict[str, Any] | None = None) -> CheckResult:
     """A check that could not look: NOT RUN, ``reason`` saying why (and what would let it run)."""
     return CheckResult(name, NOT_RUN, reason, dict(details or {}))
+
+
+def inapplicable(name: str, reason: str, details: dict[str, Any] | None = None) -> CheckResult:
+    """A check that has nothing to judge in this config (its layout is outside what the check
+    compares): NOT RUN, ``reason`` saying why; it fails no config, even one that requires the
+    check (only --strict fails it). Never for a check that should have looked and could not:
+    that is :func:`unrun`."""
+    return CheckResult(name, NOT_RUN, reason, dict(details or {}), inapplicable=True)
 
 
 PASSED, FAILED, ERROR = "passed", "failed", "error"
@@ -252,15 +275,21 @@ class ConfigResult:
         every check passed, NOT RUN or XFAIL                   passed (``not_run``, ``known_issues``
                                                                list those)
         =====================================================  ========
+
+        An inapplicable NOT RUN (the config is outside what the check judges) is never unmet but
+        under ``strict``: a required check with nothing to judge does not fail its config.
         """
         ran = {c.name for c in self.checks}
         missing = [n for n in expected_checks if n not in ran]
         if self.error is None and missing:
             self.error = f"checks did not run: {', '.join(missing)}"
-        unmet = [c for c in self.checks if c.not_run and (strict or c.name in required)]
+        unmet = [
+            c for c in self.checks if c.not_run and (strict or (c.name in required and not c.inapplicable))
+        ]
         self.unmet_checks = [c.name for c in unmet]
+        by_sweep = {c.name for c in unmet if c.name in required and not c.inapplicable}
         self.unmet = [
-            f"{c.name} is {'required by the sweep' if c.name in required else 'NOT RUN under --strict'} "
+            f"{c.name} is {'required by the sweep' if c.name in by_sweep else 'NOT RUN under --strict'} "
             f"and did not run: {c.message}"
             for c in unmet
         ]

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pd_sessions.checks.accuracy import AccuracyOptions
-from pd_sessions.core import check_registry
+from pd_sessions.core import check_registry, digest_records
 from pd_sessions.core.config import TINY_MODELS, ClusterConfig
 from pd_sessions.core.inventory import Inventory
 from pd_sessions.core.plan import GPU_PASSTHROUGH_ENV, ClusterPlan, plan_cluster
@@ -92,8 +92,11 @@ def faults_control(config: ClusterConfig, opts: SweepOptions) -> str | None:
 
 def kv_digest_dir(config: ClusterConfig, opts: SweepOptions) -> str | None:
     """The run directory of a config whose checks include ``kv_digest`` (its instances' observers
-    write their side files there), else None: the connectors stay unwrapped for it."""
+    write their side files there), else None: the connectors stay unwrapped for it, also where the
+    digest has nothing to compare (digest_records.not_covered: the check then says so)."""
     if check_registry.KV_DIGEST not in opts.checks:
+        return None
+    if digest_records.not_covered(config.connector, decode_kv_transfer=config.decode_kv_transfer):
         return None
     return str((opts.results_dir / config.name).resolve())
 

@@ -404,9 +404,7 @@ class FaultInjecting:
         if not any(r in digest.loads for r in done):
             return
         rank = _tp_rank()
-        why = self._pd_digest_why()
-        if why:
-            digest.unavailable(why, rank)
+        if self._pd_digest_unable(rank):
             return
         assert digest.layout is not None
         for r in done:
@@ -425,30 +423,36 @@ class FaultInjecting:
         if not sends:
             return
         rank = _tp_rank()
-        why = self._pd_digest_why()
-        if why:
-            digest.unavailable(why, rank)
+        if self._pd_digest_unable(rank):
             return
         for r, info in sends.items():
             if info.get("groups", 1) > 1:
                 digest.unavailable(
-                    "a hybrid model: its requests have blocks in several KV cache groups", rank
-                )
+                    "a hybrid model: its requests have blocks in several KV cache groups", rank,
+                    inapplicable=True,
+                )  # fmt: skip
                 continue
             full = min(len(info["blocks"]), info["num_tokens"] // digest.block_size)
             digest.record("send", r, info, (pd.kv_caches, pd.block_dims), info["blocks"], rank=rank,
                           num_tokens=info["num_tokens"], listed=len(info["blocks"]), full=full)  # fmt: skip
 
-    def _pd_digest_why(self) -> str | None:
-        """Why this worker cannot digest (None when it can)."""
+    def _pd_digest_unable(self, rank: int) -> bool:
+        """Whether this worker cannot digest, after saying why in the side file: inapplicable where
+        the digest does not cover the layout (a connector whose sends it cannot pair, a hybrid
+        model), plain where it should have and could not (no KV tensors, no block dimension)."""
         digest = self._pd_digest
         assert digest is not None
-        if digest.layout is None:
-            return f"{self._pd_wraps}: its sends cannot be paired with loads (no send_layout in its spec)"
         groups = getattr(self._pd_cache_config, "kv_cache_groups", None) or ()
-        if len(groups) > 1:
-            return f"a hybrid model: {len(groups)} KV cache groups (the digest covers models of one group)"
-        return self._pd_block_dims()
+        why: str | None
+        if digest.layout is None:
+            why = f"{self._pd_wraps}: its sends cannot be paired with loads (no send_layout in its spec)"
+            digest.unavailable(why, rank, inapplicable=True)
+        elif len(groups) > 1:
+            why = f"a hybrid model: {len(groups)} KV cache groups (the digest covers models of one group)"
+            digest.unavailable(why, rank, inapplicable=True)
+        elif (why := self._pd_block_dims()) is not None:
+            digest.unavailable(why, rank)
+        return why is not None
 
     # ------------------------------------------------------------ zero / swap
 

@@ -79,11 +79,13 @@ class Observer:
         # one write per record, O_APPEND: the instance's ranks append whole lines
         os.write(self._fd, digest_records.line(kind=kind, side=self.side, pid=os.getpid(), **fields).encode())
 
-    def unavailable(self, reason: str, rank: int) -> None:
-        """Say once why this process cannot digest."""
+    def unavailable(self, reason: str, rank: int, *, inapplicable: bool = False) -> None:
+        """Say once why this process cannot digest; ``inapplicable``: the digest does not cover
+        this layout (a hybrid model, a connector whose sends it cannot pair), rather than failing
+        where it should work."""
         if reason not in self.said:
             self.said.add(reason)
-            self.write("unavailable", reason=reason, rank=rank, world=self.world)
+            self.write("unavailable", reason=reason, rank=rank, world=self.world, inapplicable=inapplicable)
 
     # ------------------------------------------------------------ prefill scheduler
 

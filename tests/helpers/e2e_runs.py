@@ -124,6 +124,10 @@ name = "1x1"
 # The faults on the wire between the hosts (issue 29: checks/faults/wire_*.py), run by the
 # rehearsal runs on the same clusters after the default checks (tests/test_e2e_wire_faults.py).
 WIRE = ("--check", "wire")
+# kv_digest (a CPU-lane default) is left out of the rehearsals: the wire faults fail, stall and cut
+# KV loads on purpose, and the digest over such loads across hosts has not been run yet; the
+# shared CPU-lane clusters (mooncake_sweep, nixl_sweep) judge it over both connectors, faults included.
+NO_DIGEST = ("--skip-check", "kv_digest")
 # wire_loss's rates per rehearsal run. Over Mooncake only 2 % in CI: at 20 % a KV pull sometimes
 # stalls until Mooncake's TCP transfer gives up (30 s, "Mooncake transfer engine returned -1"; 1 of
 # 4 runs on 2026-12-02), which is not a 60 s-bounded answer to count on (docs/failure-modes.md,
