@@ -168,6 +168,7 @@ class _Upstream(BaseHTTPRequestHandler):
             self._answer(200, json.dumps({"posts": type(self).posts}).encode())
 
 
+@pytest.mark.procs
 def test_the_proxy_drops_the_first_attempt_midway_retries_and_the_client_sees_success(tmp_path):
     _Upstream.posts = []
     up = ThreadingHTTPServer(("127.0.0.1", 0), _Upstream)
