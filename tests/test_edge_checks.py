@@ -25,6 +25,8 @@ def test_defaults_are_every_check_in_running_order():
         "smoke",
         "parity",
         "kv_transfer",
+        "pd_calls",
+        "kv_capacity",
         "request_features",
         "cache_paths",
         "too_long",

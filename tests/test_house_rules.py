@@ -113,6 +113,7 @@ PROCESS_BOUNDARIES = {
     "pd_sessions.vllm_side.perf_driver",  # vLLM's bench serve, with vLLM's interpreter, in the perf check
     "pd_sessions.vllm_side.link_probe",  # the KV transport alone, in processes of its own (the perf check)
     "pd_sessions.runtime.gate",  # the router, imported ahead and held until its workers are ready
+    "pd_sessions.runtime.hop_fault",  # the fault proxy fault_hop_retry starts at the router -> decode hop
 }
 
 
@@ -163,6 +164,11 @@ NOT_DEAD = {
     # the simulated hosts' interface (runtime/simhosts.py) for issue 26's launcher and sweep
     "simulated_hosts": "the context manager --simulate-hosts enters (issue 26 part B), the tests' fixture",
     "ray_init_kwargs": "the driver's ray.init arguments (issue 26 part B's launcher), the tests",
+    # the fault proxy's handler (runtime/hop_fault.py): http.server calls them by name
+    "log_message": "http.server's hook, silenced in runtime/hop_fault.py",
+    "do_GET": "http.server's handler name (runtime/hop_fault.py)",
+    "do_POST": "http.server's handler name (runtime/hop_fault.py)",
+    "protocol_version": "http.server's attribute (runtime/hop_fault.py)",
 }
 
 

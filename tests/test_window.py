@@ -226,6 +226,8 @@ def test_the_runner_runs_every_check_in_order_around_one_window(fake, monkeypatc
     seen = []
     gather = recorder(fake, seen)
     for name in (
+        "pd_calls",  # their own gatherers: tests/test_hop_faults.py
+        "kv_capacity",
         "request_features",
         "cache_paths",
         "too_long",
@@ -278,6 +280,8 @@ def test_the_runner_runs_every_check_in_order_around_one_window(fake, monkeypatc
     # the edge checks and accuracy after the window, in order, with their options
     n = len(fake.calls)
     assert seen == [
+        ("pd_calls", {"requests": 3}, n),
+        ("kv_capacity", {"min_ratio": 0.9}, n),
         ("request_features", {}, n),
         ("cache_paths", {}, n),
         ("too_long", {"bound_s": 10.0}, n),
@@ -288,6 +292,7 @@ def test_the_runner_runs_every_check_in_order_around_one_window(fake, monkeypatc
         # perf, with the registry's options and --record-baseline (the accuracy check's flag)
         ("perf", {**registry.BY_NAME["perf"].options, "record_baseline": False}, n),
         # the fault scenarios last (opt-in): they corrupt, stall, kill and restart
+        ("fault_hop_retry", {"requests": 3}, n),
         ("fault_drop", {"requests": 4}, n),
         ("fault_zero", {"requests": 32, "max_tokens": 8}, n),
         ("fault_swap", {"requests": 32, "max_tokens": 8}, n),

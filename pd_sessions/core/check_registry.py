@@ -68,6 +68,24 @@ CHECKS: tuple[CheckInfo, ...] = (
         gatherer=("kv_transfer", "run"),
     ),
     CheckInfo(
+        "pd_calls",
+        "each request through the router makes exactly one prefill call and one decode call "
+        "(up to 1 + declared_retries each where the config declares retries), counted on the "
+        "instances around each request",
+        gatherer=("pd_calls", "run"),
+        options={"requests": 3},
+    ),
+    CheckInfo(
+        "kv_capacity",
+        "no P/D instance holds materially less KV (vllm:cache_config_info, in tokens) than prefill-0, "
+        "the reference of the same model and settings",
+        gatherer=("kv_capacity", "run"),
+        options={"min_ratio": 0.9},
+        # NOT RUN where no instance shares prefill-0's TP (heterogeneous TP: other amounts by
+        # design), which must not fail those configs; a FAIL still does.
+        required=False,
+    ),
+    CheckInfo(
         "request_features",
         "the request paths users send (first-token finish, n=2, logprobs, streaming with usage, "
         "echo, seeds, chat, prompts at block boundaries with exact per-request KV accounting) "
@@ -136,6 +154,16 @@ CHECKS: tuple[CheckInfo, ...] = (
     # The fault scenarios (pd_sessions/checks/faults/): each injects one fault through the
     # wrapped connector and holds the promise: every request equals prefill-direct or fails
     # with a clear HTTP error within the request bound, then the cluster recovers.
+    CheckInfo(
+        "fault_hop_retry",
+        "a fault proxy between a second vllm-router and each decode retries every decode call "
+        "whose first attempt it cut: pd_calls must fail naming each extra call (passes where "
+        "declared_retries allows it); the proxies and router are stopped, verified gone",
+        gatherer=("faults.hop_retry", "run"),
+        default=False,
+        options={"requests": 3},
+        faults=True,
+    ),
     CheckInfo(
         "fault_drop",
         "KV loads reported failed: each request is still correct (recompute) or fails with a "

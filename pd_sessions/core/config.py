@@ -124,6 +124,10 @@ class ClusterConfig:
     # vLLM's kv_load_failure_policy for a KV load that fails: "fail" (the request ends with an
     # error) or "recompute" (the decode computes the prompt itself); None = vLLM's default.
     kv_load_failure_policy: str | None = None
+    # Retries the P/D path makes on purpose (a load balancer or proxy in front of an instance
+    # that retries a failed call): each request may then make up to 1 + this many calls to each
+    # hop (prefill, decode); 0 = exactly one of each (the pd_calls check holds it).
+    declared_retries: int = 0
 
     def __post_init__(self) -> None:
         validate_cluster(self)
@@ -267,6 +271,7 @@ def validate_cluster(c: ClusterConfig) -> None:
                 "decode_weights_seed",
                 f"only for the generated tiny models ({', '.join(TINY_MODELS)}), not {c.model!r}",
             )
+    _check_int("declared_retries", c.declared_retries, 0, 10)
     if c.kv_load_failure_policy is not None:
         _check_choice("kv_load_failure_policy", c.kv_load_failure_policy, KV_LOAD_FAILURE_POLICIES)
     if c.host != "127.0.0.1" and not c.host:

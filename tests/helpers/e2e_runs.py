@@ -91,8 +91,11 @@ def sweep_once(results: Path, *, argv: list[str] | None = None, args: tuple[str,
 # Over NIXL the SIGKILLed prefill's worker used to stay in the kernel's exit path (exit_mmap,
 # runnable) for over 30 s in about 1 run of 4 on this 2-core host; not seen in 13 runs since the
 # worker runs in the engine core and stays on its instance's core (docs/failure-modes.md, row 34).
+# Both also run fault_hop_retry (a retrying fault proxy at the router -> decode hop, beside the
+# cluster: tests/test_e2e_hop_faults.py).
 MOONCAKE_FAULTS = (
-    "fault_drop,fault_zero,fault_swap,fault_mixup,fault_truncate,fault_partial_recompute,fault_stall_abort"
+    "fault_hop_retry,fault_drop,fault_zero,fault_swap,fault_mixup,fault_truncate,fault_partial_recompute,"
+    "fault_stall_abort"
 )
 E2E_KILLS = os.environ.get("PD_SESSIONS_E2E_KILLS", "1") != "0"
 NIXL_FAULTS = "faults" if E2E_KILLS else MOONCAKE_FAULTS
@@ -103,16 +106,23 @@ NIXL_FAULTS = "faults" if E2E_KILLS else MOONCAKE_FAULTS
 # other weights (seed 1); margin-mode parity is forced (on the CPU lane prefill and decode share
 # one layout, so auto would pick exact). What fails, each check for its own reason:
 # kv_transfer (no KV received), parity (the decode's tokens are another model's), accuracy
-# (lm_eval through the router = the seed-1 model vs prefill-0 direct), and the user's failing
-# --exec (its message must reach our JUnit). Smoke still passes: the router answers.
+# (lm_eval through the router = the seed-1 model vs prefill-0 direct), the user's failing
+# --exec (its message must reach our JUnit), and kv_capacity: the decode's KV cache is capped at
+# 64 blocks (--num-gpu-blocks-override; the CPU lane's 1 GiB holds 4096: on the CPU lane
+# VLLM_CPU_KVCACHE_SPACE overrides --kv-cache-memory-bytes), and every instance runs with vllm#42024's
+# trigger, --disable-hybrid-kv-cache-manager, which leaves this non-hybrid model's capacity as
+# it is (tests/test_e2e_hop_faults.py compares it with the Mooncake sweep's). Smoke still
+# passes: the router answers.
 FAULTY_SWEEP = """name = "faulty"
-checks = ["smoke", "parity", "kv_transfer", "accuracy"]
+checks = ["smoke", "parity", "kv_transfer", "kv_capacity", "accuracy"]
 [defaults]
 model = "tiny-llama"
 connector = "mooncake"
 parity_mode = "margin"
 decode_weights_seed = 1
 decode_kv_transfer = false
+extra_args = ["--disable-hybrid-kv-cache-manager"]
+decode_extra_args = ["--num-gpu-blocks-override", "64"]
 [[config]]
 name = "1x1"
 """
