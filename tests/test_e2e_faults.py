@@ -18,7 +18,7 @@ from helpers.procs import processes_using
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
 CONNECTOR = {"mooncake_sweep": "MooncakeConnector", "nixl_sweep": "NixlConnector"}
-COMMON = ("fault_drop", "fault_zero", "fault_swap", "fault_stall_abort")
+COMMON = ("fault_drop", "fault_zero", "fault_swap", "fault_stall_abort", "fault_strand")
 kills = pytest.mark.skipif(
     not E2E_KILLS,
     reason="PD_SESSIONS_E2E_KILLS=0 left peer death and restart in place out of the shared NIXL run "

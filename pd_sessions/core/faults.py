@@ -25,11 +25,17 @@ Modes (``Control.mode``):
 |       |         | blocks is overwritten with zeros |
 | swap  | decode  | after the load, those blocks are overwritten with another request's |
 |       |         | received blocks |
+| strand | prefill | a finished send of a selected request is not reported to the scheduler |
+|       |         | (``finished_sending``), so its blocks stay in use; they are handed back |
+|       |         | on the first step after the mode goes off |
+|       | decode  | with ``stall_s`` > 0, each load starts ``stall_s`` late (as stall), so the |
+|       |         | client can leave and the decode abort first |
 
 Which requests: the n-th candidate of an epoch (counted from 0 on each side) is selected when
 ``floor((n + 1) * fraction) > floor(n * fraction)``: exactly ``fraction`` of them, spread evenly
 (1.0 = every one, 0.5 = every second, 0 = none). Candidates are, on the decode, the loads that
-start (stall) or finish (drop, zero, swap); on the prefill, the requests it schedules.
+start (stall) or finish (drop, zero, swap); on the prefill, the requests it schedules (stall) or
+whose sends finish (strand).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-MODES = ("off", "drop", "stall", "zero", "swap")
+MODES = ("off", "drop", "stall", "zero", "swap", "strand")
 SIDES = ("decode", "prefill")
 # The kv_connector_extra_config key the planner puts the injector's settings under.
 EXTRA_CONFIG_KEY = "pd_sessions_faults"
@@ -80,6 +86,8 @@ class Control:
             return False
         if self.mode == "stall":
             return self.where == side
+        if self.mode == "strand":
+            return side == "prefill" or self.stall_s > 0
         return side == "decode"
 
     def to_json(self) -> str:

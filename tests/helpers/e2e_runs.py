@@ -90,7 +90,7 @@ def sweep_once(results: Path, *, argv: list[str] | None = None, args: tuple[str,
 # Over NIXL the SIGKILLed prefill's worker used to stay in the kernel's exit path (exit_mmap,
 # runnable) for over 30 s in about 1 run of 4 on this 2-core host; not seen in 13 runs since the
 # worker runs in the engine core and stays on its instance's core (docs/failure-modes.md, row 34).
-MOONCAKE_FAULTS = "fault_drop,fault_zero,fault_swap,fault_stall_abort"
+MOONCAKE_FAULTS = "fault_drop,fault_zero,fault_swap,fault_stall_abort,fault_strand"
 E2E_KILLS = os.environ.get("PD_SESSIONS_E2E_KILLS", "1") != "0"
 NIXL_FAULTS = "faults" if E2E_KILLS else MOONCAKE_FAULTS
 

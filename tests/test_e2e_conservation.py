@@ -1,0 +1,58 @@
+"""The conservation invariant on real vLLM (CPU lane), asserted on the shared Mooncake and NIXL
+sweeps of conftest: after every check of the default sweeps (the fault scenarios included) every
+instance was idle again and within its warm-up fds, threads and RSS, so conservation PASSes, each
+check's record carrying its probe; on fault_strand (the prefill keeps the blocks of aborted
+requests) the invariant FAILed, naming the prefill and the blocks it held. The verdicts' can-fail
+tests are tests/test_conservation.py."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.e2e_runs import SweepRun
+from helpers.needs import needs
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _full_env():
+    needs("vllm")
+    needs("mooncake.engine")
+    needs("nixl._api")
+
+
+@pytest.fixture(params=["mooncake_sweep", "nixl_sweep"])
+def run(request) -> SweepRun:
+    return request.getfixturevalue(request.param)
+
+
+def test_conservation_passes_after_every_check_of_the_sweep(run: SweepRun):
+    checks = run.checks
+    c = checks["conservation"]
+    assert c["verdict"] == "pass", c["message"]
+    assert c["details"]["parts"] == {"kv_idle": "pass", "resources": "pass", "transfers": "not run"}
+    assert "transfers NOT RUN (" in c["message"]
+    probed = [n for n in checks if n != "conservation"]
+    assert [r["check"] for r in c["details"]["records"]] == probed
+    for name in probed:  # every check's own record carries its probe: idle, resources measured
+        rec = checks[name]["details"]["conservation"]
+        assert all(h is None for h in rec["held"].values()), (name, rec["held"])
+        assert set(rec["usage"]) == {"prefill-0", "decode-0"} or "fault_peer_death" in name
+    junit = (run.results / "junit.xml").read_text()
+    assert 'name="conservation"' in junit
+    idle = {r["check"]: r["idle_s"] for r in c["details"]["records"]}
+    usage = {r["check"]: r["usage"] for r in c["details"]["records"]}
+    print("idle after (s):", idle, "slowest:", max(idle.values()))
+    print("usage (fds, threads, rss MiB):", usage)
+    print("conservation probes, s:", sum(idle.values()), "check s:", round(c["seconds"], 2))
+
+
+def test_the_stranded_blocks_fail_the_invariant_naming_the_prefill(run: SweepRun):
+    s = run.checks["fault_strand"]
+    assert s["verdict"] == "pass", s["message"]
+    d = s["details"]
+    assert d["stranded"] >= d["requests"] > 0 and d["released"] == d["stranded"]
+    inv = d["invariant"]
+    assert inv["verdict"] == "fail" and d["caught_on"] == ["prefill-0"]
+    assert "prefill-0 not idle after fault_strand: " in inv["message"] and "KV blocks in use" in inv["message"]
+    print("fault_strand:", round(s["seconds"], 1), "s;", inv["message"])
