@@ -11,9 +11,12 @@ runner (checks/runner.py) probes the cluster and attaches the record to that che
    process tree pd-sessions started) within a bound of their values after the warm-up check (the
    first check that ran); a restarted instance (a new PID) is measured from its first record.
    An instance on another host (the Ray lane) cannot be measured from here: NOT RUN, saying so.
-3. **transfers started = transfers completed = requests through P/D**: NOT RUN with the reason
-   the connector's spec gives (no connector exposes a per-transfer counter on the prefill in vLLM
-   0.32); where the decode counts its completed transfers, their number per check is recorded.
+3. **transfers started = transfers completed = requests through P/D**: where vLLM counts a
+   connector's completed transfers (its spec's MetricEvidence, on the side that completes them),
+   their rise over each check that counts its router requests (the window's ledger: smoke,
+   parity) must equal those requests, exactly; the rise after every other check is recorded.
+   Transfers started on the prefill: NOT RUN, with the reason (no connector exposes a counter of
+   them in vLLM 0.32; a connector with no Prometheus counter at all is NOT RUN as a whole).
 
 A violation FAILs, naming the instance, what it held or how far it grew, and the check after
 which it first appeared. The parts not measured are named in the message, never passed.
@@ -54,22 +57,39 @@ BOUND_OPTION = {"fds": "fds_bound", "threads": "threads_bound", "rss_mib": "rss_
 # ---------------------------------------------------------------- the verdict (pure)
 
 
-def transfers_unmeasured(connector: str) -> str:
-    """Why transfers started on the prefills = completed on the decodes = P/D requests is not
-    judged for ``connector`` (its spec's evidence says what vLLM exposes)."""
+def transfers_unmeasured(connector: str) -> tuple[str, str | None]:
+    """What of transfers started on the prefills = completed = P/D requests is not judged for
+    ``connector``, and why (its spec's evidence says what vLLM exposes); and the counter of
+    completed transfers judged against the router requests (None: there is none)."""
     spec = connectors.get(connector)
     ev = spec.evidence
     if isinstance(ev, MetricEvidence):
         return (
-            f"{spec.title}: vLLM counts completed {ev.what} on the {ev.role} only ({ev.count}, recorded "
-            "per check), no transfer started on the prefill, and the requests that went through P/D "
-            "are counted only in the KV window's checks (kv_transfer)"
+            f"transfers started on the prefill NOT RUN ({spec.title}: vLLM counts completed {ev.what} on the "
+            f"{ev.role} only, {ev.count})",
+            ev.count,
         )
     assert isinstance(ev, LogEvidence)
     return (
-        f"{spec.title}: vLLM exposes no Prometheus counter of its transfers; its '{ev.success}' log "
-        "lines are summed per stats interval, not per check"
+        f"transfers NOT RUN ({spec.title}: vLLM exposes no Prometheus counter of its transfers; its "
+        f"'{ev.success}' log lines are summed per stats interval, not per check)",
+        None,
     )
+
+
+def unequal_transfers(records: Sequence[Mapping[str, Any]], counter: str) -> tuple[list[str], int]:
+    """The checks whose completed transfers (summed over instances) differ from the router
+    requests they counted, and how many checks were judged."""
+    judged = [r for r in records if r.get("router_requests") and "transfers" in r]
+    out = []
+    for r in judged:
+        got = sum((r.get("transfers") or {}).values())
+        if got != r["router_requests"]:
+            out.append(
+                f"after {r['check']}: {got:g} completed transfers ({counter}) for {r['router_requests']} "
+                "router requests"
+            )
+    return out, len(judged)
 
 
 def first_growth(
@@ -132,48 +152,55 @@ def numbers(details: Mapping[str, Any]) -> list[Table]:
 
 @reporting(numbers)
 def evaluate(
-    records: Sequence[Mapping[str, Any]], bounds: Mapping[str, float], *, transfers: str
+    records: Sequence[Mapping[str, Any]],
+    bounds: Mapping[str, float],
+    *,
+    transfers: tuple[str, str | None],
 ) -> CheckResult:
-    """The verdict over every check's record.
+    """The verdict over every check's record (``transfers``: transfers_unmeasured's answer).
 
     no record (no check ran before it)             -> NOT RUN
     an instance not idle within the bound          -> FAIL: instance, what it held, the check after
                                                       which it first appeared
     a resource above warm-up + its bound           -> FAIL: instance, value, warm-up, the check
-    otherwise                                      -> PASS; the parts not measured (resources on
-                                                      remote hosts, transfer counts) named NOT RUN
+    completed transfers != router requests         -> FAIL: the check, both counts
+    a probe that failed                            -> FAIL, naming it
+    otherwise                                      -> PASS; the parts not measured (transfers
+                                                      started, resources on remote hosts) named
+                                                      NOT RUN, never passed
     """
     details: dict[str, Any] = {"records": list(records), "bounds": dict(bounds)}
     if not records:
         return unrun(NAME, "no check ran before it: nothing to conserve", details)
     probed = [r for r in records if "held" in r]
+    held = first_held(probed)
     growth, base = first_growth(probed, bounds)
     usage_unrun = sorted({r["usage_not_run"] for r in probed if r.get("usage_not_run")})
+    why_not, counter = transfers
+    unequal, judged = unequal_transfers(probed, counter) if counter else ([], 0)
     parts = {
-        "kv_idle": FAIL if first_held(probed) else PASS,
+        "kv_idle": FAIL if held else PASS,
         "resources": FAIL if growth else (NOT_RUN if usage_unrun and not base else PASS),
-        "transfers": NOT_RUN,
+        "transfers": FAIL if unequal else (PASS if judged else NOT_RUN),
     }
-    details.update(warm_up=base, parts=parts, transfers_not_run=transfers, resources_not_run=usage_unrun)
-    not_run = [f"transfers NOT RUN ({transfers})"] + [f"resources NOT RUN ({r})" for r in usage_unrun]
+    details.update(warm_up=base, parts=parts, transfers_not_run=why_not, resources_not_run=usage_unrun)
+    not_run = [why_not] + [f"resources NOT RUN ({r})" for r in usage_unrun]
     not_run += [f"not probed after {r['check']} ({r['skipped']})" for r in records if "skipped" in r]
-    if not probed:
-        return unrun(
-            NAME, "no check was probed (" + "; ".join(r.get("skipped", "") for r in records) + ")", details
-        )
-    problems = (
-        first_held(probed) + growth + [f"after {r['check']}: {r['error']}" for r in records if "error" in r]
-    )
+    errors = [f"after {r['check']}: {r['error']}" for r in records if "error" in r]
+    if not probed and not errors:
+        return unrun(NAME, "no check was probed: " + "; ".join(not_run[1:]), details)
+    problems = held + growth + unequal + errors
     if problems:
         return CheckResult(NAME, FAIL, "; ".join(problems) + "; " + "; ".join(not_run), details)
     b = ", ".join(f"{k} +{v:g}" for k, v in bounds.items())
+    counted = f"completed transfers = router requests after {judged} check(s); " if judged else ""
+    slowest = max(probed, key=lambda r: r["idle_s"])
     return CheckResult(
         NAME,
         PASS,
-        f"after each of {len(probed)} checks every instance was idle within "
-        f"{max(r['bound_s'] for r in probed):g} s (slowest {max(r['idle_s'] for r in probed):.1f} s after "
-        f"{max(probed, key=lambda r: r['idle_s'])['check']}) and within its warm-up resources ({b}); "
-        + "; ".join(not_run),
+        f"after each of {len(probed)} checks every instance was idle within {slowest['bound_s']:g} s "
+        f"(slowest {slowest['idle_s']:.1f} s, after {slowest['check']}) and within its warm-up "
+        f"resources ({b}); {counted}" + "; ".join(not_run),
         details,
     )
 
@@ -206,6 +233,7 @@ class Ledger:
     options: Mapping[str, Any]
     records: list[dict[str, Any]] = field(default_factory=list)
     counted: dict[str, float] = field(default_factory=dict)  # completed transfers so far
+    requests: int = 0  # the window's router requests so far
 
     @classmethod
     def open(cls, window: CheckWindow, options: Mapping[str, Any]) -> Ledger:
@@ -229,8 +257,14 @@ class Ledger:
             except (psutil.Error, OSError) as e:  # the conservation check fails, naming it
                 rec = {"check": check, "error": f"probe failed: {type(e).__name__}: {e}"}
             else:
-                rec["transfers"] = {n: v - self.counted.get(n, 0.0) for n, v in now.items()}
+                # a restarted instance's counter starts again from 0
+                rec["transfers"] = {
+                    n: v - self.counted.get(n, 0.0) if v >= self.counted.get(n, 0.0) else v
+                    for n, v in now.items()
+                }
+                rec["router_requests"] = w.router_requests - self.requests
                 self.counted.update(now)
+                self.requests = w.router_requests
         self.records.append(rec)
         if w.results and w.results[-1].name == check:
             w.results[-1].details[NAME] = rec
