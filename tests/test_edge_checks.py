@@ -31,10 +31,12 @@ def test_defaults_are_every_check_in_running_order():
         "burst",
         "abort_frees_kv",
         "accuracy",
+        "conservation",
     )
     assert registry.resolve(None) == registry.DEFAULTS
     opt_in = ("preemption", "perf", *registry.FAULTS, *registry.WIRE, "kv_digest")  # run when selected
-    assert (*registry.DEFAULTS, *opt_in) == registry.NAMES
+    # conservation last: it judges the probes after every check before it
+    assert (*registry.DEFAULTS[:-1], *opt_in, "conservation") == registry.NAMES
 
 
 def test_selection_is_put_in_running_order():

@@ -117,11 +117,12 @@ def test_check_adds_checks_to_the_sweeps_own_in_running_order():
     sel = select_run("mooncake_sweep", args("--platform", "cpu"), CPUS)
     assert sel.checks == check_registry.DEFAULTS
     sel = select_run("mooncake_sweep", args("--platform", "cpu", "--check", "fault_zero,fault_drop"), CPUS)
-    assert sel.checks == (*check_registry.DEFAULTS, "fault_drop", "fault_zero")
+    # conservation, a default, runs last: it judges the probes after every check before it
+    assert sel.checks == (*check_registry.DEFAULTS[:-1], "fault_drop", "fault_zero", "conservation")
     sel = select_run(
         "mooncake_sweep", args("--platform", "cpu", "--check", "faults", "--check", "smoke"), CPUS
     )
-    assert sel.checks == (*check_registry.DEFAULTS, *check_registry.FAULTS)
+    assert sel.checks == (*check_registry.DEFAULTS[:-1], *check_registry.FAULTS, "conservation")
     said = r"--check: unknown check 'fault_zeros' \(did you mean \"fault_zero\"\?\)"
     with pytest.raises(ConfigError, match=said):
         select_run("mooncake_sweep", args("--platform", "cpu", "--check", "fault_zeros"), CPUS)
