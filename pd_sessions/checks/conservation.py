@@ -234,6 +234,12 @@ class Ledger:
     records: list[dict[str, Any]] = field(default_factory=list)
     counted: dict[str, float] = field(default_factory=dict)  # completed transfers so far
     requests: int = 0  # the window's router requests so far
+    carried: dict[str, float] = field(default_factory=dict)  # blocks held past a bound, reported
+
+    def reference(self) -> dict[str, dict[str, float]]:
+        """Each instance's idle state for the next probe: an empty cache but the blocks it was
+        already reported holding."""
+        return {n: {**IDLE, BLOCKS: b} for n, b in self.carried.items() if b}
 
     @classmethod
     def open(cls, window: CheckWindow, options: Mapping[str, Any]) -> Ledger:
@@ -252,7 +258,7 @@ class Ledger:
             }
         else:
             try:
-                rec = probe(w, check, float(self.options["idle_bound_s"]))
+                rec = probe(w, check, float(self.options["idle_bound_s"]), self.reference())
                 now = completed_transfers(w)
             except (psutil.Error, OSError) as e:  # the conservation check fails, naming it
                 rec = {"check": check, "error": f"probe failed: {type(e).__name__}: {e}"}
@@ -265,29 +271,40 @@ class Ledger:
                 rec["router_requests"] = w.router_requests - self.requests
                 self.counted.update(now)
                 self.requests = w.router_requests
+                # blocks an instance still held at the bound were reported after this check;
+                # the next probes judge only blocks beyond them (as they are freed, fewer)
+                for n, b in rec["blocks"].items():
+                    left = b or 0.0
+                    self.carried[n] = left if rec["held"].get(n) else min(self.carried.get(n, 0.0), left)
+                rec["carried"] = {n: b for n, b in self.carried.items() if b}
         self.records.append(rec)
         if w.results and w.results[-1].name == check:
             w.results[-1].details[NAME] = rec
 
 
-def probe(window: CheckWindow, check: str, bound_s: float) -> dict[str, Any]:
-    """Poll the live instances until each is idle or ``bound_s`` passed; then their resources.
-    ``held``: instance -> what it still holds (None: idle)."""
+def probe(
+    window: CheckWindow, check: str, bound_s: float, idle: Mapping[str, Mapping[str, float]] | None = None
+) -> dict[str, Any]:
+    """Poll the live instances until each is idle (an empty cache, or its state in ``idle``)
+    or ``bound_s`` passed; then their resources. ``held``: instance -> what it still holds
+    (None: idle)."""
     cluster = window.cluster
     live = [s for s in window.plan.instances if s.name not in cluster.down]
     t0 = time.monotonic()
     held: dict[str, str | None] = {}
+    blocks: dict[str, float | None] = {}
     while True:
         for s in live:
             try:
-                held[s.name] = holds(IDLE, state(http.get_text(f"{s.url}/metrics", timeout=5.0)))
+                now = state(http.get_text(f"{s.url}/metrics", timeout=5.0))
+                held[s.name], blocks[s.name] = holds((idle or {}).get(s.name, IDLE), now), now.get(BLOCKS)
             except http.HttpError as e:
                 held[s.name] = f"/metrics: {e.reason}"
         if all(h is None for h in held.values()) or time.monotonic() - t0 >= bound_s:
             break
         time.sleep(POLL_S)
     rec: dict[str, Any] = {"check": check, "held": held, "idle_s": round(time.monotonic() - t0, 3)}
-    rec["bound_s"] = bound_s
+    rec.update(bound_s=bound_s, blocks=blocks)
     remote = [r.name for r in cluster.instances if r.node is not None]
     if remote:
         rec["usage_not_run"] = (

@@ -256,7 +256,7 @@ CHECKS: tuple[CheckInfo, ...] = (
         "in use: no send left in flight) and its open fds, threads and RSS within a bound of their "
         "values after the first check; transfer counts NOT RUN where vLLM exposes no counter",
         gatherer=("conservation", "run"),
-        options={"idle_bound_s": 30.0, "fds_bound": 64, "threads_bound": 32, "rss_bound_mib": 512},
+        options={"idle_bound_s": 10.0, "fds_bound": 64, "threads_bound": 32, "rss_bound_mib": 512},
         required=False,
     ),
 )

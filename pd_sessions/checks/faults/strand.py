@@ -173,7 +173,8 @@ def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
         stalled, reached, got, sent_at = leave(s, n, stall_s)
         # the stall ends stall_s after the requests were sent: then the decode loads and frees,
         # and the prefill's sends finish (and are kept); the invariant has free_slack_s more
-        rec = conservation.probe(window, NAME, max(0.0, sent_at + stall_s - time.monotonic()) + slack)
+        # against each instance's state before the scenario: only what it left behind counts
+        rec = conservation.probe(window, NAME, max(0.0, sent_at + stall_s - time.monotonic()) + slack, idle)
         stranded = s.injected("prefill").get("strand", 0)
     finally:
         s.off()
