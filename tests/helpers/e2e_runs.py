@@ -84,9 +84,10 @@ def sweep_once(results: Path, *, argv: list[str] | None = None, args: tuple[str,
 
 # The fault scenarios each shared run adds after the default checks (test_e2e_faults asserts on
 # them): over both connectors the five that keep their promise every time on this stack (drop,
-# zero, swap, stall then abort, and strand: test_e2e_conservation); over NIXL also the two that kill a prefill (peer death, restart
-# in place: about 30 s; PD_SESSIONS_E2E_KILLS=0 leaves them out). Over Mooncake those two break
-# the promise upstream (a pull from a dead or restarted prefill hangs: `nox -s faults` shows it).
+# zero, swap, stall then abort, and strand: test_e2e_conservation); over NIXL also the two that
+# kill a prefill (peer death, restart in place: about 30 s; PD_SESSIONS_E2E_KILLS=0 leaves them
+# out). Over Mooncake those two break the promise upstream (a pull from a dead or restarted
+# prefill hangs: `nox -s faults` shows it).
 # Over NIXL the SIGKILLed prefill's worker used to stay in the kernel's exit path (exit_mmap,
 # runnable) for over 30 s in about 1 run of 4 on this 2-core host; not seen in 13 runs since the
 # worker runs in the engine core and stays on its instance's core (docs/failure-modes.md, row 34).
