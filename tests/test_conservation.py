@@ -282,3 +282,24 @@ def test_nixl_n_gt_1_stranding_is_the_known_issue_and_nothing_else_is():
     grown = [*after_rf, record("perf", use={"prefill-0": usage(fds=400), "decode-0": usage(pid=12)})]
     r = conservation.evaluate(grown, BOUNDS, transfers=NIXL)  # and an fd leak besides: FAIL
     assert known_issues.judge(r, entry, "0.32.0").verdict == FAIL
+
+
+def test_mooncake_n_gt_1_stranding_is_its_known_issue_and_nothing_else_is():
+    from pd_sessions.core import known_issues
+    from pd_sessions.core.results import XFAIL
+
+    (entry,) = [i for i in known_issues.load() if i.id == "mooncake-n-gt-1-stranded-kv"]
+    assert entry.check == "conservation" and entry.connector == "mooncake"
+    recs = healthy()
+    recs[1]["check"] = "request_features"
+    for held in (  # the prefill and the decode, or either (the CPU lane held 5 and 2 blocks)
+        {"prefill-0": "5 KV blocks in use (idle 0; x)", "decode-0": "2 KV blocks in use (idle 0; x)"},
+        {"prefill-0": "5 KV blocks in use (idle 0; x)", "decode-0": None},
+        {"prefill-0": None, "decode-0": "1 requests still running (vllm:num_requests_running)"},
+    ):
+        recs[1]["held"] = held
+        r = conservation.evaluate(recs, BOUNDS, transfers=MOONCAKE)
+        assert known_issues.judge(r, entry, "0.32.0").verdict == XFAIL, r.message
+    recs[2]["held"] = {"prefill-0": "1 KV blocks in use (idle 0; x)", "decode-0": None}  # and after burst
+    r = conservation.evaluate(recs, BOUNDS, transfers=MOONCAKE)
+    assert known_issues.judge(r, entry, "0.32.0").verdict == FAIL
