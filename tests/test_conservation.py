@@ -220,8 +220,8 @@ def test_the_scenario_passes_only_when_the_invariant_caught_the_stranded_blocks_
     r = strand.evaluate(stranded(), WHOLE)
     assert r.verdict == PASS, r.message
     assert (
-        "the conservation invariant caught it: prefill-0 not idle after fault_strand: 4 KV blocks"
-        in r.message
+        "the conservation invariant failed on it (prefill-0 not idle after fault_strand: 4 KV blocks in use "
+        "(idle 0; ...)); 2 handed back" in r.message
     )
     assert r.details["caught_on"] == ["prefill-0"]
     # an invariant blind to them (every instance idle): the scenario fails

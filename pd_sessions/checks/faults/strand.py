@@ -48,10 +48,14 @@ class Stranded:
     prefills: Sequence[str]  # the prefill instances' names
 
     @property
+    def held(self) -> dict[str, Any]:
+        """What the invariant's probe saw each instance hold (None: idle)."""
+        return dict(self.invariant.details.get("records", [{}])[0].get("held") or {})
+
+    @property
     def caught_on(self) -> list[str]:
         """The prefill instances the invariant named as holding KV blocks."""
-        held = self.invariant.details.get("records", [{}])[0].get("held") or {}
-        return [n for n in self.prefills if held.get(n) and "KV blocks in use" in str(held[n])]
+        return [n for n in self.prefills if self.held.get(n) and "KV blocks in use" in str(self.held[n])]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -114,7 +118,9 @@ def evaluate(st: Stranded, recovery: Recovery) -> CheckResult:
         NAME,
         PASS,
         f"{st.requests} clients left while the decode waited; the prefill kept {st.stranded} finished "
-        f"send(s) and the conservation invariant caught it: {st.invariant.message.split('; ')[0]}; "
+        f"send(s) and the conservation invariant failed on it ("
+        + "; ".join(f"{n} not idle after {NAME}: {st.held[n]}" for n in st.caught_on)
+        + "); "
         f"{st.released} handed back with the mode off; {recovery.line()}",
         details,
     )
