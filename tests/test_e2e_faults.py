@@ -1,5 +1,5 @@
 """The fault scenarios on real vLLM (CPU lane), asserted on the shared runs of conftest: the
-Mooncake and NIXL sweeps (drop, zero, swap, stall then abort; the NIXL sweep adds peer death and
+Mooncake and NIXL sweeps (drop, zero, swap, stall then abort, strand; the NIXL sweep adds peer death and
 restart in place unless PD_SESSIONS_E2E_KILLS=0), whose connectors the planner wrapped with
 pd-sessions' fault injector. Each scenario must keep its promise (or, for
 zero and swap, be caught by the checks), the injector's own counters must prove the fault
@@ -26,6 +26,7 @@ COMMON = (
     "fault_truncate",
     "fault_partial_recompute",
     "fault_stall_abort",
+    "fault_strand",
 )
 kills = pytest.mark.skipif(
     not E2E_KILLS,

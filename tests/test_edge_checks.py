@@ -33,13 +33,14 @@ def test_defaults_are_every_check_in_running_order():
         "burst",
         "abort_frees_kv",
         "accuracy",
+        "conservation",
     )
     assert registry.resolve(None) == registry.DEFAULTS
     opt_in = ("preemption", "perf", *registry.FAULTS, *registry.WIRE)  # run when selected
-    assert (*registry.DEFAULTS, *opt_in, "kv_digest") == registry.NAMES
-    # perf is a default on cuda only, kv_digest (last: it compares every request before it) on cpu only
-    assert registry.defaults("cpu") == (*registry.DEFAULTS, "kv_digest")
-    assert registry.defaults("cuda") == (*registry.DEFAULTS, "perf")
+    # kv_digest (a default on cpu only) then conservation last: each judges the checks before it
+    assert (*registry.DEFAULTS[:-1], *opt_in, "kv_digest", "conservation") == registry.NAMES
+    assert registry.defaults("cpu") == (*registry.DEFAULTS[:-1], "kv_digest", "conservation")
+    assert registry.defaults("cuda") == (*registry.DEFAULTS[:-1], "perf", "conservation")
 
 
 def test_selection_is_put_in_running_order():

@@ -142,6 +142,39 @@ def test_a_prefill_stall_answers_not_yet_until_it_ends(tmp_path, capsys):
     assert [(e["mode"], e["side"]) for e in events(capsys)] == [("stall", "prefill")]
 
 
+def test_strand_keeps_finished_sends_from_the_prefills_scheduler_until_the_mode_goes_off(tmp_path, capsys):
+    conn, control = make(tmp_path, side="prefill")
+    switch(control, epoch="t", mode="strand", stall_s=3)
+    conn.results = FakeResults(())
+    conn.results.finished_sending = {"a", "b"}
+    assert conn.get_transfer_results(set()).finished_sending == set()  # the blocks stay in use
+    conn.results.finished_sending = set()
+    assert conn.get_transfer_results(set()).finished_sending == set()
+    switch(control, epoch="t-off")
+    conn.results.finished_sending = {"c"}
+    assert conn.get_transfer_results(set()).finished_sending == {"a", "b", "c"}  # handed back
+    conn.results.finished_sending = set()
+    assert conn.get_transfer_results(set()).finished_sending == set()  # once
+    said = [(e["mode"], e["req"], e["epoch"], e["side"]) for e in events(capsys)]
+    assert said == [
+        ("strand", "a", "t", "prefill"),
+        ("strand", "b", "t", "prefill"),
+        ("release", "a", "t", "prefill"),
+        ("release", "b", "t", "prefill"),
+    ]
+
+
+def test_strand_stalls_the_decodes_loads_so_that_clients_leave_first(tmp_path, capsys):
+    conn, control = make(tmp_path)
+    switch(control, epoch="t", mode="strand", stall_s=60)
+    conn.bind_connector_metadata(nixl_meta(r1=[1]))
+    assert conn.bound[-1].reqs_to_recv == {}
+    conn.results = FakeResults({"r9"})
+    conn.results.finished_sending = {"r8"}
+    assert conn.get_transfer_results(set()).finished_sending == {"r8"}  # the decode keeps nothing
+    assert [(e["mode"], e["where"]) for e in events(capsys)] == [("stall", "decode")]
+
+
 def test_a_bad_control_file_turns_faults_off_and_says_why_once(tmp_path, capsys):
     conn, control = make(tmp_path)
     control.write_text('{"mode": "melt"}')

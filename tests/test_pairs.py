@@ -116,9 +116,11 @@ def test_a_stuck_kv_pull_during_checks_fails_fast_naming_the_instance(tmp_path, 
         t0 = time.monotonic()
         runner.run_checks(cluster, results, skip=("accuracy",))
         took = time.monotonic() - t0
-    within(took, 12.0, "10 checks, the first stuck for its 2 s bound (each stuck: 20 s)")
+    within(took, 12.0, "11 checks, the first stuck for its 2 s bound (each stuck: 22 s)")
     by = {r.name: r for r in results}
-    assert [r.verdict for r in results] == ["fail"] * len(results) and len(results) == 10
+    # 10 checks and conservation, which probes nothing on a stuck path
+    assert [r.verdict for r in results] == ["fail"] * len(results) and len(results) == 11
+    assert by["conservation"].message.startswith("not run: the P/D path is stuck")
     assert "no answer within 2 s" in by["smoke"].message
     assert "stuck: decode-0 waits for KV from prefill-0" in by["smoke"].message
     assert by["parity"].message.startswith("not run: the P/D path is stuck (smoke got no answer within 2 s")

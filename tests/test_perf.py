@@ -431,7 +431,12 @@ def test_perf_is_a_default_on_cuda_and_opt_in_on_the_cpu_lane(tmp_path):
     with pytest.raises(ConfigError, match=r"command line: checks: unknown check 'perff' \(did you mean"):
         make_overrides(sets=['checks=["perff"]'])
     # --check adds to the platform's list or to --set's, in running order (perf before the faults)
-    assert selection.checks(registry.defaults("cpu"), ["perf"]) == (*registry.DEFAULTS, "perf", "kv_digest")
+    assert selection.checks(registry.defaults("cpu"), ["perf"]) == (
+        *registry.DEFAULTS[:-1],
+        "perf",
+        "kv_digest",
+        "conservation",
+    )
     assert selection.checks(["smoke"], ["faults,perf"]) == ("smoke", "perf", *registry.FAULTS)
 
 

@@ -118,11 +118,12 @@ def test_check_adds_checks_to_the_sweeps_own_in_running_order():
     sel = select_run("mooncake_sweep", args("--platform", "cpu"), CPUS)
     assert sel.checks == (*check_registry.DEFAULTS, digest) == check_registry.defaults("cpu")
     sel = select_run("mooncake_sweep", args("--platform", "cpu", "--check", "fault_zero,fault_drop"), CPUS)
-    assert sel.checks == (*check_registry.DEFAULTS, "fault_drop", "fault_zero", digest)
+    # conservation, a default, runs last: it judges the probes after every check before it
+    assert sel.checks == (*check_registry.DEFAULTS[:-1], "fault_drop", "fault_zero", digest, "conservation")
     sel = select_run(
         "mooncake_sweep", args("--platform", "cpu", "--check", "faults", "--check", "smoke"), CPUS
     )
-    assert sel.checks == (*check_registry.DEFAULTS, *check_registry.FAULTS, digest)
+    assert sel.checks == (*check_registry.DEFAULTS[:-1], *check_registry.FAULTS, digest, "conservation")
     said = r"--check: unknown check 'fault_zeros' \(did you mean \"fault_zero\"\?\)"
     with pytest.raises(ConfigError, match=said):
         select_run("mooncake_sweep", args("--platform", "cpu", "--check", "fault_zeros"), CPUS)

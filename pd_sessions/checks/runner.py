@@ -24,6 +24,9 @@ The order matters; the check window (checks/window.py) carries what the first ch
    them, and before any fault, so that it measures a whole cluster
 9. the fault scenarios (checks/faults/, opt-in), last: they corrupt, stall, kill and restart;
    fault_restart leaves the cluster whole again for the user's own commands
+10. conservation, when selected (a default): the runner probes the cluster after every check
+   (checks/conservation.py: every instance idle, its fds, threads and RSS within bounds of their
+   warm-up values), attaches the record to that check's result, and this check judges them all
 
 Results are appended to ``results`` as they come, so a run cut short by a
 dying process still reports the checks that finished.
@@ -37,6 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 from pd_sessions.checks import accuracy as acc
+from pd_sessions.checks import conservation
 from pd_sessions.checks.instances import REQUEST_TIMEOUT_S
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core import check_registry as registry
@@ -109,12 +113,18 @@ def run_checks(
         platform=cluster.plan.platform,
         versions=component_versions(),
     )
+    ledger = None
+    if conservation.NAME in wanted:
+        opts = {**registry.BY_NAME[conservation.NAME].options, **given.get(conservation.NAME, {})}
+        ledger = conservation.Ledger.open(window, opts)
     for info in registry.CHECKS:
         if info.name not in wanted:
             continue
         opts = {**info.options, **given.get(info.name, {})}
         gather = GATHERERS[info.name]
         window.timed(info.name, lambda: gather(window, opts), judge=known)  # noqa: B023 (called at once)
+        if ledger is not None and info.name != conservation.NAME:
+            ledger.after(info.name)
 
 
 def against_known_issues(

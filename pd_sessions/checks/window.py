@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from pd_sessions.checks import evidence, instances
 from pd_sessions.checks.completions import MAX_TOKENS, Completion
@@ -51,6 +52,9 @@ class CheckWindow:
         # (checks/kv_link.py: every transfer the connector reports in the window happened since)
         self.link_before: dict[str, tuple[int, int]] | None = None
         self._served_before: dict[str, float] | None = None
+        # invariants the runner keeps across the checks, by the check that judges them
+        # (checks/conservation.py's ledger of the probes after every check)
+        self.invariants: dict[str, Any] = {}
 
     @classmethod
     def open(cls, cluster: Cluster, results: list[CheckResult], *, timeout_s: float) -> CheckWindow:

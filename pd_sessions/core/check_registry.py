@@ -231,6 +231,17 @@ CHECKS: tuple[CheckInfo, ...] = (
         faults=True,
     ),
     CheckInfo(
+        "fault_strand",
+        "the prefill never frees the blocks of requests whose clients left while the decode waited "
+        "for stalled KV (the injector keeps their finished sends from its scheduler): the "
+        "conservation invariant must catch the stranded blocks, naming the prefill; then the "
+        "blocks are handed back and the cluster recovers",
+        gatherer=("faults.strand", "run"),
+        default=False,
+        options={"requests": 2, "stall_s": 3.0, "free_slack_s": 3.0},
+        faults=True,
+    ),
+    CheckInfo(
         "fault_peer_death",
         "the prefill SIGKILLed while a decode waits for its stalled KV: the decode answers with "
         "an error or a correct recompute, stays healthy and frees its blocks",
@@ -305,6 +316,16 @@ CHECKS: tuple[CheckInfo, ...] = (
         "nothing, where the layouts differ or the model is hybrid)",
         gatherer=("kv_digest", "run"),
         platforms=("cpu",),
+    ),
+    # Last: it judges the probes the runner takes after every check before it.
+    CheckInfo(
+        "conservation",
+        "after every check, every instance idle again within idle_bound_s (no request, no KV block "
+        "in use: no send left in flight) and its open fds, threads and RSS within a bound of their "
+        "values after the first check; transfer counts NOT RUN where vLLM exposes no counter",
+        gatherer=("conservation", "run"),
+        options={"idle_bound_s": 10.0, "fds_bound": 64, "threads_bound": 32, "rss_bound_mib": 512},
+        required=False,
     ),
 )
 BY_NAME = {c.name: c for c in CHECKS}

@@ -34,12 +34,18 @@ Modes (``Control.mode``):
 | recompute | decode | the decode's scheduler takes ``tokens`` of the tokens the connector |
 |       |         | would load back (at most the last block's but one, so the load's blocks |
 |       |         | are the same): the decode loads part of the KV and computes the rest |
+| strand | prefill | a finished send of a selected request is not reported to the scheduler |
+|       |         | (``finished_sending``), so its blocks stay in use; they are handed back |
+|       |         | on the first step after the mode goes off |
+|       | decode  | with ``stall_s`` > 0, each load starts ``stall_s`` late (as stall), so the |
+|       |         | client can leave and the decode abort first |
 
 Which requests: the n-th candidate of an epoch (counted from 0 on each side) is selected when
 ``floor((n + 1) * fraction) > floor(n * fraction)``: exactly ``fraction`` of them, spread evenly
 (1.0 = every one, 0.5 = every second, 0 = none). Candidates are, on the decode, the loads that
 start (stall) or finish (drop, zero, swap, mixup), the requests its scheduler first schedules
-(truncate, recompute); on the prefill, the requests it schedules.
+(truncate, recompute); on the prefill, the requests it schedules (stall) or whose sends finish
+(strand).
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-MODES = ("off", "drop", "stall", "zero", "swap", "mixup", "truncate", "recompute")
+MODES = ("off", "drop", "stall", "zero", "swap", "mixup", "truncate", "recompute", "strand")
 # The modes that overwrite a load's KV blocks after it finished (the KV digest must see them).
 CORRUPTING = ("zero", "swap", "mixup")
 # The modes applied after a load finished (get_transfer_results), and those applied by the
@@ -103,6 +109,8 @@ class Control:
             return False
         if self.mode == "stall":
             return self.where == side
+        if self.mode == "strand":
+            return side == "prefill" or self.stall_s > 0
         return side == "decode"
 
     def to_json(self) -> str:

@@ -20,6 +20,8 @@ It overrides only these, and acts only when the control file asks (the rest is i
   and hands it to the connector ``stall_s`` later; every load's blocks are recorded;
 - ``get_transfer_results`` (decode worker): drop reports a finished load as failed; zero, swap and
   mixup overwrite its blocks before the scheduler learns it finished;
+- ``get_transfer_results`` (prefill worker): strand keeps a finished send from the scheduler, so
+  the request's blocks stay in use, and hands it back on the first call after the mode goes off;
 - ``register_kv_caches`` (worker): keeps the KV cache tensors that zero and swap write into;
 - ``request_finished`` / ``request_finished_all_groups`` and ``build_connector_meta`` (prefill
   scheduler), only with the KV digest on: note the blocks held for a send and hand them to the
@@ -151,6 +153,7 @@ class Injector:
     kv_caches: dict[str, Any] = field(default_factory=dict)
     block_dims: dict[str, int] = field(default_factory=dict)  # layer -> its block dimension
     donor: tuple[str, dict[str, Any]] | None = None  # swap: (req, layer -> saved blocks)
+    stranded: dict[str, str] = field(default_factory=dict)  # strand: req -> the epoch that held it
 
     def now_control(self) -> Control:
         """The control file's content, read again when it changed. Looked at (one stat) on every
@@ -192,10 +195,12 @@ class Injector:
         n, self.n = self.n, self.n + 1
         return faults.selected(n, self.control.fraction)
 
-    def event(self, mode: str, req: str, *, applied: bool = True, **more: Any) -> None:
+    def event(
+        self, mode: str, req: str, *, applied: bool = True, epoch: str | None = None, **more: Any
+    ) -> None:
         say(
             faults.event_line(
-                epoch=self.control.epoch,
+                epoch=self.control.epoch if epoch is None else epoch,
                 mode=mode,
                 req=req,
                 side=self.side,
@@ -342,7 +347,8 @@ class FaultInjecting:
                 pd.blocks[ld.req] = ld.groups
                 if self._pd_digest is not None:
                     self._pd_note_load(ld)
-                if c.mode == "stall" and c.applies_to("decode") and pd.candidate(ld.req):
+                stalls = c.mode == "stall" or (c.mode == "strand" and c.stall_s > 0)
+                if stalls and c.applies_to("decode") and pd.candidate(ld.req):
                     ld.until = now + c.stall_s
                     pd.parked.append(ld)
                     pd.event("stall", ld.req, stall_s=c.stall_s, where="decode")
@@ -357,6 +363,8 @@ class FaultInjecting:
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         results = super().get_transfer_results(finished_req_ids)  # type: ignore[misc]
         pd = self._pd
+        if pd.side == "prefill" and pd.control_path:
+            return self._pd_strand(results)
         if pd.side != "decode" or not (pd.control_path or self._pd_digest is not None):
             return results
         c = pd.now_control() if pd.control_path else faults.OFF
@@ -374,6 +382,24 @@ class FaultInjecting:
             self._pd_digest_loads([r for r in done if r not in results.failed_recving])
         for r in done:
             pd.blocks.pop(r, None)
+        return results
+
+    def _pd_strand(self, results: Any) -> Any:
+        """strand: keep the selected finished sends from the scheduler (their blocks stay in use);
+        once the mode is another, hand every kept one back (logged "release", in its epoch)."""
+        pd = self._pd
+        c = pd.now_control()
+        if c.mode == "strand":
+            for r in sorted(results.finished_sending):
+                if pd.candidate(r):
+                    pd.stranded[r] = c.epoch
+                    pd.event("strand", r)
+            results.finished_sending = {r for r in results.finished_sending if r not in pd.stranded}
+        elif pd.stranded:
+            for r, epoch in pd.stranded.items():
+                pd.event("release", r, epoch=epoch)
+            results.finished_sending = set(results.finished_sending) | set(pd.stranded)
+            pd.stranded.clear()
         return results
 
     # ------------------------------------------------------------ KV digest (workers)

@@ -83,8 +83,9 @@ def sweep_once(results: Path, *, argv: list[str] | None = None, args: tuple[str,
 
 
 # The fault scenarios each shared run adds after the default checks (test_e2e_faults asserts on
-# them): over both connectors the seven that keep their promise every time on this stack (drop,
-# zero, swap, mixup, truncate, partial recompute, stall then abort); over NIXL also the two that
+# them): over both connectors the eight that keep their promise every time on this stack (drop,
+# zero, swap, mixup, truncate, partial recompute, stall then abort, and strand:
+# test_e2e_conservation); over NIXL also the two that
 # kill a prefill (peer death, restart in place: about 30 s; PD_SESSIONS_E2E_KILLS=0 leaves them
 # out). Over Mooncake those two break the promise upstream (a pull from a dead or restarted
 # prefill hangs: `nox -s faults` shows it).
@@ -95,7 +96,7 @@ def sweep_once(results: Path, *, argv: list[str] | None = None, args: tuple[str,
 # cluster: tests/test_e2e_hop_faults.py).
 MOONCAKE_FAULTS = (
     "fault_hop_retry,fault_drop,fault_zero,fault_swap,fault_mixup,fault_truncate,fault_partial_recompute,"
-    "fault_stall_abort"
+    "fault_stall_abort,fault_strand"
 )
 E2E_KILLS = os.environ.get("PD_SESSIONS_E2E_KILLS", "1") != "0"
 NIXL_FAULTS = "faults" if E2E_KILLS else MOONCAKE_FAULTS

@@ -19,10 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from pd_sessions.checks import instances, parity
-from pd_sessions.checks.abort_frees_kv import settled
 from pd_sessions.checks.completions import Completion
 from pd_sessions.checks.faults.promise import (
     CORRECT,
@@ -35,6 +32,11 @@ from pd_sessions.checks.faults.promise import (
     classify,
     guard,
 )
+
+# re-exported: the scenarios and their tests read them here
+from pd_sessions.checks.kv_held import BLOCKS as BLOCKS
+from pd_sessions.checks.kv_held import holds as holds
+from pd_sessions.checks.kv_held import state as state
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core import faults
 from pd_sessions.core.errors import PdError, StopError
@@ -100,60 +102,6 @@ def control_file(plan: ClusterPlan) -> str:
             "fault scenario is among the config's checks"
         )
     return str(got["control"])
-
-
-# The exact count of KV blocks in use, derived: vllm:kv_cache_usage_perc is a fraction of
-# (num_gpu_blocks - 1) (vLLM's block pool leaves out its null block), and num_gpu_blocks is a
-# label of vllm:cache_config_info. On the CPU lane one block is 1/2047 of the cache: below
-# abort_frees_kv's slack on the fraction, so a few stranded blocks would pass unseen there.
-BLOCKS = "kv_blocks_in_use"
-CACHE_INFO = "vllm:cache_config_info"
-STATE = (instances.RUNNING, instances.WAITING, instances.KV_USAGE)
-
-
-def state(metrics_text: str) -> dict[str, float]:
-    """An instance's requests and KV usage from one /metrics scrape (summed over engines), with
-    BLOCKS when each engine's cache size is exposed."""
-    samples = [smp for f in text_string_to_metric_families(metrics_text) for smp in f.samples]
-    out: dict[str, float] = {}
-    for smp in samples:
-        if smp.name in STATE:
-            out[smp.name] = out.get(smp.name, 0.0) + smp.value
-    usage = {smp.labels.get("engine", ""): smp.value for smp in samples if smp.name == instances.KV_USAGE}
-    sizes = {
-        smp.labels.get("engine", ""): int(smp.labels["num_gpu_blocks"]) - 1
-        for smp in samples
-        if smp.name == CACHE_INFO and smp.labels.get("num_gpu_blocks", "").isdigit()
-    }
-    if usage and set(usage) <= set(sizes):
-        out[BLOCKS] = float(sum(round(u * sizes[e]) for e, u in usage.items()))
-    return out
-
-
-def holds(idle: Mapping[str, float], now: Mapping[str, float]) -> str | None:
-    """What an instance still holds compared with ``idle``, or None.
-
-    a request running                      -> "N requests still running (vllm:num_requests_running)"
-    a request waiting                      -> "N requests still waiting (...)"
-    more KV blocks in use than when idle   -> "N KV blocks in use (idle M; ...)"  (exact, when
-                                              the cache size is exposed; else abort_frees_kv's
-                                              rule on the usage fraction)
-    """
-    if now.get(BLOCKS) is not None and idle.get(BLOCKS) is not None:
-        if now.get(instances.RUNNING, 0.0) > 0:
-            return f"{now[instances.RUNNING]:g} requests still running ({instances.RUNNING})"
-        if now.get(instances.WAITING, 0.0) > 0:
-            return f"{now[instances.WAITING]:g} requests still waiting ({instances.WAITING})"
-        if now[BLOCKS] > idle[BLOCKS]:
-            return (
-                f"{now[BLOCKS]:g} KV blocks in use (idle {idle[BLOCKS]:g}; "
-                f"{instances.KV_USAGE} x num_gpu_blocks of {CACHE_INFO})"
-            )
-        return None
-    held = settled(idle, now)
-    if held is None and now.get(instances.WAITING, 0.0) > 0:
-        return f"{now[instances.WAITING]:g} requests still waiting ({instances.WAITING})"
-    return held
 
 
 @dataclass
