@@ -228,3 +228,24 @@ def test_cuda12_wheel_next_to_non_cuda_fails_then_printed_fix_passes(tmp_path):
     rc, out = canary()
     assert rc == 0, out
     assert '"ok": true' in out.splitlines()[-1]
+
+
+def test_harness_dependencies_are_pyproject_dependencies():
+    """HARNESS lists exactly pyproject.toml's dependencies (tomli-w was missing there: a --no-venv
+    run on a lent GPU crashed inside the perf check on ModuleNotFoundError: tomli_w)."""
+    import re
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.split(r"[<>=!~ \[;]", d, maxsplit=1)[0] for d in deps}
+    assert names == set(import_canary.HARNESS)
+    assert "tomli-w" in names
+
+
+def test_missing_harness_dependency_is_named_with_its_fix():
+    findings = import_canary.check_harness(lambda module: module != "tomli_w")
+    bad = [f for f in findings if not f.ok]
+    assert len(bad) == 1 and bad[0].check == "harness"
+    assert "tomli-w (import tomli_w)" in bad[0].message and "pip install 'tomli-w'" in bad[0].message
+    assert all(f.ok for f in import_canary.check_harness(lambda module: True))

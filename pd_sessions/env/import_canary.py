@@ -12,7 +12,10 @@ so a crash in native code ends the canary, not the session. It checks, in order:
    ``libcudart.so.N`` must match torch's CUDA major and resolve on this machine
    (RPATH/RUNPATH, LD_LIBRARY_PATH, the ldconfig cache, NVIDIA runtime wheels);
    a CPU-only torch must not need libcudart at all;
-3. imports: the package's ``imports`` (``mooncake.engine``; ``nixl._api`` for NIXL).
+3. imports: the package's ``imports`` (``mooncake.engine``; ``nixl._api`` for NIXL);
+4. with ``--harness``: the harness's own dependencies (pyproject.toml's ``dependencies``, :data:`HARNESS`)
+   are importable here, so a ``--no-venv`` interpreter that lacks one is named before a check
+   crashes on it (2026-12-05: ``tomli_w`` missing crashed the perf check on a lent GPU).
 
 Prints a short report, then one JSON line; exits 1 on any failure.
 The checks are pure functions over facts, so tests can give them any facts.
@@ -26,13 +29,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import importlib.metadata as md
 import json
 import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,6 +82,40 @@ class Report:
 
 
 # ------------------------------------------------------------------ pure checks
+
+
+# pyproject.toml's dependencies: distribution -> the module it is imported as (tests/test_canary.py
+# keeps the two lists equal).
+HARNESS = {
+    "psutil": "psutil",
+    "prometheus_client": "prometheus_client",
+    "packaging": "packaging",
+    "pyelftools": "elftools",
+    "jinja2": "jinja2",
+    "tomli-w": "tomli_w",
+}
+
+
+def check_harness(importable: Callable[[str], bool]) -> list[Finding]:
+    """One finding per harness dependency: importable here, or a failure naming the fix."""
+    out = []
+    for dist, module in HARNESS.items():
+        if importable(module):
+            out.append(Finding("harness", True, f"import {module}"))
+        else:
+            out.append(
+                Finding(
+                    "harness",
+                    False,
+                    f"the harness needs {dist} (import {module}) and this interpreter lacks it: "
+                    f"pip install '{dist}' into it (pyproject.toml's dependencies list it)",
+                )
+            )
+    return out
+
+
+def _importable(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
 
 
 def check_distributions(
@@ -297,12 +335,14 @@ def torch_cuda_major() -> int | None:
     return int(v.split(".")[0]) if v else None
 
 
-def run(connectors: Sequence[str], torch_cuda: int | None) -> Report:
+def run(connectors: Sequence[str], torch_cuda: int | None, *, harness: bool = False) -> Report:
     report = Report()
     inst = installed_distributions()
     packages = kv_connectors.packages(connectors)
     ours = {d for p in kv_connectors.packages() for d in p.distributions}
     report.distributions = {d: v for d, v in inst.items() if d in ours}
+    if harness:
+        report.findings += check_harness(_importable)
     report.findings += check_distributions(inst, torch_cuda, connectors)
     cache = ldconfig_cache()
     extra = nvidia_wheel_dirs()
@@ -339,12 +379,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="override torch's CUDA major ('none' for CPU-only); default: ask torch",
     )
+    p.add_argument(
+        "--harness",
+        action="store_true",
+        help="also check that the harness's own dependencies (pyproject.toml) import here: "
+        "for a --no-venv interpreter",
+    )
     args = p.parse_args(argv)
     if args.torch_cuda_major is None:
         cuda = torch_cuda_major()
     else:
         cuda = None if args.torch_cuda_major == "none" else int(args.torch_cuda_major)
-    report = run(args.connectors, cuda)
+    report = run(args.connectors, cuda, harness=args.harness)
     print(f"import canary ({', '.join(args.connectors)}; torch {_cuda_name(cuda)}):")
     for f in report.findings:
         print(f"  [{'ok' if f.ok else 'FAIL'}] {f.check}: {f.message}")
