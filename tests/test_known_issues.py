@@ -362,3 +362,39 @@ def test_mooncake_n_gt_1_is_xfail_only_when_n_gt_1_alone_failed():
         features(["n>1"]), known_issues.load(), connector="nixl", platform="cpu", versions={"vllm": "0.32.0"}
     )
     assert nixl.verdict == FAIL  # the entry is Mooncake's: over NIXL an ordinary check
+
+
+# The recorded H200 / vLLM 0.26.0 NixlPushConnector failures (2026-12-05; tests/fixtures/README.md).
+PUSH_026 = json.loads((ROOT / "tests" / "fixtures" / "h200-vllm026-nixl-push-messages.json").read_text())
+
+
+def push(name: str, message: str, vllm: str = "0.26.0") -> CheckResult:
+    return against_known_issues(
+        CheckResult(name, FAIL, message, {}),
+        known_issues.load(),
+        connector="nixl_push",
+        platform="cuda",
+        versions={"vllm": vllm, "vllm-router": "0.1.17"},
+    )
+
+
+def test_nixl_push_wrong_tokens_on_a_decode_prefix_cache_hit_is_xfail_on_vllm_026_only():
+    for check, message in (
+        ("request_features", PUSH_026["push_request_features"]),
+        ("cache_paths", PUSH_026["push_cache_paths"]),
+    ):
+        r = push(check, message)
+        assert r.verdict == XFAIL, (check, r.message)
+        assert "https://github.com/vllm-project/vllm/pull/48758" in r.message
+        assert push(check, message, vllm="0.32.0").verdict == FAIL  # the fixed code is in 0.32.0
+    # with prefix caching off only the KV accounting differs: not this bug
+    assert push("request_features", PUSH_026["no_prefix_caching_request_features"]).verdict == FAIL
+    # a fresh prompt answering wrong, or the short (uncached) situation differing: not this bug
+    fresh = "1 of 17 request features differ: max_tokens=1: tokens [1] vs prefill-direct [2] | " + (
+        "the 66-token prompt again (decode cache hit): tokens [275] vs prefill-direct [313]"
+    )
+    assert push("request_features", fresh).verdict == FAIL
+    short = "1/3 situations differ: short (8 tokens, block 16): 1/1 prompts differ"
+    assert push("cache_paths", short).verdict == FAIL
+    both = "2/3 situations differ: primed (40 tokens, block 16): x; short (8 tokens, block 16): y"
+    assert push("cache_paths", both).verdict == FAIL
