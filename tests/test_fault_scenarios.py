@@ -336,6 +336,35 @@ def test_a_stall_that_did_not_hold_every_request_is_not_run_invalid():
     assert r.message == "invalid: the fault did not fire (the injector's stall events on the decode read 1)"
 
 
+def test_a_stall_count_of_0_is_not_run_invalid_naming_the_count():
+    r = stall_abort.evaluate(
+        [phase(), phase("decode", stalled=0, reached=0, injected={}, left_s=0.3)], recovered()
+    )
+    assert r.verdict == NOT_RUN
+    assert r.message.startswith("invalid: the fault did not fire (the injector's stall events on the decode read 0)")
+
+
+# The decode phase as the H200 with vLLM 0.26.0 recorded it (2026-12-05, nixl and mooncake alike):
+# the injector stalled 2/2 requests, none was seen waiting on vllm:num_requests_kv_fetch_by_stage.
+H200_DECODE = dict(stalled=2, reached=0, injected={"stall": 2}, left_s=0.374, stall_ends_s=1.389, freed_s=1.705)
+
+
+def test_a_stall_that_fired_but_was_not_seen_waiting_fails():
+    r = stall_abort.evaluate([phase(), phase("decode", **H200_DECODE)], recovered())
+    assert r.verdict == FAIL
+    assert "decode: only 0/2 requests were seen waiting on the decode" in r.message
+
+
+def test_a_stall_on_an_instance_without_the_gauge_is_not_run_naming_the_metric():
+    """A vLLM whose decode exports no vllm:num_requests_kv_fetch_by_stage cannot show the requests
+    waiting: NOT RUN (the scenario could not look), never FAIL; the stall's count is named."""
+    r = stall_abort.evaluate([phase(), phase("decode", exported=False, **H200_DECODE)], recovered())
+    assert r.verdict == NOT_RUN, r.message
+    assert "the injector stalled 2/2 requests" in r.message
+    assert "exported no vllm:num_requests_kv_fetch_by_stage" in r.message
+    assert r.details["phases"][1]["metric_exported"] is False
+
+
 # ---------------------------------------------------------------- peer death, restart
 
 

@@ -44,7 +44,7 @@ from pd_sessions.checks.faults.scenario import POLL_S, Scenario, gatherer, holds
 from pd_sessions.checks.instances import RUNNING, WAITING
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core.plan import ProcessSpec
-from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, pick, reporting
+from pd_sessions.core.results import FAIL, NOT_RUN, PASS, CheckResult, Figure, Table, pick, reporting
 from pd_sessions.runtime import http as pdhttp
 
 NAME = "fault_stall_abort"
@@ -74,6 +74,9 @@ class Phase:
     freed_s: float  # until every instance was idle (or the free bound)
     held: Mapping[str, str | None]  # what each instance held at the end (None: idle)
     free_bound_s: float  # stall_s + free_slack_s
+    # whether ``where``'s /metrics exported metric_of(where) at all while ``reached`` was read:
+    # without it the waiting cannot be seen (a vLLM without the gauge), which is NOT RUN, not FAIL
+    exported: bool = True
 
     @property
     def abort_limit_s(self) -> float:
@@ -122,6 +125,7 @@ class Phase:
             "freed_s": round(self.freed_s, 3),
             "held": dict(self.held),
             "free_bound_s": self.free_bound_s,
+            "metric_exported": self.exported,
         }
 
 
@@ -180,6 +184,9 @@ def evaluate(phases: Sequence[Phase], recovery: Recovery) -> CheckResult:
     """The verdict.
 
     a phase's stall not applied to every request    -> NOT RUN "invalid" (promise.proven)
+    a phase's instance exported no metric_of(where)  -> NOT RUN: the waiting could not be seen
+                                                       (a stall that fired but was not seen
+                                                       waiting on an exported gauge: fail)
     fewer requests waiting on its /metrics than sent -> fail, naming the metric
     a stream had a token before the disconnect      -> fail
     its queues not empty within the abort bound, or
@@ -199,6 +206,19 @@ def evaluate(phases: Sequence[Phase], recovery: Recovery) -> CheckResult:
         "phases": [p.to_dict() for p in phases],
         "recovery": recovery.to_dict(),
     }
+    blind = [p for p in phases if not p.exported]
+    if blind:
+        return CheckResult(
+            NAME,
+            NOT_RUN,
+            "; ".join(
+                f"{p.where}: the injector stalled {p.stalled}/{p.requests} requests, but the {p.where}'s "
+                f"/metrics exported no {metric_of(p.where)}, so whether they waited there could not be "
+                "seen (that vLLM lacks the gauge)"
+                for p in blind
+            ),
+            details,
+        )
     if problems:
         return CheckResult(NAME, FAIL, "; ".join(problems), details)
     return CheckResult(
@@ -258,14 +278,20 @@ def samples(spec: ProcessSpec) -> list[Any]:
 def waiting(spec: ProcessSpec, where: str) -> float:
     """How many requests ``spec`` holds waiting: on the prefill for scheduling; on the decode
     for remote KV (the stages of vllm:num_requests_kv_fetch_by_stage before it arrived)."""
-    n = 0.0
+    return reading(spec, where)[0]
+
+
+def reading(spec: ProcessSpec, where: str) -> tuple[float, bool]:
+    """:func:`waiting`, and whether ``spec``'s /metrics exported the metric it reads at all."""
+    n, exported = 0.0, False
+    name = WAITING if where == "prefill" else KV_FETCH
     for s in samples(spec):
-        on_prefill = where == "prefill" and s.name == WAITING
-        if on_prefill or (
-            where == "decode" and s.name == KV_FETCH and s.labels.get("stage") in WAITING_FOR_KV
-        ):
+        if s.name != name:
+            continue
+        exported = True
+        if where == "prefill" or s.labels.get("stage") in WAITING_FOR_KV:
             n += s.value
-    return n
+    return n, exported
 
 
 def queued(specs: Sequence[ProcessSpec]) -> str | None:
@@ -302,6 +328,7 @@ class Before:
     reached: int = 0
     got_token: int = 0
     sent_at: float = 0.0
+    exported: bool = False
 
 
 def stall_and_leave(s: Scenario, where: str, n: int, stall_s: float) -> Before:
@@ -319,7 +346,9 @@ def stall_and_leave(s: Scenario, where: str, n: int, stall_s: float) -> Before:
 
         def reached() -> bool:  # held back by the injector, and waiting as the instance says
             b.stalled = s.injected(where).get("stall", 0)
-            b.reached = int(sum(waiting(sp, where) for sp in specs))
+            got = [reading(sp, where) for sp in specs]
+            b.reached = int(sum(n for n, _ in got))
+            b.exported = b.exported or any(e for _, e in got)
             return b.stalled >= n and b.reached >= n
 
         poll(reached, timeout=stall_s * 0.8)
@@ -374,6 +403,7 @@ def phase(window: CheckWindow, where: str, options: Mapping[str, Any], idle: Map
         freed,
         dict(held),
         free_bound_s,
+        b.exported,
     )
 
 
