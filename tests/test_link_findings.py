@@ -65,6 +65,20 @@ def test_self_endpoints_and_other_operations_are_left_out():
     assert ucx.lanes("no table here\n", "read", "cpu") == ()
 
 
+def test_the_recorded_h200_tables_name_the_lanes_of_the_vram_read():
+    """UCX 1.23 on an H200 (2026-12-05) titles the table "... into cuda/GPU0 from cuda/dev[1]", not
+    "into cuda memory from cuda": the probe then said "no 'remote memory read' table" although
+    its log had one. With UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y the read was cuda_ipc; with UCX's
+    defaults it was emulated over tcp/lo (the diagnosis's log)."""
+    got = (PERF / "ucx-proto-info-h200-nixl-probe-get-zcopy.log").read_text()
+    assert ucx.lanes(got, "read", "cuda") == ("cuda_ipc/cuda",)
+    assert ucx.lanes(got, "read", "cpu") == ()
+    assert ucx.advice(ucx.lanes(got, "read", "cuda"), "cuda") is None
+    defaults = (PERF / "ucx-proto-info-h200-nixl-probe-defaults-read.log").read_text()
+    assert ucx.lanes(defaults, "read", "cuda") == ("tcp/lo",)
+    assert ucx.advice(("tcp/lo",), "cuda", None).startswith("it used tcp, not cuda_ipc;")
+
+
 def test_the_advice_names_what_was_used_and_the_setting_to_try():
     gpu = ucx.advice(("tcp/lo",), "cuda")
     assert gpu and gpu.startswith("it used tcp, not cuda_ipc;") and "UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y" in gpu

@@ -26,10 +26,13 @@ from collections.abc import Sequence
 _ROW = re.compile(r"^\[[^]]*\]\s*\[[^]]*\]\s*\|(.*)\|\s*$")
 _BORDER = re.compile(r"^\[[^]]*\]\s*\[[^]]*\]\s*\+[-+]*\+\s*$")
 _LANE = re.compile(r"\b([a-z][a-z0-9_]*)/([A-Za-z0-9_.:\-]+)")
-# operation -> (its title's start, its title's memory phrase with {m} for the memory type)
+# operation -> (its title's start, its title's memory phrase, a regex with {m} for the memory type:
+# "{m} memory" on the CPU lane, "{m}/<device>" on a GPU, e.g. "into cuda/GPU0 from cuda/dev[1]",
+# as UCX 1.23 printed it on an H200, 2026-12-05)
+_MEM = r"{m}(?: memory|/\S+)"
 OPERATIONS = {
-    "read": ("remote memory read", "into {m} memory from {m}"),
-    "write": ("remote memory write", "from {m} memory to {m}"),
+    "read": ("remote memory read", rf"into {_MEM} from {{m}}\b"),
+    "write": ("remote memory write", rf"from {_MEM} to {{m}}\b"),
 }
 MEMORY = {"cpu": "host", "cuda": "cuda"}  # the probe's --device -> UCX's memory type name
 
@@ -66,13 +69,13 @@ def lanes(text: str, operation: str = "read", device: str = "cpu") -> tuple[str,
     in order of first appearance; () when the log has none (UCX_PROTO_INFO unset, or no such
     transfer)."""
     what, phrase = OPERATIONS[operation]
-    memory = phrase.format(m=MEMORY[device])
+    memory = re.compile(phrase.format(m=MEMORY[device]))
     found: dict[str, None] = {}
     for table in _tables(text):
         titles = [row[0] for row in table if len(row) == 1]
         if any(" self cfg#" in t for t in titles):
             continue
-        if not any(t.startswith(what) and memory in t for t in titles):
+        if not any(t.startswith(what) and memory.search(t) for t in titles):
             continue
         for row in table:
             if len(row) >= 3 and row[0] != "Range":
