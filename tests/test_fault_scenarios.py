@@ -341,12 +341,15 @@ def test_a_stall_count_of_0_is_not_run_invalid_naming_the_count():
         [phase(), phase("decode", stalled=0, reached=0, injected={}, left_s=0.3)], recovered()
     )
     assert r.verdict == NOT_RUN
-    assert r.message.startswith("invalid: the fault did not fire (the injector's stall events on the decode read 0)")
+    said = "invalid: the fault did not fire (the injector's stall events on the decode read 0)"
+    assert r.message.startswith(said)
 
 
 # The decode phase as the H200 with vLLM 0.26.0 recorded it (2026-12-05, nixl and mooncake alike):
 # the injector stalled 2/2 requests, none was seen waiting on vllm:num_requests_kv_fetch_by_stage.
-H200_DECODE = dict(stalled=2, reached=0, injected={"stall": 2}, left_s=0.374, stall_ends_s=1.389, freed_s=1.705)
+H200_DECODE = dict(
+    stalled=2, reached=0, injected={"stall": 2}, left_s=0.374, stall_ends_s=1.389, freed_s=1.705
+)
 
 
 def test_a_stall_that_fired_but_was_not_seen_waiting_fails():

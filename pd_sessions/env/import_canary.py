@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import importlib.metadata as md
+import importlib.util
 import json
 import os
 import re
