@@ -124,3 +124,21 @@ def test_the_cited_vllm_code_still_says_so(path, function, needles):
     body = text[start : nxt if nxt > 0 else None]
     assert all(n in body for n in needles), f"vllm/{path} {function} changed:\n{body}"
     assert function[4:-1] in kvi.__doc__
+
+
+def test_prefix_caching_is_on_unless_the_last_flag_turns_it_off():
+    assert kvi.prefix_caching([]) and kvi.prefix_caching(["--enforce-eager"])
+    assert not kvi.prefix_caching(["--enforce-eager", "--no-enable-prefix-caching"])
+    assert kvi.prefix_caching(["--no-enable-prefix-caching", "--enable-prefix-caching"])
+    assert not kvi.prefix_caching(["--enable-prefix-caching", "--no-enable-prefix-caching"])
+
+
+def test_with_prefix_caching_off_the_repeated_prompt_expects_no_decode_cache_hit():
+    """The H200 run with --no-enable-prefix-caching (vLLM 0.26.0, nixl_push, 2026-12-05) saw
+    66/0/0 for the repeated 66-token prompt; the check expected 2/64/0 (a decode cache hit) and
+    failed. Off, nothing is cached: the expectation is what was seen."""
+    args = ["--enforce-eager", "--no-enable-prefix-caching"]
+    cached = kvi.cached_after_full_prompt(66, 16) if kvi.prefix_caching(args) else 0
+    assert kvi.expected("nixl_push", ssm=False, prompt_tokens=66, cached=cached) == Counts(66, 0, 0)
+    on = kvi.cached_after_full_prompt(66, 16) if kvi.prefix_caching(["--enforce-eager"]) else 0
+    assert kvi.expected("nixl_push", ssm=False, prompt_tokens=66, cached=on) == Counts(2, 64, 0)

@@ -849,6 +849,8 @@ def block_cases(
     plan = asker.plan
     prompts = [*prompts, (f"the {4 * block + 2}-token prompt again (decode cache hit)", prompts[-1][1])]
     holder = None  # the decode that served the first 4B+2 prompt
+    # with --no-enable-prefix-caching on the decodes the repeat is no cache hit: 0 cached expected
+    decode_caches = kv_identity.prefix_caching([*plan.config.extra_args, *plan.config.decode_extra_args])
     sent: list[tuple[Feature, Timed, Future[Timed], KvRow | None]] = []
     for i, (name, ids) in enumerate(prompts):
         f = Feature(name, {"prompt": ids, "max_tokens": BLOCK_MAX_TOKENS, "temperature": 0.0})
@@ -859,7 +861,8 @@ def block_cases(
             deltas = settle(plan, before, len(ids))
             who = max(deltas, key=lambda n: deltas[n].total)
             repeat = i == len(prompts) - 1
-            cached = kv_identity.cached_after_full_prompt(len(ids), block) if repeat and who == holder else 0
+            caches = repeat and who == holder and decode_caches
+            cached = kv_identity.cached_after_full_prompt(len(ids), block) if caches else 0
             holder = who if i == len(prompts) - 2 else holder
             want = kv_identity.expected(asker.connector, ssm=asker.ssm, prompt_tokens=len(ids), cached=cached)
             row = KvRow(len(ids), cached, sum(deltas.values(), Counts()), want)

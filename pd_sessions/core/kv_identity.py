@@ -49,7 +49,7 @@ Pure; reads the connector specs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pd_sessions.core import connectors
@@ -125,6 +125,17 @@ def cached_after_full_prompt(prompt_tokens: int, block_size: int) -> int:
     """Tokens of a prompt the decode holds in its prefix cache once it has held the whole prompt:
     whole blocks, at most prompt - 1 (KVCacheManager.get_computed_blocks)."""
     return max(0, (prompt_tokens - 1) // block_size * block_size)
+
+
+def prefix_caching(args: Sequence[str]) -> bool:
+    """Whether an engine started with ``args`` caches prefixes: vLLM's default (on), unless the
+    last of ``--enable-prefix-caching`` / ``--no-enable-prefix-caching`` turns it off. Off, a
+    repeated prompt is no decode cache hit (seen on an H200 with vLLM 0.26.0, 2026-12-05)."""
+    last = None
+    for a in args:
+        if a in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
+            last = a
+    return last != "--no-enable-prefix-caching"
 
 
 def expected(connector: str, *, ssm: bool, prompt_tokens: int, cached: int = 0) -> Counts:
