@@ -35,6 +35,7 @@ HARNESS_DEPS = {
     "packaging": "24",
     "pyelftools": "0.31",
     "jinja2": "3.1",
+    "tomli-w": "1.0",
 }
 
 
