@@ -65,7 +65,8 @@ def bystander():
 def mooncake_sweep(tmp_path_factory) -> SweepRun:
     """The built-in Mooncake sweep's 1x1, every default check and the fault scenarios of
     MOONCAKE_FAULTS (the connectors wrapped by the fault injector), then kv_digest (the KV
-    digest of every request before it: test_e2e_kv_digest), through `nox --no-venv` on
+    digest of every request before it: test_e2e_kv_digest) and hostile_clients, last (client-made
+    kv_transfer_params: test_e2e_hostile_clients), through `nox --no-venv` on
     this (hand-prepared) environment as vLLM's CI runs it, with the user's passing test files
     (`--pytest`: an env-style file and a pd_cluster-fixture file) against its cluster, after the
     faults. Shared by test_e2e_cpu_lane (all checks pass, nothing installed, nothing
@@ -89,6 +90,8 @@ def mooncake_sweep(tmp_path_factory) -> SweepRun:
             MOONCAKE_FAULTS,
             "--check",
             "kv_digest",
+            "--check",
+            "hostile_clients",
             "--pytest",
             str(USER / "pd_parity_env.py"),
             str(USER / "pd_parity_fixture.py"),
@@ -101,7 +104,8 @@ def mooncake_sweep(tmp_path_factory) -> SweepRun:
 @pytest.fixture(scope="session")
 def nixl_sweep(tmp_path_factory) -> SweepRun:
     """The built-in NIXL sweep's 1x1, every default check, the perf check (opt-in on the CPU
-    lane; CI runs it once, here), the fault scenarios of NIXL_FAULTS and kv_digest, through the CLI, serving
+    lane; CI runs it once, here), the fault scenarios of NIXL_FAULTS, kv_digest and hostile_clients (last),
+    through the CLI, serving
     the remote-code tiny model (trust_remote_code: vLLM and lm_eval load its own classes) with
     margin-mode parity forced (auto would pick exact on the CPU lane; exact parity on a healthy
     pair is the Mooncake sweep's) and kv_load_failure_policy "recompute" (the Mooncake run keeps
@@ -134,6 +138,8 @@ def nixl_sweep(tmp_path_factory) -> SweepRun:
             NIXL_FAULTS,
             "--check",
             "kv_digest",
+            "--check",
+            "hostile_clients",
             "--results-dir",
             str(results),
         ),

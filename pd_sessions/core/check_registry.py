@@ -327,6 +327,21 @@ CHECKS: tuple[CheckInfo, ...] = (
         options={"idle_bound_s": 10.0, "fds_bound": 64, "threads_bound": 32, "rss_bound_mib": 512},
         required=False,
     ),
+    # After every other check (kv_digest included): it looks for a request left stuck, a KV block
+    # left held or a process killed by a client's request, none of which the checks after it could
+    # stand; a held block or a stuck request stays until its connector's timeout.
+    CheckInfo(
+        "hostile_clients",
+        "client-made kv_transfer_params (another live request's transfer, a replayed or duplicate "
+        "one, an unknown engine, out-of-range block ids, oversized or malformed values) through the "
+        "router and straight to decode-0 and prefill-0: each gets a clear 4xx or its own right "
+        "answer, every victim stays right, nothing hangs, dies or keeps a KV block",
+        gatherer=("hostile_clients", "run"),
+        default=False,
+        # deadline_s: each request's bound (a tiny model answers in well under a second on the CPU
+        # lane); idle_s: how long after the cases every instance may take to be idle again
+        options={"deadline_s": 8.0, "idle_s": 5.0},
+    ),
 )
 BY_NAME = {c.name: c for c in CHECKS}
 NAMES = tuple(BY_NAME)

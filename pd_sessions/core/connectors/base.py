@@ -25,6 +25,7 @@ field                     read by
 ``cpu_lane``              what the CPU lane adds (environment, warnings, the vLLM plugin's shims)
 ``options``               the connector's own config fields and their command-line flags
 ``sweep``                 its built-in sweep (``nox -s <sweep>``, the bench's checks part)
+``client_params``         the kv_transfer_params keys a client can forge (the hostile_clients check)
 ========================  =====================================================================
 
 Concerns that later work adds slot in as a field each: per-connector KV
@@ -333,6 +334,33 @@ class SendLayout:
 
 
 @dataclass(frozen=True)
+class ClientParams:
+    """The ``kv_transfer_params`` keys a client can forge for this connector, read from vLLM's
+    connector code (``code``) by the hostile_clients check (checks/hostile_clients.py), which bends
+    a real transfer's parameters one key at a time.
+
+    ``engine_key``: the decode hop's key naming the prefill engine to load from. ``decode_id_key``:
+    the decode hop's key a transfer is known by on the prefill (Mooncake's ``transfer_id``, NIXL's
+    ``remote_request_id``). ``prefill_id_key``: the prefill hop's key that names the transfer (None:
+    the prefill names it itself and answers with it, so a client cannot choose it). ``block_key``:
+    the decode hop's list of the prefill's block ids (None: the decode asks the prefill by id).
+    ``not_sent``: (case, entry point, why) the check does not send to a shared cluster because it
+    kills an instance there; ``why`` cites the known issue (configs/known_issues.toml) and what
+    was seen, and the check records the case NOT RUN with it."""
+
+    engine_key: str
+    decode_id_key: str
+    prefill_id_key: str | None
+    block_key: str | None
+    code: str
+    not_sent: tuple[tuple[str, str, str], ...] = ()
+
+    def why_not_sent(self, case: str, entry: str) -> str | None:
+        """Why ``case`` is not sent to ``entry`` ("router", "decode", "prefill"), or None."""
+        return next((why for c, e, why in self.not_sent if (c, e) == (case, entry)), None)
+
+
+@dataclass(frozen=True)
 class ConnectorSpec:
     """One KV connector: see the module docstring for who reads what."""
 
@@ -369,6 +397,9 @@ class ConnectorSpec:
     # the corruption detection rates the fault scenarios require, per fault and parity mode
     # (checks/faults/corrupt.py); a pair not listed requires at least one detection, and says so
     detection: tuple[DetectionRate, ...] = ()
+    # the kv_transfer_params keys a client can forge (ClientParams); None (unknown): the
+    # hostile_clients check is NOT RUN over it, saying so
+    client_params: ClientParams | None = None
 
     def detection_rate(self, fault: str, parity_mode: str) -> DetectionRate | None:
         """The rate written for ``fault`` in ``parity_mode``, or None."""

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 
 from pd_sessions.core.connectors.base import (
     AcrossHosts,
+    ClientParams,
     ConfigView,
     ConnectorSpec,
     CpuLane,
@@ -169,6 +170,32 @@ N_GT_1 = (
     "1 of 8 seeded 2-choice requests waited past 20 s, the others answered in 0.1-0.4 s"
 )
 
+# What a client can forge (the hostile_clients check): mooncake_connector.py, vLLM 0.32. The decode
+# hop names the prefill engine (remote_engine_id) and its bootstrap server, and the transfer by the
+# id both hops carry (transfer_id, which the prefill hop names too: a client chooses it); no block
+# ids (the decode asks the prefill for the transfer's blocks). A decode hop whose remote_engine_id
+# is not a string kills the decode's engine: MooncakeConnectorMetadata.add_new_req keys a dict by
+# it inside the scheduler (TypeError: unhashable type: 'dict', EngineDeadError), seen on the CPU
+# lane 2026-12-05; the check does not send it to a shared cluster (known issue
+# mooncake-client-params-kill-decode; docs/hostile-clients.md gives the request).
+CLIENT_PARAMS = ClientParams(
+    engine_key="remote_engine_id",
+    decode_id_key="transfer_id",
+    prefill_id_key="transfer_id",
+    block_key=None,
+    code="vllm/distributed/kv_transfer/kv_connector/v1/mooncake/mooncake_connector.py: "
+    "MooncakeConnectorScheduler.update_state_after_alloc, MooncakeConnectorMetadata.add_new_req",
+    not_sent=(
+        (
+            "wrong_types",
+            "decode",
+            "a decode hop with a non-string remote_engine_id kills decode-0's engine (TypeError: "
+            "unhashable type: 'dict' in MooncakeConnectorMetadata.add_new_req, inside the scheduler; "
+            "seen 2026-12-05, vLLM 0.32.0): known issue mooncake-client-params-kill-decode",
+        ),
+    ),
+)
+
 SPEC = ConnectorSpec(
     name="mooncake",
     title="Mooncake",
@@ -224,4 +251,5 @@ SPEC = ConnectorSpec(
         DetectionRate("zero", "exact", 32, 32, "32/32 in each of 4 CI runs, CPU lane"),
         DetectionRate("swap", "exact", 32, 32, "32/32 in each of 4 CI runs, CPU lane"),
     ),
+    client_params=CLIENT_PARAMS,
 )

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from pd_sessions.core.connectors.base import (
     AcrossHosts,
+    ClientParams,
     ConfigView,
     ConnectorSpec,
     CpuLane,
@@ -216,6 +217,19 @@ KV_ACCOUNTING = KvAccounting(
     "NixlBaseConnectorScheduler._prefill_backoff",
 )
 
+# What a client can forge (the hostile_clients check): nixl/base_scheduler.py and pull_scheduler.py,
+# vLLM 0.32. The decode hop carries what the prefill answered: its engine (remote_engine_id), its
+# request (remote_request_id), its block ids (remote_block_ids) and side channel (remote_host,
+# remote_port); the prefill hop names no transfer (the prefill answers with its own request id).
+CLIENT_PARAMS = ClientParams(
+    engine_key="remote_engine_id",
+    decode_id_key="remote_request_id",
+    prefill_id_key=None,
+    block_key="remote_block_ids",
+    code="vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py: "
+    "NixlBaseConnectorScheduler (the decode hop's keys), pull_scheduler.py update_state_after_alloc",
+)
+
 SPEC = ConnectorSpec(
     name="nixl",
     title="NIXL",
@@ -265,4 +279,5 @@ SPEC = ConnectorSpec(
         DetectionRate("zero", "margin", 32, 32, "32/32 in each of 4 CI runs, CPU lane"),
         DetectionRate("swap", "margin", 22, 32, "25-32/32 over 13 runs, CPU lane"),
     ),
+    client_params=CLIENT_PARAMS,
 )

@@ -87,4 +87,6 @@ SPEC = ConnectorSpec(
     cpu_lane=CPU_LANE,
     sweep="nixl_push_sweep",
     added_by="vllm-project/vllm#35264",
+    # push's decode hop carries what the prefill answered, as pull's does (nixl/push_scheduler.py)
+    client_params=nixl.CLIENT_PARAMS,
 )
