@@ -238,7 +238,10 @@ def evaluate(outcomes: Sequence[Outcome], after: Aftermath, *, deadline_s: float
         sent are named in the message and the table)
 
     ``details["failures"]``: the sorted problems without their numbers ("case@entry: kind", "KV
-    held on NAME", "NAME unhealthy"): what a known issue's ``fails_when`` matches.
+    held on NAME", "NAME unhealthy"); ``details["failed_cases"]``: the same without the kind
+    ("case@entry"), what a known issue's ``fails_when`` matches: how a case fails straight at an
+    instance may vary from run to run (the same oversized Mooncake pull hung in one run and was
+    answered wrong in the next, 2026-12-05), that it fails does not.
     """
     table = [row(o, deadline_s) for o in outcomes]
     problems, failures = [], []
@@ -253,6 +256,7 @@ def evaluate(outcomes: Sequence[Outcome], after: Aftermath, *, deadline_s: float
     details: dict[str, Any] = {
         "table": table,
         "failures": sorted(set(failures)),
+        "failed_cases": sorted({f.split(": ")[0] for f in failures}),
         "router_params": router_params(outcomes, deadline_s),
         "deadline_s": deadline_s,
         "idle_s": None if after.idle_s is None else round(after.idle_s, 2),

@@ -340,7 +340,7 @@ CHECKS: tuple[CheckInfo, ...] = (
         default=False,
         # deadline_s: each request's bound (a tiny model answers in well under a second on the CPU
         # lane); idle_s: how long after the cases every instance may take to be idle again
-        options={"deadline_s": 8.0, "idle_s": 5.0},
+        options={"deadline_s": 6.0, "idle_s": 4.0},
     ),
 )
 BY_NAME = {c.name: c for c in CHECKS}

@@ -220,7 +220,11 @@ KV_ACCOUNTING = KvAccounting(
 # What a client can forge (the hostile_clients check): nixl/base_scheduler.py and pull_scheduler.py,
 # vLLM 0.32. The decode hop carries what the prefill answered: its engine (remote_engine_id), its
 # request (remote_request_id), its block ids (remote_block_ids) and side channel (remote_host,
-# remote_port); the prefill hop names no transfer (the prefill answers with its own request id).
+# remote_port); the prefill hop names no transfer (the prefill answers with its own request id). A
+# decode hop whose remote_engine_id is not a string kills the decode's engine: the scheduler's
+# NixlBaseConnectorScheduler.on_new_request looks it up in a dict (TypeError: unhashable type:
+# 'dict', EngineDeadError), seen on the CPU lane 2026-12-05; the check does not send it to a shared
+# cluster (known issue nixl-client-params-kill-decode; docs/hostile-clients.md gives the request).
 CLIENT_PARAMS = ClientParams(
     engine_key="remote_engine_id",
     decode_id_key="remote_request_id",
@@ -228,6 +232,15 @@ CLIENT_PARAMS = ClientParams(
     block_key="remote_block_ids",
     code="vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py: "
     "NixlBaseConnectorScheduler (the decode hop's keys), pull_scheduler.py update_state_after_alloc",
+    not_sent=(
+        (
+            "wrong_types",
+            "decode",
+            "a decode hop with a non-string remote_engine_id kills decode-0's engine (TypeError: "
+            "unhashable type: 'dict' in NixlBaseConnectorScheduler.on_new_request, inside the "
+            "scheduler; seen 2026-12-05, vLLM 0.32.0): known issue nixl-client-params-kill-decode",
+        ),
+    ),
 )
 
 SPEC = ConnectorSpec(
