@@ -42,6 +42,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pd_sessions.checks import instances, parity
+from pd_sessions.checks.answers import error_message
 from pd_sessions.checks.completions import Completion
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core import connectors
@@ -311,12 +312,11 @@ class Sender:
         params: Params = None,
         *,
         tid: str | None = None,
-        max_tokens: int = MAX_TOKENS,
     ) -> Sent:
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": prompt,
-            "max_tokens": max_tokens,
+            "max_tokens": MAX_TOKENS,
             "temperature": 0.0,
             "seed": 0,
             "ignore_eos": True,
@@ -371,16 +371,10 @@ class Sender:
 
 
 def _message(reason: str) -> str:
-    """An HttpError's reason "HTTP 400: {body}" -> the body's message (OpenAI's or vLLM's)."""
-    body = reason.split(": ", 1)[1] if reason.startswith("HTTP ") and ": " in reason else reason
-    try:
-        doc = json.loads(body)
-    except ValueError:
-        return body.strip()
-    err = doc.get("error") if isinstance(doc, dict) else None
-    if isinstance(err, dict) and err.get("message"):
-        return str(err["message"])
-    return str(doc.get("message") or body) if isinstance(doc, dict) else body.strip()
+    """An HttpError's reason "HTTP 400: {body}" -> the body's message (answers.error_message)."""
+    return error_message(
+        reason.split(": ", 1)[1] if reason.startswith("HTTP ") and ": " in reason else reason
+    )
 
 
 def _tid() -> str:
