@@ -240,6 +240,14 @@ CLIENT_PARAMS = ClientParams(
             "unhashable type: 'dict' in NixlBaseConnectorScheduler.on_new_request, inside the "
             "scheduler; seen 2026-12-05, vLLM 0.32.0): known issue nixl-client-params-kill-decode",
         ),
+        (
+            "block_ids_out_of_range",
+            "decode",
+            "a decode hop whose remote_block_ids is a flat list of ids (vLLM 0.32 expects one list per "
+            "KV cache group) kills decode-0's engine (TypeError: 'int' object is not iterable in "
+            "NixlPullConnectorWorker's group_ids, inside start_load_kv; seen 2026-12-05, vLLM 0.32.0): "
+            "known issue nixl-client-params-kill-decode",
+        ),
     ),
 )
 
