@@ -406,8 +406,17 @@ def _bent(case: str, base: Mapping[str, object], cp: ClientParams) -> Params:
     return dict(base)  # replayed
 
 
+# A hostile request's prompt and its victim's share no words, so that an answer computed on the
+# other's KV is far from its own (in margin mode too: prompts that differed only in their first word
+# gave a hostile answer 1.02 nats off, at the margin's edge, 2026-12-05).
+PROMPTS = {
+    "hostile": "A cat sat on the warm windowsill and watched small birds flying south ({})",
+    "victim": "Seven ships sailed past an old lighthouse before the winter storm arrived ({})",
+}
+
+
 def _prompt(case: str, entry: str, who: str) -> str:
-    return f"{who.title()} of {case} via {entry}: the lighthouse keeper counted the ships and wrote"
+    return PROMPTS[who].format(f"{case} via {entry}")
 
 
 def decode_case(
