@@ -239,6 +239,7 @@ def test_the_runner_runs_every_check_in_order_around_one_window(fake, monkeypatc
         *registry.FAULTS,
         *registry.WIRE,
         "kv_digest",
+        "hostile_clients",
     ):
         monkeypatch.setitem(runner.GATHERERS, name, gather(name))
     results = []
@@ -253,8 +254,8 @@ def test_the_runner_runs_every_check_in_order_around_one_window(fake, monkeypatc
     )
     assert [r.name for r in results] == list(selected)
     # the fake cluster's connector has known upstream bugs (configs/known_issues.toml) reproduced
-    # by three checks: passing, they read XPASS (fixed: retire the entry); the rest pass
-    known = {"request_features", "fault_peer_death", "fault_restart"}
+    # by four checks: passing, they read XPASS (fixed: retire the entry); the rest pass
+    known = {"request_features", "fault_peer_death", "fault_restart", "hostile_clients"}
     assert {r.name: r.verdict for r in results if r.name in known} == dict.fromkeys(known, XPASS)
     assert all(r.passed for r in results if r.name not in known), [r.message for r in results]
     served = ["GET prefill-0", "GET decode-0"]
@@ -309,7 +310,8 @@ def test_the_runner_runs_every_check_in_order_around_one_window(fake, monkeypatc
         ("wire_partition", {"requests": 4, "partition_s": 3.0, "bound_s": 60.0}, n),
         ("wire_cap", {"requests": 3, "rate_kbit": 4000, "bound_s": 60.0}, n),
         ("wire_delay", {"requests": 3, "delay_ms": 20, "bound_s": 60.0}, n),
-        ("kv_digest", {}, n),  # last: it compares the KV of every request before it
+        ("kv_digest", {}, n),  # it compares the KV of every request before it
+        ("hostile_clients", {"deadline_s": 6.0, "idle_s": 4.0}, n),  # last: it may leave KV held
     ]
 
 
@@ -347,6 +349,7 @@ def test_a_stuck_path_fails_every_later_check_without_running_it(fake, monkeypat
         *registry.FAULTS,
         *registry.WIRE,
         "kv_digest",
+        "hostile_clients",
     ):
         monkeypatch.setitem(runner.GATHERERS, name, gather(name))
     fake.router_hangs = True
