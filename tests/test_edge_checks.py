@@ -37,8 +37,15 @@ def test_defaults_are_every_check_in_running_order():
     )
     assert registry.resolve(None) == registry.DEFAULTS
     opt_in = ("preemption", "perf", *registry.FAULTS, *registry.WIRE)  # run when selected
-    # kv_digest (a default on cpu only) then conservation last: each judges the checks before it
-    assert (*registry.DEFAULTS[:-1], *opt_in, "kv_digest", "conservation") == registry.NAMES
+    # kv_digest (a default on cpu only) then conservation: each judges the checks before it; then
+    # hostile_clients (opt-in), after all: the KV it may leave held is its own verdict, not theirs
+    assert (
+        *registry.DEFAULTS[:-1],
+        *opt_in,
+        "kv_digest",
+        "conservation",
+        "hostile_clients",
+    ) == registry.NAMES
     assert registry.defaults("cpu") == (*registry.DEFAULTS[:-1], "kv_digest", "conservation")
     assert registry.defaults("cuda") == (*registry.DEFAULTS[:-1], "perf", "conservation")
 

@@ -327,9 +327,10 @@ CHECKS: tuple[CheckInfo, ...] = (
         options={"idle_bound_s": 10.0, "fds_bound": 64, "threads_bound": 32, "rss_bound_mib": 512},
         required=False,
     ),
-    # After every other check (kv_digest included): it looks for a request left stuck, a KV block
-    # left held or a process killed by a client's request, none of which the checks after it could
-    # stand; a held block or a stuck request stays until its connector's timeout.
+    # After every other check, kv_digest and conservation included: it looks for a request left
+    # stuck, a KV block left held or a process killed by a client's request, none of which a check
+    # after it could stand (a held block or a stuck request stays until its connector's timeout);
+    # what it leaves held is its own verdict (its idle wait), not conservation's.
     CheckInfo(
         "hostile_clients",
         "client-made kv_transfer_params (another live request's transfer, a replayed or duplicate "
