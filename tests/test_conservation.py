@@ -12,7 +12,7 @@ import pytest
 from helpers import FIXTURES
 from helpers.builders import cfg, plan
 
-from pd_sessions.checks import conservation
+from pd_sessions.checks import conservation, runner
 from pd_sessions.checks.faults import strand
 from pd_sessions.checks.faults.promise import CORRECT, Outcome, Recovery
 from pd_sessions.checks.window import CheckWindow
@@ -141,7 +141,9 @@ def test_nothing_to_judge_is_not_run_and_a_failed_probe_fails():
 
 def test_it_is_a_default_run_last_and_not_required():
     info = check_registry.BY_NAME["conservation"]
-    assert check_registry.NAMES[-1] == "conservation" and "conservation" in check_registry.DEFAULTS
+    # last but hostile_clients (opt-in), which judges the KV it may leave held itself
+    assert check_registry.NAMES[-2:] == ("conservation", "hostile_clients")
+    assert "conservation" in check_registry.DEFAULTS and "hostile_clients" not in runner.PROBED
     assert not info.required and not info.faults
     assert set(info.options) == {"idle_bound_s", *conservation.BOUND_OPTION.values()}
     assert "fault_strand" in check_registry.FAULTS

@@ -123,8 +123,13 @@ def run_checks(
         opts = {**info.options, **given.get(info.name, {})}
         gather = GATHERERS[info.name]
         window.timed(info.name, lambda: gather(window, opts), judge=known)  # noqa: B023 (called at once)
-        if ledger is not None and info.name != conservation.NAME:
+        if ledger is not None and info.name in PROBED:
             ledger.after(info.name)
+
+
+# The checks the conservation ledger probes after: those before conservation in the running order
+# (hostile_clients, after it, judges what it leaves held itself: no probe would be judged).
+PROBED = frozenset(registry.NAMES[: registry.NAMES.index(conservation.NAME)])
 
 
 def against_known_issues(
