@@ -6,6 +6,8 @@ parameters, the bending of a transfer's parameters, and the known issues the che
 
 from __future__ import annotations
 
+import time
+
 from pd_sessions.checks import hostile_clients as hc
 from pd_sessions.checks.completions import Completion
 from pd_sessions.core import check_registry, connectors, known_issues
@@ -162,3 +164,24 @@ def test_the_known_issues_judge_the_failures_seen_as_xfail_and_another_failure_a
         r.details["failed_cases"] = [*r.details["failed_cases"], "replayed@router"]
         other = known_issues.judge(r, e, "0.32.0")
         assert other.verdict == FAIL and e.id in other.message
+
+
+def test_the_router_cases_are_sent_before_any_case_straight_to_an_instance(monkeypatch):
+    """A forged pull straight to a Mooncake decode can block the pulls after it, the router's too:
+    the router's phase ends before the direct one starts, and the table keeps its order."""
+    seen: list[str] = []
+
+    def case(entry: str, c: str) -> hc.Outcome:
+        if entry == "router":  # slower than the direct cases: sent together, they would end first
+            time.sleep(0.2)
+        seen.append(entry)
+        return hc.Outcome(c, entry)
+
+    monkeypatch.setattr(hc, "decode_case", lambda s, cp, c, e, consumed: case(e, c))
+    monkeypatch.setattr(hc, "prefill_case", lambda s, cp, c: case("prefill", c))
+    out = hc.send_all(None, connectors.MOONCAKE.client_params, {})  # type: ignore[arg-type]
+    n = len(hc.DECODE_CASES)
+    assert seen[:n] == ["router"] * n and "router" not in seen[n:]
+    assert [(o.case, o.entry) for o in out] == [(c, "router") for c in hc.DECODE_CASES] + [
+        (c, "decode") for c in hc.DECODE_CASES
+    ] + [(c, "prefill") for c in hc.PREFILL_CASES]

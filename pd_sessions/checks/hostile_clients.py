@@ -493,15 +493,28 @@ def prefill_case(s: Sender, cp: ClientParams, case: str) -> Outcome:
 
 
 def send_all(s: Sender, cp: ClientParams, consumed: Mapping[str, object]) -> list[Outcome]:
-    """Every case at every entry point, all at once (each bounded by the deadline, so the whole
-    takes about one deadline when something hangs), in the table's order."""
-    jobs: list[tuple[Callable[..., Outcome], tuple[Any, ...]]] = [
-        (decode_case, (s, cp, c, e, consumed)) for e in ENTRIES if e != "prefill" for c in DECODE_CASES
+    """Every case at every entry point, in the table's order: first every case through the router
+    at once, then every case straight to decode-0 and prefill-0 at once (each bounded by the
+    deadline, so each phase takes about one deadline when something hangs). The router's phase
+    comes first on its own: a forged pull straight to a Mooncake decode can hold the prefill's
+    sender for every pull after it, the router's included (seen once, 2026-12-05: every router
+    case then hung), which would charge the router with what the direct cases did."""
+    router: list[tuple[Callable[..., Outcome], tuple[Any, ...]]] = [
+        (decode_case, (s, cp, c, "router", consumed)) for c in DECODE_CASES
     ]
-    jobs += [(prefill_case, (s, cp, c)) for c in PREFILL_CASES]
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        futures = [pool.submit(f, *args) for f, args in jobs]
-        return [f.result() for f in futures]
+    direct: list[tuple[Callable[..., Outcome], tuple[Any, ...]]] = [
+        (decode_case, (s, cp, c, e, consumed))
+        for e in ENTRIES
+        if e not in ("router", "prefill")
+        for c in DECODE_CASES
+    ]
+    direct += [(prefill_case, (s, cp, c)) for c in PREFILL_CASES]
+    out: list[Outcome] = []
+    for jobs in (router, direct):
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            futures = [pool.submit(f, *args) for f, args in jobs]
+            out += [f.result() for f in futures]
+    return out
 
 
 def judged(s: Sender, j: parity.Judge, outcomes: Sequence[Outcome]) -> list[Outcome]:
