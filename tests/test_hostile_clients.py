@@ -151,15 +151,18 @@ def test_registered_last_with_bounded_options():
 
 
 def test_the_known_issues_judge_the_failures_seen_as_xfail_and_another_failure_as_fail():
-    """Each entry whose check is hostile_clients turns exactly the failure it describes into XFAIL;
-    one more failure (or one fewer) is a FAIL that names the entry."""
+    """Each entry whose check is hostile_clients turns the failures it describes into XFAIL, all
+    of them or some (each case reproduces most, not all, of the time); one failure beside them (a
+    case through the router) is a FAIL that names the entry."""
     entries = [e for e in known_issues.load() if e.check == "hostile_clients"]
     assert entries
     for e in entries:
         r = hc.evaluate([], idle(), deadline_s=DEADLINE)
         r.verdict = FAIL
         for c in e.fails_when:
-            r.details[c.detail] = c.equals
+            r.details[c.detail] = list(c.subset_of) if c.subset_of is not None else c.equals
+        assert known_issues.judge(r, e, "0.32.0").verdict == XFAIL
+        r.details["failed_cases"] = r.details["failed_cases"][1:]
         assert known_issues.judge(r, e, "0.32.0").verdict == XFAIL
         r.details["failed_cases"] = [*r.details["failed_cases"], "replayed@router"]
         other = known_issues.judge(r, e, "0.32.0")

@@ -31,19 +31,21 @@ ENTRY_KEYS = (
     "id", "link", "breaks", "component", "versions", "check", "handled", "connector", "platform",
     "fails_when",
 )  # fmt: skip
-CONDITION_KEYS = ("detail", "equals", "one_of", "absent", "message")
+CONDITION_KEYS = ("detail", "equals", "one_of", "subset_of", "absent", "message")
 _MISSING = object()
 
 
 @dataclass(frozen=True)
 class Condition:
     """One part of "fails the way the entry says": a details key (dotted: nested) that ``equals``
-    a value, is ``one_of`` a list, or is ``absent`` (missing or None; False: present), or a
-    ``message`` regex searched in the check's message."""
+    a value, is ``one_of`` a list, is a non-empty list whose every item is in ``subset_of`` (a bug
+    whose cases reproduce some of the time each), or is ``absent`` (missing or None; False:
+    present), or a ``message`` regex searched in the check's message."""
 
     detail: str = ""
     equals: Any = _MISSING
     one_of: tuple[Any, ...] | None = None
+    subset_of: tuple[Any, ...] | None = None
     absent: bool | None = None
     message: str = ""
 
@@ -55,6 +57,8 @@ class Condition:
             return (value is None) == self.absent
         if self.one_of is not None:
             return value in self.one_of
+        if self.subset_of is not None:
+            return isinstance(value, list) and bool(value) and all(v in self.subset_of for v in value)
         return bool(value == self.equals)
 
     def describe(self) -> str:
@@ -64,6 +68,8 @@ class Condition:
             return f"{self.detail} {'absent' if self.absent else 'present'}"
         if self.one_of is not None:
             return f"{self.detail} in {list(self.one_of)!r}"
+        if self.subset_of is not None:
+            return f"{self.detail}: some of {list(self.subset_of)!r}, nothing else"
         return f"{self.detail} == {self.equals!r}"
 
 
@@ -142,19 +148,23 @@ def _condition(raw: Any, where: str) -> Condition:
         raise ConfigError(
             "fails_when.detail", "give a details key (or `message`, a regex of the message)", source=where
         )
-    tests = [k for k in ("equals", "one_of", "absent") if k in raw]
+    tests = [k for k in ("equals", "one_of", "subset_of", "absent") if k in raw]
     if len(tests) != 1:
         raise ConfigError(
-            "fails_when", f"{detail}: give exactly one of equals, one_of, absent (got {tests})", source=where
+            "fails_when",
+            f"{detail}: give exactly one of equals, one_of, subset_of, absent (got {tests})",
+            source=where,
         )
-    if "one_of" in raw and not isinstance(raw["one_of"], list):
-        raise ConfigError("fails_when.one_of", f"must be a list, got {raw['one_of']!r}", source=where)
+    for key in ("one_of", "subset_of"):
+        if key in raw and not isinstance(raw[key], list):
+            raise ConfigError(f"fails_when.{key}", f"must be a list, got {raw[key]!r}", source=where)
     if "absent" in raw and not isinstance(raw["absent"], bool):
         raise ConfigError("fails_when.absent", f"must be true or false, got {raw['absent']!r}", source=where)
     return Condition(
         detail=detail,
         equals=raw.get("equals", _MISSING),
         one_of=tuple(raw["one_of"]) if "one_of" in raw else None,
+        subset_of=tuple(raw["subset_of"]) if "subset_of" in raw else None,
         absent=raw.get("absent"),
     )
 
