@@ -251,6 +251,43 @@ def test_layouts_that_differ_are_not_run():
     assert r.inapplicable  # nothing to compare: it fails no config, even one requiring it
 
 
+def test_one_odd_load_beside_a_corrupted_one_fails_and_is_never_not_applicable():
+    """Not applicable only when the whole config's layouts differ: one load missing a layer (a
+    connector inconsistent with itself) beside a corrupted load is a FAIL naming both, not a NOT
+    RUN that fails no config; every load differing in a layer set too."""
+    base = {"rank": 0, "method": "crc32", "layout": ["x"], "block_size": 4, "world": 1}
+    sends = [
+        {**base, "key": k, "kind": "send", "listed": 1, "full": 1, "sums": {"l0": [1], "l1": [2]}}
+        for k in ("a", "b")
+    ]
+    corrupted = {**base, "key": "a", "req": "ra", "kind": "load", "first": 0, "listed": 1, "blocks": [3]}
+    corrupted["sums"] = {"l0": [9], "l1": [2]}
+    odd = {**base, "key": "b", "req": "rb", "kind": "load", "first": 0, "listed": 1, "blocks": [4]}
+    odd["sums"] = {"l0": [1]}
+    r = check.evaluate(
+        {"prefill-0": sends, "decode-0": [corrupted, odd]}, decodes=["decode-0"], router_requests=2
+    )
+    assert r.verdict == FAIL and not r.inapplicable, r.message
+    assert (
+        "1 of 2 loads are laid out unlike their sends" in r.message
+        and "1 compared load(s) differ" in r.message
+    )
+    layers = check.evaluate(
+        {"prefill-0": sends[1:], "decode-0": [odd]}, decodes=["decode-0"], router_requests=1
+    )
+    assert layers.verdict == FAIL and "layers:" in layers.message
+    healthy = {**corrupted, "sums": {"l0": [1], "l1": [2]}}
+    some = check.evaluate(
+        {
+            "prefill-0": [sends[0], {**sends[1], "world": 2}],
+            "decode-0": [healthy, {**odd, "sums": {"l0": [1], "l1": [2]}}],
+        },
+        decodes=["decode-0"],
+        router_requests=2,
+    )
+    assert some.verdict == FAIL and "1 of 2 loads" in some.message  # one world differs, not the config's
+
+
 def _config_of(r):
     """``r`` in a config of the CPU lane's defaults, each required (a sweep listing no checks)."""
     from pd_sessions.core.results import CheckResult as Result

@@ -79,7 +79,9 @@ class Pairing:
     nothing_to_compare: int = 0  # paired loads with no block both sides cover
     mismatches: list[dict[str, Any]] = field(default_factory=list)  # one per request: its first
     unpaired: list[dict[str, Any]] = field(default_factory=list)  # loads with no send
-    differ: list[str] = field(default_factory=list)  # layouts that differ (NOT RUN)
+    differ: list[str] = field(default_factory=list)  # layouts that differ (see evaluate)
+    # of them, a layer set that differs (never a config-wide layout: a connector's inconsistency)
+    layers_differ: int = 0
 
 
 def _positions(send: Mapping[str, Any], load: Mapping[str, Any]) -> list[tuple[int, int]]:
@@ -107,6 +109,7 @@ def compare_one(send: Mapping[str, Any], load: Mapping[str, Any], where: str, ou
     why = _layout_differs(send, load)
     if why:
         out.differ.append(f"{where} request {load.get('req')}: {why}")
+        out.layers_differ += why.startswith("layers:")
         return
     out.paired += 1
     pos = _positions(send, load)
@@ -227,6 +230,29 @@ def _differ(p: Pairing, d: dict[str, Any], unexpected: list[dict[str, Any]]) -> 
     )
 
 
+def _layouts(p: Pairing, d: dict[str, Any]) -> CheckResult:
+    """Loads laid out unlike their sends. Not applicable only when the layouts differ config-wide:
+    every load, in a config-wide key (TP world, method, layout, block size), and no compared load
+    differs in its bytes. Some loads only, or a layer set that differs, is a connector that is not
+    consistent with itself: FAIL, so that one odd load cannot hide a corrupted one."""
+    whole = len(p.differ) == p.loads and not p.layers_differ and not p.mismatches
+    if whole:
+        return inapplicable(
+            NAME,
+            f"prefill and decode lay their KV out differently ({p.differ[0]}); the digest "
+            "compares blocks of one layout (no re-layout)",
+            d,
+        )
+    also = f"; {len(p.mismatches)} compared load(s) differ in their bytes" if p.mismatches else ""
+    return CheckResult(
+        NAME,
+        FAIL,
+        f"{len(p.differ)} of {p.loads} loads are laid out unlike their sends, e.g. {p.differ[0]} "
+        f"(not the whole config's layout: the connector is not consistent with itself){also}",
+        d,
+    )
+
+
 @reporting(_numbers)
 def evaluate(
     records: Mapping[str, Sequence[Mapping[str, Any]]],
@@ -249,12 +275,7 @@ def evaluate(
     d = _details(p, records, injected)
     if p.differ:
         d["layouts_differ"] = p.differ
-        return inapplicable(
-            NAME,
-            f"prefill and decode lay their KV out differently ({p.differ[0]}); the digest "
-            "compares blocks of one layout (no re-layout)",
-            d,
-        )
+        return _layouts(p, d)
     silent = [n for n in decodes if n not in records]
     if silent:
         return CheckResult(
