@@ -368,6 +368,19 @@ def test_a_stall_on_an_instance_without_the_gauge_is_not_run_naming_the_metric()
     assert r.details["phases"][1]["metric_exported"] is False
 
 
+def test_a_missing_gauge_hides_nothing_else_wrong_in_that_phase():
+    """Without the gauge only the waiting is unseen: a token before the disconnect, or blocks
+    still held after the bound, in the same phase still FAIL (not a NOT RUN that fails nothing)."""
+    blind = dict(H200_DECODE, exported=False)
+    token = stall_abort.evaluate([phase(), phase("decode", got_token=1, **blind)], recovered())
+    assert token.verdict == FAIL and "decode: 1 stream(s) had a token before the disconnect" in token.message
+    assert "seen waiting" not in token.message  # the unseen part is not claimed either way
+    held = stall_abort.evaluate(
+        [phase(), phase("decode", held={"decode-0": "3 KV blocks"}, **blind)], recovered()
+    )
+    assert held.verdict == FAIL and "decode-0: 3 KV blocks" in held.message
+
+
 # ---------------------------------------------------------------- peer death, restart
 
 

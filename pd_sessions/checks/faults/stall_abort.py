@@ -86,7 +86,7 @@ class Phase:
 
     def problems(self) -> list[str]:
         out = []
-        if self.reached < self.requests:
+        if self.exported and self.reached < self.requests:  # unexported: evaluate says NOT RUN
             out.append(
                 f"{self.where}: only {self.reached}/{self.requests} requests were seen waiting on the "
                 f"{self.where} ({metric_of(self.where)}) before the disconnect"
@@ -184,7 +184,10 @@ def evaluate(phases: Sequence[Phase], recovery: Recovery) -> CheckResult:
     """The verdict.
 
     a phase's stall not applied to every request    -> NOT RUN "invalid" (promise.proven)
-    a phase's instance exported no metric_of(where)  -> NOT RUN: the waiting could not be seen
+    any problem below (a phase whose instance
+    exported no metric_of(where) judged on the rest) -> fail
+    a phase's instance exported no metric_of(where),
+    and nothing else wrong                           -> NOT RUN: the waiting could not be seen
                                                        (a stall that fired but was not seen
                                                        waiting on an exported gauge: fail)
     fewer requests waiting on its /metrics than sent -> fail, naming the metric
@@ -207,7 +210,7 @@ def evaluate(phases: Sequence[Phase], recovery: Recovery) -> CheckResult:
         "recovery": recovery.to_dict(),
     }
     blind = [p for p in phases if not p.exported]
-    if blind:
+    if blind and not problems:
         return CheckResult(
             NAME,
             NOT_RUN,
