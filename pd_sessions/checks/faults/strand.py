@@ -157,15 +157,7 @@ def leave(s: Scenario, n: int, stall_s: float) -> tuple[int, int, int, float]:
 
 def released(s: Scenario) -> int:
     """The injector's release events of this scenario's epoch."""
-    text = ""
-    for n, path in s.logs.items():
-        try:
-            with open(path, "rb") as f:
-                f.seek(s.offsets[n])
-                text += f.read().decode("utf-8", errors="replace")
-        except FileNotFoundError:
-            continue
-    return faults.count_events(faults.parse_events(text, s.epoch)).get("release", 0)
+    return faults.count_events(s.events()).get("release", 0)
 
 
 @gatherer(NAME)
