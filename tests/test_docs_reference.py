@@ -165,6 +165,15 @@ def test_every_known_issue_and_nox_session_has_its_entry():
         ref.page_nox([*sessions, ("quiet", "", [])])
 
 
+def test_every_bug_class_has_its_entry_on_the_bug_catalogue_page(pages):
+    from pd_sessions.core import bug_catalogue
+
+    cat = bug_catalogue.load()
+    assert len(cat.bugs) >= 15
+    assert {ref.anchor(b.id) for b in cat.bugs} <= ids(committed("bug-catalogue.md"))
+    assert all(f"`{b.injection.check}`" in pages["bug-catalogue.md"] for b in cat.bugs if b.injection.check)
+
+
 def test_the_nav_lists_every_generated_reference_page():
     nav = (ROOT / "mkdocs.yml").read_text()
     for name in [*ref.PAGES, "index.md"]:

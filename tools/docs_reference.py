@@ -412,6 +412,47 @@ def page_known_issues() -> str:
     return "\n".join(out) + "\n"
 
 
+def page_bug_catalogue() -> str:
+    from pd_sessions.core import bug_catalogue
+
+    cat = bug_catalogue.load()
+    out = [
+        HEADER.format(
+            source="pd_sessions/configs/bug_catalogue.toml (read by pd_sessions/core/bug_catalogue.py)"
+        ),
+        "# Bug catalogue\n",
+        "Every class of P/D bug pd-sessions injects, the check that must catch it and where it runs. "
+        "`nox -s recall` runs every injection and prints the recall table; CI builds it from its "
+        "shared runs and fails below 100 % ([how to read it](../bug-catalogue.md)). The measured "
+        "detection is in each run's table, filled from the results, never written here.\n",
+        "| id | what goes wrong | injected by | caught by | connectors |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for b in cat.bugs:
+        how = (
+            f"`{b.injection.check}`"
+            if b.injection.check
+            else "settings " + ", ".join(f"`{k} = {v!r}`" for k, v in b.injection.settings.items())
+        )
+        caught, where = ", ".join(f"`{c}`" for c in b.caught_by), ", ".join(b.connectors)
+        out.append(f"| [`{b.id}`](#{anchor(b.id)}) | {cell(b.title)} | {how} | {caught} | {where} |")
+    for b in cat.bugs:
+        out += ["", f'<a id="{anchor(b.id)}"></a>\n\n## `{b.id}`', "", cell(b.title), ""]
+        out += [f"**Injected**: {cell(b.injection.how)}", ""]
+        out += [
+            "**Reported**: " + ", ".join(f"<{x}>" if x.startswith("http") else f"`{x}`" for x in b.links),
+            "",
+        ]
+        for c, why in {**b.not_run_reason}.items():
+            out += [f"**Not run on {c}**: {cell(why)}", ""]
+        for c, why in {**b.ci_not_run}.items():
+            out += [f"**Left out of CI on {c}**: {cell(why)}", ""]
+    if cat.not_classes:
+        out += ["", "## Injections that are no bug class", ""]
+        out += [f"- `{n.check}`: {cell(n.reason)}" for n in cat.not_classes]
+    return "\n".join(out) + "\n"
+
+
 def _set(value: object) -> bool:
     return value not in ("", None) and type(value).__name__ != "object"
 
@@ -530,6 +571,7 @@ PAGES: dict[str, tuple[str, Callable[[], str]]] = {
     "sweep-toml.md": ("Sweep files (TOML)", page_sweep_toml),
     "checks.md": ("Checks", page_checks),
     "known-issues.md": ("Known upstream issues", page_known_issues),
+    "bug-catalogue.md": ("Bug catalogue", page_bug_catalogue),
     "results.md": ("Results schema", page_results),
     "nox-sessions.md": ("nox sessions", page_nox),
 }
