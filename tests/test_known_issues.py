@@ -412,3 +412,33 @@ def test_nixl_push_wrong_tokens_on_a_decode_prefix_cache_hit_is_xfail_on_vllm_02
     assert push("cache_paths", short).verdict == FAIL
     both = "2/3 situations differ: primed (40 tokens, block 16): x; short (8 tokens, block 16): y"
     assert push("cache_paths", both).verdict == FAIL
+
+
+def test_nixl_push_decode_prefix_cache_hit_takes_only_token_mismatches():
+    """Every item must be a token/text mismatch of the recorded shape: an item of another kind next
+    to the decode-cache-hit item (seen XFAIL before the patterns were anchored) is another failure."""
+    hit = "the 66-token prompt again (decode cache hit): tokens [275, 335, 910] vs prefill-direct [275, 335]"
+    others = (
+        "streaming with include_usage: include_usage: the usage came in 0 chunk(s) through the router, "
+        "1 from prefill-direct (expected exactly 1)",
+        "logprobs: the router answered HTTP 500 with no message: not a clear refusal",
+        "KV accounting summed over 6 requests: external_kv_transfer 212, expected 148",
+    )
+    assert push("request_features", f"1 of 17 request features differ: {hit}").verdict == XFAIL
+    for other in others:
+        for items in ((other, hit), (hit, other)):
+            message = "2 of 17 request features differ: " + " | ".join(items)
+            assert push("request_features", message).verdict == FAIL, message
+    # a text holding the separators of the message is still one mismatch
+    tricky = f"2 of 17 request features differ: echo: text 'a | b: c; d' vs prefill-direct \"it's\" | {hit}"
+    assert push("request_features", tricky).verdict == XFAIL
+    recorded = PUSH_026["push_cache_paths"]
+    failed = "1/3 situations differ: primed (40 tokens, block 16): the router answered HTTP 500"
+    assert push("cache_paths", failed).verdict == FAIL
+    mixed = recorded.replace("2/3", "3/3") + "; primed (40 tokens, block 16): the router answered HTTP 500"
+    assert push("cache_paths", mixed).verdict == FAIL
+    current = (  # parity's message today also gives the lengths
+        "1/3 situations differ: partial (66 tokens, block 16): 1/1 prompts differ: prompt 'partial': "
+        "differ at token 0 (8 vs 8 tokens; P/D ' 86 916' vs prefill-0 direct '40 683')"
+    )
+    assert push("cache_paths", current).verdict == XFAIL
