@@ -46,7 +46,7 @@ def test_mixup_passes_when_parity_caught_every_request_and_reports_both_rates():
     check = burst_result([("0 otters", False), ("1 herons", False)])
     r = mixup.evaluate(check, ["d1", "d2"], recovered(), requests=2, digest_caught=["d2", "d1", "other"])
     assert r.verdict == PASS, r.message
-    assert "caught 2/2; parity detected 2/2" in r.message and "the KV digest 2/2" in r.message
+    assert "caught 2/2; parity: 2 of 2 compared differ" in r.message and "the KV digest 2/2" in r.message
     assert r.details["detection"] == {"parity": "2/2", "kv_digest": "2/2"}
 
 
@@ -63,8 +63,26 @@ def test_a_mixed_up_answer_that_passes_every_comparison_fails_the_scenario(diges
     check = burst_result([("0 otters", False), ("1 herons", True)])
     r = mixup.evaluate(check, ["d1", "d2"], recovered(), requests=2, digest_caught=digest)
     assert r.verdict == FAIL, r.message
-    assert "1 of 2 requests answered from another request's KV passed parity" in r.message
+    assert "1 of 2 requests answered from another request's KV not shown caught by parity" in r.message
     assert "neither caught every one" in r.message
+
+
+def test_parity_differing_on_a_request_not_mixed_up_does_not_count_as_caught():
+    """The burst names no request ids: one mixed-up request answered the same while another,
+    not mixed up, differs (parity sees 1 of 2 differ) is not the mixed-up one caught."""
+    check = burst_result([("0 otters", True), ("1 herons", False)])
+    for digest in (None, []):
+        r = mixup.evaluate(check, ["d1"], recovered(), requests=2, digest_caught=digest)
+        assert r.verdict == FAIL, r.message
+        assert r.details["parity_detected"] == 0 and r.details["detection"]["parity"] == "0/1"
+        assert "1 of 2 compared differ" in r.message and "1 of 1 requests" in r.message
+    # every request of the burst differs: the mixed-up one is among them, caught without the digest
+    every = burst_result([("0 otters", False), ("1 herons", False)])
+    r = mixup.evaluate(every, ["d1"], recovered(), requests=2, digest_caught=None)
+    assert r.verdict == PASS and r.details["parity_detected"] == 1 and "caught 1/1" in r.message
+    # a request not compared (failed clearly) may be the mixed-up one: not caught
+    failed = burst_result([("0 otters", False)], failed=[("1 herons", "HTTP 500", 500, 0.1)])
+    assert mixup.evaluate(failed, ["d1"], recovered(), requests=2, digest_caught=None).verdict == FAIL
 
 
 def test_mixup_fails_on_a_hung_request_or_a_cluster_not_whole_again():

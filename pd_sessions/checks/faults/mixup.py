@@ -78,14 +78,17 @@ def evaluate(
 
     no load mixed up                                  -> NOT RUN "invalid" (promise.proven)
     a request hung or got no HTTP answer              -> fail, naming it
-    neither parity nor the digest caught all N        -> fail: "k of N passed unnoticed", both rates
+    neither parity nor the digest caught all N        -> fail: what parity saw, both rates
     the cluster not whole again                       -> fail, naming what
     otherwise                                         -> pass: caught N/N, both rates reported
     """
     compared, differ, prompts = detection(check)
-    n = min(len(mixed), compared) if compared else len(mixed)
-    by_parity = min(differ, n)
+    by_parity = parity_matched(len(mixed), requests=requests, differ=differ)
     by_digest = None if digest_caught is None else len(set(digest_caught) & set(mixed))
+    seen = (
+        f"{differ} of {compared} compared differ; the burst names no request ids: of the {len(mixed)} "
+        f"mixed-up requests, {by_parity} must be among them"
+    )
     by_kind = sort_failed(check.details.get("failures") or [])
     c = {
         CORRECT: compared - differ,
@@ -100,20 +103,23 @@ def evaluate(
         "mixed_requests": list(mixed),
         "parity_detected": by_parity,
         "digest_detected": by_digest,
-        "detection": {"parity": rate(by_parity, n), "kv_digest": rate(by_digest, len(mixed))},
+        "parity_compared": compared,
+        "parity_differ": differ,
+        "detection": {"parity": rate(by_parity, len(mixed)), "kv_digest": rate(by_digest, len(mixed))},
         "differing_prompts": prompts,
         "counts": c,
         "recovery_s": round(recovery.seconds, 3),
         "check": check.to_dict(),
         "recovery": recovery.to_dict(),
     }
-    caught = bool(mixed) and (by_parity >= n > 0 or by_digest == len(mixed))
+    caught = bool(mixed) and (by_parity == len(mixed) or by_digest == len(mixed))
     problems = [f"{len(fs)} request(s) {w}: {fs[0][:160]}" for fs, w in ((by_kind[HUNG], "hung"),
                 (by_kind[BROKEN], "got no HTTP answer (broken)")) if fs]  # fmt: skip
     if not caught:
         problems.append(
-            f"{n - by_parity} of {n} requests answered from another request's KV passed parity "
-            f"({check.verdict.upper()}: {check.message[:160]}) and the KV digest caught "
+            f"{len(mixed) - by_parity} of {len(mixed)} requests answered from another request's KV not "
+            f"shown caught by parity ({seen}; {check.verdict.upper()}: {check.message[:160]}) and the "
+            "KV digest caught "
             f"{rate(by_digest, len(mixed))}: neither caught every one"
         )
     if not recovery.ok:
@@ -124,11 +130,22 @@ def evaluate(
         NAME,
         PASS,
         f"{len(mixed)} requests answered from another concurrent request's KV (HTTP 200): caught "
-        f"{len(mixed)}/{len(mixed)}; parity detected {rate(by_parity, n)}"
+        f"{len(mixed)}/{len(mixed)}; parity: {seen}"
         + (f" (e.g. {prompts[0][:30]!r})" if prompts else "")
         + f", the KV digest {rate(by_digest, len(mixed))}; {recovery.line()}",
         details,
     )
+
+
+def parity_matched(mixed: int, *, requests: int, differ: int) -> int:
+    """How many of the ``mixed`` mixed-up requests parity is known to have caught, request by
+    request. The burst names no request ids (its rows are prompts; the injector names vLLM's
+    request ids), so a differing prompt is not matched to a mixed-up request: only what the counts
+    force is claimed. Of the burst's ``requests``, ``requests - differ`` were not seen to differ
+    (answered the same, or not compared); the mixed-up ones, burst requests all, can hide among
+    those, so at least ``mixed - (requests - differ)`` of them differ. A difference on a request
+    that was not mixed up, next to a mixed-up one answered the same, counts for none."""
+    return max(0, min(mixed, differ, mixed - (requests - differ)))
 
 
 def digest_mismatches(window: CheckWindow) -> list[str] | None:
