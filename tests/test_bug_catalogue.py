@@ -383,3 +383,50 @@ def test_recall_without_results_runs_each_sweep_then_judges_what_they_wrote(tmp_
 @pytest.mark.procs
 def test_a_sweep_is_waited_for_and_its_exit_status_returned(python):
     assert recall.run_sweep([python, "-c", "raise SystemExit(3)"]) == 3
+
+
+# A sweep stand-in: it starts a grandchild, names it, and both ignore SIGTERM (a teardown that hangs).
+HANGING_SWEEP = """
+import os, signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+g = subprocess.Popen([sys.executable, "-c", code])
+open(sys.argv[1], "w").write(f"{os.getpid()} {g.pid}")
+time.sleep(600)
+"""
+
+
+@pytest.mark.procs
+def test_a_stopped_sweep_is_gone_with_everything_it_started(python, tmp_path):
+    """Stopped while it runs, the sweep's whole group (a grandchild included) is gone when
+    run_sweep gives the stop back, even though both ignore SIGTERM: SIGKILL after the grace."""
+    import signal
+
+    import psutil
+
+    from pd_sessions.runtime import process
+
+    named = tmp_path / "grandchild.pid"
+
+    class Stop(Exception):
+        pass
+
+    def on_alarm(signum, frame):
+        if named.exists() and named.read_text():
+            signal.setitimer(signal.ITIMER_REAL, 0)  # once: the stop itself is not interrupted
+            raise Stop
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, 0.1, 0.1)
+    try:
+        with pytest.raises(Stop):
+            recall.run_sweep([python, "-c", HANGING_SWEEP, str(named)], grace_s=0.5, kill_wait_s=30.0)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    for pid in map(int, named.read_text().split()):  # the sweep, its grandchild
+        try:
+            p = psutil.Process(pid)
+        except psutil.NoSuchProcess:
+            continue
+        assert not process.alive(p), f"pid {pid} outlived the stop"

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 
 from pd_sessions.core import bug_catalogue, connectors, recall_table
 from pd_sessions.core.errors import UsageError
+from pd_sessions.runtime import parentwatch, process
 from pd_sessions.runtime.console import say
 
 # The wire faults selected on a rehearsal (no default check: only what the wire classes need).
@@ -99,15 +99,35 @@ def sweep_argv(name: str, out: Path, platform: str) -> list[str]:
             "--results-dir", str(out / name)]  # fmt: skip
 
 
-def run_sweep(argv: Sequence[str]) -> int:
-    """One sweep, waited for; stopped (Ctrl-C, SIGTERM: the CLI's exceptions), it is sent SIGTERM
-    and waited for (its own teardown) before the stop goes on."""
-    child = subprocess.Popen(list(argv))
+# How long a stopped sweep has for its own teardown (its clusters stopped, each within its own
+# grace) before what is left of it gets SIGKILL.
+SWEEP_GRACE_S = 120.0
+
+
+def run_sweep(
+    argv: Sequence[str], *, grace_s: float = SWEEP_GRACE_S, kill_wait_s: float = process.KILL_WAIT_S
+) -> int:
+    """One sweep, in a session of its own, waited for. Stopped (Ctrl-C, SIGTERM: the CLI's
+    exceptions), its group and everything it started get SIGTERM (its own teardown), ``grace_s``
+    to end, then SIGKILL, every process verified gone within ``kill_wait_s`` (StopError names a
+    survivor) before the stop goes on (runtime/process.py's stop_leaders). The sweep also gets
+    SIGTERM if this process dies (parentwatch)."""
+    child: subprocess.Popen[bytes] | None = None
     try:
+        with process.signals_deferred():  # a stop before the leader is recorded waits, then stops it
+            child = subprocess.Popen(
+                list(argv), start_new_session=True, preexec_fn=parentwatch.child_preexec()
+            )
+            leader = process.Leader("sweep", child.pid, process.start_ticks(child.pid))
         return child.wait()
     except BaseException:
-        child.send_signal(signal.SIGTERM)
-        child.wait()
+        if child is None:
+            raise
+        with process.signals_deferred():
+            try:
+                process.stop_leaders([leader], grace_s=grace_s, kill_wait_s=kill_wait_s)
+            finally:
+                child.poll()  # reap it
         raise
 
 
