@@ -4,6 +4,7 @@
                         # one <connector>_sweep per connector (pd_sessions/core/connectors/)
     nox -s mooncake_imports / nixl_imports [-- --dry-run]   # install + import canary only
     nox -s serve -- mooncake_sweep --only 1x1   # hold one cluster up (URLs, env, curl) until Ctrl-C
+    nox -s soak -- --cycles N   # the prefill and the decode restarted in place N times: leaks per cycle
     nox -s faults       # injected faults over both connectors (drop, stall, zero, swap, peer death, restart)
     nox -s recall       # every catalogued bug class injected and the recall table (docs/bug-catalogue.md)
     nox -s tests        # everything: unit, procs (processes, fake servers, Ray...) and end-to-end (real vLLM)
@@ -85,6 +86,14 @@ def recall(session: nox.Session) -> None:
     simulated hosts), caught or not; exit 1 below 100 %. [-- --no-hosts --out DIR; --results DIR...
     builds the table from earlier runs and runs nothing]"""
     nox_support.recall(session)
+
+
+@nox.session(python=PYTHON, reuse_venv=True, tags=["cpu", "gpu"])
+def soak(session: nox.Session) -> None:
+    """Leaks across restarts over NIXL: the prefill and the decode restarted in place N times,
+    parity and the KV digest after each, growth per cycle of fds, threads, RSS and KV blocks bounded
+    (docs/soak.md). [-- --cycles N (default 3), then the options of nixl_sweep]"""
+    nox_support.soak(session)
 
 
 @nox.session(python=PYTHON, reuse_venv=True, tags=["cpu", "gpu"])

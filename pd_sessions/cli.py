@@ -1,7 +1,7 @@
 """Command line: ``pd-sessions <command>`` (or ``python -m pd_sessions <command>``), the one way in.
 
-Commands: sweep, serve, tiny-model, inventory, bench, bench-report, perf-baseline, wheelhouse, recall,
-buildkite, report; this
+Commands: sweep, serve, soak, tiny-model, inventory, bench, bench-report, perf-baseline, wheelhouse,
+recall, buildkite, report; this
 module parses them, calls the function that does each one's work (:data:`COMMANDS`: ``sweep`` and
 ``serve`` are :mod:`pd_sessions.run.sweep` and :mod:`pd_sessions.run.serve`) and maps what they
 end with to an exit status. The other ``python -m pd_sessions.X`` entries are process boundaries
@@ -40,6 +40,22 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sweep", help="run (or --dry-run) a sweep of P/D clusters")
     s.add_argument("sweep", help=SWEEP_HELP)
     add_sweep_options(s)
+
+    k = sub.add_parser(
+        "soak",
+        help="leaks across restarts: restart the prefill and the decode in place --cycles times, parity "
+        "and the KV digest after each restart, the growth per cycle of fds, threads, RSS and KV blocks "
+        "bounded (a sweep of smoke, soak and kv_digest; default the 1x1 of the built-in sweep of the "
+        "connector restarts in place work over)",
+    )
+    k.add_argument(
+        "sweep",
+        nargs="?",
+        default=None,
+        help=SWEEP_HELP + " (default: the built-in sweep of the soak's connector, connectors.SOAK)",
+    )
+    k.add_argument("--cycles", type=int, default=3, metavar="N", help="restart cycles (default 3, as in CI)")
+    add_sweep_options(k)
 
     v = sub.add_parser(
         "serve", help="start one config, print how to reach it, and keep it up until Ctrl-C or SIGTERM"
@@ -138,6 +154,7 @@ Call = Callable[[Callable[..., Any], argparse.Namespace], int]
 COMMANDS: dict[str, tuple[str, str, Call]] = {
     "sweep": ("pd_sessions.run.sweep", "run", lambda fn, a: fn(a)),
     "serve": ("pd_sessions.run.serve", "run", lambda fn, a: fn(a)),
+    "soak": ("pd_sessions.run.soak_command", "run", lambda fn, a: fn(a)),
     "tiny-model": (
         "pd_sessions.runtime.tiny_model",
         "ensure",

@@ -15,6 +15,7 @@ from helpers.e2e_runs import (
     MOONCAKE_FAULTS,
     NIXL_FAULTS,
     NO_DIGEST,
+    SOAK_CYCLES,
     WIRE,
     WIRE_LOSS_RATES,
     SweepRun,
@@ -104,8 +105,8 @@ def mooncake_sweep(tmp_path_factory) -> SweepRun:
 @pytest.fixture(scope="session")
 def nixl_sweep(tmp_path_factory) -> SweepRun:
     """The built-in NIXL sweep's 1x1, every default check, the perf check (opt-in on the CPU
-    lane; CI runs it once, here), the fault scenarios of NIXL_FAULTS, kv_digest and hostile_clients (last),
-    through the CLI, serving
+    lane; CI runs it once, here), the fault scenarios of NIXL_FAULTS, the soak (SOAK_CYCLES restart cycles:
+    test_e2e_soak), kv_digest and hostile_clients (last), through the CLI, serving
     the remote-code tiny model (trust_remote_code: vLLM and lm_eval load its own classes) with
     margin-mode parity forced (auto would pick exact on the CPU lane; exact parity on a healthy
     pair is the Mooncake sweep's) and kv_load_failure_policy "recompute" (the Mooncake run keeps
@@ -136,6 +137,10 @@ def nixl_sweep(tmp_path_factory) -> SweepRun:
             "perf",
             "--check",
             NIXL_FAULTS,
+            "--check",
+            "soak",
+            "--set",
+            f"check_options.soak.cycles={SOAK_CYCLES}",
             "--check",
             "kv_digest",
             "--check",

@@ -35,6 +35,7 @@ def test_every_subcommand_names_a_function_that_exists():
         [
             "sweep",
             "serve",
+            "soak",
             "tiny-model",
             "inventory",
             "bench",

@@ -331,6 +331,22 @@ def sweep(
         )
 
 
+def soak(session: Session) -> None:
+    """The soak session: ``--cycles N`` (default 3) taken from the posargs, the rest checked as a
+    sweep session's; then ``python -m pd_sessions soak SWEEP --cycles N ...`` (run/soak_command.py),
+    SWEEP the built-in sweep of the connector the soak runs over (connectors.SOAK)."""
+    name = kv_connectors.SOAK.sweep
+    rest = list(session.posargs)
+    cycles = "3"
+    if "--cycles" in rest:
+        i = rest.index("--cycles")
+        if i + 1 >= len(rest) or not rest[i + 1].isdigit() or int(rest[i + 1]) < 1:
+            fail(session, "--cycles: give the number of restart cycles, 1 or more (e.g. --cycles 3)")
+        cycles = rest[i + 1]
+        del rest[i : i + 2]
+    sweep(session, name, extra=("--cycles", cycles), posargs=rest, command="soak")
+
+
 def imports(session: Session, names: Sequence[str]) -> None:
     """An imports session: install (or, with --dry-run, say what would be) and run the canary."""
     target = Target(session)

@@ -100,6 +100,9 @@ MOONCAKE_FAULTS = (
 )
 E2E_KILLS = os.environ.get("PD_SESSIONS_E2E_KILLS", "1") != "0"
 NIXL_FAULTS = "faults" if E2E_KILLS else MOONCAKE_FAULTS
+# The soak's restart cycles in the shared NIXL run (checks/soak.py; tests/test_e2e_soak.py): each
+# restarts the prefill, then the decode, in place (docs/soak.md: what a cycle costs in CI).
+SOAK_CYCLES = 3
 
 
 # Fault injection, one cluster for four must-fail facts: the decode instance is started WITHOUT

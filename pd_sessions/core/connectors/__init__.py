@@ -27,6 +27,9 @@ MOONCAKE, NIXL, NIXL_PUSH = mooncake.SPEC, nixl.SPEC, nixl_push.SPEC
 # The connectors the recall table covers (configs/bug_catalogue.toml): those `nox -s faults`
 # injects into, the pull connectors the fault injector wraps.
 RECALL: tuple[ConnectorSpec, ...] = (MOONCAKE, NIXL)
+# The connector the soak runs over (`nox -s soak`, `pd-sessions soak`: its spec's sweep): restart in
+# place works over it; over Mooncake it is a known upstream bug (router-stale-mooncake-engine-id).
+SOAK: ConnectorSpec = NIXL
 
 _BY_NAME = {spec.name: spec for spec in ALL}
 
