@@ -199,6 +199,26 @@ def test_the_ledger_attaches_each_probe_to_its_check_and_the_check_judges_them(f
     assert "decode-0: fds 400 after burst (+100 on 300 after smoke, bound +64)" in r.message
 
 
+def test_a_decode_restarted_during_a_check_leaves_that_checks_transfers_unjudged(fake):
+    """The soak restarts the decode, whose NIXL counter is the one counted: it began again from 0,
+    so that check's transfers are not counted from it (said), and no inequality is made up."""
+    ledger = conservation.Ledger.open(fake.window, {"idle_bound_s": 0.1})
+    xfers = 'nixl_xfer_time_seconds_count{engine="0",model_name="tiny-llama"} '
+    fake.window.results.append(CheckResult("smoke", PASS, "ok"))
+    fake.window.router_requests = 1
+    fake.metrics["decode-0"] = METRICS.replace(xfers + "2.0", xfers + "3.0")
+    ledger.after("smoke")
+    fake.window.results.append(CheckResult("soak", PASS, "ok"))
+    fake.window.router_requests = 25
+    fake.metrics["decode-0"] = METRICS.replace(xfers + "2.0", xfers + "1.0")  # a new decode: 1 READ
+    ledger.after("soak")
+    rec = fake.window.results[-1].details["conservation"]
+    assert "transfers" not in rec
+    assert rec["transfers_not_judged"] == "decode-0 restarted during soak: its counter began again"
+    unequal, judged = conservation.unequal_transfers(ledger.records, "c")
+    assert unequal == [] and judged == 1
+
+
 # ---------------------------------------------------------------- fault_strand's verdict
 
 

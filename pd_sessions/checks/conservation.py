@@ -266,11 +266,16 @@ class Ledger:
             except (psutil.Error, OSError) as e:  # the conservation check fails, naming it
                 rec = {"check": check, "error": f"probe failed: {type(e).__name__}: {e}"}
             else:
-                # a restarted instance's counter starts again from 0
-                rec["transfers"] = {
-                    n: v - self.counted.get(n, 0.0) if v >= self.counted.get(n, 0.0) else v
-                    for n, v in now.items()
-                }
+                # a restarted instance's counter starts again from 0: where it went down, the
+                # instance restarted during the check (the soak restarts the decode, whose NIXL
+                # counter this is), and the check's transfers cannot be counted from it
+                restarted = sorted(n for n, v in now.items() if v < self.counted.get(n, 0.0))
+                if restarted:
+                    rec["transfers_not_judged"] = (
+                        f"{', '.join(restarted)} restarted during {check}: its counter began again"
+                    )
+                else:
+                    rec["transfers"] = {n: v - self.counted.get(n, 0.0) for n, v in now.items()}
                 rec["router_requests"] = w.router_requests - self.requests
                 self.counted.update(now)
                 self.requests = w.router_requests
