@@ -36,7 +36,7 @@ def test_defaults_are_every_check_in_running_order():
         "conservation",
     )
     assert registry.resolve(None) == registry.DEFAULTS
-    opt_in = ("preemption", "perf", *registry.FAULTS, *registry.WIRE)  # run when selected
+    opt_in = ("preemption", "perf", *registry.FAULTS, *registry.WIRE, "soak")  # run when selected
     # kv_digest (a default on cpu only) then conservation: each judges the checks before it; then
     # hostile_clients (opt-in), after all: the KV it may leave held is its own verdict, not theirs
     assert (

@@ -243,8 +243,9 @@ def test_the_runner_runs_every_check_in_order_around_one_window(fake, monkeypatc
     ):
         monkeypatch.setitem(runner.GATHERERS, name, gather(name))
     results = []
-    # conservation's probes after every check: tests/test_conservation.py, on a fake of their own
-    selected = tuple(n for n in registry.NAMES if n != "conservation")
+    # conservation's probes after every check: tests/test_conservation.py, on a fake of their own;
+    # the soak's restarts: tests/test_soak.py
+    selected = tuple(n for n in registry.NAMES if n not in ("conservation", "soak"))
     runner.run_checks(
         fake.cluster,
         results,

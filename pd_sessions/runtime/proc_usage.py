@@ -12,12 +12,13 @@ from dataclasses import dataclass
 
 import psutil
 
+from pd_sessions.core.errors import PdError
 from pd_sessions.runtime.process import Running
 
 FDS, THREADS, RSS = "fds", "threads", "rss_mib"
 
 
-class Unreadable(Exception):
+class Unreadable(PdError):
     """A process tree's usage could not be read; the message says which process and why."""
 
 
