@@ -58,8 +58,10 @@ def test_1p1d_across_two_hosts_passes_every_default_check_and_the_kv_crossed_the
     assert tuple(checks) == (*check_registry.DEFAULTS[:-1], *check_registry.WIRE, "conservation")
     # every check passed; wire_delay alone may be NOT RUN (no netem here: test_e2e_wire_faults), and
     # over Mooncake request_features is XFAIL: n > 1, a known upstream bug (configs/known_issues.toml)
+    # and conservation may be XFAIL: the blocks n > 1 strands after request_features, a known
+    # upstream bug per connector (mooncake-n-gt-1-stranded-kv, nixl-n-gt-1-stranded-kv)
     verdicts = {n: c["verdict"] for n, c in checks.items()}
-    allowed = {("wire_delay", "not run")}
+    allowed = {("wire_delay", "not run"), ("conservation", "xfail")}
     if run == "hosts_mooncake":
         allowed.add(("request_features", "xfail"))
     assert all(v == "pass" or (n, v) in allowed for n, v in verdicts.items()), {
@@ -67,6 +69,8 @@ def test_1p1d_across_two_hosts_passes_every_default_check_and_the_kv_crossed_the
     }
     if verdicts["request_features"] == "xfail":
         assert checks["request_features"]["details"]["known_issue"]["id"] == "mooncake-n-gt-1"
+    if verdicts["conservation"] == "xfail":
+        assert checks["conservation"]["details"]["known_issue"]["id"].endswith("-n-gt-1-stranded-kv")
     assert " on other hosts: their processes are not visible" in checks["conservation"]["message"]
     host1, host2 = simulated_hosts_2.hosts
     plan = (r.run_dir / "plan.txt").read_text()
