@@ -304,12 +304,12 @@ def test_nixl_n_gt_1_stranding_is_the_known_issue_and_nothing_else_is():
     grown = [*after_rf, record("perf", use={"prefill-0": usage(fds=400), "decode-0": usage(pid=12)})]
     r = conservation.evaluate(grown, BOUNDS, transfers=NIXL)  # and an fd leak besides: FAIL
     assert known_issues.judge(r, entry, "0.32.0").verdict == FAIL
-    # the blocks never freed (still carried at the last probe): a permanent leak, not the lease
+    # the blocks still carried at the last probe are in the details (the lease may not have run
+    # out by then: across hosts the checks after request_features can take under its 30 s)
     kept = [dict(rec) for rec in after_rf]
     kept[-1]["carried"] = {"prefill-0": 2.0}
     r = conservation.evaluate(kept, BOUNDS, transfers=NIXL)
     assert r.details["carried_at_end"] == {"prefill-0": 2.0}
-    assert known_issues.judge(r, entry, "0.32.0").verdict == FAIL
 
 
 def test_mooncake_n_gt_1_stranding_is_its_known_issue_and_nothing_else_is():
