@@ -367,3 +367,95 @@ def test_truncate_and_recompute_leave_the_prefill_alone(tmp_path, capsys):
         req = SimpleNamespace(request_id=f"p-{mode}", max_tokens=1, num_prompt_tokens=40)
         assert conn.get_num_new_matched_tokens(req, 0) == (7, True) and req.max_tokens == 1
     assert events(capsys) == []
+
+
+# ---------------------------------------------------------------- a vLLM before get_transfer_results (0.26)
+
+
+class FakeBeforeResults:
+    """A wrapped connector as vLLM 0.26 has it: get_finished returns (sending, recving), and a
+    failed load is told by its blocks (get_block_ids_with_load_errors)."""
+
+    def __init__(self, vllm_config, role, kv_cache_config):
+        self.bound = []
+        self.finished: tuple = (None, None)
+        self.own_errors: set[int] = set()
+
+    def bind_connector_metadata(self, metadata):
+        self.bound.append(metadata)
+
+    def get_finished(self, finished_req_ids):
+        return self.finished
+
+    def get_block_ids_with_load_errors(self):
+        return set(self.own_errors)
+
+    def register_kv_caches(self, kv_caches):
+        pass
+
+
+def make_before(tmp_path, monkeypatch, name, *, side="decode"):
+    monkeypatch.setattr(fault_connector, "_registered", lambda _name: FakeBeforeResults)
+    monkeypatch.setattr(fault_connector, "_classes", {})
+    cls = getattr(fault_connector, name)  # built as vLLM's factory builds it
+    control = tmp_path / "faults.json"
+    ktc = SimpleNamespace(
+        kv_connector_extra_config={faults.EXTRA_CONFIG_KEY: {"control": str(control)}},
+        is_kv_producer=side == "prefill",
+        is_kv_consumer=side == "decode",
+    )
+    conf = SimpleNamespace(kv_transfer_config=ktc, cache_config=SimpleNamespace(block_size=16))
+    return cls(conf, SimpleNamespace(name="WORKER"), SimpleNamespace(num_blocks=10)), control
+
+
+def test_a_connector_without_get_transfer_results_gets_the_get_finished_hooks(tmp_path, monkeypatch):
+    conn, _ = make_before(tmp_path, monkeypatch, "NixlConnector")
+    assert isinstance(conn, fault_connector.BeforeTransferResults)
+    modern = type("Modern", (), {"get_transfer_results": lambda self, ids: None})
+    monkeypatch.setattr(fault_connector, "_registered", lambda _name: modern)
+    assert not issubclass(fault_connector.ModernB, fault_connector.BeforeTransferResults)
+    assert conn.get_finished(set()) == (None, None)  # off: what the connector said, None kept
+
+
+def test_drop_without_get_transfer_results_reports_the_loads_blocks_as_load_errors(
+    tmp_path, monkeypatch, capsys
+):
+    conn, control = make_before(tmp_path, monkeypatch, "NixlConnector")
+    switch(control, epoch="e", mode="drop", fraction=1)
+    conn.bind_connector_metadata(nixl_meta(a=[1, 2], b=[5]))
+    conn.own_errors = {9}
+    conn.finished = (set(), {"a", "b"})
+    # the scheduler still learns they ended: its load-error path then acts on their blocks
+    assert conn.get_finished(set()) == (set(), {"a", "b"})
+    assert conn.get_block_ids_with_load_errors() == {1, 2, 5, 9}
+    assert conn.get_block_ids_with_load_errors() == {9}  # told once
+    assert sorted(e["req"] for e in events(capsys) if e["mode"] == "drop") == ["a", "b"]
+
+
+@pytest.mark.procs
+def test_zero_without_get_transfer_results_writes_the_loaded_blocks(tmp_path, monkeypatch, capsys):
+    torch = needs("torch")
+    conn, control = make_before(tmp_path, monkeypatch, "NixlConnector")
+    caches = _caches(torch)
+    before = {k: v.clone() for k, v in caches.items()}
+    conn.register_kv_caches(caches)
+    switch(control, epoch="z", mode="zero", blocks=0.5)
+    conn.bind_connector_metadata(nixl_meta(a=[2, 5, 7, 8]))
+    conn.finished = (None, {"a"})
+    assert conn.get_finished(set()) == (None, {"a"})
+    assert conn.get_block_ids_with_load_errors() == set()  # zero is silent: nothing reported
+    for k, t in caches.items():
+        assert (t[:, [2, 5]] == 0).all()
+        keep = [b for b in range(10) if b not in (2, 5)]
+        assert torch.equal(t[:, keep], before[k][:, keep])
+    assert [(e["mode"], e["req"]) for e in events(capsys)] == [("zero", "a")]
+
+
+def test_strand_without_get_transfer_results_keeps_sends_from_the_prefills_scheduler(tmp_path, monkeypatch):
+    conn, control = make_before(tmp_path, monkeypatch, "NixlConnector", side="prefill")
+    switch(control, epoch="t", mode="strand", stall_s=3)
+    conn.finished = ({"a"}, None)
+    assert conn.get_finished(set()) == (set(), None)
+    switch(control, epoch="t-off")
+    conn.finished = (set(), None)
+    assert conn.get_finished(set()) == ({"a"}, None)

@@ -381,6 +381,23 @@ def test_a_missing_gauge_hides_nothing_else_wrong_in_that_phase():
     assert held.verdict == FAIL and "decode-0: 3 KV blocks" in held.message
 
 
+def test_a_decode_without_the_gauge_is_read_from_the_injectors_stall_lines():
+    """vLLM 0.26's decode exports no KV fetch gauge; the injector holds back loads the decode's
+    scheduler already scheduled, so its stall lines are requests waiting there for their KV."""
+    gauge = stall_abort.decode_waits(2, [(1.0, True), (0.0, True)])
+    assert gauge == (1, "")  # the gauge, where a decode exports it, wins over the lines
+    assert stall_abort.decode_waits(2, [(0.0, False)]) == (2, stall_abort.INJECTOR_STALLS)
+
+
+def test_a_decode_phase_seen_by_the_injector_is_judged_not_blind():
+    seen = dict(H200_DECODE, exported=False, reached=2, seen_by=stall_abort.INJECTOR_STALLS)
+    r = stall_abort.evaluate([phase(), phase("decode", **seen)], recovered())
+    assert r.verdict == PASS, r.message
+    assert r.details["phases"][1]["reached_metric"] == stall_abort.INJECTOR_STALLS
+    late = stall_abort.evaluate([phase(), phase("decode", **dict(seen, left_s=None))], recovered())
+    assert late.verdict == FAIL and "the abort did not reach the decode" in late.message
+
+
 # ---------------------------------------------------------------- peer death, restart
 
 
@@ -409,6 +426,18 @@ def test_peer_death_passes_naming_the_dead_and_what_each_survivor_holds():
         policy="recompute",
     )
     assert ok.verdict == PASS and "was recomputed correctly on the decode" in ok.message
+    by = peer_death.evaluate(
+        "prefill-0",
+        out,
+        {"stall": 1},
+        survivors(),
+        waited_s=0.5,
+        killed_after_s=0.1,
+        policy="fail",
+        waited_by=stall_abort.INJECTOR_STALLS,
+    )
+    assert f"waiting for its KV (seen by {stall_abort.INJECTOR_STALLS})" in by.message
+    assert by.details["decode_waited_by"] == stall_abort.INJECTOR_STALLS
 
 
 @pytest.mark.parametrize(

@@ -74,8 +74,14 @@ def __getattr__(name: str) -> type:
             base = _registered(name)
         except (ImportError, ValueError) as e:
             raise AttributeError(f"{__name__}: no KV connector {name!r} to wrap ({e})") from None
+        # a vLLM whose connectors have no get_transfer_results (0.26) gets the hooks it calls instead
+        hooks = (
+            (FaultInjecting,)
+            if hasattr(base, "get_transfer_results")
+            else (BeforeTransferResults, FaultInjecting)
+        )
         _classes[name] = type(
-            name, (FaultInjecting, base), {"__module__": __name__, "__qualname__": name, "_pd_wraps": name}
+            name, (*hooks, base), {"__module__": __name__, "__qualname__": name, "_pd_wraps": name}
         )
     return _classes[name]
 
@@ -361,7 +367,11 @@ class FaultInjecting:
         return with_loads(metadata, layout, keep + due)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
-        results = super().get_transfer_results(finished_req_ids)  # type: ignore[misc]
+        return self._pd_transfers(super().get_transfer_results(finished_req_ids))  # type: ignore[misc]
+
+    def _pd_transfers(self, results: Any) -> Any:
+        """The faults and the digest on one worker snapshot of finished transfers (``results``:
+        finished_sending, finished_recving, failed_recving; changed in place and returned)."""
         pd = self._pd
         if pd.side == "prefill" and pd.control_path:
             return self._pd_strand(results)
@@ -580,3 +590,42 @@ def _tp_rank() -> int:
         return int(get_tensor_model_parallel_rank())
     except (ImportError, AssertionError, AttributeError, RuntimeError):
         return 0
+
+
+@dataclass
+class Transfers:
+    """One worker snapshot of finished transfers, as vLLM's ``KVConnectorTransferResults`` has it
+    (for a vLLM that has none: :class:`BeforeTransferResults`)."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+
+
+class BeforeTransferResults:
+    """The worker hooks of a vLLM whose connectors have no ``get_transfer_results`` (0.26; put
+    before :class:`FaultInjecting`). There the worker calls ``get_finished``, which returns
+    (sending, recving), and right after it, in the same step, ``get_block_ids_with_load_errors``:
+    a load reported failed is one whose blocks are in that set (the scheduler then fails the
+    request or recomputes those blocks, per ``kv_load_failure_policy``). The faults and the digest
+    are :meth:`FaultInjecting._pd_transfers`' own; only the shapes differ."""
+
+    _pd: Injector
+    _pd_load_errors: set[int]
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving = super().get_finished(finished_req_ids)  # type: ignore[misc]
+        blocks = dict(self._pd.blocks)  # _pd_transfers forgets a finished load's blocks
+        got = self._pd_transfers(Transfers(set(sending or ()), set(recving or ())))  # type: ignore[attr-defined]
+        failed = {b for r in got.failed_recving for g in blocks.get(r, ()) for b in g}
+        self._pd_load_errors = getattr(self, "_pd_load_errors", set()) | failed
+        return (
+            got.finished_sending if got.finished_sending or sending is not None else None,
+            got.finished_recving if got.finished_recving or recving is not None else None,
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors = set(super().get_block_ids_with_load_errors() or ())  # type: ignore[misc]
+        errors |= getattr(self, "_pd_load_errors", set())
+        self._pd_load_errors = set()
+        return errors

@@ -33,7 +33,7 @@ from pd_sessions.checks.faults.promise import (
     proven,
 )
 from pd_sessions.checks.faults.scenario import Answer, Scenario, gatherer
-from pd_sessions.checks.faults.stall_abort import poll, waiting
+from pd_sessions.checks.faults.stall_abort import decode_waits, poll, reading
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core.errors import StopError
 from pd_sessions.core.results import FAIL, PASS, CheckResult, Figure, Table, pick, reporting
@@ -70,7 +70,7 @@ def died(details: Mapping[str, Any]) -> Proof:
     if victim is None:
         why = (
             "no prefill killed: the decode never reported the request waiting for remote KV "
-            "(vllm:num_requests_kv_fetch_by_stage)"
+            f"({details.get('decode_waited_by') or 'vllm:num_requests_kv_fetch_by_stage'})"
         )
         return Proof(what, why, False)
     if undead:
@@ -91,6 +91,7 @@ def evaluate(
     policy: str,
     undead: str | None = None,
     died_s: float | None = None,
+    waited_by: str = "",
 ) -> CheckResult:
     """The verdict.
 
@@ -120,6 +121,9 @@ def evaluate(
         "injected": dict(injected),
         "kv_load_failure_policy": policy,
         "decode_waited_s": waited_s,
+        # what said the decode waited: its KV fetch gauge, or where this vLLM has none (0.26) the
+        # injector's stall lines (stall_abort.INJECTOR_STALLS)
+        "decode_waited_by": waited_by or "vllm:num_requests_kv_fetch_by_stage",
         "undead": undead,
         "survivors": {n: {"health": h, "held": recovery.held.get(n)} for n, h in recovery.health.items()},
         "recovery": recovery.to_dict(),
@@ -137,7 +141,9 @@ def evaluate(
         else outcome.kind
     )
     head = (
-        f"{victim} SIGKILLed {killed_after_s:.1f} s after the decode began waiting for its KV; "
+        f"{victim} SIGKILLed {killed_after_s:.1f} s after the decode began waiting for its KV"
+        + (f" (seen by {waited_by})" if waited_by else "")
+        + "; "
         if victim is not None and killed_after_s is not None
         else ""
     )
@@ -168,9 +174,16 @@ def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
     victim = waited = killed_after = died_s = undead = None
     s.inject("stall", where="decode", stall_s=stall_s)
     t_sent = time.monotonic()
+    seen_by = [""]
     try:
         th.start()
-        if poll(lambda: sum(waiting(d, "decode") for d in plan.decode) >= 1, timeout=stall_s * 0.8):
+
+        def waits() -> bool:  # the decode holds the request waiting for its KV
+            got = [reading(d, "decode") for d in plan.decode]
+            n, seen_by[0] = decode_waits(s.injected("decode").get("stall", 0), got)
+            return n >= 1
+
+        if poll(waits, timeout=stall_s * 0.8):
             t_wait = time.monotonic()
             waited = t_wait - t_sent
             served = instances.scrape_served(plan)
@@ -202,4 +215,5 @@ def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
         died_s=died_s,
         policy=policy(window),
         undead=undead,
+        waited_by=seen_by[0],
     )

@@ -52,9 +52,15 @@ KV_FETCH = "vllm:num_requests_kv_fetch_by_stage"
 WAITING_FOR_KV = ("waiting_to_start", "in_progress")  # its stages before the KV has arrived
 
 
-def metric_of(where: str) -> str:
-    """The metric ``reached`` reads on ``where``."""
-    return WAITING if where == "prefill" else f"{KV_FETCH} ({' + '.join(WAITING_FOR_KV)})"
+# Where the decode's waiting is read when its /metrics lacks KV_FETCH (vLLM 0.26 has no such
+# gauge): the injector's own stall lines. The injector holds back a load the decode's scheduler
+# has already scheduled, so each line is a request waiting there for its remote KV.
+INJECTOR_STALLS = "the injector's stall lines (this vLLM exports no KV fetch gauge)"
+
+
+def metric_of(where: str, seen_by: str = "") -> str:
+    """The metric ``reached`` reads on ``where`` (``seen_by``: what was read instead, if not it)."""
+    return seen_by or (WAITING if where == "prefill" else f"{KV_FETCH} ({' + '.join(WAITING_FOR_KV)})")
 
 
 @dataclass(frozen=True)
@@ -75,8 +81,15 @@ class Phase:
     held: Mapping[str, str | None]  # what each instance held at the end (None: idle)
     free_bound_s: float  # stall_s + free_slack_s
     # whether ``where``'s /metrics exported metric_of(where) at all while ``reached`` was read:
-    # without it the waiting cannot be seen (a vLLM without the gauge), which is NOT RUN, not FAIL
+    # without it the waiting cannot be seen (a vLLM without the gauge), which is NOT RUN, not FAIL;
+    # on the decode the injector's stall lines are read instead (seen_by: INJECTOR_STALLS)
     exported: bool = True
+    seen_by: str = ""
+
+    @property
+    def seen(self) -> bool:
+        """Whether the waiting could be seen at all (the gauge, or the injector's lines)."""
+        return self.exported or bool(self.seen_by)
 
     @property
     def abort_limit_s(self) -> float:
@@ -86,10 +99,10 @@ class Phase:
 
     def problems(self) -> list[str]:
         out = []
-        if self.exported and self.reached < self.requests:  # unexported: evaluate says NOT RUN
+        if self.seen and self.reached < self.requests:  # unseen: evaluate says NOT RUN
             out.append(
                 f"{self.where}: only {self.reached}/{self.requests} requests were seen waiting on the "
-                f"{self.where} ({metric_of(self.where)}) before the disconnect"
+                f"{self.where} ({metric_of(self.where, self.seen_by)}) before the disconnect"
             )
         if self.got_token:
             out.append(f"{self.where}: {self.got_token} stream(s) had a token before the disconnect")
@@ -115,7 +128,7 @@ class Phase:
             "requests": self.requests,
             "stalled": self.stalled,
             "reached": self.reached,
-            "reached_metric": metric_of(self.where),
+            "reached_metric": metric_of(self.where, self.seen_by),
             "got_token_before_disconnect": self.got_token,
             "injected": dict(self.injected),
             "left_s": None if self.left_s is None else round(self.left_s, 3),
@@ -209,7 +222,7 @@ def evaluate(phases: Sequence[Phase], recovery: Recovery) -> CheckResult:
         "phases": [p.to_dict() for p in phases],
         "recovery": recovery.to_dict(),
     }
-    blind = [p for p in phases if not p.exported]
+    blind = [p for p in phases if not p.seen]
     if blind and not problems:
         return CheckResult(
             NAME,
@@ -332,6 +345,16 @@ class Before:
     got_token: int = 0
     sent_at: float = 0.0
     exported: bool = False
+    seen_by: str = ""  # INJECTOR_STALLS when the decode's waiting was read from the injector
+
+
+def decode_waits(stalled: int, got: Sequence[tuple[float, bool]]) -> tuple[int, str]:
+    """How many requests the decodes hold waiting for remote KV, and what said so: their gauge
+    (``got``: :func:`reading` per decode), or where no decode exports it, the injector's stall
+    lines (``stalled``)."""
+    if any(e for _, e in got):
+        return int(sum(n for n, _ in got)), ""
+    return stalled, INJECTOR_STALLS
 
 
 def stall_and_leave(s: Scenario, where: str, n: int, stall_s: float) -> Before:
@@ -350,8 +373,11 @@ def stall_and_leave(s: Scenario, where: str, n: int, stall_s: float) -> Before:
         def reached() -> bool:  # held back by the injector, and waiting as the instance says
             b.stalled = s.injected(where).get("stall", 0)
             got = [reading(sp, where) for sp in specs]
-            b.reached = int(sum(n for n, _ in got))
             b.exported = b.exported or any(e for _, e in got)
+            if where == "decode":
+                b.reached, b.seen_by = decode_waits(b.stalled, got)
+            else:
+                b.reached = int(sum(n for n, _ in got))
             return b.stalled >= n and b.reached >= n
 
         poll(reached, timeout=stall_s * 0.8)
@@ -407,6 +433,7 @@ def phase(window: CheckWindow, where: str, options: Mapping[str, Any], idle: Map
         dict(held),
         free_bound_s,
         b.exported,
+        "" if b.exported else b.seen_by,
     )
 
 
