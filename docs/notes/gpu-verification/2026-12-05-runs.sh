@@ -93,4 +93,43 @@ push-faults)  # NIXL push 1x1 with every default check, and the faults sweep, at
   sweep faults 525 faults "${COMMON[@]}" "${TINY[@]}" --mooncake-protocol tcp &
   wait
   ;;
+# The afternoon's second lease (2026-12-05, 16:30-): a fresh machine; .whl/g/c1 carried first
+# (nixl, nixl-cu13, tomli-w, pyelftools, the two libraries), then the 7 parts, then `unpack` and
+# `bg`; `poll` calls keep the machine held and bring back what is done.
+setup)  # nixl and the harness's two missing wheels (the first call)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/nixl /tmp/carry/c1/*.whl
+  python3 -c "import nixl, tomli_w; print('nixl and tomli_w import')"
+  ;;
+baseline)  # five perf_single_gpu nixl-llama1b sweeps, one after the other, and the baseline of them
+  cp pd_sessions/configs/perf_baselines.toml "$w/perf_baselines.toml"
+  t0=$SECONDS
+  timeout -s TERM -k 30 "${BASELINE_LIMIT:-900}" python3 -m pd_sessions perf-baseline --runs 5 --out /tmp/pb \
+    --baselines "$w/perf_baselines.toml" -- perf_single_gpu "${COMMON[@]}" --only nixl-llama1b > "$w/baseline.log" 2>&1
+  echo "baseline: exit $? after $((SECONDS - t0)) s" | tee -a "$w/rc.txt"
+  cp -r /tmp/pb "$w/pb" 2>/dev/null
+  ;;
+faults2)  # the faults sweep with the KV digest and the strand (the recall injections are in it)
+  sweep faults2 "${FAULTS_LIMIT:-600}" faults "${COMMON[@]}" "${TINY[@]}" --mooncake-protocol tcp \
+    --check kv_digest,fault_strand,conservation
+  ;;
+bg)  # baseline, then faults2, in a session of their own: they outlive the call (poll brings them)
+  self="$here/$(basename "$0")"
+  setsid nohup bash -c "bash '$self' baseline; bash '$self' faults2; touch /tmp/work/bg.done" \
+    > /tmp/work/bg.log 2>&1 < /dev/null &
+  echo "started in the background: baseline, faults2"
+  ;;
+poll)  # wait (POLL_S s, or until bg is done), then say where it is
+  end=$((SECONDS + ${POLL_S:-300}))
+  while [ $SECONDS -lt $end ] && [ ! -e /tmp/work/bg.done ]; do sleep 5; done
+  cat /tmp/work/*/rc.txt 2>/dev/null; ls /tmp/pb 2>/dev/null | tr '\n' ' '; echo
+  grep -hE "\] \[[0-9]+/[0-9]+\]|PASS|FAIL|NOT RUN|XFAIL|recorded|entry" /tmp/work/baseline/baseline.log \
+    /tmp/work/faults2/faults2.log 2>/dev/null | cut -c1-300 | tail -40
+  [ -e /tmp/work/bg.done ] && echo "bg done"
+  ;;
+pack)  # what is there so far, into $OUT (three archives, each under the 16 MiB a file may bring)
+  tar -C /tmp/work -czf "$OUT/work.tgz" --exclude=./baseline/pb --exclude='./*/res-*' . 2>/dev/null
+  [ -d /tmp/pb ] && tar -C /tmp -czf "$OUT/pb.tgz" --exclude='prefill-*.log' --exclude='decode-*.log' pb
+  [ -d /tmp/res-faults2 ] && tar -C /tmp -czf "$OUT/faults2.tgz" res-faults2
+  ls -la "$OUT"
+  ;;
 esac
