@@ -427,9 +427,42 @@ def test_drop_without_get_transfer_results_reports_the_loads_blocks_as_load_erro
     conn.finished = (set(), {"a", "b"})
     # the scheduler still learns they ended: its load-error path then acts on their blocks
     assert conn.get_finished(set()) == (set(), {"a", "b"})
+    conn.own_errors = set()  # the wrapped connector forgets its errors once told (NIXL drains a queue)
     assert conn.get_block_ids_with_load_errors() == {1, 2, 5, 9}
-    assert conn.get_block_ids_with_load_errors() == {9}  # told once
+    assert conn.get_block_ids_with_load_errors() == set()  # told once
     assert sorted(e["req"] for e in events(capsys) if e["mode"] == "drop") == ["a", "b"]
+
+
+@pytest.mark.procs
+def test_a_load_the_connector_failed_itself_is_neither_faulted_nor_digested_without_get_transfer_results(
+    tmp_path, monkeypatch, capsys
+):
+    """NIXL on 0.26 tells a failed load by its blocks only: the injector takes them in get_finished,
+    treats that load as failed (no drop of it, nothing digested), and still tells them once."""
+    conn, control = make_before(tmp_path, monkeypatch, "NixlConnector")
+    switch(control, epoch="e", mode="drop", fraction=1)
+    conn.bind_connector_metadata(nixl_meta(a=[1, 2], b=[5]))
+    conn.own_errors = {2}  # a's transfer failed (its prefill died, say)
+    conn.finished = (None, {"a", "b"})
+    seen = []
+    monkeypatch.setattr(type(conn), "_pd_transfers", lambda self, t: seen.append(set(t.failed_recving)) or t)
+    assert conn.get_finished(set()) == (None, {"a", "b"})
+    assert seen == [{"a"}]  # a arrives failed: no fault applies to it, the digest skips it
+    conn.own_errors = set()
+    assert conn.get_block_ids_with_load_errors() == {2}  # told to the scheduler, once
+    assert conn.get_block_ids_with_load_errors() == set()
+
+
+def test_drop_skips_a_load_the_connector_failed_itself(tmp_path, monkeypatch, capsys):
+    conn, control = make_before(tmp_path, monkeypatch, "NixlConnector")
+    switch(control, epoch="e", mode="drop", fraction=1)
+    conn.bind_connector_metadata(nixl_meta(a=[1, 2], b=[5]))
+    conn.own_errors = {2}
+    conn.finished = (None, {"a", "b"})
+    conn.get_finished(set())
+    conn.own_errors = set()
+    assert conn.get_block_ids_with_load_errors() == {2, 5}
+    assert [e["req"] for e in events(capsys) if e["mode"] == "drop"] == ["b"]
 
 
 @pytest.mark.procs

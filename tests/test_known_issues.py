@@ -229,6 +229,18 @@ def test_mooncakes_pull_from_a_dead_prefill_is_xfail_only_when_it_hangs():
     assert fixed.verdict == XPASS and "retire known issue mooncake-dead-prefill-pull" in fixed.message
 
 
+def test_mooncakes_pull_from_a_dead_prefill_is_known_on_vllm_0_26_too():
+    """The H100 with vLLM 0.26.0 hung the same way (2026-12-05): the decode's request got no answer
+    within 60 s and the decode kept 2 blocks; the entry covers 0.26, and nothing older."""
+    hung = peer(Outcome("x", HUNG, 60.0, None, "no answer"))
+    on = {"vllm": "0.26.0", "vllm-router": "0.1.17"}
+    r = against_known_issues(hung, known_issues.load(), connector="mooncake", platform="cuda", versions=on)
+    assert r.verdict == XFAIL and "mooncake-dead-prefill-pull" in r.message
+    old = dict(on, vllm="0.25.1")
+    r = against_known_issues(hung, known_issues.load(), connector="mooncake", platform="cuda", versions=old)
+    assert r.verdict == FAIL
+
+
 def restarted(*attempts: Outcome, correct_s=None) -> CheckResult:
     return restart.evaluate(
         "prefill-0",

@@ -606,19 +606,26 @@ class BeforeTransferResults:
     """The worker hooks of a vLLM whose connectors have no ``get_transfer_results`` (0.26; put
     before :class:`FaultInjecting`). There the worker calls ``get_finished``, which returns
     (sending, recving), and right after it, in the same step, ``get_block_ids_with_load_errors``:
-    a load reported failed is one whose blocks are in that set (the scheduler then fails the
-    request or recomputes those blocks, per ``kv_load_failure_policy``). The faults and the digest
-    are :meth:`FaultInjecting._pd_transfers`' own; only the shapes differ."""
+    a load that failed is one whose blocks are in that set (the scheduler then fails the request
+    or recomputes those blocks, per ``kv_load_failure_policy``). The faults and the digest are
+    :meth:`FaultInjecting._pd_transfers`' own; only the shapes differ.
+
+    The wrapped connector's own load errors are taken in ``get_finished`` (NIXL forgets them once
+    told) and told to the scheduler after it as before: a load they touch is a failed load there,
+    so no fault applies to it and the digest does not compare it (on the H100, 2026-12-05, a load
+    NIXL failed when its prefill was killed was digested as loaded: a false mismatch)."""
 
     _pd: Injector
     _pd_load_errors: set[int]
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, recving = super().get_finished(finished_req_ids)  # type: ignore[misc]
-        blocks = dict(self._pd.blocks)  # _pd_transfers forgets a finished load's blocks
-        got = self._pd_transfers(Transfers(set(sending or ()), set(recving or ())))  # type: ignore[attr-defined]
-        failed = {b for r in got.failed_recving for g in blocks.get(r, ()) for b in g}
-        self._pd_load_errors = getattr(self, "_pd_load_errors", set()) | failed
+        own = set(super().get_block_ids_with_load_errors() or ())  # type: ignore[misc]
+        blocks = {r: {b for g in self._pd.blocks.get(r, ()) for b in g} for r in recving or ()}
+        failed = {r for r, ids in blocks.items() if ids & own}  # _pd_transfers forgets their blocks
+        got = self._pd_transfers(Transfers(set(sending or ()), set(recving or ()), set(failed)))  # type: ignore[attr-defined]
+        dropped = {b for r in got.failed_recving - failed for b in blocks.get(r, ())}
+        self._pd_load_errors = getattr(self, "_pd_load_errors", set()) | own | dropped
         return (
             got.finished_sending if got.finished_sending or sending is not None else None,
             got.finished_recving if got.finished_recving or recving is not None else None,
