@@ -295,6 +295,28 @@ def test_a_check_of_caught_by_that_passes_under_the_injection_is_a_miss():
     assert cell.status == "not run" and "kv_transfer did not run" in cell.detail
 
 
+def test_an_xfail_of_caught_by_does_not_hide_a_later_check_that_passed():
+    """Each check of caught_by is looked at: parity XFAIL (a known issue) then kv_transfer PASS
+    under the injection is a miss, not the known issue's XFAIL."""
+    known = {"known_issue": {"id": "mooncake-n-gt-1", "link": "https://github.com/x/y/issues/1"}}
+    xfail_then_pass = result(
+        "mooncake",
+        check("parity", "xfail", "differs", **known),
+        check("kv_transfer", "pass", "32 of 32 tokens"),
+        injected={"decode_weights_seed": 1},
+    )
+    cell = recall_table.build(catalogue(WEIGHTS), [xfail_then_pass], ci=True).at("other-weights", "mooncake")
+    assert cell.status == "missed" and "kv_transfer passed" in cell.detail
+    xfail_then_fail = result(
+        "mooncake",
+        check("parity", "xfail", "differs", **known),
+        check("kv_transfer", "fail", "0 tokens"),
+        injected={"decode_weights_seed": 1},
+    )
+    cell = recall_table.build(catalogue(WEIGHTS), [xfail_then_fail], ci=True).at("other-weights", "mooncake")
+    assert cell.status == "xfail" and "mooncake-n-gt-1" in cell.detail
+
+
 def test_a_class_declared_out_on_every_connector_in_ci_is_refused_by_the_loader():
     """CI's scope: every class must be counted on a connector (the loader refuses the entry)."""
     with pytest.raises(ConfigError, match="at least one connector"):

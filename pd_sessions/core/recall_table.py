@@ -131,23 +131,38 @@ def _xfail(bug: BugClass, r: Result, c: Mapping[str, Any]) -> Cell:
     return Cell(bug.id, r.connector, XFAILED, f"known issue {known['id']}: {known.get('link', '')}", r.source)
 
 
+# Within one result, the cell of a class that several checks must catch: the worst of theirs (a
+# check that passed missed it, whatever the others did; one that did not run leaves it unproven;
+# an XFAIL among failures is the known issue's).
+_WITHIN = {MISSED: 0, UNRUN: 1, XFAILED: 2, CAUGHT: 3}
+
+
 def _by_settings(bug: BugClass, r: Result) -> Cell | None:
     """The cell one result gives a class injected by config settings (None: the config does not
-    inject it). Every check of caught_by must FAIL; one that passed missed it."""
+    inject it). Every check of caught_by must FAIL; one that passed missed it, whatever the others
+    say (each is looked at: an XFAIL first does not hide a PASS after it)."""
     if not bug.matches_settings(r.injected()):
         return None
     checks = r.checks()
+    cells = []
     for name in bug.caught_by:
         c = checks.get(name)
         if c is None:
-            return Cell(bug.id, r.connector, UNRUN, f"{name} did not run on the injected config", r.source)
+            cells.append(
+                Cell(bug.id, r.connector, UNRUN, f"{name} did not run on the injected config", r.source)
+            )
+            continue
         verdict, msg = c.get("verdict"), str(c.get("message", ""))[:_SHOWN]
         if verdict == PASS:
-            return Cell(bug.id, r.connector, MISSED, f"{name} passed under the injection: {msg}", r.source)
-        if verdict == XFAIL:
-            return _xfail(bug, r, c)
-        if verdict != FAIL:
-            return Cell(bug.id, r.connector, UNRUN, f"{name} {verdict}: {msg}", r.source)
+            cells.append(
+                Cell(bug.id, r.connector, MISSED, f"{name} passed under the injection: {msg}", r.source)
+            )
+        elif verdict == XFAIL:
+            cells.append(_xfail(bug, r, c))
+        elif verdict != FAIL:
+            cells.append(Cell(bug.id, r.connector, UNRUN, f"{name} {verdict}: {msg}", r.source))
+    if cells:
+        return min(cells, key=lambda c: _WITHIN[c.status])
     first = checks[bug.caught_by[0]]
     return Cell(bug.id, r.connector, CAUGHT, detection(bug.detection, first), r.source)
 
