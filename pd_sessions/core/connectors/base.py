@@ -400,6 +400,10 @@ class ConnectorSpec:
     # the kv_transfer_params keys a client can forge (ClientParams); None (unknown): the
     # hostile_clients check is NOT RUN over it, saying so
     client_params: ClientParams | None = None
+    # how long a prefill keeps a sent request's blocks for a read that never comes (NIXL's KV
+    # lease, kv_lease_duration); None: no bounded lease. The conservation check, finding blocks
+    # still held at its last probe, waits this long (and a little) before it calls them leaked
+    kv_lease_s: float | None = None
 
     def detection_rate(self, fault: str, parity_mode: str) -> DetectionRate | None:
         """The rate written for ``fault`` in ``parity_mode``, or None."""

@@ -286,6 +286,9 @@ SPEC = ConnectorSpec(
     cpu_lane=CPU_LANE,
     sweep="nixl_sweep",
     recv_layout="flat",  # vLLM 0.32's nixl/metadata.py: reqs_to_recv
+    # vLLM 0.32's nixl/base_scheduler.py and base_worker.py: kv_lease_duration, 30 s by default
+    # (kv_connector_extra_config; pd-sessions does not set it), renewed only by a reading decode
+    kv_lease_s=30.0,
     send_layout=SendLayout(
         key="request_id",
         recv_blocks="all",
