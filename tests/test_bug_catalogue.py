@@ -378,9 +378,35 @@ def test_recall_runs_a_sweep_per_injecting_run_each_in_its_own_folder(tmp_path):
 def test_a_config_records_the_settings_that_inject_a_fault():
     base = {"name": "1x1", "connector": "mooncake", "model": "tiny-llama"}
     assert ClusterConfig(**base).injected == {}
-    faulty = ClusterConfig(**base, decode_weights_seed=1, decode_kv_transfer=False)
-    assert faulty.injected == {"decode_weights_seed": 1, "decode_kv_transfer": False}
+    faulty = ClusterConfig(
+        **base,
+        decode_weights_seed=1,
+        decode_kv_transfer=False,
+        decode_extra_args=("--enforce-eager", "--num-gpu-blocks-override", "64"),
+    )
+    assert faulty.injected == {
+        "decode_weights_seed": 1,
+        "decode_kv_transfer": False,
+        "decode_num_gpu_blocks_override": 64,
+    }
     assert set(faulty.injected) == set(bug_catalogue.INJECTION_SETTINGS)
+    # the = form, the last one given; an override on every instance (extra_args) is no injection
+    eq = ClusterConfig(
+        **base, decode_extra_args=("--num-gpu-blocks-override=8", "--num-gpu-blocks-override=9")
+    )
+    assert eq.injected == {"decode_num_gpu_blocks_override": 9}
+    assert ClusterConfig(**base, extra_args=("--num-gpu-blocks-override", "64")).injected == {}
+
+
+def test_kv_capacity_loss_is_caught_where_kv_capacity_fails_under_a_capped_decode():
+    capped = {"decode_num_gpu_blocks_override": 64}
+    caught = result("mooncake", check("kv_capacity", "fail", "decode-0 holds 1.6 % of prefill-0's KV"),
+                    injected=capped)  # fmt: skip
+    t = recall_table.build(bug_catalogue.load(), [caught], ci=True)
+    assert t.at("kv-capacity-loss", "mooncake").status == "caught"
+    missed = result("mooncake", check("kv_capacity", "pass", "every instance holds 100 %"), injected=capped)
+    t = recall_table.build(bug_catalogue.load(), [missed], ci=True)
+    assert t.at("kv-capacity-loss", "mooncake").status == "missed"
 
 
 def test_recall_without_results_runs_each_sweep_then_judges_what_they_wrote(tmp_path, monkeypatch, capsys):

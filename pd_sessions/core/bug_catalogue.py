@@ -33,7 +33,11 @@ ENTRY_KEYS = (
 INJECTION_KEYS = ("how", "check", "settings")
 # The config settings that inject a bug class (core/config.py; the faulty decode), with the
 # type of their value. A ConfigResult records the ones a config sets (its "injected").
-INJECTION_SETTINGS: Mapping[str, type] = {"decode_weights_seed": int, "decode_kv_transfer": bool}
+INJECTION_SETTINGS: Mapping[str, type] = {
+    "decode_weights_seed": int,
+    "decode_kv_transfer": bool,
+    "decode_num_gpu_blocks_override": int,  # from decode_extra_args' --num-gpu-blocks-override
+}
 NOT_A_CLASS_KEYS = ("check", "reason")
 _ID = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 _PLACEHOLDER = re.compile(r"\{([^{}]+)\}")

@@ -143,17 +143,32 @@ class ClusterConfig:
     def injected(self) -> dict[str, Any]:
         """The fault-injection settings this config sets (its result's "injected": the recall
         table, core/recall_table.py, finds the bug classes they inject by them): decode_weights_seed
-        when set, decode_kv_transfer when false."""
+        when set, decode_kv_transfer when false, decode_num_gpu_blocks_override when the decode's
+        extra arguments cap its KV cache (``--num-gpu-blocks-override N``)."""
         out: dict[str, Any] = {}
         if self.decode_weights_seed is not None:
             out["decode_weights_seed"] = self.decode_weights_seed
         if not self.decode_kv_transfer:
             out["decode_kv_transfer"] = False
+        blocks = _flag_value(self.decode_extra_args, "--num-gpu-blocks-override")
+        if blocks is not None and blocks.isdigit():
+            out["decode_num_gpu_blocks_override"] = int(blocks)
         return out
 
     @property
     def decode_ranks(self) -> int:
         return self.decode_tp * self.decode_dp
+
+
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value ``args`` give ``flag`` (``flag V`` or ``flag=V``; the last one wins), or None."""
+    found = None
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            found = args[i + 1]
+        elif a.startswith(flag + "="):
+            found = a.split("=", 1)[1]
+    return found
 
 
 @dataclass(frozen=True)
