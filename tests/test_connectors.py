@@ -197,6 +197,16 @@ def test_evidence_and_failure_lines(spec):
         assert isinstance(spec.evidence, LogEvidence) and spec.evidence.success
 
 
+def test_the_transfer_op_is_what_moves_the_kv_and_matches_the_side_that_records_it():
+    # the perf check's link probe times this operation, started where the connector starts it
+    assert (NIXL.transfer_op, NIXL_PUSH.transfer_op, MOONCAKE.transfer_op) == ("READ", "WRITE", "WRITE")
+    for spec in connectors.ALL:
+        assert spec.transfer_op in ("READ", "WRITE")
+        if isinstance(spec.evidence, MetricEvidence):  # "READ transfers" on the decode that reads
+            assert spec.evidence.what.startswith(f"{spec.transfer_op} ")
+            assert spec.evidence.role == ("prefill" if spec.transfer_op == "WRITE" else "decode")
+
+
 def test_push_is_nixls_wheels_ports_and_hops_with_its_own_evidence():
     assert NIXL_PUSH.package is NIXL.package and NIXL_PUSH.ports == NIXL.ports and NIXL_PUSH.hops is NIXL.hops
     assert NIXL_PUSH.router_flag == NIXL.router_flag  # the router learns push from the prefill's answer

@@ -82,12 +82,14 @@ def test_the_ttft_split_and_the_link_ratio_are_measured(nixl_sweep: SweepRun):
     assert split["KV transfer"][1].startswith("window mean per transfer")
     assert split["client TTFT p50"][1].startswith("per request")
     link = details["link"]
-    assert link["transport"] == "NIXL agents (UCX), DRAM to DRAM" and len(link["seconds"]) == 10
+    # NixlConnector pulls: the probe READs, as its spec's transfer_op says, and names the op
+    assert link["transport"] == "NIXL agents (UCX), DRAM to DRAM, READ" and len(link["seconds"]) == 10
+    assert link["op"] == "READ"
     ratio = {f["name"]: f["value"] for f in perf["figures"]}["link_ratio"]
     # effective / what the transport alone moves: a floor only (a fresh-clone CI run measured 2.11
     # once, the probe slow on 2 busy cores: timing figures get no upper bound in a test)
     assert LINK_RATIO[0] <= ratio, ratio
-    assert "% of what NIXL agents (UCX), DRAM to DRAM moves here" in perf["message"]
+    assert "% of what NIXL agents (UCX), DRAM to DRAM, READ moves here" in perf["message"]
 
 
 def test_the_transport_used_and_the_physical_limit_are_reported(nixl_sweep: SweepRun):
@@ -95,7 +97,8 @@ def test_the_transport_used_and_the_physical_limit_are_reported(nixl_sweep: Swee
     folder), the shared-memory copy of the same bytes, and the finding reported, never judged."""
     perf = _perf(nixl_sweep)
     link = perf["details"]["link"]
-    assert link["transports"] and link["transports_source"].startswith("UCX_PROTO_INFO=y: "), link
+    source = link["transports_source"]
+    assert link["transports"] and source.startswith("UCX_PROTO_INFO=y: the 'remote memory read' tables"), link
     assert all("/" in lane for lane in link["transports"])  # transport/device, as UCX names them
     assert list((nixl_sweep.run_dir / "perf").glob("link-probe.json.ucx.*.log"))
     assert link["limit"]["name"] == "shared-memory copy between two processes" and link["limit"]["gb_s"] > 0

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 from helpers import FIXTURES
+from helpers.builders import arg
 
 from pd_sessions.checks import perf_figures as pf
 from pd_sessions.core import ucx
@@ -22,6 +24,9 @@ PERF = FIXTURES / "perf"
 # defaults), its output and the initiator's UCX log (UCX_PROTO_INFO=y, written by the probe).
 CPU_LOG = (PERF / "ucx-proto-info-cpu-nixl-probe.log").read_text()
 CPU_DOC = json.loads((PERF / "link-probe-cpu-nixl.json").read_text())
+# The same probe with `--op WRITE` (as NixlPushConnector moves the KV), same host and UCX, 2026-12-05.
+CPU_WRITE_LOG = (PERF / "ucx-proto-info-cpu-nixl-probe-write.log").read_text()
+CPU_WRITE_DOC = json.loads((PERF / "link-probe-cpu-nixl-write.json").read_text())
 
 
 def table(owner: str, title: str, config: str) -> str:
@@ -41,6 +46,10 @@ def table(owner: str, title: str, config: str) -> str:
 
 
 CUDA_READ = "remote memory read by ucp_get*(multi) into cuda memory from cuda"
+# a WRITE's title names its memories the other way round (UCX's proto_debug.c, ucp_proto_select_param_str
+# and ucp_proto_select_info_str: "into X from Y" for get, "from X to Y" for put), as the H200 log's
+# host writes show: "remote memory write by ucp_put* from host memory to cuda/dev[1]"
+CUDA_WRITE = "remote memory write by ucp_put*(multi) from cuda/GPU0 to cuda/dev[1]"
 
 
 # ---------------------------------------------------------------- what UCX chose
@@ -77,6 +86,40 @@ def test_the_recorded_h200_tables_name_the_lanes_of_the_vram_read():
     defaults = (PERF / "ucx-proto-info-h200-nixl-probe-defaults-read.log").read_text()
     assert ucx.lanes(defaults, "read", "cuda") == ("tcp/lo",)
     assert ucx.advice(("tcp/lo",), "cuda", None).startswith("it used tcp, not cuda_ipc;")
+
+
+def test_the_recorded_cpu_write_probe_wrote_over_cma_and_its_read_tables_are_not_its_lanes():
+    assert ucx.lanes(CPU_WRITE_LOG, "write", "cpu") == ("cma/memory",)
+    assert ucx.lanes(CPU_WRITE_LOG, "read", "cpu") == ()  # it did not read: no read table
+    assert CPU_WRITE_DOC["op"] == "WRITE" and CPU_WRITE_DOC["transports"] == ["cma/memory"]
+    assert CPU_WRITE_DOC["transport"] == "NIXL agents (UCX), DRAM to DRAM, WRITE"
+    assert CPU_WRITE_DOC["transports_source"].startswith("UCX_PROTO_INFO=y: the 'remote memory write' tables")
+
+
+def test_a_vram_write_table_names_its_lanes_and_a_host_write_into_vram_is_not_one():
+    log = (
+        table("pd-probe-1 self cfg#0", CUDA_WRITE, "cuda_copy/cuda")
+        + table("pd-probe-1 intra-node cfg#1", CUDA_READ, "tcp/lo")
+        + table("pd-probe-1 intra-node cfg#1", CUDA_WRITE, "cuda_ipc/cuda")
+    )
+    assert ucx.lanes(log, "write", "cuda") == ("cuda_ipc/cuda",)
+    assert ucx.lanes(log, "read", "cuda") == ("tcp/lo",)
+    # the H200 logs' writes are all from host memory (into host or cuda): none is a VRAM to VRAM write
+    for name in (
+        "ucx-proto-info-h200-nixl-probe-get-zcopy.log",
+        "ucx-proto-info-h200-nixl-probe-defaults-read.log",
+    ):
+        assert ucx.lanes((PERF / name).read_text(), "write", "cuda") == ()
+
+
+def test_the_write_advice_names_no_get_setting():
+    write = ucx.advice(("tcp/lo",), "cuda", None, "write")
+    assert write and write.startswith("it used tcp, not cuda_ipc;") and "writes (put)" in write
+    assert "UCX_TLS=cuda_ipc,cuda_copy,tcp" in write and "set UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in write
+    assert "(UCX_TLS=tcp here)" in (ucx.advice(("tcp/lo",), "cuda", "tcp", "write") or "")
+    assert ucx.advice(("cuda_ipc/cuda",), "cuda", None, "write") is None
+    # shared memory on the CPU lane serves both directions: the same advice
+    assert ucx.advice(("tcp/lo",), "cpu", None, "write") == ucx.advice(("tcp/lo",), "cpu")
 
 
 def test_the_advice_names_what_was_used_and_the_setting_to_try():
@@ -145,6 +188,7 @@ def test_the_probes_document_round_trips_and_an_older_one_still_reads():
     old = {k: CPU_DOC[k] for k in ("transport", "bytes", "descriptors", "seconds")}
     link = pf.link_probe_from(old)
     assert link.transports == () and link.limit is None and link.transports_source == "not reported"
+    assert link.op == "" and pf.link_probe_from(CPU_WRITE_DOC).op == "WRITE"
     with pytest.raises(PerfError, match="link probe output lacks 'seconds'"):
         pf.link_probe_from({**CPU_DOC, "limit": {"name": "x"}})
 
@@ -173,6 +217,73 @@ def test_the_probe_reads_ucxs_tables_from_its_own_log_and_says_when_it_cannot(tm
     used, source, advice = link_probe.transports_used(args, prefix)
     assert used == ("cma/memory",) and advice is None and f"probe.json.ucx.{os.getpid()}.log" in source
     assert link_probe.transports_used(args, None)[1].startswith("unknown: UCX_PROTO_INFO or UCX_LOG_FILE")
-    mooncake = link_probe.Args("mooncake", "cuda", 2**20, 4, 10, protocol="tcp")
+    # a WRITE reads the write tables of the same log (this process's: the peer's is left out)
+    write = link_probe.Args("nixl", "cpu", 2**20, 64, 10, op="WRITE")
+    (tmp_path / f"probe.json.ucx.{os.getpid()}.log").write_text(CPU_WRITE_LOG)
+    used, source, advice = link_probe.transports_used(write, prefix)
+    assert used == ("cma/memory",) and advice is None and "the 'remote memory write' tables" in source
+    (tmp_path / f"probe.json.ucx.{os.getpid()}.log").write_text(
+        table("p intra-node cfg#1", CUDA_READ, "tcp/lo")
+    )
+    used, source, advice = link_probe.transports_used(write, prefix)
+    assert used == () and source.startswith("unknown: no 'remote memory write' table in UCX's log")
+    mooncake = link_probe.Args("mooncake", "cuda", 2**20, 4, 10, protocol="tcp", op="WRITE")
     used, source, advice = link_probe.transports_used(mooncake, None)
     assert used == ("tcp",) and "initialize accepted" in source and advice and "stages GPU memory" in advice
+
+
+def test_the_op_defaults_to_each_transports_own_and_mooncake_cannot_read(tmp_path):
+    out = ["--bytes", "8", "--out", str(tmp_path / "o.json")]
+    assert link_probe.parse(["--transport", "nixl", *out])[0].op == "READ"  # as before --op
+    assert link_probe.parse(["--transport", "nixl", "--op", "WRITE", *out])[0].op == "WRITE"
+    assert link_probe.parse(["--transport", "mooncake", *out])[0].op == "WRITE"
+    with pytest.raises(SystemExit):
+        link_probe.parse(["--transport", "mooncake", "--op", "READ", *out])
+    with pytest.raises(SystemExit):
+        link_probe.parse(["--transport", "nixl", "--op", "PUT", *out])
+    assert link_probe.transport_name(link_probe.Args("nixl", "cuda", 8, 1, 1, op="WRITE")) == (
+        "NIXL agents (UCX), VRAM to VRAM, WRITE"
+    )
+
+
+# ---------------------------------------------------------------- the perf check's probe command
+
+
+def probe_argv(connector: str, platform: str = "cuda") -> tuple[list[str], dict[str, str], object]:
+    from helpers.builders import cfg, plan
+
+    from pd_sessions.checks import perf
+
+    p = plan(cfg(connector=connector), platform=platform)
+    argv, env = perf.probe_command(p, 2**20, 64, Path("/r/link-probe.json"), {"BASE": "1"})
+    return argv, env, p
+
+
+def test_a_pull_probe_reads_on_decode0s_gpu_from_prefill0s():
+    argv, env, p = probe_argv("nixl")
+    assert (arg(argv, "--transport"), arg(argv, "--op")) == ("nixl", "READ")
+    assert (p.prefill[0].gpus, p.decode[0].gpus) == (("0",), ("1",))
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and arg(argv, "--device") == "cuda"
+    assert (arg(argv, "--gpu"), arg(argv, "--peer-gpu")) == ("1", "0")  # the decode reads
+    assert env["VLLM_PORT"] == p.decode[0].env_dict()["VLLM_PORT"] and env["BASE"] == "1"
+
+
+def test_a_push_probe_writes_from_prefill0s_gpu_into_decode0s():
+    argv, env, p = probe_argv("nixl_push")
+    assert (arg(argv, "--transport"), arg(argv, "--op")) == ("nixl", "WRITE")
+    assert (arg(argv, "--gpu"), arg(argv, "--peer-gpu")) == ("0", "1")  # the prefill writes
+    assert env["VLLM_PORT"] == p.prefill[0].env_dict()["VLLM_PORT"]
+    mooncake, _, _ = probe_argv("mooncake")
+    assert (arg(mooncake, "--op"), arg(mooncake, "--gpu"), arg(mooncake, "--peer-gpu")) == ("WRITE", "0", "1")
+
+
+def test_on_the_cpu_lane_only_the_op_changes():
+    pull, _, _ = probe_argv("nixl", "cpu")
+    push, _, _ = probe_argv("nixl_push", "cpu")
+    assert "--device" not in push and "--gpu" not in push and arg(push, "--op") == "WRITE"
+    # the same command but the op (and the instances' own kv-transfer-config, which names the class)
+    config = "--kv-transfer-config"
+    assert [a for a in push if a not in ("WRITE", arg(push, config))] == [
+        a for a in pull if a not in ("READ", arg(pull, config))
+    ]
+    assert link_probe.parse(push[3:])[0].op == "WRITE"  # what the probe makes of it

@@ -551,6 +551,24 @@ def test_a_finding_is_reported_in_message_figures_and_details_and_the_verdict_st
     assert KEY[3] == "cpu, 2 cores"
 
 
+def test_a_push_probe_says_it_wrote_in_the_message_and_details_and_its_finding_advises_a_write():
+    # the H100's push sweep, 2026-12-05: KV 0.109 GB/s against a probe that READ over tcp/lo; the
+    # probe now WRITEs as push does, and says so; a write over tcp is a finding with the write's advice
+    limit = pf.LinkLimit("GPU 0 to GPU 1 peer copy", 2**20, (0.00003,))
+    lanes = ("tcp/lo",)
+    write = pf.LinkProbe("NIXL agents (UCX), VRAM to VRAM, WRITE", 2**20, 2, (0.002, 0.004, 0.003), lanes,
+                         "UCX", ucx.advice(lanes, "cuda", None, "write"), limit, op="WRITE")  # fmt: skip
+    r = judged(link=write)
+    assert r.passed, r.message
+    assert "% of what NIXL agents (UCX), VRAM to VRAM, WRITE moves here (0.35 GB/s, over tcp/lo)" in r.message
+    assert (
+        "finding (reported, not judged): NIXL agents (UCX), VRAM to VRAM, WRITE moved 0.35 GB/s" in r.message
+    )
+    assert "CUDA IPC writes (put)" in r.message and "set UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in r.message
+    assert r.details["link"]["op"] == "WRITE" and r.details["link"]["transport"].endswith(", WRITE")
+    assert judged().details["link"]["op"] is None  # an older probe's output names none
+
+
 def test_the_nic_is_named_with_its_line_rate_or_unknown_and_loopback_is_not():
     base = pf.LinkProbe("NIXL agents (UCX)", 2**20, 2, (0.002, 0.004, 0.003))
     limit = pf.LinkLimit("shared-memory copy between two processes", 2**20, (0.001,))

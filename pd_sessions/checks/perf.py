@@ -7,7 +7,9 @@ and decode). Its JSON result file gives TTFT, ITL, TPOT (p50, p99) and throughpu
 the P/D / colocated ratios. Around each P/D run the instances' /metrics (and, for Mooncake, the
 prefills' "KV Transfer metrics" log lines) give where TTFT goes (:func:`perf_figures.ttft_split`)
 and the effective KV bandwidth; then the transport alone moves a transfer of the same size in
-the same descriptor size between two processes on the same devices
+the same descriptor size between two processes on the same devices, by the connector's own
+operation in its direction (its spec's ``transfer_op``: a READ started on decode-0's device for NIXL's
+pull, a WRITE started on prefill-0's for NIXL push and Mooncake; :func:`probe_command`)
 (``python -m pd_sessions.vllm_side.link_probe``): "x GB/s = y % of what the transport itself moves here",
 over the lanes it used (UCX's own report for NIXL, the protocol for Mooncake), and both against
 the physical limit: the same bytes copied on the same devices (a shared-memory copy between two
@@ -324,6 +326,7 @@ def _link_details(link: LinkProbe) -> dict[str, Any]:
     the physical limit, the NIC, and the finding (None: none)."""
     return {
         "transport": link.transport,
+        "op": link.op or None,
         "bytes": link.bytes,
         "descriptors": link.descriptors,
         "seconds": list(link.seconds),
@@ -604,25 +607,39 @@ def measure_runs(
         driver.stop(grace_s=5.0)
 
 
-def probe_link(cluster: Cluster, transfers: Transfers, folder: Path, env: Mapping[str, str]) -> LinkProbe:
-    """The transport alone, between two processes on prefill-0's and decode-0's devices, moving the
-    window's mean transfer in its mean descriptor size (``python -m pd_sessions.vllm_side.link_probe``)."""
-    plan = cluster.plan
+def probe_command(
+    plan: ClusterPlan, nbytes: int, descs: int, out: Path, env: Mapping[str, str]
+) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) of the link probe: the connector's transfer operation (its spec's
+    ``transfer_op``) started where the connector starts it. READ: the probing process on decode-0's
+    device reads the peer's buffer on prefill-0's (the decode pulls); WRITE: on prefill-0's device,
+    it writes into the peer's on decode-0's (the prefill pushes). The environment is the starting
+    instance's."""
     p0, d0 = plan.prefill[0], plan.decode[0]
-    nbytes, descs = probe_size(transfers)
-    out = folder / "link-probe.json"
-    out.unlink(missing_ok=True)
+    spec = connectors.get(plan.config.connector)
+    mine, peer = (p0, d0) if spec.transfer_op == "WRITE" else (d0, p0)
     argv = [p0.argv[0], "-m", "pd_sessions.vllm_side.link_probe",
-            "--transport", connectors.get(plan.config.connector).package.name,
+            "--transport", spec.package.name, "--op", spec.transfer_op,
             "--kv-transfer-config", p0.argv[p0.argv.index("--kv-transfer-config") + 1],
             "--bytes", str(nbytes), "--descriptors", str(descs), "--repeats", str(PROBE_REPEATS),
             "--host", plan.config.host, "--out", str(out)]  # fmt: skip
-    probe_env = {**env, **d0.env_dict()}
+    probe_env = {**env, **mine.env_dict()}
     gpus = list(dict.fromkeys([*p0.gpus, *d0.gpus]))
     if gpus:  # both devices visible; each side on its own instance's GPU
         probe_env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-        argv += ["--device", "cuda", "--peer-gpu", str(gpus.index(p0.gpus[0]))]
-        argv += ["--gpu", str(gpus.index(d0.gpus[0]))]
+        argv += ["--device", "cuda", "--peer-gpu", str(gpus.index(peer.gpus[0]))]
+        argv += ["--gpu", str(gpus.index(mine.gpus[0]))]
+    return argv, probe_env
+
+
+def probe_link(cluster: Cluster, transfers: Transfers, folder: Path, env: Mapping[str, str]) -> LinkProbe:
+    """The transport alone, between two processes on prefill-0's and decode-0's devices, moving the
+    window's mean transfer in its mean descriptor size by the connector's operation
+    (:func:`probe_command`, ``python -m pd_sessions.vllm_side.link_probe``)."""
+    nbytes, descs = probe_size(transfers)
+    out = folder / "link-probe.json"
+    out.unlink(missing_ok=True)
+    argv, probe_env = probe_command(cluster.plan, nbytes, descs, out, env)
     proc = process.spawn("link-probe", argv, env=probe_env, log_path=folder / "link-probe.log")
     try:
         rc = cluster.guard(proc.popen.wait, when="while the transport probe ran", timeout=PROBE_TIMEOUT_S)

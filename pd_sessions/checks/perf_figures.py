@@ -330,6 +330,7 @@ class LinkProbe:
     advice: str | None = None  # the probe's: what it used instead of the fast lane, what to set
     limit: LinkLimit | None = None
     nic: Mapping[str, Any] | None = None  # {"interface", "gb_s", "note"}
+    op: str = ""  # the operation timed: "READ", "WRITE" ("": an older probe's output, which READ)
 
     @property
     def median_s(self) -> float:
@@ -357,6 +358,7 @@ def link_probe_from(doc: Mapping[str, Any]) -> LinkProbe:
             if not limit
             else LinkLimit(str(limit["name"]), int(doc["bytes"]), tuple(float(s) for s in limit["seconds"])),
             nic=dict(doc["nic"]) if doc.get("nic") else None,
+            op=str(doc.get("op") or ""),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise PerfError(f"link probe output lacks {e}: {dict(doc)}") from None

@@ -12,9 +12,12 @@ several lanes as "50% on a/x and 50% on b/y"). Recorded on the CPU lane (2026-12
     ...
     [1796470853.562976] [vm:32056:0]   | 0..inf | zero-copy   | cma/memory                                |
 
-:func:`lanes` returns the lanes of the tables of one operation between one memory type (the
-link probe's READ of DRAM or VRAM); :func:`advice` says, for a device, whether those lanes are the
-ones that can reach the device's copy bandwidth, and which setting to try when they are not.
+A WRITE's table is titled the other way round, "remote memory write by ucp_put*(multi) from host
+memory to host" (UCX's proto_debug.c: "into ... from" for fetching operations, "from ... to" for
+the others). :func:`lanes` returns the lanes of the tables of one operation between one memory
+type (the link probe's READ or WRITE of DRAM or VRAM); :func:`advice` says, for a device, whether
+those lanes are the ones that can reach the device's copy bandwidth, and which setting to try when
+they are not.
 """
 
 from __future__ import annotations
@@ -89,10 +92,12 @@ def transports(lane_names: Sequence[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(lane.split("/", 1)[0] for lane in lane_names))
 
 
-def advice(lane_names: Sequence[str], device: str, tls: str | None = None) -> str | None:
+def advice(
+    lane_names: Sequence[str], device: str, tls: str | None = None, operation: str = "read"
+) -> str | None:
     """None when a lane is one of ``device``'s fast transports (FAST); else what it used, what it
-    did not, and the setting to try. ``tls``: UCX_TLS as the probe ran with it (None: unset),
-    named when it is what left the fast transports out."""
+    did not, and the setting to try for ``operation`` ("read" or "write"). ``tls``: UCX_TLS as the
+    probe ran with it (None: unset), named when it is what left the fast transports out."""
     used = transports(lane_names)
     fast = FAST[device]
     if any(t in fast for t in used):
@@ -100,6 +105,12 @@ def advice(lane_names: Sequence[str], device: str, tls: str | None = None) -> st
     seen = ", ".join(used) if used else "no lane UCX reported"
     if device == "cuda":
         chosen = f" (UCX_TLS={tls} here)" if tls else ""
+        if operation == "write":  # cuda_ipc's put zcopy has no enable switch (only ENABLE_GET_ZCOPY)
+            return (
+                f"it used {seen}, not cuda_ipc{chosen}; UCX 1.23 offers CUDA IPC writes (put) without a "
+                "setting, so UCX_TLS or the host left it out: set UCX_TLS=cuda_ipc,cuda_copy,tcp (or leave "
+                "it unset); UCX_CUDA_IPC_ENABLE_GET_ZCOPY is for reads only"
+            )
         return (
             f"it used {seen}, not cuda_ipc{chosen}; UCX 1.23 offers CUDA IPC reads (get) by default only "
             "over NVLink: set UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y, then UCX_TLS=cuda_ipc,cuda_copy,tcp "

@@ -12,20 +12,23 @@ spawn), each with a buffer of ``--bytes`` on its device (``--device cpu``: an an
 
 - ``nixl``: both create an agent as vLLM's NixlConnector does (``nixl._api``, UCX, 4 threads;
   with ``PD_SESSIONS_NIXL_PROGRESS_DELAY_US`` set, the same progress-thread delay the vLLM plugin
-  gives the instances); the peer registers its buffer and sends its metadata; this process READs
-  the bytes in ``--descriptors`` equal pieces (the decode pulls, as in vLLM), each transfer timed
-  from ``transfer()`` to DONE (vLLM's nixl_xfer_time measures the same span).
+  gives the instances); the peer registers its buffer and sends its metadata; this process moves
+  the bytes in ``--descriptors`` equal pieces with ``--op``: READ (the peer's buffer into its own:
+  the decode pulls, as NixlConnector does; the default) or WRITE (its own buffer into the peer's:
+  the prefill pushes, as NixlPushConnector does), each transfer timed from ``transfer()`` to DONE
+  (vLLM's nixl_xfer_time measures the same span).
 - ``mooncake``: both initialize a transfer engine as vLLM's MooncakeConnector does
   (``P2PHANDSHAKE``, ``--protocol``, ``--device-name``); the peer registers its buffer and reports
   its RPC port; this process writes the pieces with ``batch_transfer_sync_write`` (the prefill
-  pushes, as in vLLM), timed around the call as vLLM times its sends.
+  pushes, as in vLLM; ``--op`` WRITE, its default, is the only one), timed around the call as vLLM
+  times its sends.
 
 Two warm-up transfers (connection set-up), then ``--repeats`` timed ones. Then what was used and
 what the hardware allows (see :func:`transports_used`, :func:`copy_limit`, :func:`nic`):
 
 - ``transports``: the lanes the transport chose, and ``transports_source``, where that was read.
   NIXL: UCX's own report, its ``UCX_PROTO_INFO=y`` tables (pd_sessions.core.ucx) of the READ into
-  this device's memory, which the probe has UCX write to ``<out>.ucx.<pid>.log`` (unless
+  (WRITE from) this device's memory, which the probe has UCX write to ``<out>.ucx.<pid>.log`` (unless
   ``UCX_PROTO_INFO`` or ``UCX_LOG_FILE`` is set already: then "unknown", saying why). Mooncake:
   the protocol its transfer engine was initialized with (and accepted); the engine reports
   nothing finer. ``advice``: when those lanes cannot reach the device's copy bandwidth, the
@@ -33,11 +36,12 @@ what the hardware allows (see :func:`transports_used`, :func:`copy_limit`, :func
 - ``limit``: the physical limit of the same bytes on the same devices, timed as the transfers
   (warm-ups, ``--repeats``): ``cpu``: a copy out of a shared-memory segment that another process
   wrote (multiprocessing.shared_memory, ctypes.memmove); ``cuda``: a device-to-device copy on
-  ``--gpu`` (a peer copy from ``--peer-gpu`` when they differ), timed with CUDA events.
+  ``--gpu`` (a peer copy when ``--peer-gpu`` differs: from it for READ, to it for WRITE), timed
+  with CUDA events.
 - ``nic``: the interface ``--host`` is on and its line rate from ``/sys/class/net/<if>/speed``;
   loopback: no NIC; a rate the interface does not report (a veth): "unknown".
 
-Writes ``--out``: ``{"transport", "bytes", "descriptors", "seconds": [...], "transports",
+Writes ``--out``: ``{"transport", "op", "bytes", "descriptors", "seconds": [...], "transports",
 "transports_source", "advice", "limit": {"name", "seconds"}, "nic"}``; exits 1 with the reason
 on failure.
 """
@@ -81,6 +85,7 @@ class Args:
     peer_gpu: int = 0
     protocol: str = "tcp"  # mooncake
     device_name: str = ""  # mooncake
+    op: str = "READ"  # READ: this process reads the peer's buffer; WRITE: it writes into the peer's
 
 
 class Buffer:
@@ -127,7 +132,7 @@ def nixl_peer(args: Args, conn: Connection) -> None:
     buf = Buffer(args.bytes, args.device, args.peer_gpu)
     agent.register_memory([(buf.addr, buf.size, buf.device_id, "")], _nixl_mem(args.device))
     conn.send({"meta": agent.get_agent_metadata(), "addr": buf.addr, "dev": buf.device_id})
-    conn.recv()  # "done": the buffer must live until the reads are over
+    conn.recv()  # "done": the buffer must live until the transfers are over
 
 
 def nixl_initiator(args: Args, conn: Connection) -> list[float]:
@@ -143,7 +148,7 @@ def nixl_initiator(args: Args, conn: Connection) -> list[float]:
     remote_descs = agent.get_xfer_descs(far, mem)
 
     def once() -> float:
-        handle = agent.initialize_xfer("READ", local, remote_descs, remote, b"pd-probe")
+        handle = agent.initialize_xfer(args.op, local, remote_descs, remote, b"pd-probe")
         t0 = time.perf_counter()
         state = agent.transfer(handle)
         while state not in ("DONE", "ERR"):
@@ -151,7 +156,7 @@ def nixl_initiator(args: Args, conn: Connection) -> list[float]:
         took = time.perf_counter() - t0
         agent.release_xfer_handle(handle)
         if state == "ERR":
-            raise RuntimeError("NIXL READ ended in state ERR")
+            raise RuntimeError(f"NIXL {args.op} ended in state ERR")
         return took
 
     return _timed(once, args.repeats)
@@ -181,6 +186,8 @@ def mooncake_peer(args: Args, conn: Connection) -> None:
 
 
 def mooncake_initiator(args: Args, conn: Connection) -> list[float]:
+    if args.op != "WRITE":
+        raise RuntimeError(f"the Mooncake probe only writes (batch_transfer_sync_write), not {args.op}")
     engine = _mooncake_engine(args)  # while the peer starts too
     buf = Buffer(args.bytes, args.device, args.gpu)
     rc = engine.register_memory(buf.addr, buf.size)
@@ -214,9 +221,10 @@ TRANSPORTS: dict[str, tuple[Side, Side]] = {  # connector -> (peer, initiator)
 
 
 def transport_name(args: Args) -> str:
+    """What moved the bytes, between which memories, by which operation (for people)."""
     if args.connector == "nixl":
-        return f"NIXL agents (UCX), {_nixl_mem(args.device)} to {_nixl_mem(args.device)}"
-    return f"Mooncake transfer engine ({args.protocol}), {args.device} to {args.device}"
+        return f"NIXL agents (UCX), {_nixl_mem(args.device)} to {_nixl_mem(args.device)}, {args.op}"
+    return f"Mooncake transfer engine ({args.protocol}), {args.device} to {args.device}, {args.op}"
 
 
 WARMUPS = 2
@@ -266,6 +274,7 @@ def probe(args: Args, out: Path | None = None) -> dict[str, Any]:
     name, limit = copy_limit(args)
     return {
         "transport": transport_name(args),
+        "op": args.op,
         "bytes": args.bytes,
         "descriptors": args.descriptors,
         "seconds": seconds,
@@ -306,13 +315,15 @@ def transports_used(args: Args, report: Path | None) -> tuple[tuple[str, ...], s
     if report is None:
         return (), "unknown: UCX_PROTO_INFO or UCX_LOG_FILE was set by the environment", None
     ctypes.CDLL(None).fflush(None)  # UCX writes its log through stdio, flushed at exit otherwise
-    logs = sorted(report.parent.glob(f"{report.name}.{os.getpid()}.log"))  # this process READs
+    logs = sorted(report.parent.glob(f"{report.name}.{os.getpid()}.log"))  # this process starts them
     text = "".join(p.read_text(errors="replace") for p in logs)
-    used = ucx.lanes(text, "read", args.device)
-    source = f"UCX_PROTO_INFO=y: the 'remote memory read' tables of {', '.join(p.name for p in logs)}"
+    operation = args.op.lower()
+    used = ucx.lanes(text, operation, args.device)
+    title = ucx.OPERATIONS[operation][0]
+    source = f"UCX_PROTO_INFO=y: the '{title}' tables of {', '.join(p.name for p in logs)}"
     if not used:
-        return (), f"unknown: no 'remote memory read' table in UCX's log ({source})", None
-    return used, source, ucx.advice(used, args.device, os.environ.get("UCX_TLS"))
+        return (), f"unknown: no '{title}' table in UCX's log ({source})", None
+    return used, source, ucx.advice(used, args.device, os.environ.get("UCX_TLS"), operation)
 
 
 # ---------------------------------------------------------------- what the hardware allows
@@ -372,14 +383,14 @@ def cpu_copy_limit(size: int, repeats: int) -> list[float]:
         shm.unlink()
 
 
-def cuda_copy_limit(size: int, gpu: int, peer_gpu: int, repeats: int) -> list[float]:
-    """Seconds per copy of ``size`` bytes from ``peer_gpu`` to ``gpu`` (the same GPU: a
-    device-to-device copy), timed with CUDA events on ``gpu``."""
+def cuda_copy_limit(size: int, src_gpu: int, dst_gpu: int, repeats: int) -> list[float]:
+    """Seconds per copy of ``size`` bytes from ``src_gpu`` to ``dst_gpu`` (the same GPU: a
+    device-to-device copy), timed with CUDA events on ``dst_gpu``."""
     import torch
 
-    torch.cuda.set_device(gpu)
-    src = torch.full((size,), 7, dtype=torch.uint8, device=f"cuda:{peer_gpu}")
-    dst = torch.empty(size, dtype=torch.uint8, device=f"cuda:{gpu}")
+    torch.cuda.set_device(dst_gpu)
+    src = torch.full((size,), 7, dtype=torch.uint8, device=f"cuda:{src_gpu}")
+    dst = torch.empty(size, dtype=torch.uint8, device=f"cuda:{dst_gpu}")
 
     def once() -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -393,11 +404,12 @@ def cuda_copy_limit(size: int, gpu: int, peer_gpu: int, repeats: int) -> list[fl
 
 
 def copy_limit(args: Args) -> tuple[str, list[float]]:
-    """(what was copied, seconds per copy): the physical limit of ``args.bytes`` on the probe's devices."""
+    """(what was copied, seconds per copy): the physical limit of ``args.bytes`` on the probe's
+    devices, in the direction the transfers moved them (READ: from the peer's GPU; WRITE: to it)."""
     if args.device == "cuda":
-        how = f"GPU {args.peer_gpu} to GPU {args.gpu} peer copy" if args.gpu != args.peer_gpu else ""
-        name = how or f"device-to-device copy on GPU {args.gpu}"
-        return name, cuda_copy_limit(args.bytes, args.gpu, args.peer_gpu, args.repeats)
+        src, dst = (args.gpu, args.peer_gpu) if args.op == "WRITE" else (args.peer_gpu, args.gpu)
+        name = f"GPU {src} to GPU {dst} peer copy" if src != dst else f"device-to-device copy on GPU {src}"
+        return name, cuda_copy_limit(args.bytes, src, dst, args.repeats)
     name = "shared-memory copy between two processes"
     return name, cpu_copy_limit(args.bytes, args.repeats)
 
@@ -458,6 +470,13 @@ def parse(argv: Sequence[str] | None = None) -> tuple[Args, Path]:
     p.add_argument("--bytes", type=int, required=True, help="bytes per transfer")
     p.add_argument("--descriptors", type=int, default=1, help="pieces per transfer")
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument(
+        "--op",
+        choices=["READ", "WRITE"],
+        default=None,
+        help="nixl: READ (this process reads the peer's buffer, as the decode pulls; the default) or "
+        "WRITE (it writes into the peer's, as the prefill pushes); mooncake: WRITE only (the default)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--gpu", type=int, default=0)
     p.add_argument("--peer-gpu", type=int, default=0)
@@ -472,6 +491,9 @@ def parse(argv: Sequence[str] | None = None) -> tuple[Args, Path]:
     ns = p.parse_args(argv)
     if ns.bytes < 1 or not 1 <= ns.descriptors <= ns.bytes or ns.repeats < 1:
         p.error("need --bytes >= 1, 1 <= --descriptors <= --bytes and --repeats >= 1")
+    if ns.transport == "mooncake" and ns.op == "READ":
+        p.error("--op READ: the Mooncake probe only writes (batch_transfer_sync_write); give --op WRITE")
+    op = ns.op or ("WRITE" if ns.transport == "mooncake" else "READ")
     try:
         kv = json.loads(ns.kv_transfer_config)
         extra = kv.get("kv_connector_extra_config") or {}
@@ -491,6 +513,7 @@ def parse(argv: Sequence[str] | None = None) -> tuple[Args, Path]:
         ns.peer_gpu,
         protocol,
         device_name,
+        op,
     )
     return args, ns.out
 

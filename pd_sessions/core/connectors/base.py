@@ -26,6 +26,9 @@ field                     read by
 ``options``               the connector's own config fields and their command-line flags
 ``sweep``                 its built-in sweep (``nox -s <sweep>``, the bench's checks part)
 ``client_params``         the kv_transfer_params keys a client can forge (the hostile_clients check)
+``transfer_op``           the perf check's link probe: the operation its transfers make (READ: the
+                          decode pulls; WRITE: the prefill pushes), which the probe times and
+                          whose side (prefill-0's or decode-0's device) starts it
 ========================  =====================================================================
 
 Concerns that later work adds slot in as a field each: per-connector KV
@@ -44,6 +47,7 @@ from typing import Literal, Protocol
 from pd_sessions.core.inventory import Inventory
 
 Role = Literal["prefill", "decode"]
+TransferOp = Literal["READ", "WRITE"]
 KV_ROLES: Mapping[str, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 
@@ -378,6 +382,10 @@ class ConnectorSpec:
     # regular expressions (case-sensitive, anywhere in a line) of an instance log line that means
     # a transfer failed; any such line fails the KV proof
     failure_lines: tuple[str, ...]
+    # the one-sided operation that moves its KV, named from the side that starts it: "READ" (the
+    # decode reads the prefill's blocks) or "WRITE" (the prefill writes into the decode's); the
+    # perf check's link probe times the same operation in the same direction (checks/perf.py)
+    transfer_op: TransferOp
     ports: Ports = field(default_factory=Ports)
     across_hosts: AcrossHosts = field(default_factory=AcrossHosts)
     limits: Limits = field(default_factory=Limits)

@@ -217,6 +217,7 @@ SPEC = ConnectorSpec(
         r"Error in Mooncake sender thread",
         r"Error processing Mooncake xfer request",
     ),
+    transfer_op="WRITE",  # the prefill's sender thread: batch_transfer_sync_write
     ports=Ports(bootstrap_env="VLLM_MOONCAKE_BOOTSTRAP_PORT"),
     across_hosts=AcrossHosts(advertised_env=("MC_TCP_BIND_ADDRESS",), env=host_env),
     limits=Limits(host_refusal=rdma_refusal, unserved_requests=(("n>1", N_GT_1),)),

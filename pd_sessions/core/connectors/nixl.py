@@ -271,6 +271,7 @@ SPEC = ConnectorSpec(
         descriptors=DESCRIPTORS,
     ),
     failure_lines=FAILURE_LINES,
+    transfer_op="READ",  # the decode pulls (nixl/pull_worker.py)
     ports=PORTS,
     across_hosts=ACROSS_HOSTS,
     limits=Limits(

@@ -81,6 +81,7 @@ SPEC = ConnectorSpec(
         descriptors=nixl.DESCRIPTORS,
     ),
     failure_lines=FAILURE_LINES,
+    transfer_op="WRITE",  # the prefill's nixl-push-writer WRITEs into the decode's blocks
     ports=nixl.PORTS,
     across_hosts=nixl.ACROSS_HOSTS,
     limits=nixl.SPEC.limits,
