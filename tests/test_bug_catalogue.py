@@ -360,6 +360,19 @@ def test_recall_from_earlier_results_writes_the_table_and_exits_by_recall(tmp_pa
     assert "kv-zeroed" in capsys.readouterr().out
 
 
+def test_every_class_a_check_injects_is_run_by_one_of_recalls_sweeps():
+    """`nox -s recall` must run every injecting check the catalogue names: the faults sweep's own
+    list, what recall adds to it, and the wire rehearsals (it once left fault_strand out)."""
+    from pd_sessions.core import config as sweep_config
+
+    faults = sweep_config.load("faults")
+    ran = set(faults.checks_on("cpu")) | set(recall.FAULTS_EXTRA) | set(json.loads(recall.WIRE_CHECKS))
+    wanted = {b.injection.check for b in bug_catalogue.load().bugs if b.injection.check}
+    assert wanted <= ran, sorted(wanted - ran)
+    argv = recall.sweep_argv("faults", Path("/r"), "cpu")
+    assert ",".join(recall.FAULTS_EXTRA) in argv
+
+
 def test_recall_refuses_a_results_folder_that_is_not_there(tmp_path):
     with pytest.raises(UsageError, match=r"--results: .* is not a folder"):
         recall.main(["--results", str(tmp_path / "nope")])
