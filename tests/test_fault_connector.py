@@ -44,6 +44,9 @@ class FakeBase:
     def get_transfer_results(self, finished_req_ids):
         return self.results
 
+    def get_block_ids_with_load_errors(self):
+        return set(getattr(self, "own_errors", ()))
+
     def register_kv_caches(self, kv_caches):
         self.registered = kv_caches
 
@@ -445,7 +448,7 @@ def test_a_load_the_connector_failed_itself_is_neither_faulted_nor_digested_with
     conn.own_errors = {2}  # a's transfer failed (its prefill died, say)
     conn.finished = (None, {"a", "b"})
     seen = []
-    monkeypatch.setattr(type(conn), "_pd_transfers", lambda self, t: seen.append(set(t.failed_recving)) or t)
+    monkeypatch.setattr(type(conn), "_pd_transfers", lambda self, t, broken: seen.append(set(broken)) or t)
     assert conn.get_finished(set()) == (None, {"a", "b"})
     assert seen == [{"a"}]  # a arrives failed: no fault applies to it, the digest skips it
     conn.own_errors = set()
@@ -492,3 +495,40 @@ def test_strand_without_get_transfer_results_keeps_sends_from_the_prefills_sched
     switch(control, epoch="t-off")
     conn.finished = (set(), None)
     assert conn.get_finished(set()) == ({"a"}, None)
+
+
+def test_a_load_failed_by_its_blocks_on_a_current_vllm_is_left_alone_and_still_told(tmp_path, capsys):
+    """vLLM 0.32's Mooncake reports a failed pull as finished, with its blocks in
+    get_block_ids_with_load_errors (called after get_transfer_results): the injector takes them
+    early, applies no fault to that load (the digest skips it too), and tells vLLM them once."""
+    conn, control = make(tmp_path)
+    switch(control, epoch="e", mode="drop", fraction=1)
+    conn.bind_connector_metadata(nixl_meta(a=[1, 2], b=[5]))
+    conn.own_errors = {2}
+    conn.results = FakeResults({"a", "b"})
+    got = conn.get_transfer_results(set())
+    assert got.failed_recving == {"b"}  # only b is dropped; a failed on its own, vLLM learns it by blocks
+    conn.own_errors = set()  # the connector drained its queue when the injector took it
+    assert conn.get_block_ids_with_load_errors() == {2}
+    assert conn.get_block_ids_with_load_errors() == set()
+    assert [e["req"] for e in events(capsys) if e["mode"] == "drop"] == ["b"]
+
+
+def test_blocks_reported_failed_a_step_before_their_load_still_mark_it_failed(tmp_path, monkeypatch, capsys):
+    """A connector may report a failed load's blocks a step before the load (NIXL 0.26 queues the
+    blocks, then the request, from another thread): they are remembered ERROR_CALLS steps."""
+    conn, control = make_before(tmp_path, monkeypatch, "NixlConnector")
+    switch(control, epoch="e", mode="drop", fraction=1)
+    conn.bind_connector_metadata(nixl_meta(a=[1, 2]))
+    conn.own_errors = {1, 2}
+    conn.finished = (None, None)
+    conn.get_finished(set())  # step 1: the blocks, no load yet
+    conn.own_errors = set()
+    assert conn.get_block_ids_with_load_errors() == {1, 2}  # told to vLLM in their own step
+    conn.finished = (None, {"a"})
+    assert conn.get_finished(set()) == (None, {"a"})  # step 2: the load: failed, not dropped
+    assert [e for e in events(capsys) if e["mode"] == "drop"] == []
+    for _ in range(fault_connector.ERROR_CALLS):  # forgotten after ERROR_CALLS steps
+        conn.finished = (None, None)
+        conn.get_finished(set())
+    assert conn._pd.error_seen == {}

@@ -61,6 +61,7 @@ RECV_LAYOUT: dict[str, str] = {s.vllm_class: s.recv_layout for s in connectors.A
 # vLLM connector class -> how the KV digest pairs a send with a load (ConnectorSpec.send_layout)
 SEND_LAYOUT = {s.vllm_class: s.send_layout for s in connectors.ALL if s.send_layout}
 _MAX_TRACKED = 4096  # request ids remembered per side (a long-running server must not grow)
+ERROR_CALLS = 8  # how many worker steps a connector's load-error blocks are remembered
 
 _classes: dict[str, type] = {}
 
@@ -160,6 +161,13 @@ class Injector:
     block_dims: dict[str, int] = field(default_factory=dict)  # layer -> its block dimension
     donor: tuple[str, dict[str, Any]] | None = None  # swap: (req, layer -> saved blocks)
     stranded: dict[str, str] = field(default_factory=dict)  # strand: req -> the epoch that held it
+    # the wrapped connector's load errors (block ids), taken before vLLM asks for them and told
+    # to it unchanged when it does (load_errors); each remembered ERROR_CALLS calls (error_seen:
+    # block -> the call it came in), since a connector may report a failed load's blocks a step
+    # before the load itself
+    load_errors: set[int] = field(default_factory=set)
+    error_seen: dict[int, int] = field(default_factory=dict)
+    calls: int = 0
 
     def now_control(self) -> Control:
         """The control file's content, read again when it changed. Looked at (one stat) on every
@@ -367,11 +375,38 @@ class FaultInjecting:
         return with_loads(metadata, layout, keep + due)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
-        return self._pd_transfers(super().get_transfer_results(finished_req_ids))  # type: ignore[misc]
+        results = super().get_transfer_results(finished_req_ids)  # type: ignore[misc]
+        return self._pd_transfers(results, self._pd_broken(results.finished_recving))
 
-    def _pd_transfers(self, results: Any) -> Any:
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """The wrapped connector's load errors, those :meth:`_pd_broken` took early included, and
+        the blocks of loads the injector dropped where vLLM learns a failed load by its blocks."""
+        errors = set(super().get_block_ids_with_load_errors() or ())  # type: ignore[misc]
+        errors |= self._pd.load_errors
+        self._pd.load_errors = set()
+        return errors
+
+    def _pd_broken(self, recving: Iterable[str]) -> set[str]:
+        """The finished loads whose blocks the wrapped connector reported failed (now, or in the
+        last ERROR_CALLS calls): no fault applies to them and the digest does not compare them.
+        vLLM 0.32's Mooncake and 0.26's NIXL tell a failed pull only by its blocks
+        (``get_block_ids_with_load_errors``, which vLLM calls after this step's finished loads):
+        they are taken here, and told to vLLM unchanged when it asks. On the decode's worker, and
+        only where the injector acts (faults or the digest)."""
+        pd = self._pd
+        if pd.side != "decode" or pd.role != "worker" or not (pd.control_path or self._pd_digest is not None):
+            return set()
+        pd.calls += 1
+        own = set(super().get_block_ids_with_load_errors() or ())  # type: ignore[misc]
+        pd.load_errors |= own
+        pd.error_seen.update(dict.fromkeys(own, pd.calls))
+        pd.error_seen = {b: n for b, n in pd.error_seen.items() if pd.calls - n < ERROR_CALLS}
+        return {r for r in recving if any(b in pd.error_seen for g in pd.blocks.get(r, ()) for b in g)}
+
+    def _pd_transfers(self, results: Any, broken: set[str] | frozenset[str] = frozenset()) -> Any:
         """The faults and the digest on one worker snapshot of finished transfers (``results``:
-        finished_sending, finished_recving, failed_recving; changed in place and returned)."""
+        finished_sending, finished_recving, failed_recving; changed in place and returned);
+        ``broken``: finished loads that failed by their blocks (:meth:`_pd_broken`), left alone."""
         pd = self._pd
         if pd.side == "prefill" and pd.control_path:
             return self._pd_strand(results)
@@ -380,7 +415,7 @@ class FaultInjecting:
         c = pd.now_control() if pd.control_path else faults.OFF
         if c.mode not in faults.AFTER_LOAD and self._pd_digest is None:
             return results
-        done = [r for r in sorted(results.finished_recving) if r not in results.failed_recving]
+        done = [r for r in sorted(results.finished_recving) if r not in results.failed_recving | broken]
         chosen = [r for r in done if pd.candidate(r)] if c.mode in faults.AFTER_LOAD else []
         if c.mode == "drop":
             for r in chosen:
@@ -390,7 +425,7 @@ class FaultInjecting:
             self._pd_corrupt(c, chosen)
         if self._pd_digest is not None:  # after any fault: what the scheduler will compute on
             self._pd_digest_loads([r for r in done if r not in results.failed_recving])
-        for r in done:
+        for r in results.finished_recving:
             pd.blocks.pop(r, None)
         return results
 
@@ -608,31 +643,20 @@ class BeforeTransferResults:
     (sending, recving), and right after it, in the same step, ``get_block_ids_with_load_errors``:
     a load that failed is one whose blocks are in that set (the scheduler then fails the request
     or recomputes those blocks, per ``kv_load_failure_policy``). The faults and the digest are
-    :meth:`FaultInjecting._pd_transfers`' own; only the shapes differ.
-
-    The wrapped connector's own load errors are taken in ``get_finished`` (NIXL forgets them once
-    told) and told to the scheduler after it as before: a load they touch is a failed load there,
-    so no fault applies to it and the digest does not compare it (on the H100, 2026-12-05, a load
-    NIXL failed when its prefill was killed was digested as loaded: a false mismatch)."""
+    :meth:`FaultInjecting._pd_transfers`' own, the connector's own load errors
+    :meth:`FaultInjecting._pd_broken`'s (on the H100, 2026-12-05, a load NIXL failed when its
+    prefill was killed was first digested as loaded: a false mismatch); only the shapes differ,
+    and a dropped load is told by its blocks."""
 
     _pd: Injector
-    _pd_load_errors: set[int]
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, recving = super().get_finished(finished_req_ids)  # type: ignore[misc]
-        own = set(super().get_block_ids_with_load_errors() or ())  # type: ignore[misc]
         blocks = {r: {b for g in self._pd.blocks.get(r, ()) for b in g} for r in recving or ()}
-        failed = {r for r, ids in blocks.items() if ids & own}  # _pd_transfers forgets their blocks
-        got = self._pd_transfers(Transfers(set(sending or ()), set(recving or ()), set(failed)))  # type: ignore[attr-defined]
-        dropped = {b for r in got.failed_recving - failed for b in blocks.get(r, ())}
-        self._pd_load_errors = getattr(self, "_pd_load_errors", set()) | own | dropped
+        broken = self._pd_broken(set(recving or ()))  # type: ignore[attr-defined]
+        got = self._pd_transfers(Transfers(set(sending or ()), set(recving or ())), broken)  # type: ignore[attr-defined]
+        self._pd.load_errors |= {b for r in got.failed_recving for b in blocks.get(r, ())}  # drops
         return (
             got.finished_sending if got.finished_sending or sending is not None else None,
             got.finished_recving if got.finished_recving or recving is not None else None,
         )
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        errors = set(super().get_block_ids_with_load_errors() or ())  # type: ignore[misc]
-        errors |= getattr(self, "_pd_load_errors", set())
-        self._pd_load_errors = set()
-        return errors
