@@ -337,6 +337,10 @@ def test_the_end_wait_sees_carried_blocks_freed_by_the_lease_and_names_those_tha
     fake.metrics["prefill-0"] = METRICS  # the lease ran out: freed
     freed = conservation.drain_at_end(fake.window, carried, 0.05)
     assert freed["carried"] == {} and freed["held"]["prefill-0"] is None
+    # an instance not seen at the end (down: not probed) keeps what it carried: never called freed
+    fake.window.cluster.down = {"prefill-0"}
+    unseen = conservation.drain_at_end(fake.window, carried, 0.05)
+    assert unseen["carried"] == {"prefill-0": 2.0} and "prefill-0" not in unseen["held"]
 
 
 def test_mooncake_n_gt_1_stranding_is_its_known_issue_and_nothing_else_is():

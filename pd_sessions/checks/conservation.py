@@ -362,8 +362,11 @@ def drain_at_end(window: CheckWindow, carried: Mapping[str, float], lease_s: flo
     Timing-free: whatever the checks after the strand took, the lease has run out by then."""
     bound_s = lease_s + END_SLACK_S
     rec = probe(window, "the end of the checks", bound_s)
-    left = {n: b or 0.0 for n, b in rec["blocks"].items() if n in carried and rec["held"].get(n)}
-    return {"bound_s": bound_s, "waited_s": rec["idle_s"], "held": rec["held"], "carried": left}
+    # freed: seen idle. An instance not seen (down, or its /metrics unanswered) keeps what it
+    # carried: a strand nobody saw freed is not called freed
+    seen = rec["held"]
+    left = {n: rec["blocks"].get(n) or b for n, b in carried.items() if n not in seen or seen[n] is not None}
+    return {"bound_s": bound_s, "waited_s": rec["idle_s"], "held": seen, "carried": left}
 
 
 def bounds_of(options: Mapping[str, Any]) -> dict[str, float]:
