@@ -229,6 +229,28 @@ def test_mooncakes_pull_from_a_dead_prefill_is_xfail_only_when_it_hangs():
     assert fixed.verdict == XPASS and "retire known issue mooncake-dead-prefill-pull" in fixed.message
 
 
+def test_a_strand_entry_applies_only_where_the_check_that_makes_it_ran():
+    """nixl-n-gt-1-stranded-kv follows request_features' n > 1: in a window without it (the faults
+    sweep) conservation passing is no XPASS ("retire it") and failing is an ordinary FAIL."""
+    issues = known_issues.load()
+    on = {"vllm": "0.32.0"}
+    kw = dict(connector="nixl", platform="cpu", versions=on)
+    hit = known_issues.applicable(issues, "conservation", **kw, ran={"smoke", "request_features"})
+    assert hit is not None and hit[0].id == "nixl-n-gt-1-stranded-kv" and hit[0].after == "request_features"
+    assert known_issues.applicable(issues, "conservation", **kw, ran={"smoke", "fault_strand"}) is None
+    assert known_issues.applicable(issues, "conservation", **kw) is not None  # unknown: as before
+    passed = CheckResult("conservation", PASS, "every instance idle")
+    assert against_known_issues(passed, issues, **kw, ran={"smoke"}).verdict == PASS
+    assert against_known_issues(passed, issues, **kw, ran={"request_features"}).verdict == XPASS
+
+
+def test_after_names_a_string():
+    bad = FAKE.replace('check = "fault_fake"', 'check = "fault_fake"\nafter = 3')
+    with pytest.raises(ConfigError) as e:
+        known_issues.parse(bad, "fake.toml")
+    assert e.value.field == "after"
+
+
 def test_mooncakes_pull_from_a_dead_prefill_is_known_on_vllm_0_26_too():
     """The H100 with vLLM 0.26.0 hung the same way (2026-12-05): the decode's request got no answer
     within 60 s and the decode kept 2 blocks; the entry covers 0.26, and nothing older."""

@@ -395,6 +395,8 @@ def page_known_issues() -> str:
         by = f"`{i.check}`" if i.check else "no check"
         if i.check and (i.connector or i.platform):
             by += " (" + ", ".join(x for x in (i.connector, i.platform) if x) + ")"
+        if i.after:
+            by += f", after `{i.after}`"
         versions = str(i.versions) or "every version"
         out.append(f"| [`{i.id}`](#{anchor(i.id)}) | {i.component} | `{versions}` | {by} | <{i.link}> |")
     for i in issues:

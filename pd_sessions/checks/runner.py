@@ -34,9 +34,8 @@ dying process still reports the checks that finished.
 
 from __future__ import annotations
 
-import functools
 import importlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, cast
 
 from pd_sessions.checks import accuracy as acc
@@ -106,13 +105,15 @@ def run_checks(
         "perf": {**(options or {}).get("perf", {}), "record_baseline": accuracy.record_baseline},
     }
     window = CheckWindow.open(cluster, results, timeout_s=CHECK_REQUEST_TIMEOUT_S)
-    known = functools.partial(
-        against_known_issues,
-        issues=known_issues.load(),
-        connector=cluster.plan.config.connector,
-        platform=cluster.plan.platform,
-        versions=component_versions(),
-    )
+    issues, versions = known_issues.load(), component_versions()
+
+    def known(r: CheckResult) -> CheckResult:  # the checks before it in this window: an entry's `after`
+        ran = {x.name for x in window.results}
+        return against_known_issues(
+            r, issues, connector=cluster.plan.config.connector, platform=cluster.plan.platform,
+            versions=versions, ran=ran,
+        )  # fmt: skip
+
     ledger = None
     if conservation.NAME in wanted:
         opts = {**registry.BY_NAME[conservation.NAME].options, **given.get(conservation.NAME, {})}
@@ -139,8 +140,12 @@ def against_known_issues(
     connector: str,
     platform: str,
     versions: Mapping[str, str],
+    ran: Collection[str] | None = None,
 ) -> CheckResult:
     """``r`` judged by the known upstream bug its check reproduces here, in range (XFAIL, XPASS or
-    FAIL: core/known_issues.py, judge), else ``r`` unchanged: an ordinary check."""
-    hit = known_issues.applicable(issues, r.name, connector=connector, platform=platform, versions=versions)
+    FAIL: core/known_issues.py, judge), else ``r`` unchanged: an ordinary check. ``ran``: the
+    checks before it in its window (an entry whose ``after`` did not run does not apply)."""
+    hit = known_issues.applicable(
+        issues, r.name, connector=connector, platform=platform, versions=versions, ran=ran
+    )
     return r if hit is None else known_issues.judge(r, *hit)
