@@ -319,6 +319,7 @@ def test_nixl_n_gt_1_stranding_is_the_known_issue_and_nothing_else_is():
     r = conservation.evaluate(kept, BOUNDS, transfers=NIXL, end=leaked)
     assert r.details["carried_at_end"] == {"prefill-0": 2.0}
     assert known_issues.judge(r, entry, "0.32.0").verdict == FAIL
+    assert "prefill-0 still held 2 KV blocks 3.1 s after the last check" in r.message
     # no end wait (a connector without a lease): the last probe's carried blocks are the end's
     assert conservation.evaluate(kept, BOUNDS, transfers=NIXL).details["carried_at_end"] == {"prefill-0": 2.0}
 

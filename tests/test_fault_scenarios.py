@@ -394,6 +394,7 @@ def test_a_decode_phase_seen_by_the_injector_is_judged_not_blind():
     r = stall_abort.evaluate([phase(), phase("decode", **seen)], recovered())
     assert r.verdict == PASS, r.message
     assert r.details["phases"][1]["reached_metric"] == stall_abort.INJECTOR_STALLS
+    assert f"while the decode waited (stalled; seen by {stall_abort.INJECTOR_STALLS})" in r.message
     late = stall_abort.evaluate([phase(), phase("decode", **dict(seen, left_s=None))], recovered())
     assert late.verdict == FAIL and "the abort did not reach the decode" in late.message
 
@@ -744,3 +745,20 @@ def test_an_instance_killed_on_purpose_that_outlives_its_sigkill_is_not_run_inva
         "invalid: the fault did not fire (the processes of the instance killed on purpose gone read "
         "prefill-0 not started again: its killed processes are still alive (pid 7))"
     )
+
+
+def test_the_injectors_stall_lines_count_requests_not_lines():
+    """With decode TP=2 each worker logs its own stall line for the same request: the decode's
+    waiting, read from those lines (vLLM 0.26), counts each request once."""
+    from pd_sessions.checks.faults.scenario import Scenario
+
+    s = object.__new__(Scenario)
+    lines = [
+        {"mode": "stall", "side": "decode", "req": "r1"},
+        {"mode": "stall", "side": "decode", "req": "r1"},  # rank 1's line
+        {"mode": "stall", "side": "decode", "req": "r2", "applied": False},
+        {"mode": "stall", "side": "prefill", "req": "r3"},
+    ]
+    s.events = lambda: lines  # type: ignore[method-assign]
+    assert s.requests_held("stall", "decode") == 1
+    assert stall_abort.decode_waits(s.requests_held("stall", "decode"), [(0.0, False)])[0] == 1

@@ -199,6 +199,12 @@ def evaluate(
     not_run = [why_not] + [f"resources NOT RUN ({r})" for r in usage_unrun]
     not_run += [f"not probed after {r['check']} ({r['skipped']})" for r in records if "skipped" in r]
     errors = [f"after {r['check']}: {r['error']}" for r in records if "error" in r]
+    if end is not None and end.get("carried"):  # what outlived the lease: a leak, said as such
+        errors += [
+            f"{n} still held {b:g} KV blocks {end.get('waited_s', 0):.1f} s after the last check "
+            f"(its connector's KV lease and {END_SLACK_S:g} s waited out: {end.get('bound_s')} s)"
+            for n, b in end["carried"].items()
+        ]
     if not probed and not errors:
         return unrun(NAME, "no check was probed: " + "; ".join(not_run[1:]), details)
     problems = held + growth + unequal + errors

@@ -330,7 +330,7 @@ class LinkProbe:
     advice: str | None = None  # the probe's: what it used instead of the fast lane, what to set
     limit: LinkLimit | None = None
     nic: Mapping[str, Any] | None = None  # {"interface", "gb_s", "note"}
-    op: str = ""  # the operation timed: "READ", "WRITE" ("": an older probe's output, which READ)
+    op: str = ""  # the operation timed: "READ", "WRITE" ("": an older probe's, which did not say)
 
     @property
     def median_s(self) -> float:

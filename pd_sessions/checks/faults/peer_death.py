@@ -180,7 +180,7 @@ def run(window: CheckWindow, options: Mapping[str, Any]) -> CheckResult:
 
         def waits() -> bool:  # the decode holds the request waiting for its KV
             got = [reading(d, "decode") for d in plan.decode]
-            n, seen_by[0] = decode_waits(s.injected("decode").get("stall", 0), got)
+            n, seen_by[0] = decode_waits(s.requests_held("stall", "decode"), got)
             return n >= 1
 
         if poll(waits, timeout=stall_s * 0.8):

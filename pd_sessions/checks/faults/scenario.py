@@ -152,6 +152,12 @@ class Scenario:
         every instance logged since the scenario began."""
         return faults.count_events(e for e in self.events() if side is None or e.get("side") == side)
 
+    def requests_held(self, mode: str, side: str) -> int:
+        """How many distinct requests the injector says it applied ``mode`` to on ``side`` in this
+        epoch (each TP rank's worker logs its own line for the same request)."""
+        return len({e.get("req") for e in self.events() if e.get("side") == side and e.get("mode") == mode
+                    and e.get("applied", True)})  # fmt: skip
+
     def events(self) -> list[dict[str, Any]]:
         """The injector's events of this epoch (each instance's in order), from what every
         instance logged since the scenario began."""

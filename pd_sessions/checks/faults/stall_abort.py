@@ -242,7 +242,8 @@ def evaluate(phases: Sequence[Phase], recovery: Recovery) -> CheckResult:
         PASS,
         "; ".join(
             f"{p.requests} clients disconnected before the first token while the {p.where} waited "
-            f"(stalled): the abort emptied its queues {p.left_s or 0:.1f} s later (bound "
+            f"(stalled{'; seen by ' + p.seen_by if p.seen_by else ''}): the abort emptied its queues "
+            f"{p.left_s or 0:.1f} s later (bound "
             f"{p.abort_limit_s:g} s), every instance idle again {p.freed_s:.1f} s later"
             for p in phases
         )
@@ -374,8 +375,8 @@ def stall_and_leave(s: Scenario, where: str, n: int, stall_s: float) -> Before:
             b.stalled = s.injected(where).get("stall", 0)
             got = [reading(sp, where) for sp in specs]
             b.exported = b.exported or any(e for _, e in got)
-            if where == "decode":
-                b.reached, b.seen_by = decode_waits(b.stalled, got)
+            if where == "decode":  # the injector's lines count requests, not one line per TP rank
+                b.reached, b.seen_by = decode_waits(s.requests_held("stall", "decode"), got)
             else:
                 b.reached = int(sum(n for n, _ in got))
             return b.stalled >= n and b.reached >= n
