@@ -244,6 +244,30 @@ def test_a_strand_entry_applies_only_where_the_check_that_makes_it_ran():
     assert against_known_issues(passed, issues, **kw, ran={"request_features"}).verdict == XPASS
 
 
+def test_of_two_entries_for_one_check_the_one_the_failure_matches_judges_it():
+    """Mooncake's conservation has two entries (after request_features: the n>1 strand; after
+    fault_peer_death: the dead prefill's pull): where both ran, each failure finds its own."""
+    issues = known_issues.load()
+    kw = dict(connector="mooncake", platform="cpu", versions={"vllm": "0.32.0"})
+    ran = {"request_features", "fault_peer_death", "fault_restart"}
+    tail = "; transfers NOT RUN (Mooncake: no counter)"
+    pull = CheckResult(
+        "conservation", FAIL, "decode-0 not idle after fault_restart: 1 KV blocks in use (x)" + tail
+    )
+    r = against_known_issues(pull, issues, **kw, ran=ran)
+    assert r.verdict == XFAIL and r.details["known_issue"]["id"] == "mooncake-dead-prefill-pull-holds-kv"
+    strand = CheckResult(
+        "conservation", FAIL, "prefill-0 not idle after request_features: 5 KV blocks in use (x)" + tail
+    )
+    r = against_known_issues(strand, issues, **kw, ran=ran)
+    assert r.verdict == XFAIL and r.details["known_issue"]["id"] == "mooncake-n-gt-1-stranded-kv"
+    other = CheckResult("conservation", FAIL, "decode-0 not idle after burst: 1 KV blocks in use (x)" + tail)
+    assert against_known_issues(other, issues, **kw, ran=ran).verdict == FAIL
+    # without fault_peer_death in the window, the pull's entry does not apply
+    r = against_known_issues(pull, issues, **kw, ran={"request_features"})
+    assert r.verdict == FAIL
+
+
 def test_after_names_a_string():
     bad = FAKE.replace('check = "fault_fake"', 'check = "fault_fake"\nafter = 3')
     with pytest.raises(ConfigError) as e:

@@ -145,7 +145,11 @@ def against_known_issues(
     """``r`` judged by the known upstream bug its check reproduces here, in range (XFAIL, XPASS or
     FAIL: core/known_issues.py, judge), else ``r`` unchanged: an ordinary check. ``ran``: the
     checks before it in its window (an entry whose ``after`` did not run does not apply)."""
-    hit = known_issues.applicable(
+    hits = known_issues.every_applicable(
         issues, r.name, connector=connector, platform=platform, versions=versions, ran=ran
     )
-    return r if hit is None else known_issues.judge(r, *hit)
+    if not hits:
+        return r
+    # several entries for one check (after different checks): the one the failure matches, else
+    # the first (its FAIL then says what it expected)
+    return known_issues.judge(r, *next((h for h in hits if h[0].matches(r)), hits[0]))

@@ -270,12 +270,27 @@ def applicable(
     installed version (``versions``: component -> version), with that version; None: the check
     is an ordinary one here. ``ran``: the checks that ran before it in its window (None: not
     known; an entry's ``after`` is then not required)."""
+    hits = every_applicable(issues, check, connector=connector, platform=platform, versions=versions, ran=ran)
+    return hits[0] if hits else None
+
+
+def every_applicable(
+    issues: Sequence[KnownIssue],
+    check: str,
+    *,
+    connector: str,
+    platform: str,
+    versions: Mapping[str, str],
+    ran: Collection[str] | None = None,
+) -> list[tuple[KnownIssue, str | None]]:
+    """Every entry :func:`applicable` would consider, in the registry's order."""
+    out = []
     for e in issues:
         if e.after and ran is not None and e.after not in ran:
             continue
         if e.applies(check, connector=connector, platform=platform) and e.in_range(versions.get(e.component)):
-            return e, versions.get(e.component)
-    return None
+            out.append((e, versions.get(e.component)))
+    return out
 
 
 def judge(r: CheckResult, issue: KnownIssue, installed: str | None) -> CheckResult:
