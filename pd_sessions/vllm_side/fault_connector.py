@@ -381,10 +381,15 @@ class FaultInjecting:
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The wrapped connector's load errors, those :meth:`_pd_broken` took early included, and
         the blocks of loads the injector dropped where vLLM learns a failed load by its blocks."""
-        errors = set(super().get_block_ids_with_load_errors() or ())  # type: ignore[misc]
-        errors |= self._pd.load_errors
+        errors = self._pd_wrapped_errors() | self._pd.load_errors
         self._pd.load_errors = set()
         return errors
+
+    def _pd_wrapped_errors(self) -> set[int]:
+        """The wrapped connector's load errors (drained: vLLM's connectors forget them once told);
+        none where it has no such method (vLLM's base class has one; a stand-in may not)."""
+        ask = getattr(super(), "get_block_ids_with_load_errors", None)
+        return set(ask() or ()) if ask is not None else set()
 
     def _pd_broken(self, recving: Iterable[str]) -> set[str]:
         """The finished loads whose blocks the wrapped connector reported failed (now, or in the
@@ -397,7 +402,7 @@ class FaultInjecting:
         if pd.side != "decode" or pd.role != "worker" or not (pd.control_path or self._pd_digest is not None):
             return set()
         pd.calls += 1
-        own = set(super().get_block_ids_with_load_errors() or ())  # type: ignore[misc]
+        own = self._pd_wrapped_errors()
         pd.load_errors |= own
         pd.error_seen.update(dict.fromkeys(own, pd.calls))
         pd.error_seen = {b: n for b, n in pd.error_seen.items() if pd.calls - n < ERROR_CALLS}
