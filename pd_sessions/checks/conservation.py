@@ -29,15 +29,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import psutil
-
 from pd_sessions.checks import instances
 from pd_sessions.checks.kv_held import BLOCKS, holds, state
 from pd_sessions.checks.window import CheckWindow
 from pd_sessions.core import connectors
 from pd_sessions.core.connectors.base import LogEvidence, MetricEvidence
 from pd_sessions.core.results import FAIL, NOT_RUN, PASS, CheckResult, Table, reporting, unrun
-from pd_sessions.runtime import http
+from pd_sessions.runtime import http, proc_usage
 from pd_sessions.runtime.process import Running
 
 NAME = "conservation"
@@ -227,20 +225,10 @@ def evaluate(
 
 
 def tree_usage(r: Running) -> dict[str, Any]:
-    """fds, threads and RSS (MiB) summed over ``r``'s process and its descendants, and its PID."""
-    leader = psutil.Process(r.pid)
-    procs = [leader, *leader.children(recursive=True)]
-    out: dict[str, Any] = {"pid": r.pid, "fds": 0, "threads": 0, "rss_mib": 0.0}
-    for p in procs:
-        try:
-            with p.oneshot():
-                out["fds"] += p.num_fds()
-                out["threads"] += p.num_threads()
-                out["rss_mib"] += p.memory_info().rss / 2**20
-        except psutil.Error:
-            continue  # a child that ended meanwhile
-    out["rss_mib"] = round(out["rss_mib"], 1)
-    return out
+    """fds, threads and RSS (MiB) summed over ``r``'s process and its descendants
+    (runtime/proc_usage.py, the soak's reader too), and its PID; Unreadable naming why not."""
+    u = proc_usage.tree_usage(r)
+    return {"pid": r.pid, "fds": u.fds, "threads": u.threads, "rss_mib": round(u.rss_mib, 1)}
 
 
 @dataclass
@@ -278,7 +266,7 @@ class Ledger:
             try:
                 rec = probe(w, check, float(self.options["idle_bound_s"]), self.reference())
                 now = completed_transfers(w)
-            except (psutil.Error, OSError) as e:  # the conservation check fails, naming it
+            except (proc_usage.Unreadable, OSError) as e:  # the conservation check fails, naming it
                 rec = {"check": check, "error": f"probe failed: {type(e).__name__}: {e}"}
             else:
                 # a restarted instance's counter starts again from 0: where it went down, the

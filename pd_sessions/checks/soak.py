@@ -326,16 +326,16 @@ def restarts_known_broken(window: CheckWindow) -> CheckResult | None:
     """NOT RUN where restart in place is a known upstream bug in range here (the entry whose
     reproducer is fault_restart: router-stale-mooncake-engine-id over Mooncake), citing it."""
     plan = window.plan
-    hit = known_issues.applicable(
+    hits = known_issues.every_applicable(
         known_issues.load(),
         "fault_restart",
         connector=plan.config.connector,
         platform=plan.platform,
         versions=component_versions(),
     )
-    if hit is None:
+    if not hits:
         return None
-    issue, installed = hit
+    issue, installed = hits[0]
     return unrun(
         NAME,
         f"restart in place over {plan.config.connector} is a known upstream bug here ({issue.id}, "

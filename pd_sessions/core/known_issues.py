@@ -257,23 +257,6 @@ def cite(ident: str) -> str:
     return f"known issue {ident}: {get(ident).link}"
 
 
-def applicable(
-    issues: Sequence[KnownIssue],
-    check: str,
-    *,
-    connector: str,
-    platform: str,
-    versions: Mapping[str, str],
-    ran: Collection[str] | None = None,
-) -> tuple[KnownIssue, str | None] | None:
-    """The first entry whose check, connector and lane are these and whose range holds the
-    installed version (``versions``: component -> version), with that version; None: the check
-    is an ordinary one here. ``ran``: the checks that ran before it in its window (None: not
-    known; an entry's ``after`` is then not required)."""
-    hits = every_applicable(issues, check, connector=connector, platform=platform, versions=versions, ran=ran)
-    return hits[0] if hits else None
-
-
 def every_applicable(
     issues: Sequence[KnownIssue],
     check: str,
@@ -283,7 +266,10 @@ def every_applicable(
     versions: Mapping[str, str],
     ran: Collection[str] | None = None,
 ) -> list[tuple[KnownIssue, str | None]]:
-    """Every entry :func:`applicable` would consider, in the registry's order."""
+    """The entries whose check, connector and lane are these and whose range holds the installed
+    version (``versions``: component -> version), each with that version, in the registry's
+    order; none: the check is an ordinary one here. ``ran``: the checks that ran before it in
+    its window (None: not known; an entry's ``after`` is then not required)."""
     out = []
     for e in issues:
         if e.after and ran is not None and e.after not in ran:
